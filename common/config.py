@@ -1,0 +1,321 @@
+"""kvpack's one typed configuration.
+
+Built from the engine's JSON (vLLM ``kv_connector_extra_config``, SGLang
+``--hicache-storage-backend-extra-config``), from a JSON/TOML file, or in
+code. Every key is checked at construction: an unknown key or a bad value
+raises `ConfigError` naming the dotted field path and what is allowed, so a
+wrong config fails at engine start-up, never mid-run.
+
+Sizes accept ints (bytes) or strings such as ``"8GiB"``. Times carry their
+unit in the field name (``_ms``, ``_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+from .sizes import parse_size
+
+T = TypeVar("T")
+
+
+def _size_field(default: int | str, doc: str = "") -> Any:
+    """A dataclass field holding a byte size; strings like "8GiB" are parsed."""
+    return field(default=parse_size(default), metadata={"size": True, "doc": doc})
+
+
+class EvictionPolicyName(enum.Enum):
+    LRU = "lru"
+    ARC = "arc"
+
+
+class DraftPolicy(enum.Enum):
+    """What a lookup reports when the target KV is stored but a draft member is not.
+
+    RECOMPUTE: the prefix is not a hit (the engine recomputes target and draft);
+    the partial hit is counted by missing member. TARGET_ONLY: the target KV is
+    used and the draft state is recomputed by the engine's own drafter; the hit is
+    counted as partial. Neither is ever silent.
+    """
+
+    RECOMPUTE = "recompute"
+    TARGET_ONLY = "target_only"
+
+
+class ChecksumPolicy(enum.Enum):
+    """When payload checksums are verified on load (headers always are).
+
+    BOUNDARY: for objects that crossed a process or persistence boundary (disk,
+    Mooncake); host-memory objects never left this process. ALWAYS: every
+    tier. NEVER: no payload checksums (benchmarks only).
+    """
+
+    BOUNDARY = "boundary"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+class MooncakeProtocol(enum.Enum):
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+@dataclass(frozen=True)
+class MemoryTierConfig:
+    """Host-RAM tier (pinned when CUDA exists). Capacity in bytes."""
+
+    enabled: bool = True
+    capacity: int = _size_field("4GiB")
+
+
+def _default_disk_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvpack", "store")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """Local-disk tier: one directory, atomic writes, survives restarts."""
+
+    enabled: bool = True
+    path: str = field(default_factory=_default_disk_path)
+    capacity: int = _size_field("32GiB")
+    fsync: bool = False
+
+    def validate(self, path: str) -> None:
+        if self.enabled and not self.path:
+            raise ConfigError(f"{path}.path", "must be a directory path when the disk tier is enabled")
+
+
+@dataclass(frozen=True)
+class MooncakeTierConfig:
+    """Mooncake distributed store tier (off unless configured).
+
+    `timeout_ms` bounds every call kvpack makes into Mooncake; after a failure
+    the tier stops calling for `backoff_s` seconds (circuit breaker) and the
+    engine recomputes. `config_file` may name a Mooncake JSON config
+    (``MOONCAKE_CONFIG_PATH`` style keys) whose values fill the fields not set here.
+    """
+
+    enabled: bool = False
+    master_server_address: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: MooncakeProtocol = MooncakeProtocol.TCP
+    device_name: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = _size_field("512MiB")
+    local_buffer_size: int = _size_field("256MiB")
+    tenant_id: str = "default"
+    use_groups: bool = True
+    timeout_ms: int = 200
+    backoff_s: float = 5.0
+    config_file: str = ""
+
+    def validate(self, path: str) -> None:
+        if self.enabled and not self.master_server_address and not self.config_file:
+            raise ConfigError(
+                f"{path}.master_server_address",
+                "required when the Mooncake tier is enabled (e.g. '127.0.0.1:50051')",
+            )
+        if self.timeout_ms <= 0:
+            raise ConfigError(f"{path}.timeout_ms", f"must be > 0, got {self.timeout_ms}")
+        if self.backoff_s < 0:
+            raise ConfigError(f"{path}.backoff_s", f"must be >= 0, got {self.backoff_s}")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Eviction over whole groups, with per-tenant guaranteed shares.
+
+    `tenant_quotas` maps a tenant to the bytes of each bounded tier it is
+    guaranteed: another tenant can never evict it below that share; a tenant
+    above its share is evicted first (its own entries before anyone else's).
+    Tenants without an entry have a guaranteed share of 0.
+    """
+
+    policy: EvictionPolicyName = EvictionPolicyName.LRU
+    tenant_quotas: dict[str, int] = field(default_factory=dict, metadata={"size": True})
+
+
+@dataclass(frozen=True)
+class KVPackConfig:
+    """The whole kvpack configuration. See the module docstring."""
+
+    tenant: str = "default"
+    """Tenant of requests that name none."""
+    tail_reuse: bool = True
+    """Store and reuse the computed tail of a request's last, partial block."""
+    prefix_match_unit: int = 1
+    """Granularity (tokens) of a partial-block match; 1 for full attention."""
+    draft_policy: DraftPolicy = DraftPolicy.RECOMPUTE
+    checksum: ChecksumPolicy = ChecksumPolicy.BOUNDARY
+    """Which loads verify the payload checksum (headers are always verified)."""
+    io_timeout_ms: int = 500
+    """Longest any engine-facing call waits on storage before giving up (recompute)."""
+    write_queue_depth: int = 256
+    """Bounded write-back queue (objects); when full, stores are dropped and counted."""
+    io_threads: int = 2
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+
+    def validate(self, path: str) -> None:
+        from .keys import validate_tenant
+
+        try:
+            validate_tenant(self.tenant)
+        except ValueError as exc:
+            raise ConfigError(_join(path, "tenant"), str(exc)) from None
+        for tenant in self.eviction.tenant_quotas:
+            try:
+                validate_tenant(tenant)
+            except ValueError as exc:
+                raise ConfigError(_join(path, f"eviction.tenant_quotas.{tenant}"), str(exc)) from None
+        positive = {
+            "prefix_match_unit": self.prefix_match_unit,
+            "io_timeout_ms": self.io_timeout_ms,
+            "write_queue_depth": self.write_queue_depth,
+            "io_threads": self.io_threads,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(_join(path, name), f"must be > 0, got {value}")
+        if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):
+            raise ConfigError(_join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled")
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> KVPackConfig:
+        """Build from a plain dict (engine JSON). Raises ConfigError naming the field."""
+        return build_dataclass(cls, data or {}, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVPackConfig:
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError("<json>", f"not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("<json>", "must be a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> KVPackConfig:
+        """Build from a .json or .toml file."""
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise ConfigError("<file>", f"cannot read {p}: {exc}") from None
+        if p.suffix == ".toml":
+            try:
+                return cls.from_dict(tomllib.loads(raw.decode()))
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError("<file>", f"{p} is not valid TOML: {exc}") from None
+        return cls.from_json(raw.decode())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict that `from_dict` accepts back."""
+        return _to_plain(self)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def build_dataclass(cls: type[T], data: Mapping[str, Any], path: str) -> T:
+    """Strictly build dataclass `cls` from `data`, recursing into nested ones.
+
+    Unknown keys, wrong types and invalid values raise ConfigError with the
+    dotted path. Calls ``validate(path)`` on the result when it exists.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "<root>", f"expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            _join(path, str(unknown[0])),
+            f"unknown key; allowed keys: {', '.join(sorted(fields))}",
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        f = fields[name]
+        kwargs[name] = _coerce(hints[name], value, _join(path, name), bool(f.metadata.get("size")))
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(path)
+    return obj
+
+
+def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, path)  # type: ignore[arg-type]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        allowed = [m.value for m in tp]
+        if value not in allowed:
+            raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
+        return tp(value)
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected an object, got {type(value).__name__}")
+        return {
+            _coerce(key_tp, k, f"{path}.{k}", False): _coerce(val_tp, v, f"{path}.{k}", is_size)
+            for k, v in value.items()
+        }
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, path, is_size)
+    if tp is int and is_size:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(path, str(exc)) from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported config type {tp!r}")  # pragma: no cover - programming error
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,7 @@
+"""Eviction over whole groups: policies choose the order, the manager enforces
+capacity and per-tenant guaranteed shares."""
+
+from .base import EvictionPolicy, make_policy
+from .manager import CapacityManager, Admission
+
+__all__ = ["EvictionPolicy", "make_policy", "CapacityManager", "Admission"]

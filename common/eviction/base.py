@@ -1,0 +1,53 @@
+"""The eviction-policy interface: ordering only, no sizes, no tenants.
+
+A policy sees group keys being inserted, touched (read) and removed and
+yields candidate victims in its preferred eviction order. The capacity
+manager (`kvpack.eviction.manager`) decides which candidates may actually go
+(quotas) and how many are needed (bytes). Mechanism and policy never mix.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Hashable
+
+from ..config import EvictionPolicyName
+
+
+class EvictionPolicy(ABC):
+    """Orders resident groups for eviction. Keys are any hashable group id."""
+
+    @abstractmethod
+    def insert(self, key: Hashable) -> None:
+        """A new group became resident (not already present)."""
+
+    @abstractmethod
+    def touch(self, key: Hashable) -> None:
+        """A resident group was read or extended."""
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None:
+        """A resident group left (evicted or removed); unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[Hashable]:
+        """Resident groups, best victim first. Each resident key appears once.
+
+        The iterator is a snapshot: the caller may call `remove` while
+        iterating; a batch eviction over n candidates costs O(n).
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+def make_policy(name: EvictionPolicyName) -> EvictionPolicy:
+    from .arc import ARCPolicy
+    from .lru import LRUPolicy
+
+    if name is EvictionPolicyName.LRU:
+        return LRUPolicy()
+    if name is EvictionPolicyName.ARC:
+        return ARCPolicy()
+    raise ValueError(f"unknown eviction policy {name!r}")  # pragma: no cover

@@ -1,0 +1,158 @@
+"""Engine-neutral chunk keys.
+
+A chunk key identifies a run of tokens by everything before it: a chained
+SHA-256 over the previous chunk's digest plus the chunk's token ids as
+little-endian uint32. This is byte-for-byte SGLang's HiCache page hash, so a
+vLLM instance and an SGLang instance with the same page size address the same
+entries. It is deterministic across processes and machines (never Python's
+`hash`).
+
+A chunk key alone is not a storage key: `StoreKey` scopes it by tenant and
+layout fingerprint, so one tenant can never address another's entries and a
+model with another layout can never hit them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+ChunkHash = NewType("ChunkHash", str)
+"""Hex digest (64 lowercase hex chars for kvpack's own chain; engine-given
+hashes such as SGLang's page keys are accepted as they are)."""
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_MEMBER_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}(@[0-9]{1,4}(of[0-9]{1,4})?)?$")
+_CHUNK_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def validate_tenant(tenant: str) -> str:
+    """Return `tenant` if it is a safe tenant name, else raise ValueError.
+
+    Allowed: 1-64 characters of ``[A-Za-z0-9._-]``, starting with a letter or
+    digit. This rules out path traversal (``..``, ``/``), empty names, control
+    bytes and unbounded lengths on every tier.
+    """
+    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant) or ".." in tenant:
+        raise ValueError(
+            f"invalid tenant name {tenant!r}: use 1-64 characters of letters, digits, '.', '_', '-', "
+            "starting with a letter or digit, no '..'"
+        )
+    return tenant
+
+
+def validate_member(member: str) -> str:
+    """Return `member` if it is a valid member name (``kv``, ``draft``, ``kv@0of2``...)."""
+    if not isinstance(member, str) or not _MEMBER_RE.match(member):
+        raise ValueError(f"invalid member name {member!r}")
+    return member
+
+
+def validate_chunk_hash(chunk: str) -> str:
+    if not isinstance(chunk, str) or not _CHUNK_RE.match(chunk):
+        raise ValueError(f"invalid chunk hash {chunk!r}: expected 1-128 characters of [A-Za-z0-9_-]")
+    return chunk
+
+
+def _tokens_le_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_hash(parent: ChunkHash | None, tokens: Sequence[int] | np.ndarray) -> ChunkHash:
+    """SHA-256(bytes.fromhex(parent) + tokens as little-endian uint32), hex.
+
+    `parent` is None for the first chunk of a sequence (or a tenant/salt seed
+    produced by `seed_hash`).
+    """
+    hasher = hashlib.sha256()
+    if parent:
+        hasher.update(bytes.fromhex(parent))
+    hasher.update(_tokens_le_u32(tokens))
+    return ChunkHash(hasher.hexdigest())
+
+
+def seed_hash(salt: str) -> ChunkHash:
+    """A chain seed from a cache salt (so salted prompts never share keys)."""
+    return ChunkHash(hashlib.sha256(b"kvpack-salt\x00" + salt.encode()).hexdigest())
+
+
+def chunk_hashes(
+    tokens: Sequence[int] | np.ndarray, chunk_tokens: int, parent: ChunkHash | None = None
+) -> list[ChunkHash]:
+    """Chained hashes of every *full* chunk of `tokens` (a trailing partial chunk is ignored)."""
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be > 0")
+    arr = np.asarray(tokens, dtype=np.int64)
+    out: list[ChunkHash] = []
+    prev = parent
+    for start in range(0, len(arr) - chunk_tokens + 1, chunk_tokens):
+        prev = chain_hash(prev, arr[start : start + chunk_tokens])
+        out.append(prev)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoreKey:
+    """The key of one stored object: tenant + layout fingerprint + chunk + member.
+
+    `group` (tenant, fingerprint, chunk) is the unit of visibility and eviction;
+    `member` names one object of that group (``kv``, ``draft``, ``kv@1of2``...).
+    Every field is validated, so a key can be used as a file name safely.
+    """
+
+    tenant: str
+    fingerprint: str
+    chunk: str
+    member: str
+
+    def __post_init__(self) -> None:
+        validate_tenant(self.tenant)
+        validate_chunk_hash(self.fingerprint)
+        validate_chunk_hash(self.chunk)
+        validate_member(self.member)
+
+    @property
+    def group(self) -> GroupKey:
+        return GroupKey(self.tenant, self.fingerprint, self.chunk)
+
+    def as_str(self) -> str:
+        """Flat string form used by flat key-value tiers (Mooncake)."""
+        return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}/{self.member}"
+
+    @classmethod
+    def parse(cls, text: str) -> StoreKey:
+        parts = text.split("/")
+        if len(parts) != 5 or parts[0] != "kvpack":
+            raise ValueError(f"not a kvpack store key: {text!r}")
+        return cls(parts[1], parts[2], parts[3], parts[4])
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKey:
+    """A logical cache entry: all members stored for one chunk of one tenant and layout."""
+
+    tenant: str
+    fingerprint: str
+    chunk: str
+
+    def member(self, name: str) -> StoreKey:
+        return StoreKey(self.tenant, self.fingerprint, self.chunk, name)
+
+    def as_str(self) -> str:
+        return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"
+
+
+def iter_prefix(keys: Sequence[StoreKey], present: Sequence[bool]) -> Iterator[StoreKey]:
+    """Yield keys while present (the longest present prefix of a chained sequence)."""
+    for key, ok in zip(keys, present):
+        if not ok:
+            return
+        yield key

@@ -1,0 +1,134 @@
+"""kvpack's counters and histograms, per tenant.
+
+One `Metrics` object per store (no global registry): it feeds a private
+prometheus-client `CollectorRegistry` (served by `serve_prometheus` or merged
+into an engine's registry by the adapters) and keeps a plain mirror that
+`snapshot()` returns as a dict, for tests, logs and the engines' own stats
+hooks.
+
+Every silent failure this project exists to stop has a counter here:
+partial hits by missing member, rejected objects by reason, stores dropped by
+reason, tier errors by status, and evictions by tenant.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+
+class Kind(enum.Enum):
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    doc: str
+    labels: tuple[str, ...]
+    kind: Kind = Kind.COUNTER
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec("lookups", "Prefix lookups", ("tenant",)),
+    MetricSpec("lookup_tokens", "Tokens asked about in lookups", ("tenant",)),
+    MetricSpec("hit_tokens", "Tokens reported as hits (every required member present)", ("tenant",)),
+    MetricSpec("full_hits", "Lookups whose hit covers every required member", ("tenant",)),
+    MetricSpec("partial_hits", "Chunks whose target was stored but a required member was not", ("tenant", "missing_member")),
+    MetricSpec("tail_hit_tokens", "Tokens reused from stored partial-block tails", ("tenant",)),
+    MetricSpec("loaded_tokens", "Tokens restored into the engine", ("tenant",)),
+    MetricSpec("loaded_bytes", "Payload bytes read", ("tenant", "tier")),
+    MetricSpec("stored_bytes", "Payload bytes written", ("tenant", "tier")),
+    MetricSpec("stored_objects", "Objects written", ("tenant", "tier")),
+    MetricSpec("load_failures", "Objects that could not be loaded (the engine recomputes)", ("tenant", "status")),
+    MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
+    MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
+    MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),
+    MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
+    MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
+    MetricSpec("lookup_seconds", "Lookup latency", ("tenant",), Kind.HISTOGRAM),
+    MetricSpec("load_seconds", "Batch load latency", ("tier",), Kind.HISTOGRAM),
+    MetricSpec("store_seconds", "Batch store latency", ("tier",), Kind.HISTOGRAM),
+)
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    """Thread-safe counters/histograms named in `SPECS` (prefix ``kvpack_``)."""
+
+    def __init__(self, namespace: str = "kvpack") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._specs = {s.name: s for s in SPECS}
+        self._prom: dict[str, Counter | Histogram] = {}
+        for spec in SPECS:
+            if spec.kind is Kind.COUNTER:
+                self._prom[spec.name] = Counter(spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry)
+            else:
+                self._prom[spec.name] = Histogram(
+                    spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry, buckets=_BUCKETS
+                )
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
+        self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
+
+    def _labels(self, name: str, labels: dict[str, str]) -> tuple[str, ...]:
+        spec = self._specs[name]
+        if set(labels) != set(spec.labels):
+            raise ValueError(f"metric {name} takes labels {spec.labels}, got {tuple(labels)}")
+        return tuple(str(labels[k]) for k in spec.labels)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        if amount == 0:
+            return
+        values = self._labels(name, labels)
+        self._prom[name].labels(*values).inc(amount)  # type: ignore[union-attr]
+        with self._lock:
+            self._values[name][values] += amount
+
+    def observe(self, name: str, seconds: float, **labels: str) -> None:
+        values = self._labels(name, labels)
+        self._prom[name].labels(*values).observe(seconds)  # type: ignore[union-attr]
+        with self._lock:
+            h = self._hist[name][values]
+            h[0] += 1
+            h[1] += seconds
+            h[2] = max(h[2], seconds)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of a counter over every label set matching the given labels."""
+        spec = self._specs[name]
+        idx = {k: spec.labels.index(k) for k in labels}
+        with self._lock:
+            return sum(
+                v for key, v in self._values[name].items() if all(key[i] == str(labels[k]) for k, i in idx.items())
+            )
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{metric: {"label=value,...": value}}``; histograms give count/sum/max."""
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            for name, series in self._values.items():
+                labels = self._specs[name].labels
+                out[name] = {_fmt(labels, k): v for k, v in series.items()}
+            for name, series in self._hist.items():
+                labels = self._specs[name].labels
+                for k, (count, total, peak) in series.items():
+                    key = _fmt(labels, k)
+                    out.setdefault(f"{name}_count", {})[key] = count
+                    out.setdefault(f"{name}_sum", {})[key] = total
+                    out.setdefault(f"{name}_max", {})[key] = peak
+        return out
+
+    def serve_prometheus(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Expose this registry over HTTP (loopback by default)."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
+def _fmt(labels: tuple[str, ...], values: tuple[str, ...]) -> str:
+    return ",".join(f"{k}={v}" for k, v in zip(labels, values))

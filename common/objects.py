@@ -1,0 +1,239 @@
+"""The on-store object format: a fixed, self-checking header plus the payload.
+
+Nothing read back from a store is ever unpickled or executed: the header is
+decoded with `struct` from a fixed layout and every field is checked against
+what the reader expects before a byte of payload is used.
+
+Header layout (little-endian; `HEADER_PREFIX` then variable fields)::
+
+    magic        4s   b"KVPK"
+    version      u16  FORMAT_VERSION
+    header_len   u16  total header bytes, including the trailing checksum
+    flags        u32  bit 0: token ids follow (partial-block tail objects)
+    token_count  u32  tokens covered by this object
+    payload_len  u64  bytes of payload after the header
+    checksum     u64  xxh3_64 of the payload
+    fingerprint  16s  member layout fingerprint (binary of 32 hex chars)
+    tenant       u8 length + bytes
+    chunk        u8 length + bytes   (the group's chunk hash)
+    member       u8 length + bytes
+    [token ids   u32 count + count * u32]   if flags & FLAG_TOKENS
+    header_xxh   u32  xxh32 of every header byte before it
+
+A reader compares each field with an `Expectation`; any difference is a
+`RejectReason`, which callers count and treat as a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+MAGIC = b"KVPK"
+FORMAT_VERSION = 1
+FLAG_TOKENS = 1
+_PREFIX = struct.Struct("<4sHHIIQQ16s")
+_U8 = struct.Struct("<B")
+_U32 = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 * 1024
+"""Upper bound on a header (tails carry at most ~16k token ids)."""
+
+
+class RejectReason(enum.Enum):
+    """Why a stored object was refused. Every refusal is a miss plus a counter."""
+
+    TRUNCATED = "truncated"
+    BAD_MAGIC = "bad_magic"
+    VERSION = "version"
+    HEADER_CHECKSUM = "header_checksum"
+    FINGERPRINT = "fingerprint"
+    TENANT = "tenant"
+    GROUP = "group"
+    MEMBER = "member"
+    TOKEN_COUNT = "token_count"
+    TOKENS = "tokens"
+    """A tail object's token ids differ from the ones the lookup matched."""
+    LENGTH = "length"
+    CHECKSUM = "checksum"
+
+
+class ObjectRejected(Exception):
+    """Raised inside kvpack's decoding only; tiers turn it into a RejectReason outcome."""
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        self.reason = reason
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+
+
+def payload_checksum(payload: memoryview | bytes | np.ndarray) -> int:
+    """xxh3_64 of the payload bytes."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    """Decoded header of one stored object. See the module docstring for the wire layout."""
+
+    fingerprint: str
+    tenant: str
+    chunk: str
+    member: str
+    token_count: int
+    payload_len: int
+    checksum: int | None
+    """xxh3_64 of the payload; None only in memory before the object leaves the process."""
+    token_ids: tuple[int, ...] | None = None
+    version: int = FORMAT_VERSION
+
+    def encode(self) -> bytes:
+        if self.checksum is None:
+            raise ValueError("cannot encode a header without a payload checksum")
+        flags = FLAG_TOKENS if self.token_ids is not None else 0
+        variable = b"".join(_short_str(s) for s in (self.tenant, self.chunk, self.member))
+        if self.token_ids is not None:
+            ids = np.asarray(self.token_ids, dtype="<u4").tobytes()
+            variable += _U32.pack(len(self.token_ids)) + ids
+        header_len = _PREFIX.size + len(variable) + _U32.size
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        prefix = _PREFIX.pack(
+            MAGIC,
+            self.version,
+            header_len,
+            flags,
+            self.token_count,
+            self.payload_len,
+            self.checksum,
+            bytes.fromhex(self.fingerprint),
+        )
+        body = prefix + variable
+        return body + _U32.pack(xxhash.xxh32_intdigest(body))
+
+    @property
+    def encoded_len(self) -> int:
+        return len(self.encode())
+
+
+def _short_str(s: str) -> bytes:
+    raw = s.encode()
+    if len(raw) > 255:
+        raise ValueError(f"header string too long: {s[:40]!r}...")
+    return _U8.pack(len(raw)) + raw
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Total header length from the first `HEADER_PREFIX_BYTES` bytes; raises ObjectRejected."""
+    if len(prefix) < _PREFIX.size:
+        raise ObjectRejected(RejectReason.TRUNCATED, f"{len(prefix)} header bytes")
+    magic, version, header_len, *_ = _PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        raise ObjectRejected(RejectReason.BAD_MAGIC)
+    if version != FORMAT_VERSION:
+        raise ObjectRejected(RejectReason.VERSION, f"version {version}, reader {FORMAT_VERSION}")
+    if not (_PREFIX.size + 3 + _U32.size <= header_len <= MAX_HEADER_BYTES):
+        raise ObjectRejected(RejectReason.TRUNCATED, f"header_len {header_len}")
+    return int(header_len)
+
+
+HEADER_PREFIX_BYTES = _PREFIX.size
+
+
+def decode_header(buf: bytes | memoryview) -> ObjectHeader:
+    """Decode and self-check a header from the start of `buf`. Raises ObjectRejected."""
+    view = memoryview(buf)
+    header_len = header_length(view[: _PREFIX.size])
+    if len(view) < header_len:
+        raise ObjectRejected(RejectReason.TRUNCATED, f"have {len(view)} of {header_len} header bytes")
+    body = view[: header_len - _U32.size]
+    (stored_xxh,) = _U32.unpack_from(view, header_len - _U32.size)
+    if xxhash.xxh32_intdigest(body) != stored_xxh:
+        raise ObjectRejected(RejectReason.HEADER_CHECKSUM)
+    _, version, _, flags, token_count, payload_len, checksum, fp = _PREFIX.unpack_from(view, 0)
+    offset = _PREFIX.size
+    strings: list[str] = []
+    try:
+        for _ in range(3):
+            (n,) = _U8.unpack_from(view, offset)
+            offset += 1
+            strings.append(bytes(view[offset : offset + n]).decode())
+            offset += n
+        token_ids: tuple[int, ...] | None = None
+        if flags & FLAG_TOKENS:
+            (count,) = _U32.unpack_from(view, offset)
+            offset += _U32.size
+            if offset + 4 * count > len(body):
+                raise ObjectRejected(RejectReason.TRUNCATED, "token ids")
+            token_ids = tuple(int(t) for t in np.frombuffer(view[offset : offset + 4 * count], dtype="<u4"))
+            offset += 4 * count
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ObjectRejected(RejectReason.TRUNCATED, str(exc)) from None
+    if offset != len(body):
+        raise ObjectRejected(RejectReason.TRUNCATED, "header length does not match its fields")
+    return ObjectHeader(
+        fingerprint=fp.hex(),
+        tenant=strings[0],
+        chunk=strings[1],
+        member=strings[2],
+        token_count=int(token_count),
+        payload_len=int(payload_len),
+        checksum=int(checksum),
+        token_ids=token_ids,
+        version=int(version),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What a reader requires of an object before it may be loaded.
+
+    `token_count` None accepts any count; `payload_len` None accepts any
+    length that fits the destination.
+    """
+
+    fingerprint: str
+    tenant: str
+    chunk: str
+    member: str
+    token_count: int | None = None
+    payload_len: int | None = None
+    token_ids_prefix: tuple[int, ...] | None = None
+    """For tails: the object's token ids must start with these."""
+
+
+def check_header(header: ObjectHeader, expected: Expectation) -> RejectReason | None:
+    """Compare every identifying field; return the first mismatch or None."""
+    if header.fingerprint != expected.fingerprint:
+        return RejectReason.FINGERPRINT
+    if header.tenant != expected.tenant:
+        return RejectReason.TENANT
+    if header.chunk != expected.chunk:
+        return RejectReason.GROUP
+    if header.member != expected.member:
+        return RejectReason.MEMBER
+    if expected.token_count is not None and header.token_count != expected.token_count:
+        return RejectReason.TOKEN_COUNT
+    if expected.payload_len is not None and header.payload_len != expected.payload_len:
+        return RejectReason.LENGTH
+    if expected.token_ids_prefix is not None:
+        n = len(expected.token_ids_prefix)
+        if header.token_ids is None or header.token_ids[:n] != expected.token_ids_prefix:
+            return RejectReason.TOKENS
+    return None
+
+
+def check_payload(header: ObjectHeader, payload: memoryview | np.ndarray) -> RejectReason | None:
+    """Length and checksum of a payload already copied out; None when it is intact."""
+    if memoryview(payload).nbytes != header.payload_len:
+        return RejectReason.LENGTH
+    if header.checksum is not None and payload_checksum(payload) != header.checksum:
+        return RejectReason.CHECKSUM
+    return None
+
+
+def token_ids_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.asarray(tokens).ravel())

@@ -1,0 +1,415 @@
+"""KVStore: the engine-neutral facade the adapters talk to.
+
+It composes the configured tiers (memory -> disk -> mooncake, fastest first)
+and owns the policies that must hold on every tier:
+
+- lookup: one batched `contains` per tier for every (chunk, member) of a
+  request; the answer is a `GroupLookup` (full / partial by member), counted.
+- load: read-through. Each object comes from the fastest tier that has it
+  and passes every check; a lower-tier hit is promoted into memory. Anything
+  else is a miss with a counted reason, never an exception.
+- store: the memory tier takes a copy synchronously (a memcpy); every lower
+  tier gets the object from a bounded write-back queue served by background
+  threads. When the queue is full the store is dropped and counted rather
+  than blocking the engine (back-pressure).
+- tails: the computed tail of a partial block is stored with its token ids
+  under `tail_chunk(parent)`; `find_tail` returns the longest common prefix
+  with a new prompt, rounded down to the match unit.
+
+Thread-safe. Construct with `KVStore.from_config`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .config import ChecksumPolicy, KVPackConfig
+from .eviction import make_policy
+from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
+from .keys import GroupKey, StoreKey
+from .metrics import Metrics
+from .objects import Expectation, ObjectHeader, payload_checksum
+from .tiers.base import GetResult, PutItem, Tier, TierStatus
+
+log = logging.getLogger("kvpack")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """One object to restore into the caller's buffer `dst` (exactly its payload size)."""
+
+    key: StoreKey
+    dst: memoryview
+    expected: Expectation
+
+
+@dataclass(frozen=True, slots=True)
+class TailMatch:
+    """A usable stored tail: `tokens` leading tokens of it match the new prompt.
+
+    `token_ids` are the tail's stored ids (what a load must find again)."""
+
+    chunk: str
+    tokens: int
+    stored_tokens: int
+    token_ids: tuple[int, ...]
+    members: tuple[str, ...]
+
+
+def tail_chunk(parent: str | None) -> str:
+    """Chunk id under which the tail following `parent` (None: sequence start) is stored."""
+    return f"{parent or 'root'}-tail"
+
+
+@dataclass
+class _WriteJob:
+    item: PutItem
+    tiers: tuple[Tier, ...]
+
+
+class KVStore:
+    """See the module docstring."""
+
+    def __init__(self, config: KVPackConfig, tiers: Sequence[Tier], metrics: Metrics | None = None) -> None:
+        if not tiers:
+            raise ValueError("KVStore needs at least one tier")
+        self.config = config
+        self.tiers = tuple(tiers)
+        self.metrics = metrics or Metrics()
+        from .tiers.memory import MemoryTier
+
+        self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
+        self._lower = tuple(t for t in self.tiers if t is not self._memory)
+        for tier in self.tiers:
+            if hasattr(tier, "on_evict"):
+                tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
+        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(maxsize=config.write_queue_depth)
+        self._pending = 0
+        self._pending_cv = threading.Condition()
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._write_loop, name=f"kvpack-writeback-{i}", daemon=True)
+            for i in range(config.io_threads if self._lower else 0)
+        ]
+        for w in self._workers:
+            w.start()
+
+    # -- construction -------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: KVPackConfig, metrics: Metrics | None = None) -> KVStore:
+        """Build the tiers the config enables, fastest first."""
+        tiers: list[Tier] = []
+        quotas = config.eviction.tenant_quotas
+        if config.memory.enabled:
+            from .tiers.memory import MemoryTier
+
+            tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas))
+        if config.disk.enabled:
+            from .tiers.disk import DiskTier
+
+            tiers.append(
+                DiskTier(
+                    config.disk.path, config.disk.capacity, make_policy(config.eviction.policy), quotas, config.disk.fsync
+                )
+            )
+        if config.mooncake.enabled:
+            from .tiers.mooncake import MooncakeTier
+
+            tiers.append(MooncakeTier(config.mooncake))
+        return cls(config, tiers, metrics)
+
+    def _evict_counter(self, tier: str):  # type: ignore[no-untyped-def]
+        def on_evict(group: GroupKey, nbytes: int) -> None:
+            self.metrics.inc("evictions", tier=tier, tenant=group.tenant)
+            self.metrics.inc("evicted_bytes", nbytes, tier=tier, tenant=group.tenant)
+
+        return on_evict
+
+    def _verify(self, tier: Tier) -> bool:
+        policy = self.config.checksum
+        if policy is ChecksumPolicy.ALWAYS:
+            return True
+        if policy is ChecksumPolicy.NEVER:
+            return False
+        return tier is not self._memory  # BOUNDARY: objects that crossed a process or persistence boundary
+
+    # -- lookup -------------------------------------------------------------------
+
+    def contains_members(self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
+        """Per chunk, per member: stored on any tier? One batched call per tier."""
+        keys = [StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members]
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            answers = self._safe_contains(tier, [keys[i] for i in todo])
+            for i, ok in zip(todo, answers):
+                found[i] = ok
+        n = len(members)
+        return [{m: found[ci * n + mi] for mi, m in enumerate(members)} for ci in range(len(chunks))]
+
+    def _safe_contains(self, tier: Tier, keys: Sequence[StoreKey]) -> list[bool]:
+        try:
+            answers = tier.contains(keys)
+            if len(answers) != len(keys):
+                raise RuntimeError(f"{tier.name}.contains returned {len(answers)} answers for {len(keys)} keys")
+            return answers
+        except Exception as exc:  # a tier must not raise; if it does, it is a miss, counted
+            self.metrics.inc("tier_errors", tier=tier.name, status="exception")
+            log.warning("kvpack: %s.contains failed: %s", tier.name, exc)
+            return [False] * len(keys)
+
+    def lookup(
+        self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[MemberSpec], chunk_tokens: int
+    ) -> GroupLookup:
+        """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
+
+        Counts the lookup, hit tokens, full hits and partial hits by missing member."""
+        start = time.perf_counter()
+        presence = self.contains_members(tenant, fingerprint, chunks, [m.name for m in members])
+        result = resolve_lookup(presence, members, self.config.draft_policy)
+        self._count_lookup(tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
+        self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
+        return result
+
+    def _count_lookup(self, tenant: str, asked_tokens: int, result: GroupLookup, chunk_tokens: int) -> None:
+        self.metrics.inc("lookups", tenant=tenant)
+        self.metrics.inc("lookup_tokens", asked_tokens, tenant=tenant)
+        self.metrics.inc("hit_tokens", result.hit_chunks * chunk_tokens, tenant=tenant)
+        if result.full_chunks and not result.partial:
+            self.metrics.inc("full_hits", tenant=tenant)
+        for member, count in result.missing.items():
+            self.metrics.inc("partial_hits", count, tenant=tenant, missing_member=member)
+        if result.partial:
+            log.info(
+                "kvpack: partial hit for tenant %s: %d chunks have the target but lack %s (%s policy)",
+                tenant,
+                result.target_chunks - result.full_chunks,
+                sorted(result.missing),
+                self.config.draft_policy.value,
+            )
+
+    # -- tails --------------------------------------------------------------------
+
+    def find_tail(
+        self,
+        tenant: str,
+        fingerprint: str,
+        parent: str | None,
+        tokens: Sequence[int] | np.ndarray,
+        members: Sequence[MemberSpec],
+        match_unit: int,
+    ) -> TailMatch | None:
+        """The stored tail after `parent` sharing the longest prefix with `tokens`.
+
+        Every required member must hold a tail with the same token ids (a draft
+        member may be absent under target_only: then only target members load).
+        Returns None when fewer than `match_unit` tokens match."""
+        if not self.config.tail_reuse or len(tokens) == 0:
+            return None
+        chunk = tail_chunk(parent)
+        headers = {m.name: self.peek_header(StoreKey(tenant, fingerprint, chunk, m.name)) for m in members}
+        targets = [m for m in members if m.role is not MemberRole.DRAFT]
+        ref = headers[targets[0].name] if targets else None
+        if ref is None or ref.token_ids is None:
+            return None
+        names: list[str] = []
+        for m in members:
+            h = headers[m.name]
+            if h is None or h.token_ids != ref.token_ids:
+                if m.role is MemberRole.DRAFT:
+                    self.metrics.inc("partial_hits", tenant=tenant, missing_member=m.name)
+                    if self.config.draft_policy.value == "target_only":
+                        continue
+                return None
+            names.append(m.name)
+        stored = np.asarray(ref.token_ids, dtype=np.int64)
+        query = np.asarray(tokens, dtype=np.int64)[: len(stored)]
+        n = len(query)
+        mismatch = np.nonzero(stored[:n] != query)[0]
+        common = int(mismatch[0]) if mismatch.size else n
+        common -= common % match_unit
+        if common <= 0:
+            return None
+        return TailMatch(chunk, common, len(stored), ref.token_ids, tuple(names))
+
+    def peek_header(self, key: StoreKey) -> ObjectHeader | None:
+        for tier in self.tiers:
+            try:
+                header = tier.peek_headers([key])[0]
+            except Exception:
+                self.metrics.inc("tier_errors", tier=tier.name, status="exception")
+                continue
+            if header is not None:
+                return header
+        return None
+
+    # -- load ---------------------------------------------------------------------
+
+    def load(self, items: Sequence[LoadItem]) -> list[GetResult]:
+        """Restore each item into its `dst`, fastest tier first. Never raises."""
+        results: list[GetResult | None] = [None] * len(items)
+        for tier in self.tiers:
+            todo = [i for i, r in enumerate(results) if r is None or not r.ok]
+            if not todo:
+                break
+            start = time.perf_counter()
+            got = self._safe_get(tier, [items[i] for i in todo])
+            self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
+            promote: list[PutItem] = []
+            for i, res in zip(todo, got):
+                item = items[i]
+                if res.ok:
+                    results[i] = res
+                    self.metrics.inc("loaded_bytes", item.dst.nbytes, tenant=item.key.tenant, tier=tier.name)
+                    if tier is not self._memory and self._memory is not None and res.header is not None:
+                        promote.append(PutItem(item.key, res.header, item.dst))
+                    continue
+                if res.status is TierStatus.REJECTED:
+                    reason = res.reason.value if res.reason else "unknown"
+                    self.metrics.inc("rejected_objects", tier=tier.name, reason=reason)
+                    log.warning("kvpack: refused %s from %s: %s %s", item.key.as_str(), tier.name, reason, res.detail)
+                elif res.status is not TierStatus.MISS:
+                    self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
+                if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
+                    results[i] = res
+            if promote and self._memory is not None:
+                self._memory.put_from(promote)
+        final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
+        for item, res in zip(items, final):
+            if not res.ok:
+                self.metrics.inc("load_failures", tenant=item.key.tenant, status=res.status.value)
+        return final
+
+    def _safe_get(self, tier: Tier, items: Sequence[LoadItem]) -> list[GetResult]:
+        try:
+            verify = self._verify(tier)
+            out = tier.get_into([i.key for i in items], [i.dst for i in items], [i.expected for i in items], verify)
+            if len(out) != len(items):
+                raise RuntimeError(f"{tier.name}.get_into returned {len(out)} results for {len(items)}")
+            return out
+        except Exception as exc:
+            log.warning("kvpack: %s.get_into failed: %s", tier.name, exc)
+            return [GetResult(TierStatus.ERROR, detail=str(exc)) for _ in items]
+
+    # -- store --------------------------------------------------------------------
+
+    def store(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """Accept objects for storage without blocking on slow tiers.
+
+        Returns per item: OK when accepted (in memory and/or queued for the lower
+        tiers), NO_SPACE/ERROR when no tier took it. The caller's buffers may be
+        reused as soon as this returns."""
+        if self._closed:
+            return [TierStatus.UNAVAILABLE] * len(items)
+        statuses = [TierStatus.OK] * len(items)
+        owned: list[PutItem] = list(items)
+        if self._memory is not None:
+            start = time.perf_counter()
+            mem = self._memory.put_from(items)
+            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
+            for i, (item, st) in enumerate(zip(items, mem)):
+                if st is TierStatus.OK:
+                    self.metrics.inc("stored_bytes", item.payload.nbytes, tenant=item.key.tenant, tier="memory")
+                    self.metrics.inc("stored_objects", tenant=item.key.tenant, tier="memory")
+                    borrowed = self._memory.borrow(item.key)
+                    if borrowed is not None:
+                        owned[i] = PutItem(item.key, item.header, memoryview(borrowed[1]))
+                else:
+                    self.metrics.inc("store_dropped", tier="memory", reason=st.value)
+                    statuses[i] = st
+        if not self._lower:
+            return statuses
+        for i, item in enumerate(owned):
+            if owned[i] is items[i]:  # not held by the memory tier: own a copy
+                item = PutItem(item.key, item.header, memoryview(np.frombuffer(item.payload, dtype=np.uint8).copy()))
+            with self._pending_cv:
+                self._pending += 1
+            try:
+                self._queue.put_nowait(_WriteJob(item, self._lower))
+                if statuses[i] is not TierStatus.OK and self._memory is not None:
+                    statuses[i] = TierStatus.OK
+            except queue.Full:
+                self._done_one()
+                for tier in self._lower:
+                    self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
+                if self._memory is None:
+                    statuses[i] = TierStatus.NO_SPACE
+        return statuses
+
+    def _done_one(self) -> None:
+        with self._pending_cv:
+            self._pending -= 1
+            if self._pending == 0:
+                self._pending_cv.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                item = job.item
+                if item.header.checksum is None:
+                    item = replace(item, header=replace(item.header, checksum=payload_checksum(item.payload)))
+                for tier in job.tiers:
+                    start = time.perf_counter()
+                    try:
+                        status = tier.put_from([item])[0]
+                    except Exception as exc:
+                        log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
+                        status = TierStatus.ERROR
+                    self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
+                    if status is TierStatus.OK:
+                        self.metrics.inc("stored_bytes", item.payload.nbytes, tenant=item.key.tenant, tier=tier.name)
+                        self.metrics.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
+                    else:
+                        self.metrics.inc("store_dropped", tier=tier.name, reason=status.value)
+                        if status is not TierStatus.NO_SPACE:
+                            self.metrics.inc("tier_errors", tier=tier.name, status=status.value)
+            finally:
+                self._done_one()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait (bounded) until every queued store reached its tiers. True if drained."""
+        deadline = time.monotonic() + timeout_s
+        with self._pending_cv:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pending_cv.wait(left)
+        return True
+
+    # -- misc ---------------------------------------------------------------------
+
+    def remove_groups(self, groups: Sequence[GroupKey]) -> int:
+        return sum(t.remove_groups(groups) for t in self.tiers)
+
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        """Drain the write-back queue (bounded), stop the workers, close the tiers."""
+        if self._closed:
+            return
+        self.flush(flush_timeout_s)
+        self._closed = True
+        for _ in self._workers:
+            try:
+                self._queue.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+        for w in self._workers:
+            w.join(timeout=2.0)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:  # pragma: no cover - best effort at shutdown
+                log.warning("kvpack: closing %s failed: %s", tier.name, exc)

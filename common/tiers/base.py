@@ -1,0 +1,123 @@
+"""The tier interface: batched contains / get_into / put_from / remove.
+
+Every method takes a batch and returns one outcome per item, in order. No
+method raises on the data path: a broken tier answers UNAVAILABLE, TIMEOUT or
+ERROR per item, a refused object answers REJECTED with its `RejectReason`, and
+callers treat anything but OK as a miss (the engine recomputes).
+
+Zero-copy contract:
+- `put_from` reads each payload from the caller's buffer during the call and
+  keeps no reference to it afterwards (the caller may reuse the buffer at once).
+- `get_into` writes each payload straight into the caller's buffer. When the
+  result is not OK the destination's contents are unspecified: the caller must
+  not use them (vLLM's connector reports such blocks as load errors).
+
+Buffers are 1-D, C-contiguous `memoryview`s of bytes (format ``"B"``), e.g.
+``memoryview(tensor.view(torch.uint8).numpy())`` for a CPU tensor.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..keys import GroupKey, StoreKey
+from ..objects import Expectation, ObjectHeader, RejectReason
+
+
+class TierStatus(enum.Enum):
+    OK = "ok"
+    MISS = "miss"
+    REJECTED = "rejected"
+    """The object exists but failed a check (see `GetResult.reason`)."""
+    NO_SPACE = "no_space"
+    """The tier is full and eviction could not make room (quotas); store dropped."""
+    UNAVAILABLE = "unavailable"
+    """The tier is down or its circuit breaker is open."""
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    status: TierStatus
+    header: ObjectHeader | None = None
+    reason: RejectReason | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TierStatus.OK
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One object to store. `header.payload_len == payload.nbytes`.
+
+    `header.checksum` may be None: a tier that persists or ships the object
+    computes it (memory keeps it lazily)."""
+
+    key: StoreKey
+    header: ObjectHeader
+    payload: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    used_bytes: int
+    capacity_bytes: int
+    objects: int
+    groups: int
+
+
+class Tier(ABC):
+    """One storage tier. Thread-safe: any method may be called from any thread."""
+
+    name: str = "tier"
+
+    @abstractmethod
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: is an object stored (not yet verified)? Never raises."""
+
+    @abstractmethod
+    def get_into(
+        self,
+        keys: Sequence[StoreKey],
+        dsts: Sequence[memoryview],
+        expected: Sequence[Expectation],
+        verify_checksum: bool,
+    ) -> list[GetResult]:
+        """Copy each payload into `dsts[i]` after checking its header against
+        `expected[i]` (and, if asked, its checksum). Never raises."""
+
+    @abstractmethod
+    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """Store (or overwrite) each object. Never raises."""
+
+    @abstractmethod
+    def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
+        """Decoded headers without payloads (None: missing or unreadable)."""
+
+    @abstractmethod
+    def remove_groups(self, groups: Sequence[GroupKey]) -> int:
+        """Remove every member of each group; returns objects removed."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None:
+        """Release resources; later calls answer UNAVAILABLE or MISS."""
+
+
+def check_fits(dst: memoryview, header: ObjectHeader) -> GetResult | None:
+    """A REJECTED(LENGTH) result when the payload cannot fill `dst` exactly."""
+    if dst.nbytes != header.payload_len:
+        return GetResult(
+            TierStatus.REJECTED,
+            header,
+            RejectReason.LENGTH,
+            f"payload {header.payload_len} bytes, destination {dst.nbytes}",
+        )
+    return None

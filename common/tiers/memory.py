@@ -1,0 +1,183 @@
+"""Host-RAM tier: objects in this process's memory, pinned when CUDA exists.
+
+Capacity is enforced over whole groups by a `CapacityManager` (LRU or ARC,
+per-tenant guaranteed shares). Payload checksums are computed lazily: an
+object that never leaves this process is never hashed; the tiered store
+hashes it when it is written to disk or Mooncake. Headers are always checked
+against the reader's expectation.
+
+Copies run outside the lock, so concurrent puts and gets of different
+objects proceed in parallel; an object is visible only once fully copied.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..eviction import CapacityManager, EvictionPolicy
+from ..eviction.manager import Admission
+from ..keys import GroupKey, StoreKey
+from ..objects import Expectation, ObjectHeader, check_header, check_payload
+from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    header: ObjectHeader
+    data: np.ndarray  # 1-D uint8, exactly header.payload_len bytes
+
+
+def _allocate(nbytes: int, pin: bool) -> np.ndarray:
+    if pin:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch import problems mean no CUDA
+        return False
+
+
+class MemoryTier(Tier):
+    name = "memory"
+
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy,
+        quotas: dict[str, int] | None = None,
+        pin: bool | None = None,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._objects: dict[StoreKey, _Entry] = {}
+        self._members: dict[GroupKey, set[StoreKey]] = {}
+        self._capacity = CapacityManager(capacity, policy, quotas)
+        self._pin = _cuda_available() if pin is None else pin
+        self._closed = False
+        self.on_evict: Callable[[GroupKey, int], None] | None = None
+        """Called under the tier lock for each evicted group with its bytes; must be cheap."""
+
+    # -- reads ---------------------------------------------------------------
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._objects for k in keys]
+
+    def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
+        with self._lock:
+            return [e.header if (e := self._objects.get(k)) else None for k in keys]
+
+    def borrow(self, key: StoreKey) -> tuple[ObjectHeader, np.ndarray] | None:
+        """The stored header and a read-only view of the payload, without a copy.
+
+        The view stays valid after eviction (it holds a reference)."""
+        with self._lock:
+            entry = self._objects.get(key)
+        if entry is None:
+            return None
+        view = entry.data.view()
+        view.flags.writeable = False
+        return entry.header, view
+
+    def get_into(
+        self,
+        keys: Sequence[StoreKey],
+        dsts: Sequence[memoryview],
+        expected: Sequence[Expectation],
+        verify_checksum: bool,
+    ) -> list[GetResult]:
+        with self._lock:
+            entries = [self._objects.get(k) for k in keys]
+            for k, e in zip(keys, entries):
+                if e is not None:
+                    self._capacity.touch(k.group)
+        results: list[GetResult] = []
+        for entry, dst, exp in zip(entries, dsts, expected):
+            if entry is None:
+                results.append(GetResult(TierStatus.MISS))
+                continue
+            reason = check_header(entry.header, exp)
+            if reason is not None:
+                results.append(GetResult(TierStatus.REJECTED, entry.header, reason))
+                continue
+            misfit = check_fits(dst, entry.header)
+            if misfit is not None:
+                results.append(misfit)
+                continue
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), entry.data)
+            if verify_checksum and entry.header.checksum is not None:
+                bad = check_payload(entry.header, dst)
+                if bad is not None:
+                    results.append(GetResult(TierStatus.REJECTED, entry.header, bad))
+                    continue
+            results.append(GetResult(TierStatus.OK, entry.header))
+        return results
+
+    # -- writes --------------------------------------------------------------
+
+    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        return [self._put_one(item) for item in items]
+
+    def _put_one(self, item: PutItem) -> TierStatus:
+        key, nbytes = item.key, item.payload.nbytes
+        if nbytes != item.header.payload_len:
+            return TierStatus.ERROR
+        with self._lock:
+            if self._closed:
+                return TierStatus.UNAVAILABLE
+            plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
+            if plan.admission is Admission.NO_SPACE:
+                return TierStatus.NO_SPACE
+            for victim in plan.victims:
+                self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
+            self._capacity.commit(key.group, key.tenant, key.member, nbytes)
+        data = _allocate(nbytes, self._pin)
+        np.copyto(data, np.frombuffer(item.payload, dtype=np.uint8))
+        with self._lock:
+            if not self._capacity.has_member(key.group, key.member):
+                return TierStatus.NO_SPACE  # evicted by a concurrent put while copying
+            self._objects[key] = _Entry(item.header, data)
+            self._members.setdefault(key.group, set()).add(key)
+        return TierStatus.OK
+
+    def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
+        members = self._capacity.release(group)
+        if evicted and self.on_evict is not None:
+            self.on_evict(group, sum(members.values()))
+        keys = self._members.pop(group, set())
+        for k in keys:
+            self._objects.pop(k, None)
+        return len(keys)
+
+    def remove_groups(self, groups: Sequence[GroupKey]) -> int:
+        with self._lock:
+            return sum(self._drop_group_locked(g) for g in groups)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                used_bytes=self._capacity.used,
+                capacity_bytes=self._capacity.capacity,
+                objects=len(self._objects),
+                groups=len(self._members),
+            )
+
+    def tenant_used(self, tenant: str) -> int:
+        with self._lock:
+            return self._capacity.tenant_used(tenant)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._objects.clear()
+            self._members.clear()

@@ -1,0 +1,156 @@
+// Torch custom ops (namespace `kvpack`) over the block-copy kernels.
+//
+//   kvpack::gather_blocks(Tensor[] tensors, Tensor ptr_table, Tensor block_ids,
+//                         Tensor(a!) out, int[] geometry, int ptr_align, int stream) -> ()
+//   kvpack::scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
+//                          Tensor src, int[] geometry, int ptr_align, int stream) -> ()
+//
+// `tensors` are the cache tensors that own the memory (listed so that the
+// dispatcher knows their device and that scatter mutates them); the addresses
+// actually used are ptr_table's (int64, num_layers * num_segments entries, on the
+// cache's device). `geometry` is KvpGeometry packed as KVP_GEOMETRY_FIELDS int64s
+// in declaration order. `stream` is a cudaStream_t as an integer (0: legacy default),
+// ignored on CPU. The meta/fake kernels are registered from Python (kvpack.ops).
+//
+// Only ATen/torch CPU headers here: the CUDA side is reached through the plain C
+// launcher of block_copy.cu, compiled in only with -DKVPACK_WITH_CUDA.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "block_copy_cpu.h"
+#include "block_copy_geometry.h"
+#ifdef KVPACK_WITH_CUDA
+#include "block_copy.h"
+#endif
+
+namespace {
+
+KvpGeometry unpack_geometry(c10::IntArrayRef v) {
+  TORCH_CHECK(v.size() == KVP_GEOMETRY_FIELDS, "kvpack: geometry must have ", KVP_GEOMETRY_FIELDS,
+              " fields, got ", v.size());
+  KvpGeometry g;
+  g.num_layers = v[0];
+  g.num_segments = v[1];
+  g.block_stride = v[2];
+  g.outer_count = v[3];
+  g.outer_stride = v[4];
+  g.inner_count = v[5];
+  g.inner_stride = v[6];
+  g.row_bytes = v[7];
+  g.token_dim = v[8];
+  g.first_token_offset = v[9];
+  g.last_token_count = v[10];
+  g.num_cache_blocks = v[11];
+  return g;
+}
+
+void check_common(const at::Tensor& ptr_table, const at::Tensor& block_ids, const at::Tensor& staging,
+                  const KvpGeometry& g, const char* staging_name) {
+  TORCH_CHECK(ptr_table.scalar_type() == at::kLong && ptr_table.is_contiguous() &&
+                  ptr_table.numel() == g.num_layers * g.num_segments,
+              "kvpack: ptr_table must be a contiguous int64 tensor of num_layers*num_segments=",
+              g.num_layers * g.num_segments, " entries, got ", ptr_table.sizes(), " ",
+              ptr_table.scalar_type());
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.dim() == 1,
+              "kvpack: block_ids must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(staging.scalar_type() == at::kByte && staging.is_contiguous(), "kvpack: ", staging_name,
+              " must be a contiguous uint8 tensor, got ", staging.scalar_type());
+  const int64_t need = block_ids.numel() * kvp_slot_bytes(g);
+  TORCH_CHECK(staging.numel() >= need, "kvpack: ", staging_name, " holds ", staging.numel(),
+              " bytes, need ", need, " (", block_ids.numel(), " blocks x ", kvp_slot_bytes(g), ")");
+}
+
+void copy_cpu(const at::Tensor& ptr_table, const at::Tensor& block_ids, const at::Tensor& staging,
+              const KvpGeometry& g, int gather) {
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
+              "kvpack: CPU block copy needs ptr_table, block_ids and staging on the CPU");
+  const int rc = kvp_block_copy_cpu(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
+                                    block_ids.data_ptr<int64_t>(), block_ids.numel(),
+                                    static_cast<uint8_t*>(staging.data_ptr()), &g, gather,
+                                    at::get_num_threads());
+  TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
+  TORCH_CHECK(rc == KVP_OK, "kvpack: invalid block-copy geometry (code ", rc, ")");
+}
+
+void gather_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                const at::Tensor& out, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream) {
+  (void)tensors; (void)ptr_align; (void)stream;
+  const KvpGeometry g = unpack_geometry(geometry);
+  check_common(ptr_table, block_ids, out, g, "out");
+  copy_cpu(ptr_table, block_ids, out, g, 1);
+}
+
+void scatter_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                 const at::Tensor& src, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream) {
+  (void)tensors; (void)ptr_align; (void)stream;
+  const KvpGeometry g = unpack_geometry(geometry);
+  check_common(ptr_table, block_ids, src, g, "src");
+  copy_cpu(ptr_table, block_ids, src, g, 0);
+}
+
+#ifdef KVPACK_WITH_CUDA
+void copy_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+               const at::Tensor& staging, const KvpGeometry& g, int64_t ptr_align, int64_t stream,
+               int gather) {
+  TORCH_CHECK(!tensors.empty() && tensors[0].is_cuda(), "kvpack: CUDA block copy needs the cache on CUDA");
+  TORCH_CHECK(ptr_table.is_cuda() && block_ids.is_cuda(),
+              "kvpack: CUDA block copy needs ptr_table and block_ids on the cache's device");
+  TORCH_CHECK(staging.is_cuda() || staging.is_pinned(),
+              "kvpack: CUDA block copy needs a device or pinned host staging buffer");
+  const cudaError_t err = kvp_block_copy_cuda(
+      reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()), block_ids.data_ptr<int64_t>(),
+      block_ids.numel(), static_cast<uint8_t*>(staging.data_ptr()), &g, ptr_align, gather,
+      reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)));
+  TORCH_CHECK(err == cudaSuccess, "kvpack: CUDA block copy launch failed: ", cudaGetErrorString(err));
+}
+
+void gather_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                 const at::Tensor& out, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream) {
+  const KvpGeometry g = unpack_geometry(geometry);
+  check_common(ptr_table, block_ids, out, g, "out");
+  copy_cuda(tensors, ptr_table, block_ids, out, g, ptr_align, stream, 1);
+}
+
+void scatter_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                  const at::Tensor& src, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream) {
+  const KvpGeometry g = unpack_geometry(geometry);
+  check_common(ptr_table, block_ids, src, g, "src");
+  copy_cuda(tensors, ptr_table, block_ids, src, g, ptr_align, stream, 0);
+}
+#endif
+
+bool has_cuda() {
+#ifdef KVPACK_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpack, m) {
+  m.def(
+      "gather_blocks(Tensor[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(a!) out, "
+      "int[] geometry, int ptr_align, int stream) -> ()");
+  m.def(
+      "scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor src, "
+      "int[] geometry, int ptr_align, int stream) -> ()");
+  m.def("has_cuda() -> bool", &has_cuda);
+}
+
+TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
+  m.impl("gather_blocks", &gather_cpu);
+  m.impl("scatter_blocks", &scatter_cpu);
+}
+
+#ifdef KVPACK_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvpack, CUDA, m) {
+  m.impl("gather_blocks", &gather_cuda);
+  m.impl("scatter_blocks", &scatter_cuda);
+}
+#endif

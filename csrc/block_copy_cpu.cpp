@@ -1,0 +1,57 @@
+// CPU kernel: one memcpy per contiguous run, parallel over (block, layer, segment).
+#include "block_copy_cpu.h"
+
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+extern "C" int kvp_block_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
+                                  uint8_t* staging, const KvpGeometry* gp, int gather,
+                                  int num_threads) {
+  const KvpGeometry g = *gp;
+  if (n < 0 || g.num_layers <= 0 || g.num_segments <= 0 || g.row_bytes <= 0 ||
+      g.outer_count <= 0 || g.inner_count <= 0) {
+    return KVP_ERR_GEOMETRY;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (block_ids[i] < 0 || block_ids[i] >= g.num_cache_blocks) return KVP_ERR_BLOCK_ID;
+  }
+  if (n == 0) return KVP_OK;
+  {
+    KvpRuns first = kvp_plan(g, 0, n);
+    KvpRuns last = kvp_plan(g, n - 1, n);
+    if (first.na <= 0 || first.nb <= 0 || last.na <= 0 || last.nb <= 0) return KVP_ERR_GEOMETRY;
+  }
+
+  const int64_t segs = g.num_layers * g.num_segments;
+  const int64_t seg_bytes = kvp_segment_bytes(g);
+  const int64_t slot_bytes = kvp_slot_bytes(g);
+  const int64_t units = n * segs;
+#ifdef _OPENMP
+  int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  if (units < threads) threads = (int)units;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#endif
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t i = u / segs;
+    const int64_t ls = u % segs;
+    const KvpRuns r = kvp_plan(g, i, n);
+    uint8_t* cache = (uint8_t*)(uintptr_t)ptr_table[ls] + block_ids[i] * g.block_stride + r.src_off;
+    uint8_t* stage = staging + i * slot_bytes + ls * seg_bytes + r.dst_off;
+    for (int64_t a = 0; a < r.na; ++a) {
+      for (int64_t b = 0; b < r.nb; ++b) {
+        uint8_t* c = cache + a * r.src_a + b * r.src_b;
+        uint8_t* s = stage + a * r.dst_a + b * r.dst_b;
+        if (gather) {
+          memcpy(s, c, (size_t)r.run_len);
+        } else {
+          memcpy(c, s, (size_t)r.run_len);
+        }
+      }
+    }
+  }
+  (void)num_threads;
+  return KVP_OK;
+}
