@@ -1,0 +1,34 @@
+"""kvpack.ops: block gather/scatter between an engine's paged KV cache and kvpack's
+contiguous staging buffers, all layers in one call.
+
+    kv = PagedKV.from_layers(kv_caches)                     # vLLM, one tensor per layer
+    kv = PagedKV.from_sglang_host_pool(buf, "page_first", page_size=64)
+    out = torch.empty(len(ids) * staging_bytes_per_block(kv), dtype=torch.uint8)
+    gather_blocks(kv, ids, out)                             # cache -> staging
+    scatter_blocks(kv, ids, out)                            # staging -> cache
+
+Staging layout (uint8): ``[block_i][layer][segment][outer][inner][row_bytes]``;
+see ``kvpack.ops.layout``. Backends: CUDA kernel, C++ kernel, pure torch; the
+kernels are JIT-built on first use (``kvpack.ops._build``). Importing this module
+builds nothing and needs no CUDA.
+"""
+
+from ._build import ExtensionStatus, load_extension
+from .copy import Backend, gather_blocks, scatter_blocks, select_backend, staging_bytes_per_block
+from .layout import KVLayout, KVLayoutKind, LayoutError, LoopDim
+from .paged import PagedKV
+
+__all__ = [
+    "Backend",
+    "ExtensionStatus",
+    "KVLayout",
+    "KVLayoutKind",
+    "LayoutError",
+    "LoopDim",
+    "PagedKV",
+    "gather_blocks",
+    "load_extension",
+    "scatter_blocks",
+    "select_backend",
+    "staging_bytes_per_block",
+]
