@@ -1,0 +1,99 @@
+"""Keys: SGLang-compatible chain, determinism, tenant and key validation."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpack.keys import StoreKey, chain_hash, chunk_hashes, seed_hash, validate_tenant
+
+FP = "0" * 32
+
+
+def _reference_page_hash(tokens: list[int], prior: str | None) -> str:
+    """SGLang's page hash written out independently: sha256(prior digest + u32le tokens)."""
+    h = hashlib.sha256()
+    if prior:
+        h.update(bytes.fromhex(prior))
+    for t in tokens:
+        h.update(struct.pack("<I", t))
+    return h.hexdigest()
+
+
+def test_known_vector() -> None:
+    # Fixed vector: sha256 of the little-endian uint32 bytes of 1, 2, 3.
+    expected = hashlib.sha256(bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0])).hexdigest()
+    assert chain_hash(None, [1, 2, 3]) == expected
+    second = hashlib.sha256(bytes.fromhex(expected) + bytes([4, 0, 0, 0])).hexdigest()
+    assert chain_hash(expected, [4]) == second
+
+
+@given(st.lists(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8), min_size=1, max_size=5))
+def test_chain_matches_independent_reference(pages: list[list[int]]) -> None:
+    prior: str | None = None
+    for page in pages:
+        ours = chain_hash(prior, page)
+        assert ours == _reference_page_hash(page, prior)
+        prior = ours
+
+
+def test_chain_is_deterministic_across_processes() -> None:
+    code = "from kvpack.keys import chunk_hashes; print(','.join(chunk_hashes(list(range(100)), 16)))"
+    out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)}
+    assert len(out) == 1
+    assert out.pop().strip().split(",") == chunk_hashes(list(range(100)), 16)
+
+
+def test_chunk_hashes_ignore_partial_tail_and_chain() -> None:
+    tokens = np.arange(50)
+    hashes = chunk_hashes(tokens, 16)
+    assert len(hashes) == 3
+    assert hashes[1] == chain_hash(hashes[0], tokens[16:32])
+    assert chunk_hashes(tokens[:48], 16) == hashes
+    # A different first chunk changes every later key (the chain).
+    other = chunk_hashes(np.concatenate([[999], tokens[1:]]), 16)
+    assert all(a != b for a, b in zip(hashes, other))
+
+
+def test_salt_seeds_the_chain() -> None:
+    assert chunk_hashes([1] * 16, 16, seed_hash("a")) != chunk_hashes([1] * 16, 16, seed_hash("b"))
+    assert chunk_hashes([1] * 16, 16, seed_hash("a")) != chunk_hashes([1] * 16, 16)
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "a\x00", "x" * 65, ".hidden", "a..b", "é", " a"])
+def test_bad_tenant_names_are_rejected(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid tenant"):
+        validate_tenant(bad)
+    with pytest.raises(ValueError):
+        StoreKey(bad, FP, "c" * 64, "kv")
+
+
+@pytest.mark.parametrize("good", ["default", "acme", "team-1.prod", "A_b"])
+def test_good_tenant_names(good: str) -> None:
+    assert validate_tenant(good) == good
+
+
+@pytest.mark.parametrize(
+    ("chunk", "member"), [("../../x", "kv"), ("a/b", "kv"), ("c" * 64, "../kv"), ("c" * 64, "KV"), ("c" * 64, "")]
+)
+def test_store_key_rejects_path_tricks(chunk: str, member: str) -> None:
+    with pytest.raises(ValueError):
+        StoreKey("t", FP, chunk, member)
+
+
+def test_store_key_string_round_trip() -> None:
+    key = StoreKey("acme", FP, "ab" * 32, "kv@1of2")
+    assert StoreKey.parse(key.as_str()) == key
+    assert key.group.member("draft").group == key.group
+
+
+def test_token_ids_must_fit_u32() -> None:
+    with pytest.raises(ValueError):
+        chain_hash(None, [2**32])

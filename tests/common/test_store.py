@@ -1,0 +1,238 @@
+"""KVStore: groups, draft policy, tenants, tails, read-through, back-pressure, broken tiers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
+
+from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
+from kvpack.objects import Expectation, RejectReason
+from kvpack.store import tail_chunk
+from kvpack.tiers.base import PutItem, Tier, TierUsage
+
+KV = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
+DRAFT = MemberSpec("draft", MEMBER_FP, MemberRole.DRAFT)
+
+
+def make_store(tmp_path: Path, **overrides: object) -> KVStore:
+    data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "64MiB"}}
+    data.update(overrides)
+    return KVStore.from_config(KVPackConfig.from_dict(data))
+
+
+def put_chunks(store: KVStore, tenant: str, n: int, members: Sequence[str] = ("kv",), start: int = 0) -> None:
+    items = [make_item(tenant, chunk_id(i), m, seed=i, checksum=False)[0] for i in range(start, start + n) for m in members]
+    assert store.store(items) == [TierStatus.OK] * len(items)
+    assert store.flush(10)
+
+
+def test_full_hit_needs_every_member(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    put_chunks(store, "t", 4, ("kv", "draft"))
+    put_chunks(store, "t", 2, ("kv",), start=4)  # target only: draft missing for chunks 4, 5
+    chunks = [chunk_id(i) for i in range(8)]
+    res = store.lookup("t", GROUP_FP, chunks, [KV, DRAFT], 16)
+    assert (res.full_chunks, res.target_chunks, res.hit_chunks) == (4, 6, 4)
+    assert res.partial and res.missing == {"draft": 2}
+    assert store.metrics.value("partial_hits", missing_member="draft") == 2
+    assert store.metrics.value("hit_tokens", tenant="t") == 64
+    assert store.metrics.value("full_hits") == 0  # a partial lookup is never counted as full
+
+
+def test_target_only_policy_reports_target_prefix_and_counts_partial(tmp_path: Path) -> None:
+    store = make_store(tmp_path, draft_policy="target_only")
+    put_chunks(store, "t", 2, ("kv", "draft"))
+    put_chunks(store, "t", 2, ("kv",), start=2)
+    res = store.lookup("t", GROUP_FP, [chunk_id(i) for i in range(4)], [KV, DRAFT], 16)
+    assert res.hit_chunks == 4 and res.full_chunks == 2
+    assert res.members_to_load(0) == ("kv", "draft")
+    assert res.members_to_load(3) == ("kv",)
+    assert store.metrics.value("partial_hits", missing_member="draft") == 2
+
+
+def test_no_draft_member_means_no_extra_cost(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    put_chunks(store, "t", 3)
+    res = store.lookup("t", GROUP_FP, [chunk_id(i) for i in range(3)], [KV], 16)
+    assert res.hit_chunks == 3 and not res.partial
+    assert store.metrics.value("full_hits", tenant="t") == 1
+
+
+@pytest.mark.parametrize("tiers", [("memory",), ("disk",), ("memory", "disk")])
+def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...]) -> None:
+    store = make_store(
+        tmp_path, memory={"enabled": "memory" in tiers}, disk={"enabled": "disk" in tiers, "path": str(tmp_path / "d")}
+    )
+    put_chunks(store, "alpha", 3)
+    chunks = [chunk_id(i) for i in range(3)]
+    assert store.lookup("alpha", GROUP_FP, chunks, [KV], 16).hit_chunks == 3
+    assert store.lookup("beta", GROUP_FP, chunks, [KV], 16).hit_chunks == 0
+    # even asking for alpha's exact object with beta's key finds nothing
+    item, _ = make_item("alpha", chunk_id(0))
+    beta_key = StoreKey("beta", GROUP_FP, chunk_id(0), "kv")
+    res = store.load([LoadItem(beta_key, memoryview(np.empty(1024, np.uint8)), Expectation(MEMBER_FP, "beta", chunk_id(0), "kv"))])
+    assert not res[0].ok
+
+
+def test_load_read_through_and_promotion(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    item, payload = make_item("t", chunk_id(1), checksum=False)
+    store.store([item])
+    store.flush(10)
+    store.tiers[0].remove_groups([item.key.group])  # only on disk now
+    dst = np.zeros(1024, np.uint8)
+    assert store.load([LoadItem(item.key, memoryview(dst), expect(item))])[0].ok
+    assert np.array_equal(dst, payload)
+    assert store.tiers[0].contains([item.key]) == [True]  # promoted
+    assert store.metrics.value("loaded_bytes", tier="disk") == 1024
+
+
+def test_corrupt_disk_object_is_refused_and_counted(tmp_path: Path) -> None:
+    store = make_store(tmp_path, memory={"enabled": False})
+    item, _ = make_item("t", chunk_id(1), checksum=False)
+    store.store([item])
+    store.flush(10)
+    disk = store.tiers[0]
+    path = disk.path_of(item.key)  # type: ignore[attr-defined]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x55
+    path.write_bytes(bytes(raw))
+    res = store.load([LoadItem(item.key, memoryview(np.empty(1024, np.uint8)), expect(item))])[0]
+    assert res.status is TierStatus.REJECTED and res.reason is RejectReason.CHECKSUM
+    assert store.metrics.value("rejected_objects", reason="checksum") == 1
+    assert store.metrics.value("load_failures", tenant="t") == 1
+
+
+def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    parent = chunk_id(9)
+    tail_tokens = tuple(range(100, 140))  # 40 computed tokens of a partial block
+    item, _ = make_item("t", tail_chunk(parent), "kv", token_ids=tail_tokens, token_count=40, checksum=False)
+    store.store([item])
+    query = list(range(100, 123)) + [7, 7, 7]  # shares 23 tokens
+    match = store.find_tail("t", GROUP_FP, parent, query, [KV], match_unit=1)
+    assert match is not None and match.tokens == 23 and match.stored_tokens == 40
+    assert store.find_tail("t", GROUP_FP, parent, query, [KV], match_unit=8).tokens == 16  # type: ignore[union-attr]
+    assert store.find_tail("t", GROUP_FP, parent, [1, 2, 3], [KV], 1) is None
+    assert store.find_tail("other", GROUP_FP, parent, query, [KV], 1) is None
+    assert store.find_tail("t", GROUP_FP, chunk_id(8), query, [KV], 1) is None
+
+
+def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    chunk = tail_chunk(None)
+    first, _ = make_item("t", chunk, token_ids=tuple(range(20)), token_count=20, checksum=False)
+    store.store([first])
+    match = store.find_tail("t", GROUP_FP, None, list(range(20)), [KV], 1)
+    assert match is not None
+    second, _ = make_item("t", chunk, seed=5, token_ids=tuple(range(50, 70)), token_count=20, checksum=False)
+    store.store([second])
+    exp = Expectation(MEMBER_FP, "t", chunk, "kv", token_ids_prefix=match.token_ids[: match.tokens])
+    res = store.load([LoadItem(first.key, memoryview(np.empty(1024, np.uint8)), exp)])[0]
+    assert res.status is TierStatus.REJECTED and res.reason is RejectReason.TOKENS
+
+
+def test_tail_needs_draft_member_under_recompute(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    chunk = tail_chunk(None)
+    store.store([make_item("t", chunk, "kv", token_ids=(1, 2, 3, 4), token_count=4, checksum=False)[0]])
+    assert store.find_tail("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1) is None
+    assert store.metrics.value("partial_hits", missing_member="draft") == 1
+    store.store([make_item("t", chunk, "draft", token_ids=(1, 2, 3, 4), token_count=4, checksum=False)[0]])
+    match = store.find_tail("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1)
+    assert match is not None and match.members == ("kv", "draft")
+
+
+class SlowTier(Tier):
+    """A real disk tier behind an artificial delay: fault injection for back-pressure."""
+
+    name = "slow"
+
+    def __init__(self, inner: Tier, delay_s: float, gate: threading.Event | None = None) -> None:
+        self.inner, self.delay_s, self.gate = inner, delay_s, gate
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def get_into(self, keys, dsts, expected, verify_checksum):  # type: ignore[no-untyped-def]
+        return self.inner.get_into(keys, dsts, expected, verify_checksum)
+
+    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        time.sleep(self.delay_s)
+        return self.inner.put_from(items)
+
+    def peek_headers(self, keys):  # type: ignore[no-untyped-def]
+        return self.inner.peek_headers(keys)
+
+    def remove_groups(self, groups):  # type: ignore[no-untyped-def]
+        return self.inner.remove_groups(groups)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+
+def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
+    from kvpack.config import EvictionPolicyName
+    from kvpack.eviction import make_policy
+    from kvpack.tiers.disk import DiskTier
+    from kvpack.tiers.memory import MemoryTier
+
+    cfg = KVPackConfig.from_dict({"write_queue_depth": 4, "io_threads": 1})
+    gate = threading.Event()
+    slow = SlowTier(DiskTier(tmp_path, 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, gate)
+    store = KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), slow])
+    items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(20)]
+    start = time.perf_counter()
+    statuses = store.store(items)
+    elapsed = time.perf_counter() - start
+    gate.set()
+    assert statuses == [TierStatus.OK] * 20  # memory took them all
+    dropped = store.metrics.value("store_dropped", tier="slow", reason="backpressure")
+    assert 15 <= dropped <= 16  # queue of 4 (+1 being written) -> the rest dropped
+    assert elapsed < 5  # did not wait for the gated tier (generous; not a timing assert of speed)
+    assert store.flush(10)
+
+
+class BrokenTier(SlowTier):
+    name = "broken"
+
+    def contains(self, keys):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    def get_into(self, keys, dsts, expected, verify_checksum):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    def put_from(self, items):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+
+def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path) -> None:
+    from kvpack.config import EvictionPolicyName
+    from kvpack.eviction import make_policy
+    from kvpack.tiers.memory import MemoryTier
+
+    cfg = KVPackConfig.from_dict({})
+    store = KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), BrokenTier(None, 0)])  # type: ignore[arg-type]
+    item, payload = make_item("t", chunk_id(1), checksum=False)
+    assert store.store([item]) == [TierStatus.OK]
+    assert store.flush(5)
+    assert store.lookup("t", GROUP_FP, [chunk_id(1), chunk_id(2)], [KV], 16).hit_chunks == 1
+    other, _ = make_item("t", chunk_id(2))
+    res = store.load([LoadItem(other.key, memoryview(np.empty(1024, np.uint8)), expect(other))])
+    assert res[0].status is TierStatus.ERROR
+    assert store.metrics.value("tier_errors", tier="broken") >= 2
+    store.close()
+
+
+def test_closed_store_refuses_stores(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    store.close()
+    assert store.store([make_item("t", chunk_id(1))[0]]) == [TierStatus.UNAVAILABLE]
