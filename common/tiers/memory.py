@@ -8,10 +8,16 @@ against the reader's expectation.
 
 Copies run outside the lock, so concurrent puts and gets of different
 objects proceed in parallel; an object is visible only once fully copied.
+
+Buffers of evicted or overwritten objects are recycled by exact size (KV
+chunks are uniform), so a full tier stores without fresh page faults or, on
+CUDA hosts, fresh pinned allocations. A buffer is recycled only when nothing
+else holds it (a borrowed view in the write-back queue keeps it alive).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,27 @@ def _cuda_available() -> bool:
         return False
 
 
+class _BufferPool:
+    """Free buffers by exact size, at most `limit_bytes` in all. Caller holds the tier lock."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        bucket = self._free.get(nbytes)
+        if not bucket:
+            return None
+        self.bytes -= nbytes
+        return bucket.pop()
+
+    def give(self, data: np.ndarray, limit_bytes: int) -> None:
+        if self.bytes + data.nbytes > limit_bytes:
+            return
+        self._free.setdefault(data.nbytes, []).append(data)
+        self.bytes += data.nbytes
+
+
 class MemoryTier(Tier):
     name = "memory"
 
@@ -62,6 +89,7 @@ class MemoryTier(Tier):
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[GroupKey, set[StoreKey]] = {}
         self._capacity = CapacityManager(capacity, policy, quotas)
+        self._pool = _BufferPool()
         self._pin = _cuda_available() if pin is None else pin
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None
@@ -141,14 +169,34 @@ class MemoryTier(Tier):
             for victim in plan.victims:
                 self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
             self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-        data = _allocate(nbytes, self._pin)
+            data = self._pool.take(nbytes)
+        if data is None:
+            data = _allocate(nbytes, self._pin)
         np.copyto(data, np.frombuffer(item.payload, dtype=np.uint8))
         with self._lock:
             if not self._capacity.has_member(key.group, key.member):
                 return TierStatus.NO_SPACE  # evicted by a concurrent put while copying
+            old = self._objects.get(key)
             self._objects[key] = _Entry(item.header, data)
             self._members.setdefault(key.group, set()).add(key)
+            if old is not None:
+                self._recycle_locked(old)
         return TierStatus.OK
+
+    def _recycle_locked(self, entry: _Entry) -> None:
+        """Pool the buffer of an entry just removed from the index, if unshared.
+
+        Readers and borrowers take references only under the lock, and the entry
+        is no longer indexed, so the counts cannot grow after this check. Expected
+        references: the caller's variable, this parameter, getrefcount's argument
+        (entry); entry.data, the local, getrefcount's argument (data). More means
+        a reader or a write-back job still holds it: leave it to the GC."""
+        if sys.getrefcount(entry) > 3:
+            return
+        data = entry.data
+        if sys.getrefcount(data) > 3:
+            return
+        self._pool.give(data, max(0, self._capacity.capacity - self._capacity.used))
 
     def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
         members = self._capacity.release(group)
@@ -156,7 +204,9 @@ class MemoryTier(Tier):
             self.on_evict(group, sum(members.values()))
         keys = self._members.pop(group, set())
         for k in keys:
-            self._objects.pop(k, None)
+            entry = self._objects.pop(k, None)
+            if entry is not None:
+                self._recycle_locked(entry)
         return len(keys)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:

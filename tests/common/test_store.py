@@ -133,6 +133,7 @@ def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path) -> 
     assert match is not None
     second, _ = make_item("t", chunk, seed=5, token_ids=tuple(range(50, 70)), token_count=20, checksum=False)
     store.store([second])
+    assert store.flush(10)  # every tier now holds the second tail
     exp = Expectation(MEMBER_FP, "t", chunk, "kv", token_ids_prefix=match.token_ids[: match.tokens])
     res = store.load([LoadItem(first.key, memoryview(np.empty(1024, np.uint8)), exp)])[0]
     assert res.status is TierStatus.REJECTED and res.reason is RejectReason.TOKENS

@@ -266,3 +266,20 @@ def test_disk_tenants_live_in_separate_folders(tmp_path: Path) -> None:
     assert not (tmp_path / "beta").exists()
     b_key = type(a.key)("beta", a.key.fingerprint, a.key.chunk, a.key.member)
     assert tier.contains([b_key]) == [False]
+
+
+def test_memory_recycles_buffers_but_never_one_still_borrowed() -> None:
+    tier = MemoryTier(1 << 20, make_policy(EvictionPolicyName.LRU), pin=False)
+    first, payload = make_item("t", chunk_id(1), seed=1)
+    tier.put_from([first])
+    borrowed = tier.borrow(first.key)
+    assert borrowed is not None
+    snapshot = borrowed[1].copy()
+    # Overwrite the key many times: the borrowed buffer must never be reused.
+    for seed in range(2, 10):
+        tier.put_from([make_item("t", chunk_id(1), seed=seed)[0]])
+        tier.put_from([make_item("t", chunk_id(2), seed=seed)[0]])
+    assert np.array_equal(borrowed[1], snapshot)
+    assert np.array_equal(borrowed[1], payload)
+    # Unshared buffers are reused (no growth of the free pool beyond one buffer per put).
+    assert tier._pool.bytes <= 2 * 1024  # noqa: SLF001 - white-box check of recycling

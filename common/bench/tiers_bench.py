@@ -1,0 +1,154 @@
+"""`kvpack bench tiers`: memory and disk tier throughput next to memcpy and raw file I/O.
+
+For each object size, the same bytes are moved four ways in one run:
+memory tier put/get vs `np.copyto` into a warm buffer (memcpy), and disk tier
+put/get vs plain `write`+`rename` / `readinto` of the same bytes in the same
+folder. Gets from disk are served by the page cache in both columns, so the
+ratio isolates kvpack's own cost (header, checks, index, checksum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..config import EvictionPolicyName
+from ..eviction import make_policy
+from ..keys import StoreKey
+from ..layout import KVLayoutSpec
+from ..objects import Expectation, ObjectHeader, payload_checksum
+from ..tiers.base import PutItem, Tier
+from ..tiers.disk import DiskTier
+from ..tiers.memory import MemoryTier
+from .timing import best_seconds, gbps, hardware
+
+SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+
+
+def _items(nbytes: int, count: int, checksum: bool) -> tuple[list[PutItem], list[Expectation], list[np.ndarray]]:
+    spec = KVLayoutSpec("bench", "bench", "uint8", 16)
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(count)]
+    items, exps = [], []
+    for i, p in enumerate(payloads):
+        chunk = f"{i:064x}"
+        header = ObjectHeader(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes, payload_checksum(p) if checksum else None)
+        items.append(PutItem(StoreKey("bench", spec.group_fingerprint, chunk, "kv"), header, memoryview(p)))
+        exps.append(Expectation(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes))
+    return items, exps, payloads
+
+
+def _tier_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], verify: bool, repeats: int) -> tuple[float, float]:
+    total = sum(i.payload.nbytes for i in items)
+    dsts = [np.empty(i.payload.nbytes, np.uint8) for i in items]
+    keys = [i.key for i in items]
+    views = [memoryview(d) for d in dsts]
+    put_s = best_seconds(lambda: tier.put_from(items), repeats)
+    results = tier.get_into(keys, views, exps, verify)
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+    get_s = best_seconds(lambda: tier.get_into(keys, views, exps, verify), repeats)
+    return gbps(total, put_s), gbps(total, get_s)
+
+
+def _memcpy_rate(payloads: list[np.ndarray], repeats: int) -> float:
+    dsts = [np.empty_like(p) for p in payloads]
+
+    def run() -> None:
+        for d, p in zip(dsts, payloads):
+            np.copyto(d, p)
+
+    return gbps(sum(p.nbytes for p in payloads), best_seconds(run, repeats))
+
+
+def _raw_file_rates(folder: Path, payloads: list[np.ndarray], repeats: int) -> tuple[float, float]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"raw{i}" for i in range(len(payloads))]
+
+    def write() -> None:
+        for path, p in zip(paths, payloads):
+            tmp = path.with_name(path.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, memoryview(p))
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+
+    dsts = [np.empty_like(p) for p in payloads]
+
+    def read() -> None:
+        for path, d in zip(paths, dsts):
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(memoryview(d))
+
+    total = sum(p.nbytes for p in payloads)
+    w = gbps(total, best_seconds(write, repeats))
+    r = gbps(total, best_seconds(read, repeats))
+    return w, r
+
+
+def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | str]]:
+    rows: list[dict[str, float | str]] = []
+    for label, size in SIZES.items():
+        count = max(4, total_bytes // size)
+        items, exps, payloads = _items(size, count, checksum=False)
+        memcpy = _memcpy_rate(payloads, repeats)
+        mem = MemoryTier(size * count * 2, make_policy(EvictionPolicyName.LRU), pin=False)
+        mem_put, mem_get = _tier_rates(mem, items, exps, verify=False, repeats=repeats)
+        raw_w, raw_r = _raw_file_rates(folder / f"raw-{label}", payloads, repeats)
+        disk = DiskTier(folder / f"kv-{label}", size * count * 4, make_policy(EvictionPolicyName.LRU))
+        disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
+        rows.append(
+            {
+                "size": label,
+                "memcpy": memcpy,
+                "mem_put": mem_put,
+                "mem_get": mem_get,
+                "raw_write": raw_w,
+                "raw_read": raw_r,
+                "disk_put": disk_put,
+                "disk_get": disk_get,
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, float | str]]) -> str:
+    lines = [
+        "| size | memcpy GB/s | memory put GB/s (x memcpy) | memory get GB/s (x memcpy) | raw write GB/s | disk put GB/s (x raw) | raw read GB/s | disk get GB/s (x raw) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = {k: v for k, v in r.items() if isinstance(v, float)}
+        lines.append(
+            f"| {r['size']} | {f['memcpy']:.2f} | {f['mem_put']:.2f} ({f['mem_put'] / f['memcpy']:.2f}x) "
+            f"| {f['mem_get']:.2f} ({f['mem_get'] / f['memcpy']:.2f}x) | {f['raw_write']:.2f} "
+            f"| {f['disk_put']:.2f} ({f['disk_put'] / f['raw_write']:.2f}x) | {f['raw_read']:.2f} "
+            f"| {f['disk_get']:.2f} ({f['disk_get'] / f['raw_read']:.2f}x) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpack bench tiers", description=__doc__.splitlines()[0])
+    parser.add_argument("--total", default="64MiB", help="bytes moved per measurement (default 64MiB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="folder for the disk measurements (default: a temp folder)")
+    args = parser.parse_args(argv)
+    from ..sizes import parse_size
+
+    folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvpack-bench-"))
+    try:
+        rows = run(parse_size(args.total), args.repeats, folder)
+    finally:
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(f"kvpack bench tiers on {hardware()}; disk folder on {folder.parent}")
+    print("memory gets skip the payload checksum (checksum=boundary); disk gets verify it.")
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,89 @@
+"""Read-only summary of a disk store: what it holds per tenant, layout and member.
+
+Used by `kvpack inspect DIR`. It never modifies the folder (unlike opening a
+`DiskTier`, which deletes unreadable files) and never trusts a file: every
+header is decoded and self-checked; files that fail are counted as unreadable.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .objects import HEADER_PREFIX_BYTES, ObjectRejected, decode_header, header_length
+from .tiers.disk import SUFFIX
+
+
+@dataclass
+class TenantSummary:
+    tenant: str
+    fingerprints: set[str] = field(default_factory=set)
+    groups: set[tuple[str, str]] = field(default_factory=set)
+    objects: int = 0
+    payload_bytes: int = 0
+    tails: int = 0
+    members: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+@dataclass
+class StoreSummary:
+    root: Path
+    tenants: dict[str, TenantSummary] = field(default_factory=dict)
+    unreadable: list[Path] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "root": str(self.root),
+            "unreadable": len(self.unreadable),
+            "tenants": {
+                t.tenant: {
+                    "layouts": len(t.fingerprints),
+                    "groups": len(t.groups),
+                    "objects": t.objects,
+                    "payload_bytes": t.payload_bytes,
+                    "tails": t.tails,
+                    "members": dict(t.members),
+                }
+                for t in self.tenants.values()
+            },
+        }
+
+
+def summarize(root: Path) -> StoreSummary:
+    summary = StoreSummary(root)
+    for path in sorted(root.glob(f"*/*/*/*{SUFFIX}")):
+        try:
+            with open(path, "rb") as f:
+                prefix = f.read(HEADER_PREFIX_BYTES)
+                header = decode_header(prefix + f.read(header_length(prefix) - len(prefix)))
+        except (OSError, ObjectRejected):
+            summary.unreadable.append(path)
+            continue
+        tenant_dir, fp_dir = path.parent.parent.parent.name, path.parent.parent.name
+        if header.tenant != tenant_dir:
+            summary.unreadable.append(path)  # a file placed under another tenant's folder
+            continue
+        t = summary.tenants.setdefault(header.tenant, TenantSummary(header.tenant))
+        t.fingerprints.add(fp_dir)
+        t.groups.add((fp_dir, header.chunk))
+        t.objects += 1
+        t.payload_bytes += header.payload_len
+        t.tails += header.chunk.endswith("-tail")
+        t.members[header.member] += 1
+    return summary
+
+
+def format_summary(summary: StoreSummary) -> str:
+    lines = [f"kvpack store at {summary.root}"]
+    if not summary.tenants:
+        lines.append("  (empty)")
+    for t in sorted(summary.tenants.values(), key=lambda t: t.tenant):
+        members = ", ".join(f"{m}={n}" for m, n in sorted(t.members.items()))
+        lines.append(
+            f"  tenant {t.tenant}: {len(t.groups)} groups, {t.objects} objects ({members}), "
+            f"{t.payload_bytes / 2**20:.1f} MiB, {t.tails} tails, {len(t.fingerprints)} layouts"
+        )
+    if summary.unreadable:
+        lines.append(f"  {len(summary.unreadable)} unreadable files (would be refused on load), e.g. {summary.unreadable[0]}")
+    return "\n".join(lines)
