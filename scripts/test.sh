@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The README's test command (`make test`). On a fresh machine it installs what
+# the tests need (apt libibverbs1, two venvs from requirements/pins.txt), then
+# runs every suite with the real parts: vLLM CPU, Mooncake, SGLang classes.
+#
+#   scripts/test.sh            # everything CI runs
+#   scripts/test.sh -k tail    # extra args go to both pytest runs
+#
+# Suites in the vLLM venv: tests/common tests/ops tests/vllm tests/mooncake tests/soak (short form)
+# Suites in the SGLang venv: tests/sglang
+# Prints one combined 'N passed, N failed, N skipped' line at the end.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 MC_TCP_BIND_ADDRESS=127.0.0.1
+export TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=1
+
+vllm_venv="$(scripts/venv.sh vllm)" || { echo "could not build the vLLM venv" >&2; exit 1; }
+sglang_venv="$(scripts/venv.sh sglang)" || { echo "could not build the SGLang venv" >&2; exit 1; }
+
+reports="$(mktemp -d)"
+trap 'rm -rf "$reports"' EXIT
+status=0
+
+run_suite() {  # name venv dirs...
+  local name="$1" venv="$2"; shift 2
+  local dirs=()
+  for d in "$@"; do [ -d "$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || return 0
+  echo "=== $name: ${dirs[*]} ($venv)"
+  "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra --junitxml="$reports/$name.xml" "${dirs[@]}" "${PYTEST_ARGS[@]}"
+  local rc=$?
+  [ $rc -eq 0 ] || status=1
+}
+
+PYTEST_ARGS=("$@")
+run_suite vllm-venv "$vllm_venv" tests/common tests/ops tests/vllm tests/mooncake tests/soak
+run_suite sglang-venv "$sglang_venv" tests/sglang
+
+python3 - "$reports" <<'PY'
+import sys, pathlib, xml.etree.ElementTree as ET
+tests = failures = errors = skipped = 0
+for f in pathlib.Path(sys.argv[1]).glob("*.xml"):
+    for suite in ET.parse(f).getroot().iter("testsuite"):
+        tests += int(suite.get("tests", 0)); failures += int(suite.get("failures", 0))
+        errors += int(suite.get("errors", 0)); skipped += int(suite.get("skipped", 0))
+passed = tests - failures - errors - skipped
+print(f"kvpack: {passed} passed, {failures + errors} failed, {skipped} skipped")
+sys.exit(0 if tests and not (failures or errors) else 1)
+PY
+[ $? -eq 0 ] || status=1
+exit $status
