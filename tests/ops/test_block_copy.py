@@ -154,3 +154,20 @@ def test_empty_block_list_is_a_no_op() -> None:
         gather_blocks(case.kv, [], out, backend=backend)
         scatter_blocks(case.kv, [], out, backend=backend)
     assert bool((out == POISON).all())
+
+
+@pytest.mark.parametrize("layout", sorted(BUILDERS))
+def test_fallback_per_block_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback copies big blocks one by one; force that path on these small blocks."""
+    from kvpack.ops import _reference
+
+    monkeypatch.setattr(_reference, "_PER_BLOCK_COPY_BYTES", 0)
+    case = build(layout, torch.bfloat16)
+    ids = _ids(random.Random(layout), 5)
+    out = _staging(case, len(ids), "cpu")
+    gather_blocks(case.kv, ids, out, backend=Backend.TORCH)
+    assert torch.equal(out, expected_staging(case, ids, POISON))
+    target = case.clone_zeroed()
+    scatter_blocks(target.kv, ids, out, backend=Backend.TORCH)
+    want = _expected_cache(case.clone_zeroed(), case, ids, 0, None)
+    assert all(torch.equal(t.view(torch.uint8), w) for t, w in zip(target.tensors, want))

@@ -1,0 +1,174 @@
+"""`kvpack bench copy`: block gather/scatter throughput next to a plain copy of the same bytes.
+
+CPU: the vLLM CPU layout ([num_blocks, kv_heads, block_size, 2*head_size] per layer),
+C++ kernel and torch fallback vs one contiguous ``dst.copy_(src)`` of the same
+number of bytes, all measured in this run. GPU (when CUDA is available): the vLLM
+flash-attention layout ([2, num_blocks, block_size, kv_heads, head_size] per layer)
+gathered into pinned host memory and into device memory, and scattered back, vs a
+pinned D2H/H2D copy and a device-to-device copy of the same bytes.
+
+GB/s counts the staging bytes once (like memcpy: n_blocks * slot_bytes per call).
+Prints ratios; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvpack.bench.timing import best_seconds, gbps, hardware
+from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured line: what, GB/s, and the baseline it is compared with."""
+
+    what: str
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvpack bench copy", description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--block-tokens", type=int, default=128)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--blocks", type=int, default=64, help="blocks copied per call")
+    p.add_argument("--cache-blocks", type=int, default=0, help="blocks in the cache (default 2x --blocks)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
+    p.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
+    p.add_argument("--markdown", default="", help="append a markdown section with the results to this file")
+    return p.parse_args(argv)
+
+
+def _ids(args: argparse.Namespace, cache_blocks: int) -> list[int]:
+    rng = random.Random(0)
+    return rng.sample(range(cache_blocks), args.blocks)  # unsorted, as an engine hands them over
+
+
+def _cpu_rows(args: argparse.Namespace) -> list[Row]:
+    dtype = DTYPES[args.dtype]
+    nb = args.cache_blocks or 2 * args.blocks
+    shape = (nb, args.kv_heads, args.block_tokens, 2 * args.head_size)
+    layers = [torch.empty(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype) for _ in range(args.layers)]
+    for t in layers:
+        t.view(torch.uint8).random_(0, 256)
+    if dtype.itemsize == 1:
+        layers = [t.view(dtype) for t in layers]
+    kv = PagedKV.from_layers(layers)
+    ids = _ids(args, nb)
+    nbytes = len(ids) * kv.layout.slot_bytes
+    staging = torch.empty(nbytes, dtype=torch.uint8)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    base = gbps(nbytes, best_seconds(lambda: dst.copy_(src), args.repeats))
+    rows = []
+    backends = ([Backend.CPP] if load_extension().available else []) + [Backend.TORCH]
+    for b in backends:
+        g = gbps(nbytes, best_seconds(lambda: gather_blocks(kv, ids, staging, backend=b), args.repeats))
+        s = gbps(nbytes, best_seconds(lambda: scatter_blocks(kv, ids, staging, backend=b), args.repeats))
+        rows += [Row(f"cpu gather {b.value}", g, "memcpy", base), Row(f"cpu scatter {b.value}", s, "memcpy", base)]
+    return rows
+
+
+def _cuda_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds per call from CUDA events, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _gpu_rows(args: argparse.Namespace) -> list[Row]:
+    dtype = DTYPES[args.dtype]
+    nb = args.cache_blocks or 2 * args.blocks
+    shape = (2, nb, args.block_tokens, args.kv_heads, args.head_size)
+    dev = torch.device("cuda")
+    layers = [torch.empty(shape, dtype=torch.uint8, device=dev).random_(0, 256).view(dtype) for _ in range(args.layers)]
+    kv = PagedKV.from_layers(layers)
+    ids = _ids(args, nb)
+    nbytes = len(ids) * kv.layout.slot_bytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 256)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    r = args.repeats
+    d2h = gbps(nbytes, _cuda_seconds(lambda: pinned.copy_(dev_a, non_blocking=True), r))
+    h2d = gbps(nbytes, _cuda_seconds(lambda: dev_a.copy_(pinned, non_blocking=True), r))
+    d2d = gbps(nbytes, _cuda_seconds(lambda: dev_b.copy_(dev_a), r))
+    rows = []
+    backends = ([Backend.CUDA] if load_extension().has_cuda else []) + [Backend.TORCH]
+    for b in backends:
+        def run(fn: Callable[..., object], buf: torch.Tensor) -> float:
+            return gbps(nbytes, _cuda_seconds(lambda: fn(kv, ids, buf, backend=b), r))
+
+        rows += [
+            Row(f"gpu gather->pinned {b.value}", run(gather_blocks, pinned), "pinned D2H copy", d2h),
+            Row(f"gpu scatter<-pinned {b.value}", run(scatter_blocks, pinned), "pinned H2D copy", h2d),
+            Row(f"gpu gather->device {b.value}", run(gather_blocks, dev_b), "d2d copy", d2d),
+            Row(f"gpu scatter<-device {b.value}", run(scatter_blocks, dev_b), "d2d copy", d2d),
+        ]
+    return rows
+
+
+def _table(rows: list[Row]) -> list[str]:
+    out = ["| operation | GB/s | baseline | baseline GB/s | ratio |", "|---|---:|---|---:|---:|"]
+    for row in rows:
+        out.append(f"| {row.what} | {row.gbps:.2f} | {row.baseline} | {row.baseline_gbps:.2f} | {row.ratio:.2f}x |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    status = load_extension()
+    gpu = torch.cuda.is_available() and not args.no_gpu
+    lines = [
+        f"hardware: {hardware()}" + (f"; GPU: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "; no GPU"),
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; kernels: {status.reason}",
+        f"shape: {args.layers} layers, {args.blocks} of {args.cache_blocks or 2 * args.blocks} blocks, "
+        f"{args.block_tokens} tokens/block, {args.kv_heads} kv heads, head {args.head_size}, {args.dtype}",
+    ]
+    for line in lines:
+        print(line)
+    rows: list[Row] = []
+    if not args.no_cpu:
+        rows += _cpu_rows(args)
+    if gpu:
+        rows += _gpu_rows(args)
+    table = _table(rows)
+    print("\n".join(table))
+    if args.markdown:
+        cmd = "kvpack bench copy " + " ".join(sys.argv[1:] if argv is None else argv)
+        stamp = time.strftime("%Y-%m-%d")
+        with open(args.markdown, "a") as f:
+            f.write(f"\n## Block copy ({stamp})\n\nCommand: `{cmd.strip()}`\n\n")
+            f.write("\n".join(f"- {line}" for line in lines) + "\n\n" + "\n".join(table) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
