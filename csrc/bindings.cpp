@@ -4,6 +4,7 @@
 //                         Tensor(a!) out, int[] geometry, int ptr_align, int stream) -> ()
 //   kvpack::scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
 //                          Tensor src, int[] geometry, int ptr_align, int stream) -> ()
+//   kvpack::emulate_cuda_copy(...)  test aid: the CUDA kernel's indexing on the CPU
 //
 // `tensors` are the cache tensors that own the memory (listed so that the
 // dispatcher knows their device and that scatter mutates them); the addresses
@@ -92,6 +93,20 @@ void scatter_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::
   copy_cpu(ptr_table, block_ids, src, g, 0);
 }
 
+void emulate_cuda_copy(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                       const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, bool gather) {
+  (void)tensors;
+  const KvpGeometry g = unpack_geometry(geometry);
+  check_common(ptr_table, block_ids, staging, g, "staging");
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
+              "kvpack: the CUDA-kernel emulation runs on CPU tensors only");
+  const int rc = kvp_block_copy_emulate_cuda(
+      reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()), block_ids.data_ptr<int64_t>(),
+      block_ids.numel(), static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0, ptr_align);
+  TORCH_CHECK(rc != KVP_ERR_MISALIGNED, "kvpack: emulated CUDA copy formed a misaligned word address");
+  TORCH_CHECK(rc == KVP_OK, "kvpack: emulated CUDA copy failed (code ", rc, ")");
+}
+
 #ifdef KVPACK_WITH_CUDA
 void copy_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
                const at::Tensor& staging, const KvpGeometry& g, int64_t ptr_align, int64_t stream,
@@ -141,11 +156,16 @@ TORCH_LIBRARY(kvpack, m) {
       "scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor src, "
       "int[] geometry, int ptr_align, int stream) -> ()");
   m.def("has_cuda() -> bool", &has_cuda);
+  // Test aid (CPU): block_copy.cu's word-by-word indexing, run on the CPU.
+  m.def(
+      "emulate_cuda_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
+      "int[] geometry, int ptr_align, bool gather) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("gather_blocks", &gather_cpu);
   m.impl("scatter_blocks", &scatter_cpu);
+  m.impl("emulate_cuda_copy", &emulate_cuda_copy);
 }
 
 #ifdef KVPACK_WITH_CUDA

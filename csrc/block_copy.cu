@@ -57,31 +57,20 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  for (int64_t w = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; w < total; w += stride) {
-    int64_t run = w / words_per_run;
-    const int64_t in_run = (w - run * words_per_run) * VEC;
-    int64_t a = 0, b = 0;
-    if (r.nb == 1) {
-      a = run;
-    } else {
-      a = run / r.nb;
-      b = run - a * r.nb;
-    }
-    W* c = reinterpret_cast<W*>(cache + a * r.src_a + b * r.src_b + in_run);
-    W* s = reinterpret_cast<W*>(stage + a * r.dst_a + b * r.dst_b + in_run);
+  // Strided runs: 32-bit index math (the launcher guarantees a unit has < 2^32 words).
+  const uint32_t wpr = static_cast<uint32_t>(words_per_run);
+  for (uint32_t w = blockIdx.y * blockDim.x + threadIdx.x; w < static_cast<uint32_t>(total);
+       w += static_cast<uint32_t>(stride)) {
+    int64_t src_off, dst_off;
+    kvp_word_offsets(r, w, wpr, VEC, &src_off, &dst_off);
+    W* c = reinterpret_cast<W*>(cache + src_off);
+    W* s = reinterpret_cast<W*>(stage + dst_off);
     if (gather) {
       *s = *c;
     } else {
       *c = *s;
     }
   }
-}
-
-__host__ int64_t align_of(int64_t v) {
-  if (v == 0) return 16;
-  int64_t a = 1;
-  while (a < 16 && (v % (a * 2)) == 0) a *= 2;
-  return a;
 }
 
 template <int VEC>
@@ -94,6 +83,9 @@ cudaError_t launch(const uint64_t* ptr_table, const int64_t* block_ids, int64_t 
   if (chunks < 1) chunks = 1;
   if (chunks > 65535) chunks = 65535;
   if (units > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (unit_bytes / VEC >= 0xffffffffLL - static_cast<int64_t>(chunks) * kThreads) {
+    return cudaErrorInvalidConfiguration;  // the strided path indexes words in 32 bits
+  }
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(chunks));
   block_copy_kernel<VEC><<<grid, kThreads, 0, stream>>>(ptr_table, block_ids, n, staging, g, gather);
   return cudaGetLastError();
@@ -109,20 +101,7 @@ extern "C" cudaError_t kvp_block_copy_cuda(const uint64_t* d_ptr_table, const in
   const KvpGeometry g = *gp;
   if (g.num_layers <= 0 || g.num_segments <= 0 || g.row_bytes <= 0) return cudaErrorInvalidValue;
 
-  // Every byte address the kernel forms is a sum of these terms (times integers).
-  int64_t align = align_of(ptr_align);
-  const int64_t terms[] = {
-      static_cast<int64_t>(reinterpret_cast<uintptr_t>(staging)),
-      g.block_stride,
-      g.outer_stride,
-      g.inner_stride,
-      g.row_bytes,
-      kvp_segment_bytes(g),
-  };
-  for (int64_t t : terms) {
-    int64_t a = align_of(t);
-    if (a < align) align = a;
-  }
+  const int64_t align = kvp_pick_vec(g, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(staging)), ptr_align);
   if (align >= 16) return launch<16>(d_ptr_table, d_block_ids, n, staging, g, gather, stream);
   if (align >= 8) return launch<8>(d_ptr_table, d_block_ids, n, staging, g, gather, stream);
   if (align >= 4) return launch<4>(d_ptr_table, d_block_ids, n, staging, g, gather, stream);

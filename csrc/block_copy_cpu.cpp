@@ -55,3 +55,39 @@ extern "C" int kvp_block_copy_cpu(const uint64_t* ptr_table, const int64_t* bloc
   (void)num_threads;
   return KVP_OK;
 }
+
+extern "C" int kvp_block_copy_emulate_cuda(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
+                                           uint8_t* staging, const KvpGeometry* gp, int gather,
+                                           int64_t ptr_align) {
+  const KvpGeometry g = *gp;
+  for (int64_t i = 0; i < n; ++i) {
+    if (block_ids[i] < 0 || block_ids[i] >= g.num_cache_blocks) return KVP_ERR_BLOCK_ID;
+  }
+  const int64_t vec = kvp_pick_vec(g, (uint64_t)(uintptr_t)staging, ptr_align);
+  const int64_t segs = g.num_layers * g.num_segments;
+  for (int64_t unit = 0; unit < n * segs; ++unit) {
+    const int64_t i = unit / segs;
+    const int64_t ls = unit % segs;
+    const KvpRuns r = kvp_plan(g, i, n);
+    if (r.na <= 0 || r.nb <= 0 || r.run_len % vec != 0) return KVP_ERR_GEOMETRY;
+    const int64_t words_per_run = r.run_len / vec;
+    const int64_t total = words_per_run * r.na * r.nb;
+    uint8_t* cache = (uint8_t*)(uintptr_t)ptr_table[ls] + block_ids[i] * g.block_stride + r.src_off;
+    uint8_t* stage = staging + i * kvp_slot_bytes(g) + ls * kvp_segment_bytes(g) + r.dst_off;
+    for (int64_t w = 0; w < total; ++w) {
+      int64_t src_off = w * vec, dst_off = w * vec;  // the kernel's dense path
+      if (!(r.na == 1 && r.nb == 1)) {
+        kvp_word_offsets(r, (uint32_t)w, (uint32_t)words_per_run, vec, &src_off, &dst_off);
+      }
+      uint8_t* c = cache + src_off;
+      uint8_t* s = stage + dst_off;
+      if (((uintptr_t)c % (uintptr_t)vec) != 0 || ((uintptr_t)s % (uintptr_t)vec) != 0) return KVP_ERR_MISALIGNED;
+      if (gather) {
+        memcpy(s, c, (size_t)vec);
+      } else {
+        memcpy(c, s, (size_t)vec);
+      }
+    }
+  }
+  return KVP_OK;
+}

@@ -104,3 +104,39 @@ KVP_HD KvpRuns kvp_plan(const KvpGeometry& g, int64_t i, int64_t n) {
   }
   return r;
 }
+
+// Largest power of two <= 16 dividing v (16 for v == 0).
+KVP_HD int64_t kvp_align_of(int64_t v) {
+  if (v == 0) return 16;
+  int64_t a = 1;
+  while (a < 16 && (v % (a * 2)) == 0) a *= 2;
+  return a;
+}
+
+// Word size (16, 8, 4 or 1 bytes) for a launch: it must divide every address the
+// copy forms, i.e. the segment bases (ptr_align), the staging address, every
+// stride and every run length (all run lengths are multiples of row_bytes).
+KVP_HD int64_t kvp_pick_vec(const KvpGeometry& g, uint64_t staging_addr, int64_t ptr_align) {
+  int64_t a = kvp_align_of(ptr_align);
+  const int64_t terms[6] = {(int64_t)(staging_addr & 0xff), g.block_stride, g.outer_stride,
+                            g.inner_stride, g.row_bytes, kvp_segment_bytes(g)};
+  for (int k = 0; k < 6; ++k) {
+    const int64_t t = kvp_align_of(terms[k]);
+    if (t < a) a = t;
+  }
+  return a >= 16 ? 16 : a >= 8 ? 8 : a >= 4 ? 4 : 1;
+}
+
+// Byte offsets of word w of a unit (relative to the unit's cache and staging
+// starts), as the CUDA kernel walks a unit: na x nb runs of wpr words of vec bytes,
+// run-major. 32-bit word index: a unit holds < 2^32 words (checked by the launcher).
+KVP_HD void kvp_word_offsets(const KvpRuns& r, uint32_t w, uint32_t wpr, int64_t vec, int64_t* src,
+                             int64_t* dst) {
+  const uint32_t run = w / wpr;
+  const int64_t in_run = (int64_t)(w - run * wpr) * vec;
+  const uint32_t nb = (uint32_t)r.nb;
+  const uint32_t a = (nb == 1) ? run : run / nb;
+  const uint32_t b = run - a * nb;
+  *src = (int64_t)a * r.src_a + (int64_t)b * r.src_b + in_run;
+  *dst = (int64_t)a * r.dst_a + (int64_t)b * r.dst_b + in_run;
+}
