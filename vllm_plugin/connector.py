@@ -1,0 +1,189 @@
+"""KVPackConnector: vLLM's `KVConnectorBase_V1` over kvpack's store.
+
+The class only routes vLLM's calls to the half that runs in this process
+(`SchedulerSide` in the engine core, `WorkerSide` in each worker) and
+translates between vLLM's and kvpack's types; policy and storage live in the
+core (`kvpack.store`). Use it by name once the plugin is installed::
+
+    --kv-transfer-config '{"kv_connector":"KVPackConnector","kv_role":"kv_both",
+                           "kv_connector_extra_config":{...kvpack config...}}'
+
+or with ``"kv_connector_module_path":"kvpack.vllm_plugin"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .metadata import KVPackConnectorMetadata
+from .scheduler import SchedulerSide
+from .settings import load_config, make_scope
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpack.vllm")
+
+_LIVE: weakref.WeakSet[KVPackConnector] = weakref.WeakSet()
+
+
+def live_connectors() -> list[KVPackConnector]:
+    """Connectors alive in this process (tests read their stores' metrics)."""
+    return list(_LIVE)
+
+
+@dataclass
+class KVPackConnectorStats(KVConnectorStats):
+    """Counters of one interval (hit tokens, blocks loaded/saved, failures), summed over workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVPackConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.kvpack_config = load_config(vllm_config)  # ConfigError names the field: fails start-up
+        self.scope = make_scope(vllm_config)
+        ktc = self._kv_transfer_config
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            raise ValueError(
+                f"kvpack: this model has {groups} KV cache groups; the kvpack vLLM connector supports one "
+                "(all attention layers, target and draft, in one block index space)"
+            )
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.kv_load_failure_policy != "recompute":
+                # A cache must never fail a request: a load that fails is a recompute (principle 4).
+                log.info("kvpack: setting kv_load_failure_policy='recompute' (was %r)", ktc.kv_load_failure_policy)
+                ktc.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerSide(
+                self.kvpack_config, self.scope, can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer
+            )
+        else:
+            self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
+        self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        _LIVE.add(self)
+
+    @property
+    def store(self):  # type: ignore[no-untyped-def]
+        """This process's `KVStore` (scheduler view or worker store)."""
+        side = self.scheduler or self.worker
+        assert side is not None
+        return side.store
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # -- worker side ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KVPackConnectorMetadata):
+            has_forward = getattr(forward_context, "attn_metadata", None) is not None
+            self.worker.start_step(meta, has_forward)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before vLLM schedules the request (async loads)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # saves are whole blocks of all layers, queued once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KVPackConnectorMetadata):
+            self.worker.queue_saves(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished()
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report() if self.worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.scheduler or self.worker
+        stats = side.take_stats() if side is not None else {}
+        return KVPackConnectorStats(data=stats) if stats else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPackConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        for side in (self.worker, self.scheduler):
+            if side is not None:
+                side.close()
+
+    # -- scheduler side ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(
+            connector_output.finished_sending, connector_output.kv_connector_worker_meta
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)

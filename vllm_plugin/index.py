@@ -1,0 +1,105 @@
+"""The scheduler side's view of the workers' host-memory tiers.
+
+In vLLM's default mode the scheduler runs in the engine-core process and the
+workers elsewhere, so the scheduler cannot ask the workers' memory tiers
+directly. Workers report every object they put into memory and every group
+their memory evicts (`KVPackWorkerMetadata`); this `Tier` answers `contains`
+and `peek_headers` from those reports, so `KVStore.lookup` and
+`KVStore.find_tail` see memory like any other tier. It never holds payloads:
+`get_into` answers MISS (loads run on the workers, which hold the data).
+
+A stale entry (evicted after the report was sent) costs one failed load,
+which the connector reports to vLLM as a load error (recompute), never a
+wrong load.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvpack.keys import GroupKey, StoreKey
+from kvpack.objects import Expectation, ObjectHeader
+from kvpack.tiers.base import GetResult, PutItem, Tier, TierStatus, TierUsage
+
+from .metadata import StoredObject
+
+
+class ReportedMemoryIndex(Tier):
+    """Index of the workers' memory tiers, fed by their reports. Bounded (oldest dropped)."""
+
+    name = "memory"
+
+    def __init__(self, max_objects: int = 1_000_000) -> None:
+        self._lock = threading.Lock()
+        self._headers: OrderedDict[StoreKey, ObjectHeader] = OrderedDict()
+        self._by_group: dict[GroupKey, set[StoreKey]] = {}
+        self._max = max_objects
+
+    # -- reports -------------------------------------------------------------
+
+    def apply(self, stored: Sequence[StoredObject], evicted: Sequence[str]) -> None:
+        with self._lock:
+            for group_str in evicted:
+                try:
+                    _, tenant, fp, chunk = group_str.split("/")
+                except ValueError:
+                    continue
+                for key in self._by_group.pop(GroupKey(tenant, fp, chunk), set()):
+                    self._headers.pop(key, None)
+            for obj in stored:
+                key = StoreKey.parse(obj.key)
+                self._headers[key] = ObjectHeader(
+                    fingerprint="0" * 32,
+                    tenant=key.tenant,
+                    chunk=key.chunk,
+                    member=key.member,
+                    token_count=obj.token_count,
+                    payload_len=obj.payload_len,
+                    checksum=None,
+                    token_ids=obj.token_ids,
+                )
+                self._headers.move_to_end(key)
+                self._by_group.setdefault(key.group, set()).add(key)
+            while len(self._headers) > self._max:
+                old, _ = self._headers.popitem(last=False)
+                members = self._by_group.get(old.group)
+                if members is not None:
+                    members.discard(old)
+                    if not members:
+                        del self._by_group[old.group]
+
+    # -- Tier ----------------------------------------------------------------
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._headers for k in keys]
+
+    def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
+        with self._lock:
+            return [self._headers.get(k) for k in keys]
+
+    def get_into(
+        self,
+        keys: Sequence[StoreKey],
+        dsts: Sequence[memoryview],
+        expected: Sequence[Expectation],
+        verify_checksum: bool,
+    ) -> list[GetResult]:
+        return [GetResult(TierStatus.MISS) for _ in keys]
+
+    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        return [TierStatus.UNAVAILABLE for _ in items]
+
+    def remove_groups(self, groups: Sequence[GroupKey]) -> int:
+        removed = 0
+        with self._lock:
+            for g in groups:
+                for key in self._by_group.pop(g, set()):
+                    removed += self._headers.pop(key, None) is not None
+        return removed
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(0, 0, len(self._headers), len(self._by_group))
