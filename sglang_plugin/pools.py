@@ -1,0 +1,216 @@
+"""One SGLang host pool bound to one kvpack group member, and its page copies.
+
+SGLang describes where a page of a host pool lives with the pool's own buffer
+metadata, ``host_pool.get_page_buffer_meta(host_indices)``: for every page, in
+the pool's order, ``parts`` (pointer, size) regions. kvpack's object for a
+page is those regions concatenated, so every host layout (``layer_first``,
+``page_first``, ``page_first_direct``; MHA, MLA, Mamba, indexer...) is
+handled by the same code, and the object bytes equal SGLang's zero-copy
+order for that pool. Objects are only interchangeable between pools with the
+same layout fingerprint (`PoolBinding.member_fingerprint`), which every load
+checks.
+
+Copies are whole regions (``memmove``): a page whose regions are one
+contiguous run (MLA ``page_first``) is stored and loaded straight from and
+into the host pool; other pages go through one staging buffer per thread.
+No per-token Python loop anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..groups import MemberRole, MemberSpec
+from ..keys import validate_member
+from ..layout import KVLayoutSpec
+
+DRAFT_POOLS = frozenset({"draft", "draft_indexer", "draft_swa"})
+"""SGLang pools that hold speculative-decoding draft state (sidecars)."""
+
+
+def pool_name(name: Any) -> str:
+    """The plain string of a PoolName enum member or a string."""
+    return str(name.value) if isinstance(name, Enum) else str(name)
+
+
+def role_of(name: str) -> MemberRole:
+    if name == "kv":
+        return MemberRole.TARGET
+    if name in DRAFT_POOLS:
+        return MemberRole.DRAFT
+    return MemberRole.STATE
+
+
+def raw_view(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` at address `ptr` (host memory the pool owns)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+def is_replicated(host_pool: Any, name: str, is_mla_model: bool) -> bool:
+    """True when every TP rank holds the same bytes for this pool (MLA KV).
+
+    Replicated pools are written once per DCP shard (``is_storage_writer``)
+    and keyed without the TP rank; TP-sharded pools (MHA KV, Mamba state, an
+    MHA draft on an MLA target) are keyed per rank.
+    """
+    try:
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    except Exception:  # pragma: no cover - sglang missing: only MHA pools exist
+        return False
+    if isinstance(host_pool, MLATokenToKVPoolHost):
+        return True
+    return name == "kv" and is_mla_model and not hasattr(host_pool, "v_buffer")
+
+
+def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int) -> str:
+    base = pool if pp_size == 1 else f"{pool}_pp{pp_rank}"
+    suffix = f"@{shard}of{shards}" if shards > 1 else ""
+    try:
+        return validate_member(base + suffix)
+    except ValueError:
+        digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+        return validate_member(f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}")
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """What of SGLang's HiCacheStorageConfig decides keys and writers."""
+
+    model: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dcp_rank: int
+    dcp_size: int
+    is_mla_model: bool
+    is_storage_writer: bool
+
+
+class PoolBinding:
+    """A registered host pool as one member of every page's kvpack group.
+
+    Attributes:
+        name: SGLang pool name (``kv``, ``draft``, ``mamba``...).
+        member: kvpack member name (pool + shard suffix, e.g. ``kv@1of2``).
+        spec: the MemberSpec (role TARGET for kv, DRAFT for draft pools).
+        page_size: tokens (slots) per page of this pool.
+        part_sizes: byte size of each region of one page, in metadata order.
+        page_bytes: one object's payload size.
+        writes: False on replicated pools of a rank that is not the storage writer.
+    """
+
+    def __init__(self, name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> None:
+        self.name = name
+        self.host_pool = host_pool
+        self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        probe = torch.arange(self.page_size, dtype=torch.int64)
+        ptrs, sizes = host_pool.get_page_buffer_meta(probe)
+        if not ptrs or len(ptrs) != len(sizes):
+            raise ValueError(f"pool {name}: get_page_buffer_meta gave {len(ptrs)} pointers, {len(sizes)} sizes")
+        self.part_sizes = tuple(int(s) for s in sizes)
+        self.parts = len(self.part_sizes)
+        self.page_bytes = sum(self.part_sizes)
+        self.replicated = is_replicated(host_pool, name, par.is_mla_model)
+        if self.replicated:
+            shard, shards = par.dcp_rank, par.dcp_size
+            self.writes = par.is_storage_writer
+        else:
+            shard, shards = par.tp_rank, par.tp_size
+            self.writes = True
+        self.member = _member_name(name, par.pp_rank, par.pp_size, shard, shards)
+        dtype = str(getattr(host_pool, "dtype", "unknown")).removeprefix("torch.")
+        extra = {
+            "pool": name,
+            "class": type(host_pool).__name__,
+            "host_layout": str(getattr(host_pool, "layout", "")),
+            "replicated": str(self.replicated),
+            "shard": f"{shard}/{shards}",
+            "dcp": f"{par.dcp_rank}/{par.dcp_size}" if self.replicated else "-",
+            "mla_model": str(par.is_mla_model),
+        }
+        for attr in ("layer_num", "target_layer_num", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "start_layer", "end_layer"):
+            value = getattr(host_pool, attr, None)
+            if isinstance(value, (int, str)):
+                extra[attr] = str(value)
+        self.layout = KVLayoutSpec(
+            engine=f"sglang:{layout_name}",
+            model=par.model,
+            dtype=dtype,
+            chunk_tokens=self.page_size,
+            tp_size=par.tp_size,
+            pp_size=par.pp_size,
+            tp_rank=shard,
+            pp_rank=par.pp_rank,
+            layer_names=(name,),
+            layer_shape=self.part_sizes,
+            extra=tuple(sorted(extra.items())),
+        )
+        self.member_fingerprint = self.layout.member_fingerprint
+        self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
+
+    def regions(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[int], list[int]]:
+        """Pointers and sizes of every page's regions (``n_pages * parts`` each).
+
+        Raises ValueError when the indices do not cover `n_pages` pages or the
+        pool's metadata does not match the geometry seen at registration.
+        """
+        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
+            got = None if host_indices is None else int(host_indices.numel())
+            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
+        ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices.to("cpu"))
+        if len(ptrs) != n_pages * self.parts or len(sizes) != len(ptrs):
+            raise ValueError(f"pool {self.name}: {len(ptrs)} regions for {n_pages} pages of {self.parts}")
+        if [int(s) for s in sizes] != list(self.part_sizes) * n_pages:
+            raise ValueError(f"pool {self.name}: region sizes changed since registration")
+        return [int(p) for p in ptrs], [int(s) for s in sizes]
+
+    def contiguous(self, ptrs: list[int], page: int) -> bool:
+        """Whether page `page`'s regions form one contiguous run in host memory."""
+        base = page * self.parts
+        addr = ptrs[base]
+        for j, size in enumerate(self.part_sizes):
+            if ptrs[base + j] != addr:
+                return False
+            addr += size
+        return True
+
+
+class Staging:
+    """A per-thread, growing staging buffer (the write-back and prefetch threads differ)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+
+def gather(binding: PoolBinding, ptrs: list[int], page: int, dst: np.ndarray) -> None:
+    """Copy page `page`'s regions into `dst` (exactly page_bytes long)."""
+    out = dst.ctypes.data
+    base = page * binding.parts
+    for j, size in enumerate(binding.part_sizes):
+        ctypes.memmove(out, ptrs[base + j], size)
+        out += size
+
+
+def scatter(binding: PoolBinding, ptrs: list[int], page: int, src: np.ndarray) -> None:
+    """Copy `src` (one object's payload) into page `page`'s regions."""
+    inp = src.ctypes.data
+    base = page * binding.parts
+    for j, size in enumerate(binding.part_sizes):
+        ctypes.memmove(ptrs[base + j], inp, size)
+        inp += size

@@ -1,0 +1,539 @@
+"""KVPackStorage: kvpack as an SGLang HiCache L3 storage backend.
+
+Loaded by SGLang's ``--hicache-storage-backend dynamic`` as
+``KVPackStorage(storage_config, {})``. It only translates: SGLang page hashes
+become kvpack chunk ids, host pools become members of one group per page, and
+every storage decision (tiers, eviction, tenants, checks, write-back) is the
+core's `KVStore`.
+
+Interfaces:
+
+- zero-copy v1 (``"interface_v1": 1``): ``batch_exists``, ``batch_get_v1``,
+  ``batch_set_v1`` on the KV host pool given to ``register_mem_pool_host``;
+- multi-pool v2: ``batch_exists_v2``, ``batch_get_v2``, ``batch_set_v2`` for
+  the pools given to ``register_mem_host_pool_v2`` (``draft``,
+  ``draft_indexer``, ``draft_swa``, ``mamba``, ``swa``, ``indexer``...);
+- the legacy ``get``/``set``/``batch_get``/``batch_set``/``exists`` (SGLang's
+  generic path without ``interface_v1``), stored as a separate ``kvflat``
+  member because SGLang's flat page order is not the zero-copy order.
+
+Hits (principle 1): a page prefix is reported only where every required pool
+is present. ALL_PAGES pools must cover the whole prefix, TRAILING_PAGES pools
+the last ``len(keys)`` pages before its end (SGLang's sidecar semantics). A
+draft pool missing where the target is stored is a partial hit, counted by
+member name, and not reported as restorable under the default ``recompute``
+draft policy (``target_only`` reports the target's prefix; SGLang then clamps
+the hit to what the draft pool actually loads).
+
+Keys: ``StoreKey(tenant, group fingerprint, page hash, member)``. The group
+fingerprint covers engine + host layout, model, dtype, page size and TP/PP
+sizes; each object's header carries its member's full layout fingerprint
+(rank, pool geometry), so a page from another layout is a counted miss, never
+a load. MLA (replicated) pools are keyed by DCP shard and written only by the
+storage writer of that shard (``is_storage_writer``); TP-sharded pools are
+keyed by TP rank. With TP > 1 each rank checks its own shard and SGLang's MIN
+all-reduce of the hit turns that into "every rank's shard is present".
+
+Failure behaviour: no method on the data path raises or returns None
+(SGLang's controller threads die on it). A broken tier, a corrupt object or a
+bad argument is a per-key False (or a shorter hit), counted in the store's
+metrics and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import DraftPolicy
+from ..groups import MemberRole
+from ..keys import StoreKey
+from ..layout import KVLayoutSpec
+from ..objects import Expectation, ObjectHeader
+from ..store import KVStore, LoadItem
+from ..tiers.base import PutItem, TierStatus
+from .config import split_extra_config
+from .pools import ParallelInfo, PoolBinding, Staging, gather, pool_name, raw_view, scatter
+
+try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without sglang
+    raise ImportError(f"kvpack.sglang_plugin needs SGLang (pip install 'kvpack[sglang]'): {exc}") from exc
+
+log = logging.getLogger("kvpack.sglang")
+
+ADAPTER = "sglang"
+"""`tier` label of metrics the adapter itself records (bad arguments, exceptions)."""
+
+
+class KVPackStorage(HiCacheStorage):
+    """See the module docstring."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.config, self.engine_config = split_extra_config(getattr(storage_config, "extra_config", None))
+        self.storage_config = storage_config
+        self.par = ParallelInfo(
+            model=str(storage_config.model_name or ""),
+            tp_rank=int(storage_config.tp_rank),
+            tp_size=int(storage_config.tp_size),
+            pp_rank=int(storage_config.pp_rank),
+            pp_size=int(storage_config.pp_size),
+            dcp_rank=int(getattr(storage_config, "dcp_rank", 0) or 0),
+            dcp_size=int(getattr(storage_config, "dcp_size", 1) or 1),
+            is_mla_model=bool(storage_config.is_mla_model),
+            is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
+        )
+        self.tenant = self.config.tenant
+        self.store = KVStore.from_config(self.config)
+        self.metrics = self.store.metrics
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[str, Any] = {}
+        self._bindings: dict[str, PoolBinding] = {}
+        self._binding_errors: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._staging = Staging()
+        self.group_fingerprint = ""
+        log.info(
+            "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
+            self.tenant,
+            [t.name for t in self.store.tiers],
+            self.par.tp_rank,
+            self.par.tp_size,
+            self.par.pp_rank,
+            self.par.pp_size,
+            self.par.is_mla_model,
+            self.par.is_storage_writer,
+        )
+
+    # -- registration -----------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The KV (anchor) host pool; fixes the group fingerprint of every page."""
+        self.mem_pool_host = mem_pool_host
+        layout = str(getattr(mem_pool_host, "layout", "unknown"))
+        dtype = str(getattr(mem_pool_host, "dtype", "unknown")).removeprefix("torch.")
+        page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
+        self._layout_name = layout
+        self.group_fingerprint = KVLayoutSpec(
+            engine=f"sglang:{layout}",
+            model=self.par.model,
+            dtype=dtype,
+            chunk_tokens=page_size,
+            tp_size=self.par.tp_size,
+            pp_size=self.par.pp_size,
+        ).group_fingerprint
+        self.page_size = page_size
+        if getattr(mem_pool_host, "kv_buffer", None) is not None:
+            self._bind("kv", mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        name = pool_name(host_pool_name)
+        self.registered_pools[name] = host_pool
+        if name == "kv" and self.mem_pool_host is None:
+            self.register_mem_pool_host(host_pool)
+            return
+        if name != "kv" or "kv" not in self._bindings:
+            self._bind(name, host_pool)
+
+    def _bind(self, name: str, host_pool: Any) -> None:
+        if not self.group_fingerprint:
+            raise RuntimeError("kvpack: register_mem_pool_host must come before other host pools")
+        try:
+            binding = PoolBinding(name, host_pool, self.par, self._layout_name)
+        except Exception as exc:  # a pool kvpack cannot describe: its pages always miss
+            self._binding_errors[name] = str(exc)
+            log.warning("kvpack: SGLang pool %s (%s) cannot be stored: %s", name, type(host_pool).__name__, exc)
+            return
+        with self._lock:
+            self._bindings[name] = binding
+        log.info(
+            "kvpack: pool %s -> member %s (%d B/page in %d regions, %s)",
+            name,
+            binding.member,
+            binding.page_bytes,
+            binding.parts,
+            "replicated" if binding.replicated else "sharded",
+        )
+
+    def binding(self, name: Any) -> PoolBinding | None:
+        return self._bindings.get(pool_name(name))
+
+    # -- lookups ------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading pages with every required member: KV, plus every registered
+        draft pool (a KV-only prefix while a draft pool exists is partial)."""
+        try:
+            kv = self._bindings.get("kv")
+            if kv is None and getattr(self.mem_pool_host, "kv_buffer", None) is not None:
+                return 0  # the KV pool could not be bound: nothing is restorable
+            drafts = [b for n, b in self._bindings.items() if b.spec.role is MemberRole.DRAFT and n != "draft_swa"]
+            all_pages = ([kv] if kv is not None else []) + drafts
+            result = self._exists(list(keys), all_pages, [])
+            return result.kv_hit_pages
+        except Exception as exc:
+            return self._data_path_error("batch_exists", exc, 0)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        try:
+            kv = self._bindings.get("kv")
+            if kv is None and getattr(self.mem_pool_host, "kv_buffer", None) is not None:
+                return PoolTransferResult(0, {}, [])
+            all_pages: list[PoolBinding] = [kv] if kv is not None else []
+            trailing: list[tuple[PoolBinding, int]] = []
+            missing_pool = False
+            for t in pool_transfers or []:
+                b = self.binding(t.name)
+                if b is None:
+                    missing_pool = True
+                    log.warning("kvpack: batch_exists_v2 for unregistered/unsupported pool %s", pool_name(t.name))
+                    continue
+                policy = getattr(t, "hit_policy", PoolHitPolicy.ALL_PAGES)
+                if policy == PoolHitPolicy.TRAILING_PAGES:
+                    trailing.append((b, max(1, len(t.keys) if t.keys else 1)))
+                elif policy == PoolHitPolicy.ALL_PAGES:
+                    if b is not kv:
+                        all_pages.append(b)
+                # BLOCK_GROUPS pools "never gate the KV hit" (SGLang); kvpack gives them no verdict.
+            if missing_pool:
+                return PoolTransferResult(0, {}, [])
+            return self._exists(list(keys), all_pages, trailing)
+        except Exception as exc:
+            return self._data_path_error("batch_exists_v2", exc, PoolTransferResult(0, {}, []))
+
+    def _exists(
+        self, keys: list[str], all_pages: Sequence[PoolBinding], trailing: Sequence[tuple[PoolBinding, int]]
+    ) -> PoolTransferResult:
+        n = len(keys)
+        if n == 0:
+            return PoolTransferResult(0, {}, [])
+        if not self._valid_chunks(keys):
+            return PoolTransferResult(0, {}, [])
+        hit_count: dict[str, int] = {}
+        if all_pages:
+            specs = [b.spec for b in all_pages]
+            lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size)
+            presence = None
+            hit = lookup.hit_chunks
+            hit_count["kv"] = lookup.target_chunks
+        else:  # logical KV anchor: sidecars alone decide
+            lookup = None
+            hit = n
+        if trailing:
+            names = [b.member for b, _ in trailing]
+            presence = self.store.contains_members(self.tenant, self.group_fingerprint, keys, names)
+        restorable = list(range(1, hit + 1))
+        target_restorable = restorable
+        for b, window in trailing:
+            ok = [presence[i][b.member] for i in range(n)]  # type: ignore[index]
+            allowed = {p for p in range(1, hit + 1) if all(ok[max(0, p - window) : p])}
+            boundary = max(allowed, default=0)
+            if boundary:
+                hit_count[b.name] = boundary
+            restorable = [p for p in restorable if p in allowed]
+            if b.spec.role is not MemberRole.DRAFT:
+                target_restorable = [p for p in target_restorable if p in allowed]
+        if lookup is not None:
+            for b in all_pages:
+                if b.name != "kv":  # conservative: a pool that lacked pages is known present only to full_chunks
+                    hit_count[b.name] = lookup.full_chunks if b.member in lookup.missing else lookup.target_chunks
+        best_full = max(restorable, default=0)
+        best_target = max(target_restorable, default=0)
+        if best_target > best_full:
+            lost = [b.member for b, _ in trailing if b.spec.role is MemberRole.DRAFT]
+            for member in lost:
+                self.metrics.inc("partial_hits", 1, tenant=self.tenant, missing_member=member)
+            log.info(
+                "kvpack: partial hit: target restorable to page %d, draft state %s only to %d (%s policy)",
+                best_target,
+                lost,
+                best_full,
+                self.config.draft_policy.value,
+            )
+            if self.config.draft_policy is DraftPolicy.TARGET_ONLY:
+                restorable = target_restorable
+        final = max(restorable, default=0)
+        return PoolTransferResult(final, {k: v for k, v in hit_count.items() if v}, restorable)
+
+    def _valid_chunks(self, keys: Sequence[str]) -> bool:
+        try:
+            for k in keys:
+                StoreKey(self.tenant, self.group_fingerprint or "0", k, "kv")
+        except (ValueError, TypeError) as exc:
+            self.metrics.inc("tier_errors", tier=ADAPTER, status="bad_key")
+            log.warning("kvpack: SGLang page key refused: %s", exc)
+            return False
+        return True
+
+    # -- zero-copy v1 -------------------------------------------------------------
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        try:
+            if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", None) is None:
+                return [True] * len(keys)  # logical anchor: v2 pools carry the data (as SGLang's own backends)
+            return self._get(self._bindings.get("kv"), "kv", list(keys), host_indices)
+        except Exception as exc:
+            return self._data_path_error("batch_get_v1", exc, [False] * len(keys))
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        try:
+            if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", None) is None:
+                return [True] * len(keys)
+            return self._set(self._bindings.get("kv"), "kv", list(keys), host_indices)
+        except Exception as exc:
+            return self._data_path_error("batch_set_v1", exc, [False] * len(keys))
+
+    # -- multi-pool v2 ------------------------------------------------------------
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for t in transfers or []:
+            keys = list(t.keys or [])
+            try:
+                out[t.name] = self._get(self.binding(t.name), pool_name(t.name), keys, t.host_indices)
+            except Exception as exc:
+                out[t.name] = self._data_path_error("batch_get_v2", exc, [False] * len(keys))
+        return out
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for t in transfers or []:
+            keys = list(t.keys or [])
+            try:
+                out[t.name] = self._set(self.binding(t.name), pool_name(t.name), keys, t.host_indices)
+            except Exception as exc:
+                out[t.name] = self._data_path_error("batch_set_v2", exc, [False] * len(keys))
+        return out
+
+    # -- copies -------------------------------------------------------------------
+
+    def _usable(self, binding: PoolBinding | None, name: str, keys: list[str], op: str) -> bool:
+        if binding is None:
+            why = self._binding_errors.get(name, "not registered")
+            self.metrics.inc("tier_errors", tier=ADAPTER, status="unknown_pool")
+            log.warning("kvpack: %s on pool %s refused: %s", op, name, why)
+            return False
+        return self._valid_chunks(keys)
+
+    def _get(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        if not self._usable(binding, name, keys, "get"):
+            return [False] * n
+        assert binding is not None
+        ptrs, _ = binding.regions(host_indices, n)
+        nbytes = binding.page_bytes
+        staged: list[int] = []
+        staging = None
+        items: list[LoadItem] = []
+        for i, key in enumerate(keys):
+            if binding.contiguous(ptrs, i):
+                dst = raw_view(ptrs[i * binding.parts], nbytes)
+            else:
+                if staging is None:
+                    staging = self._staging.get(n * nbytes)
+                dst = memoryview(staging[i * nbytes : (i + 1) * nbytes])
+                staged.append(i)
+            items.append(LoadItem(self._key(key, binding), dst, self._expect(key, binding)))
+        results = self.store.load(items)
+        ok = [r.ok for r in results]
+        for i in staged:
+            if ok[i]:
+                scatter(binding, ptrs, i, staging[i * nbytes : (i + 1) * nbytes])  # type: ignore[index]
+        if ok and not all(ok):
+            log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
+        return ok
+
+    def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        if not self._usable(binding, name, keys, "set"):
+            return [False] * n
+        assert binding is not None
+        if not binding.writes:
+            return [True] * n  # replicated pool: this DCP shard's storage writer stores it
+        ptrs, _ = binding.regions(host_indices, n)
+        present = self.store.contains_members(self.tenant, self.group_fingerprint, keys, [binding.member])
+        todo = [i for i in range(n) if not present[i][binding.member]]
+        if not todo:
+            return [True] * n
+        nbytes = binding.page_bytes
+        staging = None
+        items: list[PutItem] = []
+        for slot, i in enumerate(todo):
+            if binding.contiguous(ptrs, i):
+                payload = raw_view(ptrs[i * binding.parts], nbytes)
+            else:
+                if staging is None:
+                    staging = self._staging.get(len(todo) * nbytes)
+                buf = staging[slot * nbytes : (slot + 1) * nbytes]
+                gather(binding, ptrs, i, buf)
+                payload = memoryview(buf)
+            header = ObjectHeader(
+                fingerprint=binding.member_fingerprint,
+                tenant=self.tenant,
+                chunk=keys[i],
+                member=binding.member,
+                token_count=binding.page_size,
+                payload_len=nbytes,
+                checksum=None,
+            )
+            items.append(PutItem(self._key(keys[i], binding), header, payload))
+        statuses = self.store.store(items)
+        ok = [True] * n
+        for i, st in zip(todo, statuses):
+            ok[i] = st is TierStatus.OK
+        return ok
+
+    def _key(self, chunk: str, binding: PoolBinding) -> StoreKey:
+        return StoreKey(self.tenant, self.group_fingerprint, chunk, binding.member)
+
+    def _expect(self, chunk: str, binding: PoolBinding) -> Expectation:
+        return Expectation(
+            fingerprint=binding.member_fingerprint,
+            tenant=self.tenant,
+            chunk=chunk,
+            member=binding.member,
+            token_count=binding.page_size,
+            payload_len=binding.page_bytes,
+        )
+
+    def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
+        self.metrics.inc("tier_errors", tier=ADAPTER, status="exception")
+        log.warning("kvpack: %s failed, answering a miss: %s: %s", op, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        return fallback
+
+    # -- legacy (generic) interface ---------------------------------------------------
+
+    def _flat_binding(self) -> _FlatMember | None:
+        kv = self._bindings.get("kv")
+        if kv is None or self.mem_pool_host is None:
+            return None
+        flat = getattr(self, "_flat", None)
+        if flat is None:
+            flat = _FlatMember(kv, self.mem_pool_host)
+            self._flat = flat
+        return flat
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Legacy: one flat page (SGLang's ``get_data_page`` order) into `target_location`; None on a miss."""
+        out = self.batch_get([key], [target_location] if target_location is not None else None)
+        return out[0] if out else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+        try:
+            flat = self._flat_binding()
+            if flat is None or not self._valid_chunks(keys):
+                return [None] * len(keys)
+            targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in targets]
+            items = []
+            for key, t in zip(keys, targets):
+                dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None
+                if dst is None or dst.nbytes != flat.page_bytes:
+                    raise ValueError(f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}")
+                items.append(LoadItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), dst, flat.expect(self.tenant, key)))
+            results = self.store.load(items)
+            return [t if r.ok else None for t, r in zip(targets, results)]
+        except Exception as exc:
+            return self._data_path_error("batch_get", exc, [None] * len(keys))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        try:
+            flat = self._flat_binding()
+            if flat is None or values is None or not self._valid_chunks(keys):
+                return False
+            if not flat.writes:
+                return True
+            items = []
+            for key, value in zip(keys, values):
+                data = value.contiguous().view(torch.uint8).numpy()
+                if data.nbytes != flat.page_bytes:
+                    raise ValueError(f"legacy set value of {data.nbytes} bytes, page is {flat.page_bytes}")
+                header = ObjectHeader(flat.fingerprint, self.tenant, key, flat.member, flat.page_size, flat.page_bytes, None)
+                items.append(PutItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), header, memoryview(data)))
+            return all(st is TierStatus.OK for st in self.store.store(items))
+        except Exception as exc:
+            return self._data_path_error("batch_set", exc, False)
+
+    def exists(self, key: str) -> bool:
+        try:
+            flat = self._flat_binding()
+            kv = self._bindings.get("kv")
+            if kv is None or flat is None or not self._valid_chunks([key]):
+                return False
+            found = self.store.contains_members(self.tenant, self.group_fingerprint, [key], [kv.member, flat.member])[0]
+            return found[kv.member] or found[flat.member]
+        except Exception as exc:
+            return self._data_path_error("exists", exc, False)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait (bounded) until every accepted page reached every tier."""
+        return self.store.flush(timeout_s)
+
+    def clear(self) -> None:
+        """Not supported: kvpack's tiers are shared by instances and tenants, so one
+        SGLang instance may not wipe them. Use kvpack's own tools."""
+        log.warning("kvpack: clear() ignored: the kvpack store is shared across instances and tenants")
+
+    def get_stats(self) -> None:
+        """SGLang storage metrics are its own; kvpack's are in `metrics_snapshot()` / Prometheus."""
+        return None
+
+    def metrics_snapshot(self) -> dict[str, dict[str, float]]:
+        return self.metrics.snapshot()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class _FlatMember:
+    """The legacy path's member: one page in SGLang's ``get_data_page(flat=True)`` order."""
+
+    def __init__(self, kv: PoolBinding, host_pool: Any) -> None:
+        page = host_pool.get_dummy_flat_data_page()
+        self.page_bytes = int(page.numel() * page.element_size())
+        self.page_size = kv.page_size
+        self.writes = kv.writes
+        self.member = kv.member.replace("kv", "kvflat", 1)
+        spec = kv.layout
+        from dataclasses import replace
+
+        self.fingerprint = replace(spec, layer_names=("kvflat",), layer_shape=(self.page_bytes,)).member_fingerprint
+
+    def expect(self, tenant: str, chunk: str) -> Expectation:
+        return Expectation(self.fingerprint, tenant, chunk, self.member, self.page_size, self.page_bytes)
+
+
+__all__ = ["KVPackStorage"]

@@ -1,0 +1,250 @@
+"""KVPackStorage through SGLang's real factory and real host pools (v1 + legacy).
+
+Every round trip poisons the host pool before the get, so a get that copied
+nothing (or the wrong page) fails the bit-exact comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_parts import (
+    DYNAMIC,
+    LAYOUTS,
+    alloc_pages,
+    fill_random,
+    kvpack_extra,
+    make_backend,
+    make_pool,
+    page_bytes,
+    page_keys,
+    poison,
+    storage_config,
+)
+
+from kvpack import ConfigError
+from kvpack.sglang_plugin import KVPackStorage
+
+pytestmark = pytest.mark.sglang
+
+TIERS = {
+    "memory": dict(memory=True, disk=False),
+    "disk": dict(memory=False, disk=True),
+    "memory+disk": dict(memory=True, disk=True),
+}
+
+
+def test_factory_loads_kvpack_through_dynamic(store_dir):
+    pool = make_pool("mha", "page_first")
+    backend = make_backend(pool, kvpack_extra(store_dir))
+    try:
+        assert type(backend) is KVPackStorage
+        assert [t.name for t in backend.store.tiers] == ["memory", "disk"]
+        assert backend.engine_config == DYNAMIC  # SGLang's keys were split off, not parsed as kvpack's
+        assert backend.binding("kv").member == "kv"
+    finally:
+        backend.close()
+
+
+def test_default_config_is_memory_plus_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    backend = make_backend(make_pool("mha", "page_first"), dict(DYNAMIC))
+    try:
+        assert [t.name for t in backend.store.tiers] == ["memory", "disk"]
+        assert str(backend.store.tiers[1].root).startswith(str(tmp_path))
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("tiers", list(TIERS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_v1_round_trip_bit_exact(kind, layout, tiers, store_dir):
+    pool = make_pool(kind, layout)
+    backend = make_backend(pool, kvpack_extra(store_dir, **TIERS[tiers]), mla=kind == "mla")
+    try:
+        n = 5
+        fill_random(pool, seed=1)
+        src = alloc_pages(pool, n)
+        want = page_bytes(pool, src)
+        keys = page_keys(n, seed=7)
+        assert backend.batch_set_v1(keys, src) == [True] * n
+        assert backend.flush(10)
+        assert backend.batch_exists(keys) == n
+        assert backend.batch_exists(page_keys(n, seed=8)) == 0  # negative control
+
+        poison(pool)  # "clear the pool": nothing of the stored pages is left in host memory
+        dst = alloc_pages(pool, n)  # other host pages than the ones written
+        assert backend.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(pool, dst) == want
+
+        poison(pool)
+        other = page_keys(2, seed=9)
+        assert backend.batch_get_v1(other, dst[: 2 * pool.page_size]) == [False, False]
+        assert page_bytes(pool, dst[: 2 * pool.page_size]) != want[:2]  # still poisoned: nothing was loaded
+    finally:
+        backend.close()
+
+
+def test_prefix_stops_at_first_missing_page(store_dir):
+    pool = make_pool("mha", "page_first")
+    backend = make_backend(pool, kvpack_extra(store_dir))
+    try:
+        fill_random(pool, seed=2)
+        keys = page_keys(6, seed=3)
+        idx = alloc_pages(pool, 6)
+        ps = pool.page_size
+        keep = [0, 1, 2, 4, 5]  # page 3 never stored
+        sel = torch.cat([idx[i * ps : (i + 1) * ps] for i in keep])
+        assert backend.batch_set_v1([keys[i] for i in keep], sel) == [True] * 5
+        assert backend.batch_exists(keys) == 3
+    finally:
+        backend.close()
+
+
+def test_layout_tenant_and_rank_isolation(store_dir):
+    """Another host layout, another tenant or another TP rank never hits."""
+    pool = make_pool("mha", "page_first")
+    writer = make_backend(pool, kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+    fill_random(pool, seed=4)
+    keys = page_keys(3, seed=5)
+    assert writer.batch_set_v1(keys, alloc_pages(pool, 3)) == [True] * 3
+    assert writer.flush(10)
+    try:
+        same = make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+        assert same.batch_exists(keys) == 3  # control: the same layout and rank hits
+        for other in (
+            make_backend(make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0),
+            make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0),
+            make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1),
+        ):
+            assert other.batch_exists(keys) == 0
+            other.close()
+        same.close()
+    finally:
+        writer.close()
+
+
+def test_mla_is_written_once_and_read_by_every_rank(store_dir):
+    """MLA KV is replicated: only the storage writer (rank 0) stores it; rank 1 finds it."""
+    pool1 = make_pool("mla", "page_first")
+    rank1 = make_backend(pool1, kvpack_extra(store_dir, memory=False), mla=True, tp_size=2, tp_rank=1)
+    pool0 = make_pool("mla", "page_first")
+    rank0 = make_backend(pool0, kvpack_extra(store_dir, memory=False), mla=True, tp_size=2, tp_rank=0)
+    try:
+        assert not rank1.storage_config.is_storage_writer
+        keys = page_keys(2, seed=11)
+        fill_random(pool1, seed=12)
+        assert rank1.batch_set_v1(keys, alloc_pages(pool1, 2)) == [True, True]  # writer's job: nothing stored
+        rank1.flush(10)
+        assert rank1.batch_exists(keys) == 0
+        fill_random(pool0, seed=13)
+        src = alloc_pages(pool0, 2)
+        want = page_bytes(pool0, src)
+        assert rank0.batch_set_v1(keys, src) == [True, True]
+        rank0.flush(10)
+        assert rank1.batch_exists(keys) == 2
+        poison(pool1)
+        dst = alloc_pages(pool1, 2)
+        assert rank1.batch_get_v1(keys, dst) == [True, True]
+        assert page_bytes(pool1, dst) == want
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_legacy_generic_path_round_trip(layout, store_dir):
+    """Without interface_v1 SGLang calls batch_set/batch_get with flat pages."""
+    pool = make_pool("mha", layout)
+    extra = kvpack_extra(store_dir)
+    extra.pop("interface_v1")
+    backend = make_backend(pool, extra)
+    try:
+        fill_random(pool, seed=21)
+        idx = alloc_pages(pool, 2)
+        ps = pool.page_size
+        keys = page_keys(2, seed=22)
+        values = [pool.get_data_page(int(idx[i * ps]), flat=True) for i in range(2)]
+        want = [v.clone() for v in values]
+        assert backend.batch_set(keys, values) is True
+        assert backend.exists(keys[0]) and not backend.exists(page_keys(1, seed=23)[0])
+        got = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+        assert backend.get(page_keys(1, seed=24)[0]) is None
+    finally:
+        backend.close()
+
+
+# -- failure behaviour ------------------------------------------------------------
+
+
+def _disk_file(backend, key):
+    from kvpack.keys import StoreKey
+
+    disk = next(t for t in backend.store.tiers if t.name == "disk")
+    return disk.path_of(StoreKey(backend.tenant, backend.group_fingerprint, key, backend.binding("kv").member))
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupt_object_is_a_per_key_miss(where, store_dir):
+    pool = make_pool("mha", "page_first")
+    backend = make_backend(pool, kvpack_extra(store_dir, memory=False))
+    try:
+        fill_random(pool, seed=31)
+        keys = page_keys(4, seed=32)
+        src = alloc_pages(pool, 4)
+        want = page_bytes(pool, src)
+        assert backend.batch_set_v1(keys, src) == [True] * 4
+        assert backend.flush(10)
+        path = _disk_file(backend, keys[2])
+        raw = bytearray(path.read_bytes())
+        pos = len(raw) - 100 if where == "payload" else 30
+        raw[pos] ^= 0xFF
+        path.write_bytes(bytes(raw))
+
+        poison(pool)
+        dst = alloc_pages(pool, 4)
+        assert backend.batch_get_v1(keys, dst) == [True, True, False, True]
+        got = page_bytes(pool, dst)
+        assert got[0] == want[0] and got[3] == want[3] and got[2] != want[2]
+        assert backend.metrics.value("rejected_objects", tier="disk") >= 1
+    finally:
+        backend.close()
+
+
+def test_bad_arguments_never_raise(store_dir):
+    pool = make_pool("mha", "page_first")
+    backend = make_backend(pool, kvpack_extra(store_dir))
+    try:
+        idx = alloc_pages(pool, 2)
+        keys = page_keys(2, seed=41)
+        assert backend.batch_set_v1(keys, idx[:5]) == [False, False]  # wrong index count
+        assert backend.batch_get_v1(keys, idx[:5]) == [False, False]
+        assert backend.batch_set_v1(["../../etc/passwd", keys[1]], idx) == [False, False]
+        assert backend.batch_exists(["not a/hash"]) == 0
+        assert backend.batch_get_v1(keys, None) == [False, False]
+        assert backend.metrics.value("tier_errors", tier="sglang") >= 3
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"disk": {"capacity": "lots"}}, "disk.capacity"),
+        ({"tenat": "a"}, "tenat"),
+        ({"tenant": "../x"}, "tenant"),
+        ({"draft_policy": "sometimes"}, "draft_policy"),
+        ({"mooncake": {"enabled": True}}, "mooncake.master_server_address"),
+    ],
+)
+def test_bad_extra_config_fails_at_construction(bad, field, store_dir):
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    extra = kvpack_extra(store_dir)
+    extra.update(bad)
+    with pytest.raises(ConfigError) as err:
+        StorageBackendFactory.create_backend("dynamic", storage_config(extra), make_pool("mha", "page_first"))
+    assert err.value.field == field
+    assert field in str(err.value)
