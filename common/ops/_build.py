@@ -103,14 +103,10 @@ def _register_fakes() -> None:
         return None
 
 
-def _build() -> ExtensionStatus:
-    src = csrc_dir()
-    if src is None:
-        return ExtensionStatus(False, False, "kernel sources (csrc/) not found")
-    missing = _compiler_missing()
-    if missing is not None:
-        return ExtensionStatus(False, False, missing)
-    with_cuda, cuda_why = cuda_build_possible()
+def _build_flavour(src: Path, with_cuda: bool, note: str) -> ExtensionStatus:
+    """Builds (or loads the cached) extension with or without the CUDA kernel."""
+    from torch.utils import cpp_extension
+
     sources = _SOURCES_CPU + (_SOURCES_CUDA if with_cuda else ())
     digest = hashlib.sha256()
     for f in sorted(sources + _HEADERS):
@@ -121,9 +117,6 @@ def _build() -> ExtensionStatus:
     name = f"kvpack_ops_{flavour}_{digest.hexdigest()[:12]}"
     build_dir = _cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-
-    from torch.utils import cpp_extension
-
     cflags = ["-O3", "-fopenmp", "-std=c++17"] + (["-DKVPACK_WITH_CUDA"] if with_cuda else [])
     prebuilt = (build_dir / f"{name}.so").is_file()
     if not prebuilt:
@@ -144,8 +137,25 @@ def _build() -> ExtensionStatus:
     _register_fakes()
     has_cuda = bool(torch.ops.kvpack.has_cuda())
     how = "loaded cached" if prebuilt else f"built in {time.monotonic() - t0:.1f}s"
-    reason = f"{how} ({flavour}{'' if with_cuda else '; CUDA kernel not built: ' + cuda_why})"
+    reason = f"{how} ({flavour}{'' if with_cuda else '; CUDA kernel not built: ' + note})"
     return ExtensionStatus(True, has_cuda, reason, str(build_dir))
+
+
+def _build() -> ExtensionStatus:
+    src = csrc_dir()
+    if src is None:
+        return ExtensionStatus(False, False, "kernel sources (csrc/) not found")
+    missing = _compiler_missing()
+    if missing is not None:
+        return ExtensionStatus(False, False, missing)
+    with_cuda, cuda_why = cuda_build_possible()
+    if with_cuda:
+        try:
+            return _build_flavour(src, True, "")
+        except Exception as e:  # e.g. nvcc/torch CUDA version mismatch: keep the CPU kernel
+            cuda_why = f"CUDA build failed: {type(e).__name__}: {str(e)[-2000:]}"
+            logger.warning("kvpack.ops: %s; building the CPU kernel only", cuda_why)
+    return _build_flavour(src, False, cuda_why)
 
 
 def load_extension() -> ExtensionStatus:
