@@ -102,10 +102,34 @@ class DiskTierConfig:
 class MooncakeTierConfig:
     """Mooncake distributed store tier (off unless configured).
 
-    `timeout_ms` bounds every call kvpack makes into Mooncake; after a failure
-    the tier stops calling for `backoff_s` seconds (circuit breaker) and the
-    engine recomputes. `config_file` may name a Mooncake JSON config
-    (``MOONCAKE_CONFIG_PATH`` style keys) whose values fill the fields not set here.
+    Connection: `master_server_address` (``host:port`` of ``mooncake_master``),
+    `metadata_server` (``P2PHANDSHAKE``: no etcd/HTTP metadata service needed),
+    `protocol` tcp or rdma with `device_name` (e.g. ``mlx5_0``; rdma only),
+    `local_hostname` (the address other nodes reach this process on).
+    `global_segment_size` is the memory this process contributes to the
+    cluster (0: pure client; then a ``mooncake_client`` holder must exist).
+    `local_buffer_size` is Mooncake's own client buffer (kvpack does not use
+    it); `staging_size` is kvpack's registered transfer arena, split into one
+    lane per worker thread (`workers`).
+
+    Tenants and groups: `tenant_id` is the Mooncake tenant (a namespace the
+    master isolates when run with ``--enable_multi_tenants``); kvpack's own
+    tenant scoping of keys holds inside it. With `use_groups`, the members of
+    one kvpack group share one Mooncake group id, so the store leases and
+    evicts them together.
+
+    Bounded failure: `timeout_ms` bounds every call kvpack makes into
+    Mooncake; after a stall or connection failure the tier stops calling for
+    `backoff_s` seconds (circuit breaker), probes in the background and
+    recovers by itself. `setup_retries` is Mooncake's
+    ``MC_STORE_CLIENT_SETUP_RETRIES`` for one background connect attempt.
+
+    `config_file` may name a Mooncake JSON config (``MOONCAKE_CONFIG_PATH``
+    style keys: local_hostname, metadata_server, global_segment_size,
+    local_buffer_size, protocol, device_name, master_server_address,
+    tenant_id); its values fill the fields left at their defaults here. When
+    neither `master_server_address` nor `config_file` is given, the file named
+    by the ``MOONCAKE_CONFIG_PATH`` environment variable is used.
     """
 
     enabled: bool = False
@@ -115,23 +139,114 @@ class MooncakeTierConfig:
     device_name: str = ""
     local_hostname: str = "127.0.0.1"
     global_segment_size: int = _size_field("512MiB")
-    local_buffer_size: int = _size_field("256MiB")
+    local_buffer_size: int = _size_field("16MiB")
+    staging_size: int = _size_field("64MiB")
     tenant_id: str = "default"
     use_groups: bool = True
+    replica_num: int = 1
     timeout_ms: int = 200
     backoff_s: float = 5.0
+    setup_retries: int = 1
+    workers: int = 2
     config_file: str = ""
 
+    # Keys of a Mooncake JSON config that map onto fields here, and keys kvpack
+    # accepts in such a file but does not use (Mooncake's SSD offload and
+    # client HTTP server belong to the holder process, not to an engine).
+    FILE_KEYS = (
+        "local_hostname",
+        "metadata_server",
+        "global_segment_size",
+        "local_buffer_size",
+        "protocol",
+        "device_name",
+        "master_server_address",
+        "tenant_id",
+    )
+    FILE_IGNORED_KEYS = ("enable_ssd_offload", "ssd_offload_path", "enable_client_http_server", "client_http_port")
+
     def validate(self, path: str) -> None:
-        if self.enabled and not self.master_server_address and not self.config_file:
-            raise ConfigError(
-                f"{path}.master_server_address",
-                "required when the Mooncake tier is enabled (e.g. '127.0.0.1:50051')",
-            )
+        if self.enabled:
+            resolved = self.resolved(path)
+            if not resolved.master_server_address:
+                raise ConfigError(
+                    f"{path}.master_server_address",
+                    "required when the Mooncake tier is enabled (e.g. '127.0.0.1:50051'), "
+                    "directly or through config_file / MOONCAKE_CONFIG_PATH",
+                )
+            if resolved.protocol is MooncakeProtocol.RDMA and not resolved.device_name:
+                raise ConfigError(f"{path}.device_name", "required with protocol 'rdma' (e.g. 'mlx5_0')")
+            if not resolved.tenant_id:
+                raise ConfigError(f"{path}.tenant_id", "must not be empty")
         if self.timeout_ms <= 0:
             raise ConfigError(f"{path}.timeout_ms", f"must be > 0, got {self.timeout_ms}")
         if self.backoff_s < 0:
             raise ConfigError(f"{path}.backoff_s", f"must be >= 0, got {self.backoff_s}")
+        for name in ("replica_num", "setup_retries", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{path}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.staging_size < self.workers * (1 << 20):
+            raise ConfigError(f"{path}.staging_size", f"must be at least 1MiB per worker, got {self.staging_size}")
+
+    def resolved(self, path: str = "mooncake") -> MooncakeTierConfig:
+        """This config with the Mooncake JSON file's values filled in.
+
+        Fields still at their default take the file's value; anything set
+        here wins. Raises ConfigError naming the file key on a bad file."""
+        file = self.config_file
+        if not file and not self.master_server_address:
+            file = os.environ.get("MOONCAKE_CONFIG_PATH", "")
+        if not file:
+            return self
+        where = f"{path}.config_file" if self.config_file else "MOONCAKE_CONFIG_PATH"
+        try:
+            data = json.loads(Path(file).read_text())
+        except OSError as exc:
+            raise ConfigError(where, f"cannot read {file}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(where, f"{file} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(where, f"{file} must hold a JSON object")
+        unknown = sorted(set(data) - set(self.FILE_KEYS) - set(self.FILE_IGNORED_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}:{unknown[0]}", f"unknown Mooncake config key; known: {', '.join(self.FILE_KEYS)}")
+        defaults = MooncakeTierConfig()
+        updates: dict[str, Any] = {}
+        for key in self.FILE_KEYS:
+            if key not in data or getattr(self, key) != getattr(defaults, key):
+                continue
+            value = data[key]
+            try:
+                if key in ("global_segment_size", "local_buffer_size"):
+                    value = _mooncake_size(value)
+                elif key == "protocol":
+                    value = MooncakeProtocol(str(value).strip().lower())
+                elif key == "device_name":
+                    value = "" if value is None else str(value)
+                elif not isinstance(value, str):
+                    raise ValueError(f"expected a string, got {value!r}")
+            except ValueError as exc:
+                raise ConfigError(f"{where}:{key}", str(exc)) from None
+            updates[key] = value
+        return dataclasses.replace(self, **updates, config_file="") if updates else self
+
+
+def _mooncake_size(value: Any) -> int:
+    """A size as Mooncake's config files write it: ints, or "3.125GB"/"512mb" (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower()
+        for suffix, mult in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
+                             ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)):
+            if s.endswith(suffix):
+                return int(float(s[: -len(suffix)]) * mult)
+        return int(float(s))
+    raise ValueError(f"expected a size such as '4GB' or an integer, got {value!r}")
 
 
 @dataclass(frozen=True)
