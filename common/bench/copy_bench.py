@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(rows)
     print("\n".join(table))
     if args.markdown:
-        cmd = "kvpack bench copy " + " ".join(sys.argv[1:] if argv is None else argv)
+        prog = "python -m kvpack.bench.copy_bench" if argv is None else "kvpack bench copy"
+        cmd = prog + " " + " ".join(sys.argv[1:] if argv is None else argv)
         stamp = time.strftime("%Y-%m-%d")
         with open(args.markdown, "a") as f:
             f.write(f"\n## Block copy ({stamp})\n\nCommand: `{cmd.strip()}`\n\n")

@@ -29,7 +29,7 @@ def word_size(kv: PagedKV, staging: torch.Tensor) -> int:
     lay = kv.layout
     offsets = [a - _owner(kv, i).untyped_storage().data_ptr() for i, a in enumerate(kv.segment_addresses)]
     return min(8, vector_alignment(lay.row_bytes, lay.block_stride, lay.outer.stride, lay.inner.stride,
-                                   staging.storage_offset(), *offsets))
+                                   int(staging.storage_offset()), *offsets))
 
 
 def _owner(kv: PagedKV, idx: int) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""GPU check for kvpack.ops (run by scripts/gpu_check.sh on a lent CUDA machine).
+
+Not a pytest module: one script that keeps going after a failure, so a single run
+on a scarce machine reports everything. Checks, on the GPU:
+  1. the extension builds with the CUDA kernel;
+  2. CUDA gather == hand-written expectation (kvcases) for every layout x dtype,
+     into device and pinned host staging, whole and partial blocks, misaligned
+     staging (1/4/8-byte words), on a side stream; scatter round trips;
+  3. CUDA == torch fallback on engine-sized caches (multi-CTA units);
+then runs the copy benchmark (CPU and GPU sections).
+
+    python tests/ops/gpu_check.py [--markdown FILE] [--quick]
+Exit status: 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import conftest  # noqa: E402,F401  (maps kvpack to the checkout when not installed)
+import torch  # noqa: E402
+
+from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens  # noqa: E402
+from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks  # noqa: E402
+
+POISON = 0xAB
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+class Checks:
+    """Runs named checks, records failures, never stops early."""
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failed: list[str] = []
+
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+            self.passed += 1
+        except Exception:
+            self.failed.append(name)
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+
+
+def _staging(n_bytes: int, where: str, offset: int = 0) -> torch.Tensor:
+    buf = torch.full((n_bytes + 32,), POISON, dtype=torch.uint8)
+    if where == "pinned":
+        buf = buf.pin_memory()
+    elif where == "device":
+        buf = buf.cuda()
+    return buf[offset : offset + n_bytes]
+
+
+def _expected_cache(source: Case, ids: list[int], first: int, last: int | None) -> list[torch.Tensor]:
+    want = source.clone_zeroed()
+    lay = source.kv.layout
+    for i, b in enumerate(ids):
+        t0, t1 = token_range(source, i, len(ids), first, last)
+        for l in range(lay.num_layers):
+            for s in range(lay.num_segments):
+                tokens(want.phys(l, s, b), want.token_dim, t0, t1).copy_(tokens(source.phys(l, s, b), source.token_dim, t0, t1))
+    return [t.cpu().view(torch.uint8) for t in want.tensors]
+
+
+def check_layout(layout: str, dtype: torch.dtype, where: str, offset: int, stream: torch.cuda.Stream | None) -> None:
+    case = build(layout, dtype, "cuda")
+    rng = random.Random(f"{layout}{dtype}{where}{offset}")
+    ids = [rng.randrange(NUM_BLOCKS) for _ in range(5)]
+    ids.insert(2, ids[0])  # repeated, unsorted
+    runs: list[tuple[list[int], int, int | None]] = [(ids, 0, None)]
+    if case.token_dim is not None:
+        runs += [(list(dict.fromkeys(ids)), 1, TOKENS - 1), ([ids[1]], 1, 3)]
+    for run_ids, first, last in runs:
+        staging = _staging(len(run_ids) * case.kv.layout.slot_bytes, where, offset)
+        used = gather_blocks(case.kv, run_ids, staging, first_token_offset=first, last_token_count=last, stream=stream)
+        assert used is Backend.CUDA, used
+        torch.cuda.synchronize()
+        want = expected_staging(case, run_ids, POISON, first, last)
+        assert torch.equal(staging.cpu(), want), f"gather mismatch ids={run_ids} first={first} last={last}"
+        target = case.clone_zeroed()
+        scatter_blocks(target.kv, run_ids, staging, first_token_offset=first, last_token_count=last, stream=stream)
+        torch.cuda.synchronize()
+        for got, exp in zip([t.cpu().view(torch.uint8) for t in target.tensors], _expected_cache(case, run_ids, first, last)):
+            assert torch.equal(got, exp), f"scatter mismatch ids={run_ids} first={first} last={last}"
+
+
+def check_engine_sized(kind: str) -> None:
+    """CUDA vs torch fallback on a cache with big blocks (several CTAs per unit)."""
+    nb, t, h, d, layers = 48, 128, 8, 128, 4
+    raw = [torch.empty((2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d), dtype=torch.uint8, device="cuda")
+           .random_(0, 256).view(torch.bfloat16) for _ in range(layers)]
+    views = [r.permute(0, 1, 3, 2, 4) if kind == "hnd" else r for r in raw]
+    if kind == "block_view":
+        views = [torch.empty((nb, h, t, 2 * d), dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16)
+                 for _ in range(layers)]
+    kv = PagedKV.from_layers(views)
+    ids = random.Random(kind).sample(range(nb), 20) + [3, 3]
+    n_bytes = len(ids) * kv.layout.slot_bytes
+    a, b = _staging(n_bytes, "device"), _staging(n_bytes, "pinned")
+    gather_blocks(kv, ids, a, backend=Backend.CUDA)
+    gather_blocks(kv, ids, b, backend=Backend.TORCH)
+    torch.cuda.synchronize()
+    assert torch.equal(a.cpu(), b), f"{kind}: CUDA and torch gathers differ"
+    for first, last in [(5, 77), (127, 1)]:
+        a.fill_(POISON)
+        b.fill_(POISON)
+        gather_blocks(kv, ids[:6], a, first_token_offset=first, last_token_count=last, backend=Backend.CUDA)
+        gather_blocks(kv, ids[:6], b, first_token_offset=first, last_token_count=last, backend=Backend.TORCH)
+        torch.cuda.synchronize()
+        assert torch.equal(a.cpu(), b), f"{kind}: partial gathers differ ({first}, {last})"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--markdown", default="", help="append the benchmark section to this file")
+    p.add_argument("--quick", action="store_true", help="bf16 and fp8 only")
+    args = p.parse_args(argv)
+
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); GPU: "
+          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}", flush=True)
+    if not torch.cuda.is_available():
+        print("FAIL: no CUDA device visible")
+        return 2
+    t0 = time.monotonic()
+    status = load_extension()
+    print(f"extension: {status} ({time.monotonic() - t0:.1f}s)", flush=True)
+    if not (status.available and status.has_cuda):
+        print("FAIL: the CUDA kernel did not build; see the reason above")
+        return 2
+
+    checks = Checks()
+    side = torch.cuda.Stream()
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn) if args.quick else DTYPES
+    t0 = time.monotonic()
+    for layout in sorted(BUILDERS):
+        for dtype in dtypes:
+            for where in ("device", "pinned"):
+                checks.run(f"{layout}/{dtype}/{where}", lambda: check_layout(layout, dtype, where, 0, None))
+        for offset in (1, 4, 8):
+            checks.run(f"{layout}/offset{offset}", lambda: check_layout(layout, torch.bfloat16, "device", offset, None))
+        checks.run(f"{layout}/side-stream", lambda: check_layout(layout, torch.float16, "pinned", 0, side))
+    for kind in ("nhd", "hnd", "block_view"):
+        checks.run(f"engine-sized/{kind}", lambda: check_engine_sized(kind))
+    print(f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({time.monotonic() - t0:.1f}s)", flush=True)
+    for name in checks.failed:
+        print(f"  failed: {name}")
+
+    from kvpack.bench import copy_bench
+
+    bench_args = ["--repeats", "10"] + (["--markdown", args.markdown] if args.markdown else [])
+    try:
+        copy_bench.main(bench_args)
+    except Exception:
+        traceback.print_exc()
+        checks.failed.append("benchmark")
+    return 0 if not checks.failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
