@@ -498,6 +498,15 @@ class KVPackStorage(HiCacheStorage):
 
     # -- lifecycle ------------------------------------------------------------------
 
+    def wait_ready(self, timeout_s: float = 10.0) -> bool:
+        """Wait (bounded) until tiers that connect in the background (Mooncake) are up."""
+        ok = True
+        for tier in self.store.tiers:
+            wait = getattr(tier, "wait_ready", None)
+            if wait is not None:
+                ok = bool(wait(timeout_s)) and ok
+        return ok
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (bounded) until every accepted page reached every tier."""
         return self.store.flush(timeout_s)
