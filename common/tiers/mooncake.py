@@ -46,6 +46,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -258,6 +259,12 @@ _STEP_MAX_BYTES = 16 << 20
 well inside the deadline and is not mistaken for a stall."""
 _PROBE_KEY = "kvpack/__probe__"
 _INTEGRITY_REASONS = {
+    # The key names tenant, layout, chunk and member: an object under it that
+    # disagrees, or is damaged, is garbage, and the next put replaces it.
+    RejectReason.FINGERPRINT,
+    RejectReason.TENANT,
+    RejectReason.GROUP,
+    RejectReason.MEMBER,
     RejectReason.TRUNCATED,
     RejectReason.BAD_MAGIC,
     RejectReason.VERSION,
@@ -369,6 +376,19 @@ class MooncakeTier(Tier):
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(cfg.setup_retries))
         warned = False
         while not self._stop.is_set():
+            if not self._master_reachable():
+                # Mooncake's setup holds the GIL while it retries a dead master
+                # (~4 s per attempt), which would freeze every engine thread.
+                if not warned:
+                    log.warning(
+                        "kvpack: Mooncake master %s is not reachable; retrying every %.1fs, "
+                        "the tier stays UNAVAILABLE meanwhile",
+                        cfg.master_server_address,
+                        cfg.backoff_s,
+                    )
+                    warned = True
+                self._stop.wait(max(cfg.backoff_s, 0.1))
+                continue
             self.counters["setup_attempts"] += 1
             store = self._store_cls()
             rc = self._setup(store)
@@ -396,6 +416,14 @@ class MooncakeTier(Tier):
         while not self._stop.wait(min(0.05 + self.config.backoff_s / 4, 0.5)):
             if self.breaker.due_for_probe():
                 self._probe()
+
+    def _master_reachable(self) -> bool:
+        host, _, port = self.config.master_server_address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=0.5).close()
+            return True
+        except (OSError, ValueError):
+            return False
 
     def _setup(self, store: Any) -> int:
         cfg = self.config
@@ -430,7 +458,6 @@ class MooncakeTier(Tier):
                 self._set_state(TierState.READY)
                 log.warning("kvpack: Mooncake tier connected to %s (tenant %s)", self.config.master_server_address, self.config.tenant_id)
                 return
-            self._set_state(TierState.TENANT_REJECTED)
             if not warned:
                 log.error(
                     "kvpack: the Mooncake master rejects tenant %r (TENANT_NOT_REGISTERED): add it to the "
@@ -438,6 +465,7 @@ class MooncakeTier(Tier):
                     self.config.tenant_id,
                 )
                 warned = True
+            self._set_state(TierState.TENANT_REJECTED)
             self._stop.wait(max(self.config.backoff_s, 1.0))
 
     def _probe_put(self) -> int:
@@ -777,6 +805,18 @@ class MooncakeTier(Tier):
                 default=[-900] * len(sel),
             )
             for j, c in zip(sel, got):
+                codes[j] = int(c)
+        # Mooncake refuses an upsert that would change an object's group membership
+        # (e.g. a foreign or pre-groups object under our key): replace it instead.
+        stuck = [j for j in range(len(idx)) if upsert[j] and codes[j] == INVALID_PARAMS]
+        if stuck:
+            cfg = self._replicate_config([keys[j] for j in stuck])
+            self._call(lambda s: s.batch_remove([names[j] for j in stuck], True), default=None)
+            got = self._call(
+                lambda s: list(s.batch_put_from([names[j] for j in stuck], [addrs[j] for j in stuck], [sizes[j] for j in stuck], cfg)),
+                default=[-900] * len(stuck),
+            )
+            for j, c in zip(stuck, got):
                 codes[j] = int(c)
         self._note_codes(codes)
         statuses = [code_info(c).status for c in codes]

@@ -1,0 +1,187 @@
+"""Faults: master killed and restarted, segment holder killed, store full, start without a master."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpack.store import KVStore, LoadItem
+from kvpack.tiers.base import TierStatus
+from kvpack.tiers.mooncake import MooncakeTier, TierState
+
+from mooncake_helpers import expect, item, key, payload
+
+pytestmark = pytest.mark.mooncake
+
+TIMEOUT_MS = 300
+SLACK_S = 0.5
+"""Scheduling slack on a loaded 2-core CI machine; an unbounded call takes ~4.3 s."""
+BOUND_S = TIMEOUT_MS / 1000 + SLACK_S
+
+
+def _timed(fn):  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - start
+
+
+def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_master_killed_mid_run_then_restarted(mooncake_cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = mooncake_cluster_factory()
+    tier = MooncakeTier(cluster.tier_config(timeout_ms=TIMEOUT_MS, backoff_s=0.5))
+    assert tier.wait_ready(15)
+    data = payload(1, 256 << 10)
+    keys = [key(f"m-{i}") for i in range(4)]
+    assert tier.put_from([item(k, data) for k in keys]) == [TierStatus.OK] * 4
+
+    # An engine-like loop keeps calling while the master dies.
+    durations: list[float] = []
+    statuses: list[TierStatus] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        dst = np.zeros(data.nbytes, dtype=np.uint8)
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                _, d1 = _timed(lambda: tier.contains(keys))
+                res, d2 = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect(keys[0])], True))
+                st, d3 = _timed(lambda: tier.put_from([item(key(f"loop-{i}"), data)]))
+                durations.extend([d1, d2, d3])
+                statuses.extend([res[0].status, st[0]])
+            except BaseException as exc:  # noqa: BLE001 - the point is that nothing raises
+                errors.append(exc)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        time.sleep(0.3)
+        cluster.kill_master()
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert not errors, errors
+    assert max(durations) <= BOUND_S, f"a call took {max(durations):.2f}s with the master dead"
+    assert not tier.available
+    assert set(statuses) & {TierStatus.UNAVAILABLE, TierStatus.TIMEOUT}
+    # While down: answers are immediate and named, never data.
+    dst = np.full(data.nbytes, 0xEE, dtype=np.uint8)
+    (res,), took = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect(keys[0])], True))
+    assert res.status in (TierStatus.UNAVAILABLE, TierStatus.TIMEOUT) and took <= BOUND_S
+    assert (dst == 0xEE).all()
+
+    cluster.restart_master()
+    assert _wait(lambda: tier.available, 20), f"tier did not recover: {tier.state} {tier.breaker.state}"
+    fresh = [key(f"after-{i}") for i in range(3)]
+    assert _wait(lambda: tier.put_from([item(k, data) for k in fresh]) == [TierStatus.OK] * 3, 10)
+    dsts = [np.zeros(data.nbytes, dtype=np.uint8) for _ in fresh]
+    res = tier.get_into(fresh, [memoryview(d) for d in dsts], [expect(k) for k in fresh], True)
+    assert all(r.ok for r in res) and all(np.array_equal(d, data) for d in dsts)
+    _, took = _timed(tier.close)
+    assert took < 10
+
+
+def test_holder_killed_loads_fail_cleanly(mooncake_cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = mooncake_cluster_factory()
+    tier = MooncakeTier(cluster.tier_config(timeout_ms=TIMEOUT_MS))
+    assert tier.wait_ready(15)
+    try:
+        keys = [key(f"h-{i}") for i in range(8)]
+        datas = [payload(i, 512 << 10) for i in range(8)]
+        assert tier.put_from([item(k, d) for k, d in zip(keys, datas)]) == [TierStatus.OK] * 8
+        cluster.kill_holder()
+        for _ in range(3):
+            dsts = [np.full(d.nbytes, 0xEE, dtype=np.uint8) for d in datas]
+            res, took = _timed(lambda: tier.get_into(keys, [memoryview(d) for d in dsts], [expect(k) for k in keys], True))
+            assert took <= BOUND_S
+            assert all(not r.ok for r in res), [r.status for r in res]
+            assert {r.status for r in res} <= {TierStatus.ERROR, TierStatus.MISS, TierStatus.UNAVAILABLE, TierStatus.TIMEOUT}
+            assert all((d == 0xEE).all() for d in dsts), "a failed load wrote into the destination"
+        st, took = _timed(lambda: tier.put_from([item(key("h-new"), datas[0])]))
+        assert st[0] is not TierStatus.OK and took <= BOUND_S
+        # A new holder: the tier works again without a restart.
+        cluster.start_holder()
+        assert _wait(lambda: tier.put_from([item(key("h-new"), datas[0])]) == [TierStatus.OK], 15)
+    finally:
+        tier.close()
+
+
+def test_start_without_master_does_not_block(mooncake_cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = mooncake_cluster_factory()
+    cluster.kill_master()
+    tier, took = _timed(lambda: MooncakeTier(cluster.tier_config(timeout_ms=TIMEOUT_MS, backoff_s=0.5)))
+    try:
+        assert took < 1.0, f"construction blocked {took:.2f}s"
+        assert tier.state == TierState.CONNECTING
+        st, took = _timed(lambda: tier.put_from([item(key("early"), payload(1, 100))]))
+        assert st == [TierStatus.UNAVAILABLE] and took < 0.1
+        assert tier.contains([key("early")]) == [False]
+        cluster.restart_master()
+        assert tier.wait_ready(30), tier.state
+        assert _wait(lambda: tier.put_from([item(key("late"), payload(1, 100))]) == [TierStatus.OK], 10)
+    finally:
+        tier.close()
+
+
+def test_full_store_reports_no_space_counted(mooncake_cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """Puts beyond the cluster's memory answer NO_SPACE; KVStore counts them, nothing raises."""
+    cluster = mooncake_cluster_factory(segment_size="16MB")
+    tier = MooncakeTier(cluster.tier_config())
+    assert tier.wait_ready(15)
+    try:
+        big = payload(5, 1 << 20)
+        statuses = tier.put_from([item(key(f"full-{i}"), big) for i in range(40)])
+        assert TierStatus.NO_SPACE in statuses, statuses
+        assert set(statuses) <= {TierStatus.OK, TierStatus.NO_SPACE}
+        assert tier.available, "no space is not an outage"
+    finally:
+        tier.close()
+
+    store = KVStore.from_config(cluster.kvpack_config())
+    try:
+        assert store.tiers[0].wait_ready(15)  # type: ignore[attr-defined]
+        accepted = store.store([item(key(f"kv-full-{i}"), big) for i in range(40)])
+        assert all(s in (TierStatus.OK, TierStatus.NO_SPACE) for s in accepted)
+        assert store.flush(60)
+        dropped = store.metrics.value("store_dropped", tier="mooncake", reason="no_space")
+        stored = store.metrics.value("stored_objects", tier="mooncake")
+        assert dropped > 0 and dropped + stored == 40, store.metrics.snapshot()
+    finally:
+        store.close()
+
+
+def test_corrupted_object_through_kvstore_is_rejected_and_counted(mooncake_cluster) -> None:  # type: ignore[no-untyped-def]
+    from mooncake_helpers import raw_client, raw_put
+
+    k = key("kvstore-corrupt")
+    data = payload(6, 4096)
+    raw = raw_client(mooncake_cluster.master_address)
+    try:
+        blob = bytearray(item(k, data, checksum=True).header.encode() + data.tobytes())
+        blob[-7] ^= 0x5A
+        assert raw_put(raw, k.as_str(), bytes(blob)) == 0
+    finally:
+        raw.close()
+    store = KVStore.from_config(mooncake_cluster.kvpack_config())
+    try:
+        assert store.tiers[0].wait_ready(15)  # type: ignore[attr-defined]
+        dst = np.zeros(4096, dtype=np.uint8)
+        (res,) = store.load([LoadItem(k, memoryview(dst), expect(k))])
+        assert res.status is TierStatus.REJECTED
+        assert store.metrics.value("rejected_objects", tier="mooncake", reason="checksum") == 1
+    finally:
+        store.close()
