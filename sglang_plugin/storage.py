@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"kvpack.sglang_plugin needs SGLang (pip install 'kvpack[sglang]'): {exc}") from exc
 
 log = logging.getLogger("kvpack.sglang")
+
+MIN_PAGES_PER_THREAD = 16
+"""Batches smaller than this per thread are copied by the calling thread alone."""
 
 ADAPTER = "sglang"
 """`tier` label of metrics the adapter itself records (bad arguments, exceptions)."""
@@ -103,6 +107,10 @@ class KVPackStorage(HiCacheStorage):
         self._binding_errors: dict[str, str] = {}
         self._lock = threading.Lock()
         self._staging = Staging()
+        self._workers = max(1, self.config.io_threads)
+        self._executor = (
+            ThreadPoolExecutor(self._workers - 1, thread_name_prefix="kvpack-sglang-io") if self._workers > 1 else None
+        )
         self.group_fingerprint = ""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
@@ -339,6 +347,21 @@ class KVPackStorage(HiCacheStorage):
             return False
         return self._valid_chunks(keys)
 
+    def _split(self, n: int, part: Any) -> list[bool]:
+        """Run ``part(lo, hi) -> list[bool]`` over [0, n) on up to io_threads threads.
+
+        Copies and file I/O release the GIL, so a large batch is copied by
+        several cores at once; results keep the pages' order."""
+        k = min(self._workers, n // MIN_PAGES_PER_THREAD)
+        if k <= 1 or self._executor is None:
+            return part(0, n)
+        bounds = [n * j // k for j in range(k + 1)]
+        futures = [self._executor.submit(part, bounds[j], bounds[j + 1]) for j in range(1, k)]
+        out = part(bounds[0], bounds[1])
+        for f in futures:
+            out += f.result()
+        return out
+
     def _get(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         n = len(keys)
         if n == 0:
@@ -348,24 +371,28 @@ class KVPackStorage(HiCacheStorage):
         assert binding is not None
         ptrs, _ = binding.regions(host_indices, n)
         nbytes = binding.page_bytes
-        staged: list[int] = []
-        staging = None
-        items: list[LoadItem] = []
-        for i, key in enumerate(keys):
-            if binding.contiguous(ptrs, i):
-                dst = raw_view(ptrs[i * binding.parts], nbytes)
-            else:
-                if staging is None:
-                    staging = self._staging.get(n * nbytes)
-                dst = memoryview(staging[i * nbytes : (i + 1) * nbytes])
-                staged.append(i)
-            items.append(LoadItem(self._key(key, binding), dst, self._expect(key, binding)))
-        results = self.store.load(items)
-        ok = [r.ok for r in results]
-        for i in staged:
-            if ok[i]:
-                scatter(binding, ptrs, i, staging[i * nbytes : (i + 1) * nbytes])  # type: ignore[index]
-        if ok and not all(ok):
+
+        def part(lo: int, hi: int) -> list[bool]:
+            staging = None
+            staged: list[int] = []
+            items: list[LoadItem] = []
+            for i in range(lo, hi):
+                if binding.contiguous(ptrs, i):
+                    dst = raw_view(ptrs[i * binding.parts], nbytes)
+                else:
+                    if staging is None:
+                        staging = self._staging.get((hi - lo) * nbytes)
+                    dst = memoryview(staging[(i - lo) * nbytes : (i - lo + 1) * nbytes])
+                    staged.append(i)
+                items.append(LoadItem(self._key(keys[i], binding), dst, self._expect(keys[i], binding)))
+            ok = [r.ok for r in self.store.load(items)]
+            for i in staged:
+                if ok[i - lo]:
+                    scatter(binding, ptrs, i, staging[(i - lo) * nbytes : (i - lo + 1) * nbytes])  # type: ignore[index]
+            return ok
+
+        ok = self._split(n, part)
+        if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
 
@@ -381,34 +408,35 @@ class KVPackStorage(HiCacheStorage):
         ptrs, _ = binding.regions(host_indices, n)
         present = self.store.contains_members(self.tenant, self.group_fingerprint, keys, [binding.member])
         todo = [i for i in range(n) if not present[i][binding.member]]
-        if not todo:
-            return [True] * n
         nbytes = binding.page_bytes
-        staging = None
-        items: list[PutItem] = []
-        for slot, i in enumerate(todo):
-            if binding.contiguous(ptrs, i):
-                payload = raw_view(ptrs[i * binding.parts], nbytes)
-            else:
-                if staging is None:
-                    staging = self._staging.get(len(todo) * nbytes)
-                buf = staging[slot * nbytes : (slot + 1) * nbytes]
-                gather(binding, ptrs, i, buf)
-                payload = memoryview(buf)
-            header = ObjectHeader(
-                fingerprint=binding.member_fingerprint,
-                tenant=self.tenant,
-                chunk=keys[i],
-                member=binding.member,
-                token_count=binding.page_size,
-                payload_len=nbytes,
-                checksum=None,
-            )
-            items.append(PutItem(self._key(keys[i], binding), header, payload))
-        statuses = self.store.store(items)
+
+        def part(lo: int, hi: int) -> list[bool]:
+            staging = None
+            items: list[PutItem] = []
+            for slot, i in enumerate(todo[lo:hi]):
+                if binding.contiguous(ptrs, i):
+                    payload = raw_view(ptrs[i * binding.parts], nbytes)
+                else:
+                    if staging is None:
+                        staging = self._staging.get((hi - lo) * nbytes)
+                    buf = staging[slot * nbytes : (slot + 1) * nbytes]
+                    gather(binding, ptrs, i, buf)
+                    payload = memoryview(buf)
+                header = ObjectHeader(
+                    fingerprint=binding.member_fingerprint,
+                    tenant=self.tenant,
+                    chunk=keys[i],
+                    member=binding.member,
+                    token_count=binding.page_size,
+                    payload_len=nbytes,
+                    checksum=None,
+                )
+                items.append(PutItem(self._key(keys[i], binding), header, payload))
+            return [st is TierStatus.OK for st in self.store.store(items)]
+
         ok = [True] * n
-        for i, st in zip(todo, statuses):
-            ok[i] = st is TierStatus.OK
+        for i, stored in zip(todo, self._split(len(todo), part) if todo else []):
+            ok[i] = stored
         return ok
 
     def _key(self, chunk: str, binding: PoolBinding) -> StoreKey:
@@ -524,6 +552,8 @@ class KVPackStorage(HiCacheStorage):
         return self.metrics.snapshot()
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self.store.close()
 
 

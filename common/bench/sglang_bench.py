@@ -1,0 +1,318 @@
+"""`kvpack bench sglang`: HiCache L3 throughput through real SGLang host pools, kvpack vs SGLang's `file` backend.
+
+One run, same pages, same machine:
+
+- kvpack (``KVPackStorage``) through SGLang's zero-copy path (the controller's
+  ``_page_set_zero_copy`` / ``_page_get_zero_copy`` -> ``batch_set_v1`` /
+  ``batch_get_v1``), on the memory tier and on the disk tier;
+- SGLang's built-in ``file`` backend (``HiCacheFile``) through the path SGLang
+  takes for it, the generic one (``_generic_page_set`` / ``_generic_page_get``:
+  it has no v1 methods), in a folder on the same file system;
+- a single-thread ``memcpy`` of the same bytes between two warm buffers.
+
+Set times include reaching the tier: kvpack's disk set is timed up to
+``flush()`` (every file written), like the file backend's synchronous writes.
+Gets are timed from the page cache and, with ``--cold`` (default), after
+``posix_fadvise(DONTNEED)`` dropped both backends' files from it (real disk
+reads). GB/s counts page bytes once. Prints ratios; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvpack.bench.timing import gbps, hardware
+from kvpack.keys import chain_hash
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _torchvision_shim() -> None:
+    """SGLang imports torchvision; PyPI's is CUDA-linked and fails to register its ops
+    on a CPU-only machine. Defining the two op schemas first lets SGLang import (this
+    benchmark process only; kvpack's plugin never does this)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw("torchvision::nms", "")
+        return
+    except RuntimeError:
+        pass
+    try:
+        import torchvision  # noqa: F401  (a working build registers the ops itself)
+
+        return
+    except Exception:
+        pass
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    globals()["_TV_LIB"] = lib
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvpack bench sglang", description=__doc__.splitlines()[0])
+    p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first")
+    p.add_argument("--kind", choices=["mha", "mla"], default="mha")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--page-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--pages", type=int, default=256, help="pages per call")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default="", help="folder for both backends' files (default: a temp folder under $TMPDIR)")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold (dropped page cache) gets")
+    p.add_argument("--markdown", default="", help="append a markdown section with the results to this file")
+    return p.parse_args(argv)
+
+
+def _keys(n: int, seed: int, page_tokens: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out, parent = [], None
+    for _ in range(n):
+        parent = chain_hash(parent, rng.integers(0, 32000, size=page_tokens))
+        out.append(parent)
+    return out
+
+
+def _host_pool(args: argparse.Namespace) -> Any:
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dtype = DTYPES[args.dtype]
+    tokens = args.pages * args.page_tokens  # device pool; the host pool is 2x (source + destination pages)
+    common = dict(
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=args.page_tokens,
+        layout=args.layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=args.layers,
+    )
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    if args.kind == "mha":
+        ks = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
+        vs = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
+        info = MHABufferInfo(
+            buffers=KVBuffers(k=tuple(ks), v=tuple(vs), k_data_ptrs=ptrs(ks), v_data_ptrs=ptrs(vs), layout=KVBufferLayout.NHD),
+            page_size=args.page_tokens,
+            head_num=args.heads,
+            head_dim=args.head_dim,
+            v_head_dim=args.head_dim,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
+        pool = MHATokenToKVPoolHost(info, **common)
+    else:
+        width = args.heads * args.head_dim * 2  # same bytes per token and layer as the MHA pool
+        bufs = [torch.zeros(tokens, 1, width, dtype=dtype) for _ in range(args.layers)]
+        info = MLABufferInfo(
+            buffers=tuple(bufs),
+            data_ptrs=ptrs(bufs),
+            layer_indices=tuple(range(args.layers)),
+            device_layer_num=args.layers,
+            page_size=args.page_tokens,
+            kv_lora_rank=width - 64,
+            qk_rope_head_dim=64,
+            kv_cache_dim=width,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
+        pool = MLATokenToKVPoolHost(info, **common, target_layer_num=args.layers)
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    return pool
+
+
+def _storage_config(extra: dict[str, Any] | None, args: argparse.Namespace) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=args.kind == "mla",
+        enable_storage_metrics=False,
+        is_page_first_layout=args.layout == "page_first",
+        model_name="kvpack-bench",
+        extra_config=extra,
+    )
+
+
+def _controller(backend: Any, pool: Any) -> Any:
+    """What SGLang's CacheController methods read from `self` on the storage path."""
+    return SimpleNamespace(storage_backend=backend, storage_host_pool=pool, mem_pool_host=pool, page_size=pool.page_size)
+
+
+class _Op:
+    request_id = "kvpack-bench"
+
+    @staticmethod
+    def is_terminated() -> bool:
+        return False
+
+
+def _drop_cache(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    _torchvision_shim()
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    pool = _host_pool(args)
+    n, ps = args.pages, pool.page_size
+    src = pool.alloc(n * ps)
+    dst = pool.alloc(n * ps)
+    page = int(sum(pool.get_page_buffer_meta(torch.arange(ps))[1]))
+    nbytes = n * page
+    root = Path(args.dir or tempfile.mkdtemp(prefix="kvpack-sglang-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"# kvpack bench sglang: {hardware()}, torch {torch.__version__}")
+    print(
+        f"# {args.kind} {args.layout} {args.dtype}: {args.layers} layers x {args.heads} heads x {args.head_dim} "
+        f"x {ps} tokens = {page / 1024:.0f} KiB/page, {n} pages ({nbytes / 2**20:.0f} MiB) per call, "
+        f"{args.repeats} repeats (best), files in {root}"
+    )
+
+    # memcpy reference: one thread, warm buffers, same bytes
+    a = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    b.fill(1)
+    memcpy = min(_timed(lambda: ctypes.memmove(b.ctypes.data, a.ctypes.data, nbytes)) for _ in range(args.repeats + 1))
+    memcpy_gbps = gbps(nbytes, memcpy)
+    del a, b
+
+    set_zero_copy = HiCacheController._page_set_zero_copy
+    get_zero_copy = HiCacheController._page_get_zero_copy
+    set_generic = HiCacheController._generic_page_set
+    get_generic = HiCacheController._generic_page_get
+    dyn = {"backend_name": "kvpack", "module_path": "kvpack.sglang_plugin", "class_name": "KVPackStorage", "interface_v1": 1}
+
+    def kvpack_backend(tier: str) -> Any:
+        extra = dict(dyn)
+        if tier == "memory":
+            extra.update(memory={"capacity": f"{max(4 * nbytes, 1 << 30)}"}, disk={"enabled": False})
+        else:
+            extra.update(memory={"enabled": False}, disk={"path": str(root / f"kvpack-{tier}"), "capacity": "64GiB"}, io_threads=2)
+        backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra, args), pool)
+        backend.register_mem_pool_host(pool)
+        return backend
+
+    results: dict[str, float] = {}
+    want = pool.get_data_page(int(src[0]), flat=True).clone()
+
+    def run(label: str, backend: Any, zero_copy: bool, flush: Callable[[], object] | None, folder: Path | None) -> None:
+        ctl = _controller(backend, pool)
+        set_times, keys = [], []
+        for rep in range(args.repeats + 1):
+            keys = _keys(n, seed=1000 * rep + hash(label) % 997, page_tokens=ps)
+            if zero_copy:
+                t = _timed(lambda: (set_zero_copy(ctl, keys, src), flush and flush()))
+            else:
+                t = _timed(lambda: set_generic(ctl, keys, src))
+            set_times.append(t)
+        results[f"{label} set"] = gbps(nbytes, min(set_times[1:]))
+        fn = get_zero_copy if zero_copy else get_generic
+        got = []
+        get_times = [_timed(lambda: got.append(fn(ctl, _Op, keys, dst))) for _ in range(args.repeats + 1)]
+        results[f"{label} get (page cache)" if folder else f"{label} get"] = gbps(nbytes, min(get_times[1:]))
+        if got[-1] != n:
+            print(f"! {label}: get returned {got[-1]} of {n} pages", file=sys.stderr)
+        if folder is not None and not args.no_cold:
+            cold = []
+            for _ in range(max(2, args.repeats // 2)):
+                _drop_cache(folder)
+                cold.append(_timed(lambda: fn(ctl, _Op, keys, dst)))
+            results[f"{label} get (cold)"] = gbps(nbytes, min(cold))
+
+    mem = kvpack_backend("memory")
+    run("kvpack memory", mem, True, None, None)
+    mem.close()
+    disk = kvpack_backend("disk")
+    run("kvpack disk", disk, True, disk.flush, root / "kvpack-disk")
+    disk.close()
+    file_dir = root / "sglang-file"
+    file_backend = HiCacheFile(_storage_config({"file_storage_path": str(file_dir)}, args), file_path=str(file_dir))
+    file_backend.register_mem_pool_host(pool)
+    run("sglang file", file_backend, False, None, file_dir)
+    check = pool.get_data_page(int(src[0]), flat=True)
+    if not torch.equal(check.view(torch.uint8), want.view(torch.uint8)):
+        print("! source pages changed during the run", file=sys.stderr)
+
+    rows = [
+        Row("kvpack memory set", results["kvpack memory set"], "memcpy", memcpy_gbps),
+        Row("kvpack memory get", results["kvpack memory get"], "memcpy", memcpy_gbps),
+        Row("kvpack disk set (to flush)", results["kvpack disk set"], "sglang file set", results["sglang file set"]),
+        Row("kvpack disk get (page cache)", results["kvpack disk get (page cache)"], "sglang file get (page cache)", results["sglang file get (page cache)"]),
+    ]
+    if not args.no_cold:
+        rows.append(Row("kvpack disk get (cold)", results["kvpack disk get (cold)"], "sglang file get (cold)", results["sglang file get (cold)"]))
+    print(f"{'measured':34} {'GB/s':>7}   {'vs':34} {'GB/s':>7}   ratio")
+    for r in rows:
+        print(f"{r.what:34} {r.gbps:7.2f}   {r.baseline:34} {r.baseline_gbps:7.2f}   {r.ratio:5.2f}x")
+    print(f"{'memcpy (1 thread)':34} {memcpy_gbps:7.2f}")
+    if args.markdown:
+        cmd = "kvpack bench sglang " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.markdown, "a") as f:
+            f.write(f"\n### `{cmd.strip()}`\n\n{hardware()}; {args.kind} {args.layout} {args.dtype}, "
+                    f"{page // 1024} KiB pages, {n} pages a call\n\n| measured | GB/s | vs | GB/s | ratio |\n|---|---|---|---|---|\n")
+            for r in rows:
+                f.write(f"| {r.what} | {r.gbps:.2f} | {r.baseline} | {r.baseline_gbps:.2f} | {r.ratio:.2f}x |\n")
+            f.write(f"| memcpy (1 thread) | {memcpy_gbps:.2f} | | | |\n")
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
