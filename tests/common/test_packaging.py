@@ -43,7 +43,9 @@ def test_wheel_in_clean_venv(wheel: Path, tmp_path: Path) -> None:
         capture_output=True,
     )
     code = """
-import importlib.metadata as md, importlib.resources as res, kvpack, kvpack.vllm_plugin, kvpack.sglang_plugin, kvpack.ops
+import importlib.metadata as md, importlib.resources as res, importlib.util as iu, kvpack, kvpack.vllm_plugin, kvpack.ops
+# the SGLang backend subclasses SGLang's HiCacheStorage: present, imported only where SGLang is
+assert iu.find_spec("kvpack.sglang_plugin") is not None
 print(kvpack.__file__)
 print(sorted(p.name for p in res.files("kvpack.csrc").iterdir() if p.name.endswith((".cu", ".cpp"))))
 print([ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kvpack"])
