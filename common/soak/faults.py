@@ -1,0 +1,354 @@
+"""Faults and security probes the soak injects on a schedule while the load runs.
+
+Each fault is a function of the running `Soak` that breaks something real,
+keeps it broken for a few seconds, repairs it, and returns a note; the soak
+records the window during which a tier was down, so the step delays measured
+by the clients can be split into "while a tier was down" and the rest.
+
+Tier faults: the Mooncake master killed (SIGKILL) and restarted; the segment
+holder killed and restarted; master and holder stopped (SIGSTOP) then
+resumed: a slow tier, so calls hit kvpack's bounded timeouts and circuit
+breaker; the disk tier's directory replaced by a plain file (as root, chmod
+does not stop writes) and put back; the disk filled to the last byte (a
+tmpfs under the store, so ENOSPC is real) and emptied again.
+
+Events (no tier down): `corrupt_objects` stores a canary prompt, flips a
+payload byte of each of its objects on disk and in Mooncake, pushes it out of
+host memory with other prompts, and asks again (the answer must equal the
+reference: the objects are refused, counted, recomputed).
+`security_probes` sends invalid tenant names and salts (path traversal, 300
+characters, NUL and control bytes, non-strings), and plants a pickle whose
+unpickling would create a file, both on disk and in Mooncake, under the key a
+request will look up; the object must be refused (``bad_magic``) and the file
+never appear.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import Soak
+
+FaultFn = Callable[["Soak"], str]
+
+
+@dataclass
+class Window:
+    """When a fault held a tier down (or an event ran), by the soak's monotonic clock."""
+
+    name: str
+    start: float
+    end: float
+    tier_down: bool
+    note: str = ""
+
+
+# -- Mooncake --------------------------------------------------------------------------
+
+
+def master_killed(soak: Soak) -> str:
+    mc = soak.mooncake
+    if mc is None:
+        return "skipped: no Mooncake tier"
+    mc.master.kill()  # type: ignore[union-attr]
+    time.sleep(soak.cfg.fault_hold_s)
+    mc.restart_master()
+    return f"SIGKILL, restarted after {soak.cfg.fault_hold_s:.0f}s"
+
+
+def holder_killed(soak: Soak) -> str:
+    mc = soak.mooncake
+    if mc is None:
+        return "skipped: no Mooncake tier"
+    mc.holder.kill()  # type: ignore[union-attr]
+    time.sleep(soak.cfg.fault_hold_s)
+    mc.restart_holder()
+    return f"SIGKILL, restarted after {soak.cfg.fault_hold_s:.0f}s"
+
+
+def _stopped(soak: Soak, which: str) -> str:
+    mc = soak.mooncake
+    if mc is None:
+        return "skipped: no Mooncake tier"
+    proc = mc.master if which == "master" else mc.holder
+    assert proc is not None
+    proc.pause()
+    try:
+        time.sleep(soak.cfg.slow_hold_s)
+    finally:
+        proc.resume()
+    return f"SIGSTOP for {soak.cfg.slow_hold_s:.0f}s, then SIGCONT"
+
+
+def master_stopped(soak: Soak) -> str:
+    return _stopped(soak, "master")
+
+
+def holder_stopped(soak: Soak) -> str:
+    return _stopped(soak, "holder")
+
+
+# -- disk ------------------------------------------------------------------------------
+
+
+def disk_dir_replaced(soak: Soak) -> str:
+    root = soak.disk_root
+    away = root.with_name(root.name + ".away")
+    os.rename(root, away)
+    root.write_bytes(b"not a directory\n")
+    try:
+        time.sleep(soak.cfg.fault_hold_s)
+    finally:
+        root.unlink()
+        os.rename(away, root)
+    return f"directory replaced by a file for {soak.cfg.fault_hold_s:.0f}s, then put back"
+
+
+def disk_full(soak: Soak) -> str:
+    if not soak.tmpfs.mounted:
+        return "skipped: could not mount a tmpfs here (needs root); capacity eviction only"
+    filler = soak.tmpfs.path / "filler"
+    written = 0
+    try:
+        with open(filler, "wb", buffering=0) as f:
+            block = bytes(1 << 20)
+            while True:
+                try:
+                    written += f.write(block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+            small = bytes(4096)
+            while True:
+                try:
+                    written += f.write(small)
+                except OSError:
+                    break
+        time.sleep(soak.cfg.fault_hold_s)
+    finally:
+        filler.unlink(missing_ok=True)
+    return f"filesystem filled ({written >> 20} MiB filler, ENOSPC) for {soak.cfg.fault_hold_s:.0f}s, then emptied"
+
+
+# -- stored objects ------------------------------------------------------------------
+
+
+def _flip_payload_byte(path: Path) -> bool:
+    from ..objects import decode_header
+
+    try:
+        raw = bytearray(path.read_bytes())
+        header = decode_header(bytes(raw))
+    except Exception:
+        return False
+    if header.payload_len == 0:
+        return False
+    raw[len(raw) - header.payload_len // 2 - 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    return True
+
+
+MOONCAKE_HELPER = r"""
+import json, sys
+from mooncake.store import MooncakeDistributedStore
+spec = json.loads(sys.argv[1])
+store = MooncakeDistributedStore()
+rc = store.setup(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", global_segment_size=0,
+                 local_buffer_size=16 << 20, protocol="tcp", rdma_devices="", master_server_addr=spec["master"])
+if rc != 0:
+    print(json.dumps({"setup": rc})); sys.exit(0)
+out = {"setup": 0, "corrupted": 0, "missing": 0, "planted": 0, "errors": []}
+for key in spec.get("corrupt", []):
+    data = bytearray(store.get(key))
+    if not data:
+        out["missing"] += 1; continue
+    data[len(data) - 100] ^= 0xFF
+    store.remove(key)
+    rc = store.put(key, bytes(data))
+    if rc == 0: out["corrupted"] += 1
+    else: out["errors"].append([key, rc])
+for key, hexdata in spec.get("plant", []):
+    store.remove(key)
+    rc = store.put(key, bytes.fromhex(hexdata))
+    if rc == 0: out["planted"] += 1
+    else: out["errors"].append([key, rc])
+print(json.dumps(out))
+sys.stdout.flush()
+store.close()
+"""
+
+
+def mooncake_edit(soak: Soak, corrupt: list[str] = (), plant: list[tuple[str, bytes]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """Corrupt or plant objects in Mooncake from a child process (a Mooncake client
+    that misbehaves can segfault; it must not take the soak down)."""
+    if soak.mooncake is None:
+        return {"skipped": True}
+    spec = {"master": soak.mooncake.address, "corrupt": list(corrupt), "plant": [[k, v.hex()] for k, v in plant]}
+    from .procs import mooncake_env
+
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", MOONCAKE_HELPER, json.dumps(spec)],
+            capture_output=True,
+            timeout=60,
+            env=mooncake_env(),
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "helper timed out"}
+    lines = [ln for ln in r.stdout.decode(errors="replace").splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"error": f"helper rc={r.returncode}: {r.stderr.decode(errors='replace')[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def corrupt_objects(soak: Soak) -> str:
+    """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again."""
+    from ..keys import chunk_hashes
+    from ..store import tail_chunk
+
+    n = soak.cycle_index
+    tenant = f"canary-{n}"
+    prompt = soak.workload.extra["canary"]
+    soak.send("canary-store", tenant, prompt)
+    hashes = chunk_hashes(prompt, soak.cfg.block_size)
+    chunks = [*hashes, tail_chunk(hashes[-1])]
+    deadline = time.monotonic() + 15.0
+    files: list[Path] = []
+    while time.monotonic() < deadline:  # write-back to disk (bounded wait)
+        files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
+        if len(files) >= len(hashes):
+            break
+        time.sleep(0.25)
+    time.sleep(1.0)
+    flipped = sum(_flip_payload_byte(p) for p in files)
+    fp = soak.fingerprint()
+    keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
+    mc = mooncake_edit(soak, corrupt=keys) if keys else {}
+    soak.evict_memory()
+    res = soak.send("canary-reload", tenant, prompt)
+    return (
+        f"{flipped} disk objects and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects corrupted "
+        f"({mc.get('error', 'ok') if mc else 'no Mooncake'}); reload: {res.status}, cached_tokens={res.cached_tokens}"
+    )
+
+
+class _Bomb:
+    """Unpickling this creates `path` (it must never happen)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
+
+
+def _bomb_bytes(sentinel: Path) -> bytes:
+    return pickle.dumps(_Bomb(str(sentinel)))
+
+
+BAD_TENANTS: tuple[Any, ...] = (
+    "../acme",
+    "acme/../globex",
+    "/etc/passwd",
+    "..",
+    "a" * 300,
+    "ten\x00ant",
+    "tenant\nacme",
+    "t\u00e9n\u00e4nt",
+    "",
+    12345,
+    ["acme"],
+    {"$ne": "acme"},
+)
+BAD_SALTS: tuple[str, ...] = ("../acme", "x" * 200, "nul\x00salt")
+ODD_SALTS: tuple[str, ...] = ("salt with spaces and \u00fcml\u00e4uts",)
+
+
+def security_probes(soak: Soak) -> str:
+    """Bad tenants and salts, and pickle bombs on disk and in Mooncake."""
+    from ..keys import chunk_hashes
+
+    victim = soak.workload.first_turn("public", 0)
+    soak.send("victim-store", "acme", victim)
+    bad = 0
+    for tenant in BAD_TENANTS:
+        res = soak.send("bad-tenant", tenant, victim)
+        bad += res.status == "ok"
+    refused = 0
+    for salt in BAD_SALTS:
+        res = soak.send("bad-salt", None, victim, cache_salt=salt)
+        refused += res.status == "http_400"
+    for salt in ODD_SALTS:
+        soak.send("odd-salt", None, victim, cache_salt=salt)
+    # pickle bombs under keys that requests will look up
+    fp = soak.fingerprint()
+    notes = [f"{bad}/{len(BAD_TENANTS)} bad tenants served without the cache", f"{refused}/{len(BAD_SALTS)} bad salts got HTTP 400"]
+    if fp is None:
+        return "; ".join(notes + ["no fingerprint yet: bombs skipped"])
+    bomb = _bomb_bytes(soak.sentinel)
+    bs = soak.cfg.block_size
+    n = soak.cycle_index
+    disk_prompt = soak.workload.extra["bomb-disk"]
+    t_disk = f"bomb-disk-{n}"
+    for chunk in chunk_hashes(disk_prompt, bs):
+        path = soak.disk_root / t_disk / fp / chunk[:2] / f"{chunk}.kv.kvp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bomb)
+    soak.send("bomb-disk", t_disk, disk_prompt)
+    mc_prompt = soak.workload.extra["bomb-mooncake"]
+    t_mc = f"bomb-mc-{n}"
+    keys = [f"kvpack/{t_mc}/{fp}/{c}/kv" for c in chunk_hashes(mc_prompt, bs)]
+    mc = mooncake_edit(soak, plant=[(k, bomb) for k in keys])
+    soak.send("bomb-mooncake", t_mc, mc_prompt)
+    notes.append(f"pickle planted on disk ({len(keys)} objects) and in Mooncake ({mc.get('planted', mc)})")
+    return "; ".join(notes)
+
+
+# -- the schedule ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    at: float
+    """Offset in a cycle, as a fraction of the cycle."""
+    fn: FaultFn
+    tier_down: bool
+    needs_mooncake: bool = False
+
+
+SCHEDULE: tuple[Fault, ...] = (
+    Fault("mooncake master slow (SIGSTOP)", 0.08, master_stopped, True, True),
+    Fault("mooncake master killed + restarted", 0.16, master_killed, True, True),
+    Fault("segment holder killed + restarted", 0.30, holder_killed, True, True),
+    Fault("disk directory replaced by a file", 0.42, disk_dir_replaced, True),
+    Fault("disk full (ENOSPC)", 0.50, disk_full, True),
+    Fault("segment holder slow (SIGSTOP)", 0.58, holder_stopped, True, True),
+    Fault("security: bad tenants, salts, pickle bombs", 0.66, security_probes, False),
+    Fault("objects corrupted on disk and in Mooncake", 0.76, corrupt_objects, False),
+)
+
+
+def cleanup_disk(root: Path) -> None:
+    """Put the disk tier's directory back if a fault was interrupted."""
+    away = root.with_name(root.name + ".away")
+    if away.exists():
+        if root.is_file():
+            root.unlink()
+        if not root.exists():
+            os.rename(away, root)
+        else:
+            shutil.rmtree(away, ignore_errors=True)

@@ -1,0 +1,460 @@
+"""One soak run: start everything, drive the load, inject the faults, stop everything.
+
+`Soak(cfg).run()` returns a `SoakReport`. The order:
+
+1. a work folder; a small tmpfs under the disk tier when this process may
+   mount (so "disk full" is a real ENOSPC); a Mooncake master and segment
+   holder on 127.0.0.1 (when Mooncake is installed);
+2. the no-cache reference (`kvpack.soak.reference`, a child process) runs
+   while the vLLM server with kvpack boots;
+3. `clients` threads send the workload until the load time is over and the
+   fault schedule (`kvpack.soak.faults.SCHEDULE`, once per cycle) has run;
+   a sampler records the server tree's RSS;
+4. every process the soak started is stopped by PID (also on failure), the
+   tmpfs unmounted, and the report built.
+
+Nothing leaves 127.0.0.1; every wait has a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import faults as F
+from .procs import MooncakeProcs, Tmpfs, mooncake_binaries, tree_rss
+from .reference import key_of
+from .report import Comparison, Row, compare, fmt_counter, format_table, overlaps, parse_prometheus, parse_server_log
+from .server import VllmServer
+from .workload import Result, Workload, completion_body, stream_completion
+
+
+@dataclass
+class SoakConfig:
+    duration_s: float = 90.0
+    """Load time (the fault schedule runs once per `cycle_s` within it)."""
+    cycle_s: float = 0.0
+    """Length of one fault cycle; 0: one cycle over the whole duration."""
+    clients: int = 8
+    tenants: tuple[str, ...] = ("acme", "globex", "initech")
+    max_tokens: int = 16
+    model: str = ""
+    workdir: str = ""
+    keep_workdir: bool = False
+    mooncake: bool = True
+    faults: bool = True
+    seed: int = 0
+    probe_fraction: float = 0.08
+    followup_fraction: float = 0.25
+    fault_hold_s: float = 4.0
+    slow_hold_s: float = 3.0
+    warmup_fraction: float = 0.3
+    memory_capacity: str = "16MiB"
+    disk_capacity: str = "40MiB"
+    tmpfs_size: str = "64m"
+    io_timeout_ms: int = 500
+    mooncake_timeout_ms: int = 200
+    write_queue_depth: int = 64
+    evictors: int = 24
+    block_size: int = 128
+    request_timeout_s: float = 30.0
+    delay_bound_s: float = 0.5
+    """Target for the longest step delay while a tier is down."""
+    memory_growth_bound_mib: float = 256.0
+
+
+@dataclass
+class SoakReport:
+    rows: list[Row]
+    windows: list[F.Window]
+    comparison: Comparison
+    counts: dict[str, Any]
+    workdir: str
+
+    @property
+    def passed(self) -> bool:
+        return all(r.ok is not False for r in self.rows)
+
+    def table(self) -> str:
+        lines = [format_table(self.rows), "", "faults and events (seconds from the start of the load):"]
+        for w in self.windows:
+            lines.append(f"  {w.start:7.1f} -> {w.end:7.1f}  {w.name}: {w.note}")
+        if self.comparison.examples:
+            lines += ["", "outputs that differ from the reference:"] + [f"  {e}" for e in self.comparison.examples]
+        lines += ["", f"logs: {self.workdir}"]
+        return "\n".join(lines)
+
+
+def default_model() -> str:
+    """The tiny test Llama, built from the source checkout's test fixture (cached)."""
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    if not (tests / "fixtures" / "tiny_model.py").is_file():
+        raise SystemExit("kvpack soak: pass --model PATH (the tiny test model's builder is only in a source checkout)")
+    sys.path.insert(0, str(tests))
+    from fixtures.tiny_model import build_tiny_llama  # type: ignore[import-not-found]
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpack" / "soak-model"
+    return str(build_tiny_llama(cache))
+
+
+class Soak:
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.workload = Workload.build(cfg.seed, cfg.tenants, evictors=cfg.evictors)
+        self.work = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvpack-soak-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.tmpfs = Tmpfs(self.work / "diskfs", cfg.tmpfs_size)
+        self.disk_root = self.tmpfs.path / "store"
+        self.sentinel = self.work / "UNPICKLED-sentinel"
+        self.mooncake: MooncakeProcs | None = None
+        self.server: VllmServer | None = None
+        self.refs: dict[str, dict[str, Any]] = {}
+        self.results: list[Result] = []
+        self.windows: list[F.Window] = []
+        self.rss: list[tuple[float, int]] = []
+        self.cycle_index = 0
+        self._tmpfs_was_mounted = False
+        self._root_clean: bool | None = None
+        self.t0 = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._probe_seq = 0
+        self._done_pool: list[tuple[str, tuple[int, ...]]] = []
+
+    # -- helpers used by the faults ------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def send(self, kind: str, tenant: Any, prompt: tuple[int, ...], cache_salt: Any = None) -> Result:
+        assert self.server is not None
+        res = Result(kind, str(tenant) if not isinstance(tenant, str) else tenant, tuple(prompt))
+        body = completion_body(self.server.served_name, prompt, self.cfg.max_tokens, tenant=tenant, cache_salt=cache_salt)
+        stream_completion(self.server.port, body, res, self.cfg.request_timeout_s)
+        with self._lock:
+            self.results.append(res)
+            if res.status == "ok" and kind in ("normal", "followup"):
+                self._done_pool.append((res.tenant, res.prompt))
+        return res
+
+    def fingerprint(self) -> str | None:
+        for tenant in sorted(self.cfg.tenants):
+            d = self.disk_root / tenant
+            if d.is_dir():
+                for fp in sorted(d.iterdir()):
+                    if fp.is_dir():
+                        return fp.name
+        return None
+
+    def evict_memory(self) -> None:
+        """Push older objects out of the host-memory tier with distinct prompts."""
+        prompts = [self.workload.extra[f"evictor{i}"] for i in range(self.cfg.evictors)]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: self.send("evictor", f"evictor-{self.cycle_index}", p), prompts))
+
+    # -- set-up ----------------------------------------------------------------------
+
+    def kvpack_config(self) -> dict[str, Any]:
+        cfg = self.cfg
+        kv: dict[str, Any] = {
+            "io_timeout_ms": cfg.io_timeout_ms,
+            "write_queue_depth": cfg.write_queue_depth,
+            "memory": {"capacity": cfg.memory_capacity},
+            "disk": {"path": str(self.disk_root), "capacity": cfg.disk_capacity},
+        }
+        if self.mooncake is not None:
+            kv["mooncake"] = {
+                "enabled": True,
+                "master_server_address": self.mooncake.address,
+                "global_segment_size": 0,
+                "local_buffer_size": "16MiB",
+                "staging_size": "32MiB",
+                "timeout_ms": cfg.mooncake_timeout_ms,
+                "backoff_s": 1.0,
+            }
+        return kv
+
+    def _reference_spec(self) -> dict[str, Any]:
+        w = self.workload
+        prompts = [list(p) for p in w.first_turns()] + [list(p) for p in w.extra.values()]
+        followups = [
+            [list(w.first_turn(d, q)), list(w.followup_questions[f])]
+            for d in w.docs
+            for q in range(len(w.questions))
+            for f in range(len(w.followup_questions))
+        ]
+        return {
+            "model": self.model,
+            "max_tokens": self.cfg.max_tokens,
+            "max_model_len": 2048,
+            "prompts": prompts,
+            "followups": followups,
+        }
+
+    def _start_reference(self) -> subprocess.Popen[bytes]:
+        spec = self.work / "reference-in.json"
+        spec.write_text(json.dumps(self._reference_spec()))
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
+        log = open(self.work / "reference.log", "wb")
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "kvpack.soak.reference", str(spec), str(self.work / "reference-out.json")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        finally:
+            log.close()
+
+    def _wait_reference(self, proc: subprocess.Popen[bytes], timeout_s: float = 420.0) -> None:
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise RuntimeError(f"the reference run did not finish in {timeout_s}s; see {self.work}/reference.log")
+        if rc != 0:
+            tail = (self.work / "reference.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the reference run failed (rc={rc}):\n{tail}")
+        self.refs = json.loads((self.work / "reference-out.json").read_text())["outputs"]
+
+    # -- load ------------------------------------------------------------------------
+
+    def _client(self, idx: int) -> None:
+        rng = random.Random(self.cfg.seed * 1000 + idx)
+        w = self.workload
+        while not self._stop.is_set():
+            with self._lock:
+                pool = list(self._done_pool[-200:])
+            if pool and rng.random() < self.cfg.probe_fraction:
+                victim_tenant, prompt = rng.choice(pool)
+                with self._lock:
+                    self._probe_seq += 1
+                    probe = f"probe-{self._probe_seq}"  # a fresh tenant: any hit is another tenant's entry
+                self.send("probe", probe, prompt)
+                continue
+            tenant = rng.choice(self.cfg.tenants)
+            doc = rng.choice(w.tenant_docs[tenant])
+            q = rng.randrange(len(w.questions))
+            first = w.first_turn(doc, q)
+            if rng.random() < self.cfg.followup_fraction:
+                f = rng.randrange(len(w.followup_questions))
+                reply = self.refs[key_of(first)]["tokens"]
+                self.send("followup", tenant, w.followup(doc, q, reply, f))
+            else:
+                self.send("normal", tenant, first)
+
+    def _sampler(self) -> None:
+        while not self._stop.wait(1.0):
+            pid = self.server.pid if self.server else None
+            if pid:
+                self.rss.append((self.now(), tree_rss(pid)))
+
+    def _fault_runner(self) -> None:
+        cfg = self.cfg
+        cycle = cfg.cycle_s if cfg.cycle_s > 0 else cfg.duration_s
+        n_cycles = max(1, int(cfg.duration_s // cycle))
+        for c in range(n_cycles):
+            self.cycle_index = c
+            for fault in F.SCHEDULE:
+                if self._stop.is_set():
+                    return
+                at = c * cycle + fault.at * cycle
+                while self.now() < at and not self._stop.is_set():
+                    time.sleep(0.05)
+                start = self.now()
+                try:
+                    note = fault.fn(self)
+                except Exception as exc:
+                    note = f"FAULT INJECTION FAILED: {type(exc).__name__}: {exc}"
+                down = fault.tier_down and not note.startswith("skipped")
+                with self._lock:
+                    self.windows.append(F.Window(fault.name, start + self.t0, self.now() + self.t0, down, note))
+
+    # -- run -------------------------------------------------------------------------
+
+    def run(self) -> SoakReport:
+        cfg = self.cfg
+        self.model = cfg.model or default_model()
+        ref_proc: subprocess.Popen[bytes] | None = None
+        try:
+            self._tmpfs_was_mounted = self.tmpfs.mount()
+            self.disk_root.mkdir(parents=True, exist_ok=True)
+            if cfg.mooncake and mooncake_binaries() is not None:
+                self.mooncake = MooncakeProcs(self.work / "mooncake").start()
+            ref_proc = self._start_reference()
+            self.server = VllmServer(self.model, self.work / "server.log", self.kvpack_config())
+            self.server.start()
+            self._wait_reference(ref_proc)
+            self.t0 = time.monotonic()
+            threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(cfg.clients)]
+            threads.append(threading.Thread(target=self._sampler, daemon=True))
+            runner = threading.Thread(target=self._fault_runner, daemon=True) if cfg.faults else None
+            for t in threads + ([runner] if runner else []):
+                t.start()
+            hard_stop = cfg.duration_s * 1.5 + 120
+            while self.now() < cfg.duration_s or (runner is not None and runner.is_alive()):
+                if self.now() > hard_stop:
+                    break
+                time.sleep(0.2)
+            self._stop.set()
+            for t in threads:
+                t.join(cfg.request_timeout_s + 5)
+            if runner is not None:
+                runner.join(30)
+            server_alive = self.server.proc is not None and self.server.proc.alive() and self.server.healthy()
+            metrics_text = self._scrape_metrics()
+            self._root_clean = self._root_is_clean()  # before the tmpfs goes
+        finally:
+            self._stop.set()
+            if ref_proc is not None and ref_proc.poll() is None:
+                ref_proc.kill()
+                ref_proc.wait(10)
+            if self.server is not None:
+                self.server.stop()
+            if self.mooncake is not None:
+                self.mooncake.stop()
+            F.cleanup_disk(self.disk_root)
+            self.tmpfs.unmount()
+        return self._report(server_alive, metrics_text)
+
+    def _scrape_metrics(self) -> str:
+        assert self.server is not None
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.server.port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return ""
+
+    # -- report ----------------------------------------------------------------------
+
+    def _report(self, server_alive: bool, metrics_text: str) -> SoakReport:
+        cfg = self.cfg
+        results = list(self.results)
+        log = parse_server_log((self.work / "server.log").read_text(errors="replace"))
+        prom = parse_prometheus(metrics_text)
+        windows = [F.Window(w.name, w.start - self.t0, w.end - self.t0, w.tier_down, w.note) for w in self.windows]
+        by_kind: dict[str, list[Result]] = {}
+        for r in results:
+            by_kind.setdefault(r.kind, []).append(r)
+        expected_400 = [r for r in by_kind.get("bad-salt", [])]
+        counted = [r for r in results if r.kind != "bad-salt"]
+        failed = [r for r in counted if r.status != "ok"]
+        cmp = compare(counted, self.refs)
+        traffic = by_kind.get("normal", []) + by_kind.get("followup", [])
+        whole = sum(1 for r in traffic if r.status == "ok" and (r.cached_tokens or 0) >= len(r.prompt) - 1)
+        miss = sum(1 for r in traffic if r.status == "ok" and not r.cached_tokens)
+        part = sum(1 for r in traffic if r.status == "ok") - whole - miss
+        hit_tokens = sum(r.cached_tokens or 0 for r in traffic if r.status == "ok")
+        prompt_tokens = sum(len(r.prompt) for r in traffic if r.status == "ok")
+        probes = by_kind.get("probe", [])
+        probe_hits = [r for r in probes if r.cached_tokens]
+        bad = by_kind.get("bad-tenant", [])
+        bad_ok = [r for r in bad if r.status == "ok" and not r.cached_tokens]
+        salt_400 = [r for r in expected_400 if r.status == "http_400"]
+        refused = log["refused"]
+        bombs_refused = sum(v for (tier, reason), v in refused.items() if reason == "bad_magic")
+        bomb_results = by_kind.get("bomb-disk", []) + by_kind.get("bomb-mooncake", [])
+        canary_refused = sum(v for t, v in log["refused_tenants"].items() if t.startswith("canary"))
+        gaps = [(a, b) for r in results for a, b in r.gaps]
+        t0 = self.t0
+        longest = max((b - a for a, b in gaps), default=0.0)
+        down_gaps = [b - a for a, b in gaps if overlaps(a - t0, b - t0, windows)]
+        longest_down = max(down_gaps, default=0.0)
+        warm_t = cfg.duration_s * cfg.warmup_fraction
+        after = [v for t, v in self.rss if t >= warm_t]
+        base = after[:3] if after else [0]
+        end = after[-3:] if after else [0]
+        growth = (sum(end) / len(end) - sum(base) / len(base)) / (1 << 20)
+        peak = max((v for _, v in self.rss), default=0) / (1 << 20)
+        dropped = {k: v for k, v in prom.items() if k.startswith("kvpack_store_dropped")}
+        xfer = log["xfer"]
+        rows = [
+            Row("requests sent", str(len(results))),
+            Row("requests completed", str(sum(1 for r in counted if r.status == "ok"))),
+            Row("requests failed", str(len(failed)), "0", not failed),
+            Row(
+                "outputs equal to the reference",
+                f"{cmp.equal}/{cmp.equal + cmp.different + cmp.near_tie}",
+                "all",
+                cmp.different == 0 and cmp.no_reference == 0,
+            ),
+            Row("  near-tie divergences (margin < 1e-3)", str(cmp.near_tie), "reported"),
+            Row("hits: whole prompt / prefix only / miss", f"{whole} / {part} / {miss}"),
+            Row("tokens reused by kvpack / prompt tokens", f"{hit_tokens} / {prompt_tokens}"),
+            Row("cross-tenant probes with a hit", f"{len(probe_hits)} of {len(probes)}", "0 (of >0)", not probe_hits and bool(probes)),
+            Row("bad tenant names served, no cache", f"{len(bad_ok)}/{len(bad)}", "all", len(bad_ok) == len(bad)),
+            Row("bad cache_salt answered HTTP 400", f"{len(salt_400)}/{len(expected_400)}", "all", len(salt_400) == len(expected_400)),
+            Row("store root holds only valid tenants", str(self._root_clean), "True", self._root_clean is True),
+            Row(
+                "pickle bombs refused (bad_magic), never run",
+                f"{bombs_refused} refused, sentinel {'PRESENT' if self.sentinel.exists() else 'absent'}",
+                ">0, absent",
+                (bombs_refused > 0 or not bomb_results) and not self.sentinel.exists(),
+            ),
+            Row(
+                "corrupted canary objects refused",
+                str(canary_refused),
+                ">0" if by_kind.get("canary-reload") else "",
+                canary_refused > 0 if by_kind.get("canary-reload") else None,
+            ),
+            Row("rejected objects by tier/reason", fmt_counter(refused)),
+            Row("store drops (back-pressure etc.)", fmt_counter(dropped) if prom else "n/a: not exported by the server"),
+            Row(
+                "connector stats (vLLM log)",
+                fmt_counter({k: v for k, v in xfer.items() if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")}) or "none",
+            ),
+            Row("longest step delay (all)", f"{longest:.3f}s"),
+            Row("longest step delay while a tier was down", f"{longest_down:.3f}s", f"< {cfg.delay_bound_s}s", longest_down < cfg.delay_bound_s),
+            Row("server tree RSS: peak / growth after warm-up", f"{peak:.0f} / {growth:+.0f} MiB", f"< {cfg.memory_growth_bound_mib:.0f} MiB", growth < cfg.memory_growth_bound_mib),
+            Row("server alive and healthy at the end", str(server_alive), "True", server_alive),
+            Row("engine deaths / tracebacks in the server log", f"{log['engine_dead']} / {log['tracebacks']}", "0 / -", log["engine_dead"] == 0),
+        ]
+        counts = dict(
+            failed=[(r.kind, r.tenant, r.status, r.error[:200]) for r in failed],
+            probes=len(probes),
+            probe_hits=len(probe_hits),
+            bad_tenants=len(bad),
+            bad_tenants_ok=len(bad_ok),
+            bombs_refused=bombs_refused,
+            sentinel=self.sentinel.exists(),
+            root_clean=self._root_clean,
+            canary_refused=canary_refused,
+            refused={f"{t}/{r}": v for (t, r), v in refused.items()},
+            rss=[(round(t, 1), v >> 20) for t, v in self.rss],
+            xfer=dict(xfer),
+            longest_gap=longest,
+            longest_gap_down=longest_down,
+            rss_growth_mib=growth,
+            server_alive=server_alive,
+            engine_dead=log["engine_dead"],
+            hits=(whole, part, miss),
+            tmpfs_mounted=self._tmpfs_was_mounted,
+            kvpack_metrics=prom,
+        )
+        return SoakReport(rows, windows, cmp, counts, str(self.work))
+
+    def _root_is_clean(self) -> bool | None:
+        from ..keys import validate_tenant
+
+        if not self.disk_root.is_dir():
+            return None
+        for entry in self.disk_root.iterdir():
+            try:
+                validate_tenant(entry.name)
+            except ValueError:
+                return False
+        extra = {p.name for p in self.tmpfs.path.iterdir()} - {"store"} if self.tmpfs.path.is_dir() else set()
+        return not extra
