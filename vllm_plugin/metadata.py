@@ -59,8 +59,12 @@ class KVPackWorkerMetadata(KVConnectorWorkerMetadata):
     stored: list[StoredObject] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
     """Group keys (``GroupKey.as_str()``) evicted from memory."""
+    failed_loads: list[str] = field(default_factory=list)
+    """Requests with a block that could not be loaded: never offered again (vLLM recomputes)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVPackWorkerMetadata):
-            return KVPackWorkerMetadata(self.stored + other.stored, self.evicted + other.evicted)
+            return KVPackWorkerMetadata(
+                self.stored + other.stored, self.evicted + other.evicted, self.failed_loads + other.failed_loads
+            )
         return self

@@ -85,11 +85,14 @@ class SchedulerSide:
         self.store = KVStore(config, tiers + lower_tiers(config))
         self.members = [MemberSpec(name, scope.fingerprint) for name in scope.members]
         self._plans: dict[str, LoadPlan] = {}
+        self._load_issued: set[str] = set()
+        """Requests whose load was handed to the workers: at most one load attempt each."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
         self._saving: set[str] = set()
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
+        self._failed: set[str] = set()
 
     # -- lookup -----------------------------------------------------------------
 
@@ -113,6 +116,8 @@ class SchedulerSide:
         rs = self._scope_of(request)
         if rs is None:
             plan = LoadPlan(n, None, (), 0, 0, None)
+        elif request.request_id in self._failed:  # a load failed once: recompute, never retry
+            plan = LoadPlan(n, rs, (), 0, 0, None)
         else:
             plan = self._lookup(request, rs, n)
         self._plans[request.request_id] = plan
@@ -150,6 +155,12 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.can_load:
             return 0, False
+        if request.request_id in self._load_issued:
+            # vLLM asks again only after the load failed (bad object, tier error, timeout: the
+            # blocks were reported and num_computed_tokens went back to 0) or after a
+            # preemption. The store would give the same answer, so offering the hit again
+            # would loop forever on a refused object: recompute instead.
+            return 0, False
         plan = self.plan(request)
         if plan.matched <= num_computed_tokens:
             return 0, False
@@ -173,6 +184,7 @@ class SchedulerSide:
                 assert plan.tail is not None and i == plan.hit_chunks
                 refs.append(BlockRef(plan.tail.chunk, block_ids[i], plan.tail.token_count, plan.tail.token_ids))
         self._pending_loads[request.request_id] = TransferJob(request.request_id, plan.scope.tenant, tuple(refs))
+        self._load_issued.add(request.request_id)
         self._count("hit_tokens", num_external_tokens)
         self._count("load_requests")
 
@@ -187,6 +199,9 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         plan = self._plans.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        refresh = request.request_id in self._failed  # overwrite what could not be loaded
+        self._failed.discard(request.request_id)
+        self._load_issued.discard(request.request_id)
         self._bad_tenants_logged.discard(request.request_id)
         if not self.can_save:
             return False, None
@@ -203,7 +218,9 @@ class SchedulerSide:
         known = min(plan.hit_chunks, len(hashes)) if plan is not None else 0
         refs: list[BlockRef] = []
         todo = hashes[known:]
-        if todo:
+        if refresh:
+            refs.extend(BlockRef(chunk, block_ids[i], bs) for i, chunk in enumerate(hashes) if i < len(block_ids))
+        elif todo:
             presence = self.store.contains_members(rs.tenant, self.scope.fingerprint, todo, self.scope.members)
             for j, (chunk, present) in enumerate(zip(todo, presence)):
                 if not all(present.values()):
@@ -217,7 +234,7 @@ class SchedulerSide:
             stored = self.store.peek_header(
                 _member_key(rs.tenant, self.scope.fingerprint, chunk, self.scope.members[0])
             )
-            if stored is None or stored.token_ids != tail_ids:
+            if refresh or stored is None or stored.token_ids != tail_ids:
                 refs.append(BlockRef(chunk, block_ids[len(hashes)], t, tail_ids))
         if not refs:
             return False, None
@@ -233,6 +250,9 @@ class SchedulerSide:
             self._saving.discard(req_id)
         if isinstance(report, KVPackWorkerMetadata):
             self.index.apply(report.stored, report.evicted)
+            for req_id in report.failed_loads:
+                self._failed.add(req_id)
+                self._plans.pop(req_id, None)
 
     def take_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}

@@ -73,6 +73,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._reported_stored: list[StoredObject] = []
         self._reported_evicted: list[str] = []
+        self._failed_loads: list[str] = []
         self._stats: dict[str, float] = {}
         self._idle_step = False
         self._step_loads: list[_LoadTask] = []
@@ -164,11 +165,14 @@ class WorkerSide:
                     if not task.cancelled:
                         self._done_recving.add(req_id)
                         self._load_errors |= task.failed_blocks
+                        if task.failed_blocks:
+                            self._failed_loads.append(req_id)
                 elif now - task.started > timeout:
                     task.cancelled = True  # the load thread will not write these blocks any more
                     del self._loads[req_id]
                     self._done_recving.add(req_id)
                     self._load_errors |= {b.block_id for b in task.job.blocks}
+                    self._failed_loads.append(req_id)
                     self._count("load_timeouts")
                     log.warning("kvpack: load for %s exceeded io_timeout_ms=%d; recomputing", req_id, self.config.io_timeout_ms)
             recving, self._done_recving = self._done_recving, set()
@@ -185,10 +189,11 @@ class WorkerSide:
     def take_report(self) -> KVPackWorkerMetadata | None:
         with self._lock:
             stored, self._reported_stored = self._reported_stored, []
+            failed, self._failed_loads = self._failed_loads, []
         evicted, self._reported_evicted = self._reported_evicted, []
-        if not stored and not evicted:
+        if not stored and not evicted and not failed:
             return None
-        return KVPackWorkerMetadata(stored, evicted)
+        return KVPackWorkerMetadata(stored, evicted, failed)
 
     def take_stats(self) -> dict[str, float]:
         with self._lock:

@@ -1,0 +1,163 @@
+"""Helpers for the real-vLLM tests: engine construction, greedy runs, stored-object surgery.
+
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~15 s each)
+unless a test asks for vLLM's default multi-process mode. Prompts are token
+ids, so lengths (and block boundaries) are exact.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest.importorskip("vllm")
+
+BLOCK = 128
+"""vLLM's default block size on CPU."""
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(3, 1999) for _ in range(n)]
+
+
+def kv_config(extra: dict[str, Any] | None, role: str = "kv_both") -> dict[str, Any]:
+    return {"kv_connector": "KVPackConnector", "kv_role": role, "kv_connector_extra_config": extra or {}}
+
+
+def make_llm(model: Path, kv: dict[str, Any] | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=str(model),
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=2048,
+        enforce_eager=True,
+        enable_prefix_caching=False,  # every hit below comes from kvpack, not vLLM's own cache
+        seed=0,
+    )
+    args.update(kw)
+    if kv is not None:
+        args["kv_transfer_config"] = kv
+    return LLM(**args)
+
+
+def close_llm(llm: Any) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+@dataclass(frozen=True)
+class Run:
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    cached: int
+
+
+def run(llm: Any, ids: list[int], max_tokens: int = 8, **params: Any) -> Run:
+    from vllm import SamplingParams
+
+    extra = {}
+    if "tenant" in params:
+        extra["kv_transfer_params"] = {"kvpack_tenant": params.pop("tenant")}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, extra_args=extra or None)
+    prompt_arg: dict[str, Any] = {"prompt_token_ids": ids}
+    if "cache_salt" in params:
+        prompt_arg["cache_salt"] = params.pop("cache_salt")
+    out = llm.generate([prompt_arg], sp, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    lps = tuple(float(lp[t].logprob) for lp, t in zip(comp.logprobs, comp.token_ids))
+    return Run(tuple(comp.token_ids), lps, int(out.num_cached_tokens or 0))
+
+
+def same_output(a: Run, b: Run, tol: float = 1e-3) -> bool:
+    return a.tokens == b.tokens and all(abs(x - y) <= tol for x, y in zip(a.logprobs, b.logprobs))
+
+
+def metrics(role: str = "WORKER") -> dict[str, float]:
+    """Flat ``{"name{labels}": value}`` of this process's live connectors of `role`."""
+    from kvpack.vllm_plugin import live_connectors
+
+    out: dict[str, float] = {}
+    for conn in live_connectors():
+        if conn.role.name != role:
+            continue
+        for name, series in conn.store.metrics.snapshot().items():
+            for labels, value in series.items():
+                key = f"{name}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def metric(name: str, role: str = "WORKER", **labels: str) -> float:
+    want = [f"{k}={v}" for k, v in labels.items()]
+    total = 0.0
+    for key, value in metrics(role).items():
+        base, _, lab = key.partition("{")
+        if base == name and all(w in lab for w in want):
+            total += value
+    return total
+
+
+def stored_files(store: Path, tenant: str | None = None) -> list[Path]:
+    root = store / tenant if tenant else store
+    return sorted(root.rglob("*.kvp"))
+
+
+def file_for(store: Path, chunk_pred) -> list[Path]:  # type: ignore[no-untyped-def]
+    return [p for p in stored_files(store) if chunk_pred(p.name)]
+
+
+def corrupt_payload(path: Path) -> None:
+    """Flip one payload byte (the checksum no longer matches: kvpack must refuse it)."""
+    from kvpack.objects import decode_header
+
+    raw = bytearray(path.read_bytes())
+    header = decode_header(bytes(raw))
+    pos = len(raw) - header.payload_len + header.payload_len // 2
+    raw[pos] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def swap_payload(path: Path, donor: Path) -> None:
+    """Put `donor`'s payload (KV of other tokens) under `path`'s header with a *matching*
+    checksum: every check passes, so kvpack loads wrong KV (the negative control)."""
+    import dataclasses
+
+    from kvpack.objects import decode_header, payload_checksum
+
+    raw, other = path.read_bytes(), donor.read_bytes()
+    header, donor_header = decode_header(raw), decode_header(other)
+    assert header.payload_len == donor_header.payload_len
+    payload = other[len(other) - donor_header.payload_len :]
+    old = header.encode()
+    new = dataclasses.replace(header, checksum=payload_checksum(payload)).encode()
+    assert len(new) == len(old)
+    start = len(raw) - header.payload_len
+    path.write_bytes(new + raw[len(old) : start] + payload)
+
+
+def object_files(store: Path, ids: list[int], tenant: str = "default", seed: str | None = None) -> tuple[list[Path], Path | None]:
+    """The files of `ids`' full blocks (in order) and of its tail object, if stored."""
+    from kvpack.keys import chunk_hashes
+    from kvpack.store import tail_chunk
+
+    hashes = chunk_hashes(ids, BLOCK, parent=seed)  # type: ignore[arg-type]
+    files = {p.name.split(".")[0]: p for p in (store / tenant).rglob("*.kvp")}
+    blocks = [files[h] for h in hashes if h in files]
+    return blocks, files.get(tail_chunk(hashes[-1] if hashes else seed))
