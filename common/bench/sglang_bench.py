@@ -86,6 +86,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--pages", type=int, default=256, help="pages per call")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--io-threads", type=int, default=2, help="kvpack io_threads (copy/IO threads per call)")
     p.add_argument("--dir", default="", help="folder for both backends' files (default: a temp folder under $TMPDIR)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold (dropped page cache) gets")
     p.add_argument("--markdown", default="", help="append a markdown section with the results to this file")
@@ -239,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     dyn = {"backend_name": "kvpack", "module_path": "kvpack.sglang_plugin", "class_name": "KVPackStorage", "interface_v1": 1}
 
     def kvpack_backend(tier: str) -> Any:
-        extra = dict(dyn)
+        extra = dict(dyn, io_threads=args.io_threads)
         if tier == "memory":
             extra.update(memory={"capacity": f"{max(4 * nbytes, 1 << 30)}"}, disk={"enabled": False})
         else:
-            extra.update(memory={"enabled": False}, disk={"path": str(root / f"kvpack-{tier}"), "capacity": "64GiB"}, io_threads=2)
+            extra.update(memory={"enabled": False}, disk={"path": str(root / f"kvpack-{tier}"), "capacity": "64GiB"})
         backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra, args), pool)
         backend.register_mem_pool_host(pool)
         return backend
