@@ -1,0 +1,225 @@
+"""`kvpack bench vllm`: time to first token on the real vLLM engine, kvpack next to its peer.
+
+One run, one process, engines one after another (in-process mode), each with
+vLLM's own prefix cache off so every reuse comes from the connector:
+
+- no connector (recompute every prompt);
+- kvpack: a miss (the prompt is computed and stored) and a hit from host
+  memory (same engine), then a hit from disk (a new engine on the same store);
+- vLLM's ExampleConnector (disk, safetensors): a miss (store) and a hit.
+
+TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; each number is
+the median over `--repeats` distinct prompts after `--warmups` warm-up prompts.
+Prints ratios; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
+
+
+@dataclass
+class Result:
+    name: str
+    ttft_s: float
+    reused_tokens: float
+    prompt_tokens: int
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvpack bench vllm", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="", help="model directory (default: build the bench Llama in --model-dir)")
+    p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--small", action="store_true", help="quick run: the 2-layer test model, 1000-token prompts")
+    p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmups", type=int, default=3)
+    p.add_argument("--store-dir", default="", help="kvpack / ExampleConnector store root (default: a temp dir)")
+    p.add_argument("--out", default="", help="write a markdown results file here")
+    p.add_argument("--no-disk-hit", action="store_true", help="skip the new-engine (disk) kvpack hit")
+    return p.parse_args(argv)
+
+
+def _model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    sys.path.insert(0, str(tests))
+    from fixtures.tiny_model import build_bench_llama, build_tiny_llama  # type: ignore[import-not-found]
+
+    if args.small:
+        return build_tiny_llama(Path(args.model_dir).with_name("tiny-llama"))
+    return build_bench_llama(args.model_dir)
+
+
+def _prompts(seed: int, count: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(3, 1999) for _ in range(n)] for _ in range(count)]
+
+
+def _engine(model: Path, kv: dict[str, Any] | None, max_len: int):  # type: ignore[no-untyped-def]
+    from vllm import LLM
+
+    kw: dict[str, Any] = dict(
+        model=str(model),
+        kv_cache_memory_bytes=1 << 30,
+        max_model_len=max_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    if kv is not None:
+        kw["kv_transfer_config"] = kv
+    return LLM(**kw)
+
+
+def _close(llm: Any) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def _ttft(llm: Any, prompts: list[list[int]]) -> tuple[float, float]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    times, reused = [], []
+    for ids in prompts:
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        times.append(time.perf_counter() - start)
+        reused.append(out.num_cached_tokens or 0)
+    return statistics.median(times), statistics.median(reused)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from kvpack.vllm_plugin.offline import drain
+
+    model = _model(args)
+    n = 1000 if args.small and args.prompt_tokens == 3000 else args.prompt_tokens
+    max_len = n + 64
+    warm = _prompts(1, args.warmups, n)
+    timed = _prompts(2, args.repeats, n)
+    root = Path(args.store_dir or tempfile.mkdtemp(prefix="kvpack-bench-"))
+    kv_dir, ex_dir = root / "kvpack", root / "example"
+    shutil.rmtree(kv_dir, ignore_errors=True)
+    shutil.rmtree(ex_dir, ignore_errors=True)
+    ex_dir.mkdir(parents=True)
+    results: list[Result] = []
+
+    llm = _engine(model, None, max_len)
+    _ttft(llm, warm)
+    t, r = _ttft(llm, timed)
+    results.append(Result("no connector", t, r, n))
+    _close(llm)
+
+    kv = {
+        "kv_connector": "KVPackConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"disk": {"path": str(kv_dir)}},
+    }
+    llm = _engine(model, kv, max_len)
+    _ttft(llm, warm)
+    drain(llm)
+    t, r = _ttft(llm, timed)
+    results.append(Result("kvpack miss (store)", t, r, n))
+    drain(llm)
+    t, r = _ttft(llm, timed)
+    results.append(Result("kvpack hit (memory)", t, r, n))
+    drain(llm)
+    _close(llm)
+    if not args.no_disk_hit:
+        llm = _engine(model, kv, max_len)
+        _ttft(llm, _prompts(3, args.warmups, n))
+        t, r = _ttft(llm, timed)
+        results.append(Result("kvpack hit (disk, new engine)", t, r, n))
+        _close(llm)
+
+    ex = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(ex_dir)},
+    }
+    llm = _engine(model, ex, max_len)
+    _ttft(llm, warm)
+    t, r = _ttft(llm, timed)
+    results.append(Result("ExampleConnector miss (store)", t, r, n))
+    t, r = _ttft(llm, timed)
+    results.append(Result("ExampleConnector hit", t, r, n))
+    _close(llm)
+    results.append(Result("_bytes", float(_du(kv_dir) / max(1, args.repeats + 2 * args.warmups)), 0, n))
+    results.append(Result("_ex_bytes", float(_du(ex_dir) / max(1, args.repeats + args.warmups)), 0, n))
+    if not args.store_dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def report(results: list[Result], command: str) -> str:
+    by = {r.name: r for r in results}
+    base = by["no connector"].ttft_s
+    ex_hit = by["ExampleConnector hit"].ttft_s
+    lines = [
+        "| run | TTFT median (s) | x no connector | x ExampleConnector hit | tokens reused |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.name.startswith("_"):
+            continue
+        lines.append(
+            f"| {r.name} | {r.ttft_s:.4f} | {r.ttft_s / base:.3f} | {r.ttft_s / ex_hit:.3f} | "
+            f"{r.reused_tokens:.0f} of {r.prompt_tokens} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Bytes stored per prompt: kvpack {by['_bytes'].ttft_s / 2**20:.1f} MiB (memory + disk copies counted once, "
+        f"disk only), ExampleConnector {by['_ex_bytes'].ttft_s / 2**20:.1f} MiB."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    command = "kvpack bench vllm " + " ".join(shlex.quote(a) for a in argv)
+    results = run(args)
+    table = report(results, command)
+    print(table)
+    if args.out:
+        from kvpack.bench.timing import hardware
+
+        text = (
+            "# kvpack bench vllm: TTFT on the real vLLM CPU engine\n\n"
+            f"Command: `{command}`\n\nMachine: {hardware()}\n\n{table}\n"
+        )
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
