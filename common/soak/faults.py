@@ -176,13 +176,11 @@ for key in spec.get("corrupt", []):
     if not data:
         out["missing"] += 1; continue
     data[len(data) - 100] ^= 0xFF
-    store.remove(key)
-    rc = store.put(key, bytes(data))
-    if rc == 0: out["corrupted"] += 1
+    rc = store.upsert(key, bytes(data))
+    if rc == 0 and bytes(store.get(key)) == bytes(data): out["corrupted"] += 1
     else: out["errors"].append([key, rc])
 for key, hexdata in spec.get("plant", []):
-    store.remove(key)
-    rc = store.put(key, bytes.fromhex(hexdata))
+    rc = store.upsert(key, bytes.fromhex(hexdata))
     if rc == 0: out["planted"] += 1
     else: out["errors"].append([key, rc])
 print(json.dumps(out))
@@ -222,22 +220,24 @@ def corrupt_objects(soak: Soak) -> str:
     n = soak.cycle_index
     tenant = f"canary-{n}"
     prompt = soak.workload.extra["canary"]
-    soak.send("canary-store", tenant, prompt)
     hashes = chunk_hashes(prompt, soak.cfg.block_size)
     chunks = [*hashes, tail_chunk(hashes[-1])]
-    deadline = time.monotonic() + 15.0
     files: list[Path] = []
-    while time.monotonic() < deadline:  # write-back to disk (bounded wait)
-        files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
-        if len(files) >= len(hashes):
-            break
-        time.sleep(0.25)
-    time.sleep(1.0)
+    with soak.quiet():  # the load pauses (bounded) so the canary's write-back is not dropped
+        soak.send("canary-store", tenant, prompt)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
+            if len(files) >= len(chunks):
+                break
+            time.sleep(0.25)
+        time.sleep(1.0)  # Mooncake puts follow the disk write
     flipped = sum(_flip_payload_byte(p) for p in files)
     fp = soak.fingerprint()
     keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
     mc = mooncake_edit(soak, corrupt=keys) if keys else {}
-    soak.evict_memory()
+    # Host memory evicts a tenant's own entries first: push the canary out with its own tenant's.
+    soak.evict_memory(tenant)
     res = soak.send("canary-reload", tenant, prompt)
     return (
         f"{flipped} disk objects and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects corrupted "
