@@ -70,9 +70,59 @@ class ObjectRejected(Exception):
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
 
-def payload_checksum(payload: memoryview | bytes | np.ndarray) -> int:
-    """xxh3_64 of the payload bytes."""
-    return xxhash.xxh3_64_intdigest(payload)
+Payload = memoryview | tuple[memoryview, ...]
+"""A payload in the caller's memory: one contiguous byte buffer, or several
+regions (e.g. the K and V halves of a page) that form the payload in order.
+Every tier reads and writes the regions in place: no gather copy."""
+
+
+def payload_parts(payload: Payload | bytes | np.ndarray) -> tuple[memoryview, ...]:
+    """The payload as a tuple of byte memoryviews."""
+    if isinstance(payload, tuple):
+        return tuple(_as_bytes(p) for p in payload)
+    return (_as_bytes(payload),)
+
+
+def _as_bytes(buf: memoryview | bytes | np.ndarray) -> memoryview:
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def payload_nbytes(payload: Payload | bytes | np.ndarray) -> int:
+    if isinstance(payload, tuple):
+        return sum(memoryview(p).nbytes for p in payload)
+    return memoryview(payload).nbytes
+
+
+def payload_checksum(payload: Payload | bytes | np.ndarray) -> int:
+    """xxh3_64 of the payload bytes (of the regions in order, if several)."""
+    if not isinstance(payload, tuple):
+        return xxhash.xxh3_64_intdigest(payload)
+    hasher = xxhash.xxh3_64()
+    for part in payload:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def copy_parts_into(dst: np.ndarray, payload: Payload) -> None:
+    """Copy a payload's regions, in order, into the contiguous uint8 array `dst`."""
+    offset = 0
+    for part in payload_parts(payload):
+        n = part.nbytes
+        np.copyto(dst[offset : offset + n], np.frombuffer(part, dtype=np.uint8))
+        offset += n
+
+
+def copy_into_parts(payload: Payload, src: np.ndarray | memoryview) -> None:
+    """Copy the contiguous bytes `src` into a payload's regions, in order."""
+    source = np.frombuffer(src, dtype=np.uint8) if not isinstance(src, np.ndarray) else src
+    offset = 0
+    for part in payload_parts(payload):
+        n = part.nbytes
+        np.copyto(np.frombuffer(part, dtype=np.uint8), source[offset : offset + n])
+        offset += n
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +276,9 @@ def check_header(header: ObjectHeader, expected: Expectation) -> RejectReason | 
     return None
 
 
-def check_payload(header: ObjectHeader, payload: memoryview | np.ndarray) -> RejectReason | None:
+def check_payload(header: ObjectHeader, payload: Payload | np.ndarray) -> RejectReason | None:
     """Length and checksum of a payload already copied out; None when it is intact."""
-    if memoryview(payload).nbytes != header.payload_len:
+    if payload_nbytes(payload) != header.payload_len:
         return RejectReason.LENGTH
     if header.checksum is not None and payload_checksum(payload) != header.checksum:
         return RejectReason.CHECKSUM

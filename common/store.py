@@ -11,7 +11,10 @@ and owns the policies that must hold on every tier:
 - store: the memory tier takes a copy synchronously (a memcpy); every lower
   tier gets the object from a bounded write-back queue served by background
   threads. When the queue is full the store is dropped and counted rather
-  than blocking the engine (back-pressure).
+  than blocking the engine (back-pressure). Without a memory tier there is
+  nothing to queue from, so the lower tiers are written synchronously from the
+  caller's buffers (no copy); the adapters call `store` off the forward path,
+  and every tier bounds its own calls.
 - tails: the computed tail of a partial block is stored with its token ids
   under `tail_chunk(parent)`; `find_tail` returns the longest common prefix
   with a new prompt, rounded down to the match unit.
@@ -35,7 +38,7 @@ from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, payload_checksum
+from .objects import Expectation, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
@@ -43,10 +46,10 @@ log = logging.getLogger("kvpack")
 
 @dataclass(frozen=True, slots=True)
 class LoadItem:
-    """One object to restore into the caller's buffer `dst` (exactly its payload size)."""
+    """One object to restore into the caller's buffer(s) `dst` (exactly its payload size)."""
 
     key: StoreKey
-    dst: memoryview
+    dst: Payload
     expected: Expectation
 
 
@@ -270,7 +273,7 @@ class KVStore:
                 item = items[i]
                 if res.ok:
                     results[i] = res
-                    self.metrics.inc("loaded_bytes", item.dst.nbytes, tenant=item.key.tenant, tier=tier.name)
+                    self.metrics.inc("loaded_bytes", payload_nbytes(item.dst), tenant=item.key.tenant, tier=tier.name)
                     if tier is not self._memory and self._memory is not None and res.header is not None:
                         promote.append(PutItem(item.key, res.header, item.dst))
                     continue
@@ -304,47 +307,74 @@ class KVStore:
     # -- store --------------------------------------------------------------------
 
     def store(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        """Accept objects for storage without blocking on slow tiers.
+        """Accept objects for storage; the caller's buffers may be reused on return.
 
         Returns per item: OK when accepted (in memory and/or queued for the lower
-        tiers), NO_SPACE/ERROR when no tier took it. The caller's buffers may be
-        reused as soon as this returns."""
+        tiers, or written to at least one lower tier when there is no memory
+        tier), else the status of the failure."""
         if self._closed:
             return [TierStatus.UNAVAILABLE] * len(items)
-        statuses = [TierStatus.OK] * len(items)
-        owned: list[PutItem] = list(items)
-        if self._memory is not None:
-            start = time.perf_counter()
-            mem = self._memory.put_from(items)
-            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
-            for i, (item, st) in enumerate(zip(items, mem)):
-                if st is TierStatus.OK:
-                    self.metrics.inc("stored_bytes", item.payload.nbytes, tenant=item.key.tenant, tier="memory")
-                    self.metrics.inc("stored_objects", tenant=item.key.tenant, tier="memory")
-                    borrowed = self._memory.borrow(item.key)
-                    if borrowed is not None:
-                        owned[i] = PutItem(item.key, item.header, memoryview(borrowed[1]))
-                else:
-                    self.metrics.inc("store_dropped", tier="memory", reason=st.value)
-                    statuses[i] = st
-        if not self._lower:
-            return statuses
-        for i, item in enumerate(owned):
-            if owned[i] is items[i]:  # not held by the memory tier: own a copy
-                item = PutItem(item.key, item.header, memoryview(np.frombuffer(item.payload, dtype=np.uint8).copy()))
-            with self._pending_cv:
-                self._pending += 1
-            try:
-                self._queue.put_nowait(_WriteJob(item, self._lower))
-                if statuses[i] is not TierStatus.OK and self._memory is not None:
-                    statuses[i] = TierStatus.OK
-            except queue.Full:
-                self._done_one()
-                for tier in self._lower:
-                    self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
-                if self._memory is None:
-                    statuses[i] = TierStatus.NO_SPACE
+        if self._memory is None:
+            return [self._write_through(item, self._lower) for item in items]
+        start = time.perf_counter()
+        mem = self._memory.put_from(items)
+        self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
+        statuses = list(mem)
+        for i, (item, st) in enumerate(zip(items, mem)):
+            queued = item
+            if st is TierStatus.OK:
+                self.metrics.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier="memory")
+                self.metrics.inc("stored_objects", tenant=item.key.tenant, tier="memory")
+                borrowed = self._memory.borrow(item.key)
+                if borrowed is not None:
+                    queued = PutItem(item.key, item.header, borrowed[1])
+            else:
+                self.metrics.inc("store_dropped", tier="memory", reason=st.value)
+            if not self._lower:
+                continue
+            if queued is item:  # the memory tier holds no copy: take one for the queue
+                owned = np.empty(item.nbytes, dtype=np.uint8)
+                copy_parts_into(owned, item.payload)
+                queued = PutItem(item.key, item.header, memoryview(owned))
+            if self._enqueue(queued):
+                statuses[i] = TierStatus.OK
         return statuses
+
+    def _enqueue(self, item: PutItem) -> bool:
+        with self._pending_cv:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(_WriteJob(item, self._lower))
+            return True
+        except queue.Full:
+            self._done_one()
+            for tier in self._lower:
+                self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
+            return False
+
+    def _write_through(self, item: PutItem, tiers: Sequence[Tier]) -> TierStatus:
+        """Write one object to `tiers` now; OK if at least one took it. Never raises."""
+        if item.header.checksum is None:
+            item = replace(item, header=replace(item.header, checksum=payload_checksum(item.payload)))
+        best: TierStatus | None = None
+        for tier in tiers:
+            start = time.perf_counter()
+            try:
+                status = tier.put_from([item])[0]
+            except Exception as exc:
+                log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
+                status = TierStatus.ERROR
+            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
+            if status is TierStatus.OK:
+                self.metrics.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier=tier.name)
+                self.metrics.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
+            else:
+                self.metrics.inc("store_dropped", tier=tier.name, reason=status.value)
+                if status is not TierStatus.NO_SPACE:
+                    self.metrics.inc("tier_errors", tier=tier.name, status=status.value)
+            if best is None or status is TierStatus.OK:
+                best = status
+        return best or TierStatus.ERROR
 
     def _done_one(self) -> None:
         with self._pending_cv:
@@ -358,24 +388,7 @@ class KVStore:
             if job is None:
                 return
             try:
-                item = job.item
-                if item.header.checksum is None:
-                    item = replace(item, header=replace(item.header, checksum=payload_checksum(item.payload)))
-                for tier in job.tiers:
-                    start = time.perf_counter()
-                    try:
-                        status = tier.put_from([item])[0]
-                    except Exception as exc:
-                        log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
-                        status = TierStatus.ERROR
-                    self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
-                    if status is TierStatus.OK:
-                        self.metrics.inc("stored_bytes", item.payload.nbytes, tenant=item.key.tenant, tier=tier.name)
-                        self.metrics.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
-                    else:
-                        self.metrics.inc("store_dropped", tier=tier.name, reason=status.value)
-                        if status is not TierStatus.NO_SPACE:
-                            self.metrics.inc("tier_errors", tier=tier.name, status=status.value)
+                self._write_through(job.item, job.tiers)
             finally:
                 self._done_one()
 

@@ -12,8 +12,11 @@ Zero-copy contract:
   result is not OK the destination's contents are unspecified: the caller must
   not use them (vLLM's connector reports such blocks as load errors).
 
-Buffers are 1-D, C-contiguous `memoryview`s of bytes (format ``"B"``), e.g.
-``memoryview(tensor.view(torch.uint8).numpy())`` for a CPU tensor.
+Buffers are C-contiguous `memoryview`s of bytes, e.g.
+``memoryview(tensor.view(torch.uint8).numpy())`` for a CPU tensor, or a tuple
+of them (`kvpack.objects.Payload`): a payload made of several regions (the K
+and V halves of a page, one run per layer) is stored and restored region by
+region, in place, without a gather copy.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, RejectReason
+from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_nbytes
 
 
 class TierStatus(enum.Enum):
@@ -54,14 +57,18 @@ class GetResult:
 
 @dataclass(frozen=True, slots=True)
 class PutItem:
-    """One object to store. `header.payload_len == payload.nbytes`.
+    """One object to store. `header.payload_len == payload_nbytes(payload)`.
 
     `header.checksum` may be None: a tier that persists or ships the object
     computes it (memory keeps it lazily)."""
 
     key: StoreKey
     header: ObjectHeader
-    payload: memoryview
+    payload: Payload
+
+    @property
+    def nbytes(self) -> int:
+        return payload_nbytes(self.payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +92,7 @@ class Tier(ABC):
     def get_into(
         self,
         keys: Sequence[StoreKey],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
@@ -111,13 +118,14 @@ class Tier(ABC):
         """Release resources; later calls answer UNAVAILABLE or MISS."""
 
 
-def check_fits(dst: memoryview, header: ObjectHeader) -> GetResult | None:
+def check_fits(dst: Payload, header: ObjectHeader) -> GetResult | None:
     """A REJECTED(LENGTH) result when the payload cannot fill `dst` exactly."""
-    if dst.nbytes != header.payload_len:
+    n = payload_nbytes(dst)
+    if n != header.payload_len:
         return GetResult(
             TierStatus.REJECTED,
             header,
             RejectReason.LENGTH,
-            f"payload {header.payload_len} bytes, destination {dst.nbytes}",
+            f"payload {header.payload_len} bytes, destination {n}",
         )
     return None

@@ -39,10 +39,13 @@ from ..objects import (
     ObjectRejected,
     RejectReason,
     check_header,
+    Payload,
     check_payload,
     decode_header,
     header_length,
     payload_checksum,
+    payload_nbytes,
+    payload_parts,
 )
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
 
@@ -151,7 +154,7 @@ class DiskTier(Tier):
     def get_into(
         self,
         keys: Sequence[StoreKey],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
@@ -162,7 +165,7 @@ class DiskTier(Tier):
                     self._capacity.touch(key.group)
         return results
 
-    def _get_one(self, key: StoreKey, dst: memoryview, exp: Expectation, verify: bool) -> GetResult:
+    def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
         path = self.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -192,15 +195,16 @@ class DiskTier(Tier):
         return result
 
     @staticmethod
-    def _read_verified(fd: int, dst: memoryview, exp: Expectation) -> GetResult:
+    def _read_verified(fd: int, dst: Payload, exp: Expectation) -> GetResult:
         """Header and payload of one open file; raises ObjectRejected on a bad header.
 
         Objects without token ids (every full chunk) have a header length known
         from the key, so header and payload arrive in one `preadv`."""
         size = os.fstat(fd).st_size
-        if size == PAGE + dst.nbytes:
+        parts = payload_parts(dst)
+        if size == PAGE + payload_nbytes(dst):
             head = bytearray(PAGE)
-            got = os.preadv(fd, [head, dst], 0)
+            got = os.preadv(fd, [head, *parts], 0)
             header = decode_header(head)
             payload_got = got - PAGE
             offset = PAGE
@@ -219,7 +223,7 @@ class DiskTier(Tier):
         if size != offset + header.payload_len:
             return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"file of {size} bytes")
         if payload_got < 0:
-            payload_got = _preadinto_full(fd, dst, offset)
+            payload_got = _preadinto_full(fd, parts, offset)
         if payload_got != header.payload_len:
             return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{payload_got} of {header.payload_len} bytes")
         return GetResult(TierStatus.OK, header)
@@ -232,17 +236,18 @@ class DiskTier(Tier):
     def _put_one(self, item: PutItem) -> TierStatus:
         key, payload = item.key, item.payload
         header = item.header
-        if payload.nbytes != header.payload_len:
+        nbytes = payload_nbytes(payload)
+        if nbytes != header.payload_len:
             return TierStatus.ERROR
         if header.checksum is None:
             header = _with_checksum(header, payload)
         with self._lock:
-            plan = self._capacity.reserve(key.group, key.tenant, key.member, payload.nbytes)
+            plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
             if plan.admission is Admission.NO_SPACE:
                 return TierStatus.NO_SPACE
             for victim in plan.victims:
                 self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
-            self._capacity.commit(key.group, key.tenant, key.member, payload.nbytes)
+            self._capacity.commit(key.group, key.tenant, key.member, nbytes)
             self._members.setdefault(key.group, set()).add(key)
         status = self._write_file(self.path_of(key), header.encode(), payload)
         if status is not TierStatus.OK:
@@ -252,14 +257,13 @@ class DiskTier(Tier):
                     self._drop_group_locked(key.group)
         return status
 
-    def _write_file(self, path: Path, header: bytes, payload: memoryview) -> TierStatus:
+    def _write_file(self, path: Path, header: bytes, payload: Payload) -> TierStatus:
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                _write_all(fd, header + bytes(data_offset(len(header)) - len(header)))
-                _write_all(fd, payload)
+                _write_all(fd, [header + bytes(data_offset(len(header)) - len(header)), *payload_parts(payload)])
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -290,7 +294,7 @@ class DiskTier(Tier):
             return self._capacity.tenant_used(tenant)
 
 
-def _with_checksum(header: ObjectHeader, payload: memoryview) -> ObjectHeader:
+def _with_checksum(header: ObjectHeader, payload: Payload) -> ObjectHeader:
     from dataclasses import replace
 
     return replace(header, checksum=payload_checksum(payload))
@@ -303,22 +307,28 @@ def _read_header(f) -> ObjectHeader:  # type: ignore[no-untyped-def]
     return decode_header(prefix + rest)
 
 
-def _preadinto_full(fd: int, dst: memoryview, offset: int) -> int:
-    view = dst.cast("B") if dst.format != "B" else dst
+def _preadinto_full(fd: int, parts: tuple[memoryview, ...], offset: int) -> int:
     got = 0
-    while got < view.nbytes:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if not n:
-            break
-        got += n
+    for part in parts:
+        done = 0
+        while done < part.nbytes:
+            n = os.preadv(fd, [part[done:]], offset + got + done)
+            if not n:
+                return got + done
+            done += n
+        got += done
     return got
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b) for b in buffers]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -9,10 +9,10 @@ against the reader's expectation.
 Copies run outside the lock, so concurrent puts and gets of different
 objects proceed in parallel; an object is visible only once fully copied.
 
-Buffers of evicted or overwritten objects are recycled by exact size (KV
-chunks are uniform), so a full tier stores without fresh page faults or, on
-CUDA hosts, fresh pinned allocations. A buffer is recycled only when nothing
-else holds it (a borrowed view in the write-back queue keeps it alive).
+Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
+pinned on CUDA hosts, one free list per slot size), so a store never pays a
+page fault per 4 KiB. A slot of an evicted or overwritten object is reused only
+when nothing else holds it (a borrowed view in the write-back queue keeps it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,17 @@ import numpy as np
 from ..eviction import CapacityManager, EvictionPolicy
 from ..eviction.manager import Admission
 from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, check_header, check_payload
+from ..objects import (
+    Expectation,
+    ObjectHeader,
+    Payload,
+    check_header,
+    check_payload,
+    copy_into_parts,
+    copy_parts_into,
+    payload_nbytes,
+)
+from .arena import SlabArena
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
 
 
@@ -37,14 +47,6 @@ class _Entry:
     data: np.ndarray  # 1-D uint8, exactly header.payload_len bytes
 
 
-def _allocate(nbytes: int, pin: bool) -> np.ndarray:
-    if pin:
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.empty(nbytes, dtype=np.uint8)
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -52,27 +54,6 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - torch import problems mean no CUDA
         return False
-
-
-class _BufferPool:
-    """Free buffers by exact size, at most `limit_bytes` in all. Caller holds the tier lock."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self.bytes = 0
-
-    def take(self, nbytes: int) -> np.ndarray | None:
-        bucket = self._free.get(nbytes)
-        if not bucket:
-            return None
-        self.bytes -= nbytes
-        return bucket.pop()
-
-    def give(self, data: np.ndarray, limit_bytes: int) -> None:
-        if self.bytes + data.nbytes > limit_bytes:
-            return
-        self._free.setdefault(data.nbytes, []).append(data)
-        self.bytes += data.nbytes
 
 
 class MemoryTier(Tier):
@@ -89,8 +70,7 @@ class MemoryTier(Tier):
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[GroupKey, set[StoreKey]] = {}
         self._capacity = CapacityManager(capacity, policy, quotas)
-        self._pool = _BufferPool()
-        self._pin = _cuda_available() if pin is None else pin
+        self._arena = SlabArena(pin=_cuda_available() if pin is None else pin)
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
@@ -105,22 +85,20 @@ class MemoryTier(Tier):
         with self._lock:
             return [e.header if (e := self._objects.get(k)) else None for k in keys]
 
-    def borrow(self, key: StoreKey) -> tuple[ObjectHeader, np.ndarray] | None:
+    def borrow(self, key: StoreKey) -> tuple[ObjectHeader, memoryview] | None:
         """The stored header and a read-only view of the payload, without a copy.
 
-        The view stays valid after eviction (it holds a reference)."""
+        The view stays valid after eviction: while it lives, its slot is not reused."""
         with self._lock:
             entry = self._objects.get(key)
-        if entry is None:
-            return None
-        view = entry.data.view()
-        view.flags.writeable = False
-        return entry.header, view
+            if entry is None:
+                return None
+            return entry.header, memoryview(entry.data).toreadonly()
 
     def get_into(
         self,
         keys: Sequence[StoreKey],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
@@ -142,7 +120,7 @@ class MemoryTier(Tier):
             if misfit is not None:
                 results.append(misfit)
                 continue
-            np.copyto(np.frombuffer(dst, dtype=np.uint8), entry.data)
+            copy_into_parts(dst, entry.data)
             if verify_checksum and entry.header.checksum is not None:
                 bad = check_payload(entry.header, dst)
                 if bad is not None:
@@ -157,7 +135,7 @@ class MemoryTier(Tier):
         return [self._put_one(item) for item in items]
 
     def _put_one(self, item: PutItem) -> TierStatus:
-        key, nbytes = item.key, item.payload.nbytes
+        key, nbytes = item.key, payload_nbytes(item.payload)
         if nbytes != item.header.payload_len:
             return TierStatus.ERROR
         with self._lock:
@@ -169,12 +147,11 @@ class MemoryTier(Tier):
             for victim in plan.victims:
                 self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
             self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-            data = self._pool.take(nbytes)
-        if data is None:
-            data = _allocate(nbytes, self._pin)
-        np.copyto(data, np.frombuffer(item.payload, dtype=np.uint8))
+            data = self._arena.alloc(nbytes)
+        copy_parts_into(data, item.payload)
         with self._lock:
             if not self._capacity.has_member(key.group, key.member):
+                self._arena.free(data)
                 return TierStatus.NO_SPACE  # evicted by a concurrent put while copying
             old = self._objects.get(key)
             self._objects[key] = _Entry(item.header, data)
@@ -184,7 +161,7 @@ class MemoryTier(Tier):
         return TierStatus.OK
 
     def _recycle_locked(self, entry: _Entry) -> None:
-        """Pool the buffer of an entry just removed from the index, if unshared.
+        """Free the slot of an entry just removed from the index, if unshared.
 
         Readers and borrowers take references only under the lock, and the entry
         is no longer indexed, so the counts cannot grow after this check. Expected
@@ -196,7 +173,7 @@ class MemoryTier(Tier):
         data = entry.data
         if sys.getrefcount(data) > 3:
             return
-        self._pool.give(data, max(0, self._capacity.capacity - self._capacity.used))
+        self._arena.free(data)
 
     def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
         members = self._capacity.release(group)

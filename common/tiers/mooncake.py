@@ -69,8 +69,12 @@ from ..objects import (
     check_header,
     check_payload,
     decode_header,
+    Payload,
+    copy_into_parts,
+    copy_parts_into,
     header_length,
     payload_checksum,
+    payload_nbytes,
 )
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .mooncake_runner import CircuitBreaker, Job, JobState, Lane, LaneRunner
@@ -613,7 +617,7 @@ class MooncakeTier(Tier):
     def get_into(
         self,
         keys: Sequence[StoreKey],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
@@ -623,7 +627,7 @@ class MooncakeTier(Tier):
         if refused is not None:
             return [GetResult(refused, detail="mooncake tier not available") for _ in keys]
         names = [k.as_str() for k in keys]
-        budgets = [_round_up(d.nbytes + _expected_header_len(e)) for d, e in zip(dsts, expected)]
+        budgets = [_round_up(payload_nbytes(d) + _expected_header_len(e)) for d, e in zip(dsts, expected)]
         steps = self._plan(budgets)
 
         def run_step(job: Job[GetResult], lane: Lane, s: int) -> None:
@@ -675,7 +679,7 @@ class MooncakeTier(Tier):
         lane: Lane,
         idx: list[int],
         names: list[str],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         budgets: Sequence[int],
         verify: bool,
@@ -706,7 +710,7 @@ class MooncakeTier(Tier):
         job.publish(idx, results)
 
     @staticmethod
-    def _finish_get(n: int, staged: Any, dst: memoryview, exp: Expectation, verify: bool) -> GetResult:
+    def _finish_get(n: int, staged: Any, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
         if n < 0:
             info = code_info(n)
             if n == INVALID_PARAMS:
@@ -725,12 +729,11 @@ class MooncakeTier(Tier):
         header_len = header_length(raw)
         if n != header_len + header.payload_len:
             return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{n} bytes for a {header.payload_len}-byte payload")
-        if dst.nbytes != header.payload_len:
+        if payload_nbytes(dst) != header.payload_len:
             return GetResult(
-                TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {dst.nbytes}"
+                TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {payload_nbytes(dst)}"
             )
-        out = np.frombuffer(dst, dtype=np.uint8)
-        np.copyto(out, np.frombuffer(raw[header_len:], dtype=np.uint8))
+        copy_into_parts(dst, raw[header_len:])
         if verify:
             bad = check_payload(header, dst)
             if bad is not None:
@@ -747,14 +750,14 @@ class MooncakeTier(Tier):
             return [refused] * len(items)
         prepared: list[tuple[PutItem, bytes] | None] = []
         for item in items:
-            if item.payload.nbytes != item.header.payload_len:
+            if item.nbytes != item.header.payload_len:
                 prepared.append(None)
                 continue
             header = item.header
             if header.checksum is None:
                 header = dataclasses.replace(header, checksum=payload_checksum(item.payload))
             prepared.append((item, header.encode()))
-        budgets = [_round_up(len(p[1]) + p[0].payload.nbytes) if p else 0 for p in prepared]
+        budgets = [_round_up(len(p[1]) + p[0].nbytes) if p else 0 for p in prepared]
         todo = [i for i, p in enumerate(prepared) if p is not None]
         steps = [[todo[k] for k in step] for step in self._plan([budgets[i] for i in todo])]
         statuses: list[TierStatus] = [TierStatus.ERROR] * len(items)
@@ -788,8 +791,8 @@ class MooncakeTier(Tier):
             item, hdr = prepared[i]  # type: ignore[misc]
             v = views[j]
             v[: len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
-            v[len(hdr) : len(hdr) + item.payload.nbytes] = np.frombuffer(item.payload, dtype=np.uint8)
-            sizes.append(len(hdr) + item.payload.nbytes)
+            copy_parts_into(v[len(hdr) : len(hdr) + item.nbytes], item.payload)
+            sizes.append(len(hdr) + item.nbytes)
         keys = [prepared[i][0].key for i in idx]  # type: ignore[index]
         names = [k.as_str() for k in keys]
         upsert = [bool(prepared[i][0].header.token_ids is not None) or self._wants_overwrite(n) for i, n in zip(idx, names)]  # type: ignore[index]
