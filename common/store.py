@@ -38,10 +38,17 @@ from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
+from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
+
+INTEGRITY_REASONS = frozenset(
+    {RejectReason.CHECKSUM, RejectReason.TRUNCATED, RejectReason.BAD_MAGIC, RejectReason.HEADER_CHECKSUM, RejectReason.GROUP}
+)
+"""Refusals that mean the stored bytes are damaged (not merely another
+writer's valid object): the damaged group is removed from that tier, so it is
+not looked up and refused again on every request, and the next store rewrites it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +276,7 @@ class KVStore:
             got = self._safe_get(tier, [items[i] for i in todo])
             self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
             promote: list[PutItem] = []
+            damaged: list[GroupKey] = []
             for i, res in zip(todo, got):
                 item = items[i]
                 if res.ok:
@@ -281,17 +289,27 @@ class KVStore:
                     reason = res.reason.value if res.reason else "unknown"
                     self.metrics.inc("rejected_objects", tier=tier.name, reason=reason)
                     log.warning("kvpack: refused %s from %s: %s %s", item.key.as_str(), tier.name, reason, res.detail)
+                    if res.reason in INTEGRITY_REASONS:
+                        damaged.append(item.key.group)
                 elif res.status is not TierStatus.MISS:
                     self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
                 if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
                     results[i] = res
             if promote and self._memory is not None:
                 self._memory.put_from(promote)
+            if damaged:
+                self._remove_quietly(tier, damaged)
         final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
         for item, res in zip(items, final):
             if not res.ok:
                 self.metrics.inc("load_failures", tenant=item.key.tenant, status=res.status.value)
         return final
+
+    def _remove_quietly(self, tier: Tier, groups: Sequence[GroupKey]) -> None:
+        try:
+            tier.remove_groups(list(dict.fromkeys(groups)))
+        except Exception as exc:
+            log.warning("kvpack: removing damaged groups from %s failed: %s", tier.name, exc)
 
     def _safe_get(self, tier: Tier, items: Sequence[LoadItem]) -> list[GetResult]:
         try:

@@ -9,8 +9,10 @@ Invariants (checked by property tests):
 - used bytes never exceed `capacity` after a reservation is applied;
 - a group is evicted whole, never one member;
 - a tenant U other than the requester is never pushed below its guaranteed
-  share `quotas[U]` (bytes); a requester above its own share evicts its own
-  groups before anyone else's.
+  share `quotas[U]` (bytes); a requester with a share that it exceeds evicts
+  its own groups before anyone else's. Tenants without a configured share
+  compete for the unreserved space in plain policy order (no tenant is held
+  to a share of zero, which would let it keep only one group).
 
 Not thread-safe: the owning tier calls it under its own lock.
 """
@@ -124,7 +126,7 @@ class CapacityManager:
                 freed += size
                 tenant_after[usage.tenant] = tenant_after.get(usage.tenant, 0) - size
 
-        if tenant_after[tenant] > self._quotas.get(tenant, 0):
+        if tenant in self._quotas and tenant_after[tenant] > self._quotas[tenant]:
             take(self._policy.victims(), own_only=True)
         if freed < need:
             take(self._policy.victims(), own_only=False)

@@ -152,3 +152,19 @@ def test_batch_eviction_is_linear(policy: EvictionPolicyName) -> None:
     plan = mgr.reserve("big", "t", "kv", 50_000)
     assert len(plan.victims) == 500
     assert Counting.calls <= 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_regression_tenant_without_quota_keeps_more_than_one_group(policy: EvictionPolicyName) -> None:
+    # Found by the soak suite: with no quotas configured, a tenant inserting into a
+    # full tier evicted only its own groups, so a newcomer could hold one group.
+    mgr = CapacityManager(1000, make_policy(policy))
+    for i in range(10):
+        mgr.commit(f"a:{i}", "a", "kv", 100)
+    for i in range(5):
+        plan = mgr.reserve(f"b:{i}", "b", "kv", 100)
+        assert plan.admission is Admission.ADMITTED
+        for victim in plan.victims:
+            mgr.release(victim)
+        mgr.commit(f"b:{i}", "b", "kv", 100)
+    assert mgr.tenant_used("b") == 500

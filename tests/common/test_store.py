@@ -107,6 +107,11 @@ def test_corrupt_disk_object_is_refused_and_counted(tmp_path: Path) -> None:
     assert res.status is TierStatus.REJECTED and res.reason is RejectReason.CHECKSUM
     assert store.metrics.value("rejected_objects", reason="checksum") == 1
     assert store.metrics.value("load_failures", tenant="t") == 1
+    # the damaged object is gone, so it is not looked up and refused again
+    assert not path.exists()
+    assert store.lookup("t", GROUP_FP, [chunk_id(1)], [KV], 16).hit_chunks == 0
+    assert store.store([item]) == [TierStatus.OK]
+    assert store.load([LoadItem(item.key, memoryview(np.empty(1024, np.uint8)), expect(item))])[0].ok
 
 
 def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path) -> None:
