@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..groups import MemberRole, MemberSpec
 from ..keys import validate_member
 from ..layout import KVLayoutSpec
+from ..objects import Payload
 
 DRAFT_POOLS = frozenset({"draft", "draft_indexer", "draft_swa"})
 """SGLang pools that hold speculative-decoding draft state (sidecars)."""
@@ -173,6 +172,16 @@ class PoolBinding:
             raise ValueError(f"pool {self.name}: region sizes changed since registration")
         return [int(p) for p in ptrs], [int(s) for s in sizes]
 
+    def page_payload(self, ptrs: list[int], page: int) -> Payload:
+        """Page `page` as kvpack payload regions, in place in the host pool.
+
+        One view when its regions are contiguous in memory, else one view per
+        region (kvpack's tiers read and write regions in order: no staging copy)."""
+        base = page * self.parts
+        if self.contiguous(ptrs, page):
+            return raw_view(ptrs[base], self.page_bytes)
+        return tuple(raw_view(ptrs[base + j], size) for j, size in enumerate(self.part_sizes))
+
     def contiguous(self, ptrs: list[int], page: int) -> bool:
         """Whether page `page`'s regions form one contiguous run in host memory."""
         base = page * self.parts
@@ -182,35 +191,3 @@ class PoolBinding:
                 return False
             addr += size
         return True
-
-
-class Staging:
-    """A per-thread, growing staging buffer (the write-back and prefetch threads differ)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-            self._local.buf = buf
-        return buf[:nbytes]
-
-
-def gather(binding: PoolBinding, ptrs: list[int], page: int, dst: np.ndarray) -> None:
-    """Copy page `page`'s regions into `dst` (exactly page_bytes long)."""
-    out = dst.ctypes.data
-    base = page * binding.parts
-    for j, size in enumerate(binding.part_sizes):
-        ctypes.memmove(out, ptrs[base + j], size)
-        out += size
-
-
-def scatter(binding: PoolBinding, ptrs: list[int], page: int, src: np.ndarray) -> None:
-    """Copy `src` (one object's payload) into page `page`'s regions."""
-    inp = src.ctypes.data
-    base = page * binding.parts
-    for j, size in enumerate(binding.part_sizes):
-        ctypes.memmove(ptrs[base + j], inp, size)
-        inp += size

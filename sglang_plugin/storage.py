@@ -58,7 +58,7 @@ from ..objects import Expectation, ObjectHeader
 from ..store import KVStore, LoadItem
 from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
-from .pools import ParallelInfo, PoolBinding, Staging, gather, pool_name, raw_view, scatter
+from .pools import ParallelInfo, PoolBinding, pool_name
 
 try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
     from sglang.srt.mem_cache.hicache_storage import (
@@ -106,7 +106,6 @@ class KVPackStorage(HiCacheStorage):
         self._bindings: dict[str, PoolBinding] = {}
         self._binding_errors: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._staging = Staging()
         self._workers = max(1, self.config.io_threads)
         self._executor = (
             ThreadPoolExecutor(self._workers - 1, thread_name_prefix="kvpack-sglang-io") if self._workers > 1 else None
@@ -370,26 +369,13 @@ class KVPackStorage(HiCacheStorage):
             return [False] * n
         assert binding is not None
         ptrs, _ = binding.regions(host_indices, n)
-        nbytes = binding.page_bytes
 
         def part(lo: int, hi: int) -> list[bool]:
-            staging = None
-            staged: list[int] = []
-            items: list[LoadItem] = []
-            for i in range(lo, hi):
-                if binding.contiguous(ptrs, i):
-                    dst = raw_view(ptrs[i * binding.parts], nbytes)
-                else:
-                    if staging is None:
-                        staging = self._staging.get((hi - lo) * nbytes)
-                    dst = memoryview(staging[(i - lo) * nbytes : (i - lo + 1) * nbytes])
-                    staged.append(i)
-                items.append(LoadItem(self._key(keys[i], binding), dst, self._expect(keys[i], binding)))
-            ok = [r.ok for r in self.store.load(items)]
-            for i in staged:
-                if ok[i - lo]:
-                    scatter(binding, ptrs, i, staging[(i - lo) * nbytes : (i - lo + 1) * nbytes])  # type: ignore[index]
-            return ok
+            items = [
+                LoadItem(self._key(keys[i], binding), binding.page_payload(ptrs, i), self._expect(keys[i], binding))
+                for i in range(lo, hi)
+            ]
+            return [r.ok for r in self.store.load(items)]
 
         ok = self._split(n, part)
         if not all(ok):
@@ -411,17 +397,9 @@ class KVPackStorage(HiCacheStorage):
         nbytes = binding.page_bytes
 
         def part(lo: int, hi: int) -> list[bool]:
-            staging = None
             items: list[PutItem] = []
-            for slot, i in enumerate(todo[lo:hi]):
-                if binding.contiguous(ptrs, i):
-                    payload = raw_view(ptrs[i * binding.parts], nbytes)
-                else:
-                    if staging is None:
-                        staging = self._staging.get((hi - lo) * nbytes)
-                    buf = staging[slot * nbytes : (slot + 1) * nbytes]
-                    gather(binding, ptrs, i, buf)
-                    payload = memoryview(buf)
+            for i in todo[lo:hi]:
+                payload = binding.page_payload(ptrs, i)
                 header = ObjectHeader(
                     fingerprint=binding.member_fingerprint,
                     tenant=self.tenant,

@@ -16,7 +16,6 @@ Prints ratios; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shlex

@@ -90,7 +90,7 @@ class DiskTier(Tier):
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, StoreKey, int]] = []
-        for path in self.root.glob(f"*/*/*/*"):
+        for path in self.root.glob("*/*/*/*"):
             if not path.is_file():
                 continue
             if ".tmp." in path.name:

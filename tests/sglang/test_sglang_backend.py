@@ -207,7 +207,11 @@ def test_corrupt_object_is_a_per_key_miss(where, store_dir):
         dst = alloc_pages(pool, 4)
         assert backend.batch_get_v1(keys, dst) == [True, True, False, True]
         got = page_bytes(pool, dst)
-        assert got[0] == want[0] and got[3] == want[3] and got[2] != want[2]
+        assert got[0] == want[0] and got[3] == want[3]
+        # Page 2's bytes are unspecified after a False (tiers read in place); a damaged
+        # payload can only come back damaged, which is why it must be reported False.
+        if where == "payload":
+            assert got[2] != want[2]
         assert backend.metrics.value("rejected_objects", tier="disk") >= 1
     finally:
         backend.close()
