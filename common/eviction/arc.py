@@ -12,12 +12,13 @@ one in B2 shrinks it; the key then enters T2. Victims come from T1 while
 are bounded by the number of resident keys seen at the peak (`_capacity`), so
 memory stays O(resident).
 
-Batch eviction is linear: `victims()` snapshots both lists once in the order
-above; removing k of them costs O(k).
+Batch eviction is linear: `victims()` walks the two lists lazily in the
+order above, so choosing k victims costs O(k).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Hashable
@@ -72,10 +73,8 @@ class ARCPolicy(EvictionPolicy):
 
     def victims(self) -> Iterator[Hashable]:
         if len(self._t1) > self._p or not self._t2:
-            order = list(self._t1) + list(self._t2)
-        else:
-            order = list(self._t2) + list(self._t1)
-        return iter(order)
+            return itertools.chain(self._t1, self._t2)
+        return itertools.chain(self._t2, self._t1)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

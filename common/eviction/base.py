@@ -34,8 +34,9 @@ class EvictionPolicy(ABC):
     def victims(self) -> Iterator[Hashable]:
         """Resident groups, best victim first. Each resident key appears once.
 
-        The iterator is a snapshot: the caller may call `remove` while
-        iterating; a batch eviction over n candidates costs O(n).
+        The iterator is lazy: choosing k victims costs O(k), not O(resident).
+        The caller must not insert, touch or remove while iterating (the
+        capacity manager picks its whole batch first, then releases it).
         """
 
     @abstractmethod

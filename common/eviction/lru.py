@@ -27,7 +27,7 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        return iter(list(self._order))
+        return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
