@@ -29,6 +29,9 @@ from .sizes import parse_size
 
 T = TypeVar("T")
 
+METRICS_PORT_SPAN = 16
+"""Ports tried from `metrics_port` on: one per process of an engine."""
+
 
 def _size_field(default: int | str, doc: str = "") -> Any:
     """A dataclass field holding a byte size; strings like "8GiB" are parsed."""
@@ -281,6 +284,10 @@ class KVPackConfig:
     write_queue_depth: int = 256
     """Bounded write-back queue (objects); when full, stores are dropped and counted."""
     io_threads: int = 2
+    metrics_port: int = 0
+    """Serve this process's kvpack_* Prometheus metrics on 127.0.0.1 (0: off).
+    Each process (vLLM scheduler, each worker) takes the first free port of
+    metrics_port .. metrics_port + 15 and logs which."""
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
@@ -307,6 +314,8 @@ class KVPackConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(_join(path, name), f"must be > 0, got {value}")
+        if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
+            raise ConfigError(_join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}")
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):
             raise ConfigError(_join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled")
 

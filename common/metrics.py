@@ -17,6 +17,7 @@ import enum
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -73,6 +74,7 @@ class Metrics:
                 self._prom[spec.name] = Histogram(
                     spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry, buckets=_BUCKETS
                 )
+        self._server: Any = None
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
         self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
@@ -125,9 +127,25 @@ class Metrics:
                     out.setdefault(f"{name}_max", {})[key] = peak
         return out
 
-    def serve_prometheus(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose this registry over HTTP (loopback by default)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve_prometheus(self, port: int, span: int = 1, addr: str = "127.0.0.1") -> int | None:
+        """Expose this registry over HTTP on the first free port of
+        ``port .. port + span - 1`` (loopback by default). Returns the port, or
+        None when every port was taken (the caller logs it; metrics still count)."""
+        for candidate in range(port, port + span):
+            try:
+                served = start_http_server(candidate, addr=addr, registry=self.registry)
+            except OSError:
+                continue
+            self._server = served[0] if isinstance(served, tuple) else None
+            return candidate
+        return None
+
+    def stop_serving(self) -> None:
+        """Close the HTTP endpoint started by `serve_prometheus`, if any."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 def _fmt(labels: tuple[str, ...], values: tuple[str, ...]) -> str:

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -73,6 +73,30 @@ class TailMatch:
     members: tuple[str, ...]
 
 
+def build_tiers(config: KVPackConfig, *, include_memory: bool = True) -> list[Tier]:
+    """The tiers `config` enables, fastest first: memory, disk, Mooncake.
+
+    `include_memory=False` leaves out the host-memory tier, for a process that
+    sees another process's memory through an index (vLLM's scheduler side)."""
+    tiers: list[Tier] = []
+    quotas = config.eviction.tenant_quotas
+    if config.memory.enabled and include_memory:
+        from .tiers.memory import MemoryTier
+
+        tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas))
+    if config.disk.enabled:
+        from .tiers.disk import DiskTier
+
+        tiers.append(
+            DiskTier(config.disk.path, config.disk.capacity, make_policy(config.eviction.policy), quotas, config.disk.fsync)
+        )
+    if config.mooncake.enabled:
+        from .tiers.mooncake import MooncakeTier
+
+        tiers.append(MooncakeTier(config.mooncake))
+    return tiers
+
+
 def tail_chunk(parent: str | None) -> str:
     """Chunk id under which the tail following `parent` (None: sequence start) is stored."""
     return f"{parent or 'root'}-tail"
@@ -97,6 +121,7 @@ class KVStore:
 
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self._lower = tuple(t for t in self.tiers if t is not self._memory)
+        self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
@@ -110,36 +135,35 @@ class KVStore:
         ]
         for w in self._workers:
             w.start()
+        self.metrics_port: int | None = None
+        if config.metrics_port:
+            from .config import METRICS_PORT_SPAN
+
+            self.metrics_port = self.metrics.serve_prometheus(config.metrics_port, METRICS_PORT_SPAN)
+            if self.metrics_port is None:
+                log.warning("kvpack: no free metrics port in %d..+%d", config.metrics_port, METRICS_PORT_SPAN - 1)
+            else:
+                log.info("kvpack: metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
 
     # -- construction -------------------------------------------------------------
 
     @classmethod
     def from_config(cls, config: KVPackConfig, metrics: Metrics | None = None) -> KVStore:
-        """Build the tiers the config enables, fastest first."""
-        tiers: list[Tier] = []
-        quotas = config.eviction.tenant_quotas
-        if config.memory.enabled:
-            from .tiers.memory import MemoryTier
+        """Build the tiers the config enables (`build_tiers`), fastest first."""
+        return cls(config, build_tiers(config), metrics)
 
-            tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas))
-        if config.disk.enabled:
-            from .tiers.disk import DiskTier
-
-            tiers.append(
-                DiskTier(
-                    config.disk.path, config.disk.capacity, make_policy(config.eviction.policy), quotas, config.disk.fsync
-                )
-            )
-        if config.mooncake.enabled:
-            from .tiers.mooncake import MooncakeTier
-
-            tiers.append(MooncakeTier(config.mooncake))
-        return cls(config, tiers, metrics)
+    def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
+        """Call `listener(tier_name, group, nbytes)` for every group a bounded tier
+        evicts (e.g. to tell another process's index). Runs under the tier's lock:
+        keep it cheap and never call back into the store."""
+        self._evict_listeners.append(listener)
 
     def _evict_counter(self, tier: str):  # type: ignore[no-untyped-def]
         def on_evict(group: GroupKey, nbytes: int) -> None:
             self.metrics.inc("evictions", tier=tier, tenant=group.tenant)
             self.metrics.inc("evicted_bytes", nbytes, tier=tier, tenant=group.tenant)
+            for listener in self._evict_listeners:
+                listener(tier, group, nbytes)
 
         return on_evict
 
@@ -439,6 +463,7 @@ class KVStore:
                 pass
         for w in self._workers:
             w.join(timeout=2.0)
+        self.metrics.stop_serving()
         for tier in self.tiers:
             try:
                 tier.close()

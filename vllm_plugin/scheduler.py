@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvpack.config import KVPackConfig
 from kvpack.groups import MemberSpec
 from kvpack.keys import ChunkHash, chunk_hashes
-from kvpack.store import KVStore, tail_chunk
+from kvpack.store import KVStore, build_tiers, tail_chunk
 from kvpack.tiers.base import Tier
 
 from .index import ReportedMemoryIndex
@@ -55,25 +55,6 @@ class LoadPlan:
     """The tail object to load into block `hit_chunks`, when the match reaches into it."""
 
 
-def lower_tiers(config: KVPackConfig) -> list[Tier]:
-    """The tiers every process shares (disk, Mooncake), built as `KVStore.from_config` does."""
-    from kvpack.eviction import make_policy
-
-    tiers: list[Tier] = []
-    quotas = config.eviction.tenant_quotas
-    if config.disk.enabled:
-        from kvpack.tiers.disk import DiskTier
-
-        tiers.append(
-            DiskTier(config.disk.path, config.disk.capacity, make_policy(config.eviction.policy), quotas, config.disk.fsync)
-        )
-    if config.mooncake.enabled:
-        from kvpack.tiers.mooncake import MooncakeTier  # type: ignore[import-not-found]
-
-        tiers.append(MooncakeTier(config.mooncake))
-    return tiers
-
-
 class SchedulerSide:
     def __init__(self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool) -> None:
         self.config = config
@@ -82,7 +63,7 @@ class SchedulerSide:
         self.can_save = can_save
         self.index = ReportedMemoryIndex()
         tiers: list[Tier] = [self.index] if config.memory.enabled else []
-        self.store = KVStore(config, tiers + lower_tiers(config))
+        self.store = KVStore(config, tiers + build_tiers(config, include_memory=False))
         self.members = [MemberSpec(name, scope.fingerprint) for name in scope.members]
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()

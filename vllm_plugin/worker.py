@@ -86,15 +86,12 @@ class WorkerSide:
         for t in self._threads:
             t.start()
         self._memory = next((t for t in self.store.tiers if t.name == "memory"), None)
-        if self._memory is not None and hasattr(self._memory, "on_evict"):
-            previous = self._memory.on_evict
 
-            def on_evict(group: GroupKey, nbytes: int) -> None:
-                if previous is not None:
-                    previous(group, nbytes)
+        def on_evict(tier: str, group: GroupKey, nbytes: int) -> None:
+            if tier == "memory":
                 self._reported_evicted.append(group.as_str())  # list.append is atomic
 
-            self._memory.on_evict = on_evict
+        self.store.add_evict_listener(on_evict)
 
     # -- registration -----------------------------------------------------------
 

@@ -242,3 +242,20 @@ def test_closed_store_refuses_stores(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     store.close()
     assert store.store([make_item("t", chunk_id(1))[0]]) == [TierStatus.UNAVAILABLE]
+
+
+def test_metrics_served_on_first_free_port(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+        # base is taken by this socket while it is open: the store takes the next one
+        s.listen()
+        store = make_store(tmp_path, metrics_port=base)
+        assert store.metrics_port is not None and store.metrics_port != base
+        put_chunks(store, "acme", 1)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'kvpack_stored_objects_total{tenant="acme",tier="memory"} 1.0' in body
+    store.close()
