@@ -56,9 +56,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    tests = Path(__file__).resolve().parents[2] / "tests"
-    sys.path.insert(0, str(tests))
-    from fixtures.tiny_model import build_bench_llama, build_tiny_llama  # type: ignore[import-not-found]
+    from ..tinymodel import build_bench_llama, build_tiny_llama
 
     if args.small:
         return build_tiny_llama(Path(args.model_dir).with_name("tiny-llama"))

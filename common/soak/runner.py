@@ -99,12 +99,8 @@ class SoakReport:
 
 
 def default_model() -> str:
-    """The tiny test Llama, built from the source checkout's test fixture (cached)."""
-    tests = Path(__file__).resolve().parents[2] / "tests"
-    if not (tests / "fixtures" / "tiny_model.py").is_file():
-        raise SystemExit("kvpack soak: pass --model PATH (the tiny test model's builder is only in a source checkout)")
-    sys.path.insert(0, str(tests))
-    from fixtures.tiny_model import build_tiny_llama  # type: ignore[import-not-found]
+    """The tiny test Llama (`kvpack.tinymodel`), built once and cached."""
+    from ..tinymodel import build_tiny_llama
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpack" / "soak-model"
     return str(build_tiny_llama(cache))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: quick start-up
 
@@ -20,8 +19,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         model = sys.argv[1]
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-        from fixtures.tiny_model import build_tiny_llama
+        from kvpack.tinymodel import build_tiny_llama
 
         model = str(build_tiny_llama("/tmp/kvpack-tiny-llama"))
     store = sys.argv[2] if len(sys.argv) > 2 else "/tmp/kvpack-example-store"
