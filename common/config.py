@@ -56,6 +56,22 @@ class DraftPolicy(enum.Enum):
     TARGET_ONLY = "target_only"
 
 
+class DraftPlacementMode(enum.Enum):
+    """Where draft-model (speculative decoding) KV is stored beside the target's.
+
+    AUTO: PACKED when the draft layers share the target's block index space,
+    SIDECAR otherwise. PACKED: the draft layers are copied into the target's
+    object (one member, so they cannot be lost on their own). SIDECAR: a
+    separate ``draft`` member of the same group (same chunk keys, its own
+    layout fingerprint); a chunk stored without it is a partial hit, handled by
+    `DraftPolicy`. Without speculative decoding nothing is stored for a draft.
+    """
+
+    AUTO = "auto"
+    PACKED = "packed"
+    SIDECAR = "sidecar"
+
+
 class ChecksumPolicy(enum.Enum):
     """When payload checksums are verified on load (headers always are).
 
@@ -277,6 +293,8 @@ class KVPackConfig:
     prefix_match_unit: int = 1
     """Granularity (tokens) of a partial-block match; 1 for full attention."""
     draft_policy: DraftPolicy = DraftPolicy.RECOMPUTE
+    draft_placement: DraftPlacementMode = DraftPlacementMode.AUTO
+    """Draft-model KV packed into the target's objects or in a sidecar member."""
     checksum: ChecksumPolicy = ChecksumPolicy.BOUNDARY
     """Which loads verify the payload checksum (headers are always verified)."""
     io_timeout_ms: int = 500
