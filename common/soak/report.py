@@ -22,7 +22,9 @@ from .workload import Result
 REFUSED_RE = re.compile(r"kvpack: refused kvpack/([^/\s]+)/\S+ from (\w+): (\w+)")
 XFER_RE = re.compile(r"KV Transfer metrics: (.*)$")
 NEAR_TIE = 1e-3
-"""A divergence where the reference's top-2 log-prob margin is below this is a near-tie."""
+"""A divergence where the reference's top-2 log-prob margin is below this is a
+near-tie (batch-order noise), not a difference. In fp32 that noise is ~1e-5
+(measured: the same prompt alone vs in a batch of 8); see `kvpack.soak`."""
 
 
 def parse_server_log(text: str) -> dict[str, Any]:
@@ -54,15 +56,34 @@ def parse_server_log(text: str) -> dict[str, Any]:
 
 
 def parse_prometheus(text: str, prefix: str = "kvpack_") -> dict[str, float]:
-    """``{"name{labels}": value}`` of every series starting with `prefix`."""
+    """``{"name{labels}": value}`` of every series starting with `prefix`, summed
+    over the scraped texts (one per process); ``*_created`` timestamps skipped."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(prefix):
             name, _, value = line.rpartition(" ")
+            if name.partition("{")[0].endswith("_created"):
+                continue
             try:
                 out[name] = out.get(name, 0.0) + float(value)
             except ValueError:
                 pass
+    return out
+
+
+LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def by_labels(prom: dict[str, float], metric: str, labels: Sequence[str]) -> Counter[tuple[str, ...]]:
+    """Counter ``kvpack_<metric>_total`` summed by the values of `labels`."""
+    want = f"kvpack_{metric}_total"
+    out: Counter[tuple[str, ...]] = Counter()
+    for key, value in prom.items():
+        name, _, rest = key.partition("{")
+        if name != want:
+            continue
+        found = dict(LABEL_RE.findall(rest))
+        out[tuple(found.get(label, "") for label in labels)] += value
     return out
 
 

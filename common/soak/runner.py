@@ -34,10 +34,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import METRICS_PORT_SPAN as METRICS_PORTS
 from . import faults as F
-from .procs import MooncakeProcs, Tmpfs, mooncake_binaries, tree_rss
+from .procs import HOST, MooncakeProcs, Tmpfs, free_port_range, mooncake_binaries, tree_rss
 from .reference import key_of
-from .report import Comparison, Row, compare, fmt_counter, format_table, overlaps, parse_prometheus, parse_server_log
+from .report import (
+    Comparison,
+    Row,
+    by_labels,
+    compare,
+    fmt_counter,
+    format_table,
+    overlaps,
+    parse_prometheus,
+    parse_server_log,
+)
 from .server import VllmServer
 from .workload import Result, Workload, completion_body, stream_completion
 
@@ -56,6 +67,12 @@ class SoakConfig:
     keep_workdir: bool = False
     mooncake: bool = True
     faults: bool = True
+    kvpack: bool = True
+    """False: the same server and load without kvpack (a numerics baseline; no tiers, no faults)."""
+    dtype: str = "float32"
+    """Model dtype of the server and the reference (see `kvpack.soak`: why fp32)."""
+    metrics_port: int = 0
+    """kvpack's ``metrics_port`` (first of 16); 0: a free range found at start."""
     seed: int = 0
     probe_fraction: float = 0.08
     followup_fraction: float = 0.25
@@ -131,6 +148,7 @@ class Soak:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._probe_seq = 0
+        self.metrics_port = cfg.metrics_port or (free_port_range(METRICS_PORTS) if cfg.kvpack else 0)
         self._done_pool: list[tuple[str, tuple[int, ...]]] = []
 
     # -- helpers used by the faults ------------------------------------------------
@@ -181,6 +199,7 @@ class Soak:
         kv: dict[str, Any] = {
             "io_timeout_ms": cfg.io_timeout_ms,
             "write_queue_depth": cfg.write_queue_depth,
+            "metrics_port": self.metrics_port,
             "memory": {"capacity": cfg.memory_capacity},
             "disk": {"path": str(self.disk_root), "capacity": cfg.disk_capacity},
         }
@@ -207,6 +226,7 @@ class Soak:
         ]
         return {
             "model": self.model,
+            "dtype": self.cfg.dtype,
             "max_tokens": self.cfg.max_tokens,
             "max_model_len": 2048,
             "prompts": prompts,
@@ -305,16 +325,18 @@ class Soak:
         try:
             self._tmpfs_was_mounted = self.tmpfs.mount()
             self.disk_root.mkdir(parents=True, exist_ok=True)
-            if cfg.mooncake and mooncake_binaries() is not None:
+            if cfg.kvpack and cfg.mooncake and mooncake_binaries() is not None:
                 self.mooncake = MooncakeProcs(self.work / "mooncake").start()
             ref_proc = self._start_reference()
-            self.server = VllmServer(self.model, self.work / "server.log", self.kvpack_config())
+            kv = self.kvpack_config() if cfg.kvpack else None
+            self.server = VllmServer(self.model, self.work / "server.log", kv, dtype=cfg.dtype)
             self.server.start()
             self._wait_reference(ref_proc)
             self.t0 = time.monotonic()
             threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(cfg.clients)]
             threads.append(threading.Thread(target=self._sampler, daemon=True))
-            runner = threading.Thread(target=self._fault_runner, daemon=True) if cfg.faults else None
+            with_faults = cfg.faults and cfg.kvpack
+            runner = threading.Thread(target=self._fault_runner, daemon=True) if with_faults else None
             for t in threads + ([runner] if runner else []):
                 t.start()
             hard_stop = cfg.duration_s * 1.5 + 120
@@ -345,11 +367,23 @@ class Soak:
         return self._report(server_alive, metrics_text)
 
     def _scrape_metrics(self) -> str:
+        """kvpack's ``kvpack_*`` series from every process of the server.
+
+        Each kvpack store (the scheduler side and each worker) serves its own
+        registry on the first free port of ``metrics_port .. +15``; all of them
+        are read and `parse_prometheus` sums the series. vLLM's own /metrics is
+        read too, in case an adapter also exports there."""
         assert self.server is not None
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{self.server.port}/metrics", timeout=5).read().decode()
-        except OSError:
-            return ""
+        urls = [f"http://{HOST}:{self.server.port}/metrics"]
+        if self.metrics_port:
+            urls += [f"http://{HOST}:{p}/metrics" for p in range(self.metrics_port, self.metrics_port + METRICS_PORTS)]
+        texts = []
+        for url in urls:
+            try:
+                texts.append(urllib.request.urlopen(url, timeout=2).read().decode())
+            except OSError:
+                continue
+        return "\n".join(texts)
 
     # -- report ----------------------------------------------------------------------
 
@@ -393,7 +427,12 @@ class Soak:
         end = after[-3:] if after else [0]
         growth = (sum(end) / len(end) - sum(base) / len(base)) / (1 << 20)
         peak = max((v for _, v in self.rss), default=0) / (1 << 20)
-        dropped = {k: v for k, v in prom.items() if k.startswith("kvpack_store_dropped")}
+        dropped = by_labels(prom, "store_dropped", ("tier", "reason"))
+        rejected = by_labels(prom, "rejected_objects", ("tier", "reason"))
+        tier_errors = by_labels(prom, "tier_errors", ("tier", "status"))
+        partial = by_labels(prom, "partial_hits", ("missing_member",))
+        exported = any(k.startswith("kvpack_") for k in prom)
+        na = "n/a: no kvpack metrics read"
         xfer = log["xfer"]
         rows = [
             Row("requests sent", str(len(results))),
@@ -424,8 +463,11 @@ class Soak:
                 ">0 (reported)" if by_kind.get("canary-reload") else "",
                 None,  # see tests/soak: a new tenant keeps ~one object per full tier today
             ),
-            Row("rejected objects by tier/reason", fmt_counter(refused)),
-            Row("store drops (back-pressure etc.)", fmt_counter(dropped) if prom else "n/a: not exported by the server"),
+            Row("rejected objects by tier/reason (server log)", fmt_counter(refused)),
+            Row("rejected objects by tier/reason (kvpack metrics)", fmt_counter(rejected) if exported else na),
+            Row("store drops by tier/reason (back-pressure etc.)", fmt_counter(dropped) if exported else na),
+            Row("tier errors by tier/status", fmt_counter(tier_errors) if exported else na),
+            Row("partial hits by missing member", fmt_counter(partial) if exported else na),
             Row(
                 "connector stats (vLLM log)",
                 fmt_counter({k: v for k, v in xfer.items() if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")}) or "none",

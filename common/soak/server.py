@@ -43,6 +43,9 @@ class VllmServer:
     kvpack: dict[str, Any] | None
     """kvpack config (``kv_connector_extra_config``); None runs without kvpack."""
     max_model_len: int = 2048
+    dtype: str = "float32"
+    """Model dtype (``--dtype``). vLLM downcasts an fp32 checkpoint to bf16 on
+    CPU unless told; see `kvpack.soak` for why the soak compares in fp32."""
     port: int = field(default_factory=free_port)
     proc: Proc | None = None
     served_name: str = "soak-model"
@@ -62,6 +65,8 @@ class VllmServer:
             str(self.port),
             "--max-model-len",
             str(self.max_model_len),
+            "--dtype",
+            self.dtype,
             "--enforce-eager",
             "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details",
