@@ -81,6 +81,9 @@ if [ ! -f "$venv/.kvpack-complete" ]; then
   find "$cache" -maxdepth 1 -name "$engine-*" ! -name "$engine-$key" -exec rm -rf {} + 2>/dev/null || true
 fi
 if [ -f "$root/pyproject.toml" ]; then
-  quiet "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >&2
+  # kvpack itself, editable, on every call (cheap); its build chatter only on failure
+  if ! out=$("$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" 2>&1); then
+    echo "$out" >&2; exit 1
+  fi
 fi
 echo "$venv"
