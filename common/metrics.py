@@ -148,5 +148,27 @@ class Metrics:
             self._server = None
 
 
+class Tally:
+    """Per-batch accumulator: many `inc` calls on a hot path become one per label set.
+
+        tally = Tally(metrics)
+        for item in batch:
+            tally.inc("stored_bytes", n, tenant=t, tier="memory")
+        tally.flush()
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._acc: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        self._acc[(name, tuple(labels.items()))] += amount
+
+    def flush(self) -> None:
+        for (name, labels), amount in self._acc.items():
+            self._metrics.inc(name, amount, **dict(labels))
+        self._acc.clear()
+
+
 def _fmt(labels: tuple[str, ...], values: tuple[str, ...]) -> str:
     return ",".join(f"{k}={v}" for k, v in zip(labels, values))

@@ -37,7 +37,7 @@ from .config import ChecksumPolicy, KVPackConfig
 from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
-from .metrics import Metrics
+from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
@@ -125,13 +125,17 @@ class KVStore:
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
-        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(maxsize=config.write_queue_depth)
+        # One bounded FIFO per write-back thread; a key always goes to the same one,
+        # so two stores of one key reach the lower tiers in the order they were made.
+        workers = config.io_threads if self._lower else 0
+        depth = max(1, config.write_queue_depth // max(1, workers))
+        self._queues: list[queue.Queue[_WriteJob | None]] = [queue.Queue(maxsize=depth) for _ in range(workers)]
         self._pending = 0
         self._pending_cv = threading.Condition()
         self._closed = False
         self._workers = [
-            threading.Thread(target=self._write_loop, name=f"kvpack-writeback-{i}", daemon=True)
-            for i in range(config.io_threads if self._lower else 0)
+            threading.Thread(target=self._write_loop, args=(q,), name=f"kvpack-writeback-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
         ]
         for w in self._workers:
             w.start()
@@ -301,11 +305,12 @@ class KVStore:
             self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
             promote: list[PutItem] = []
             damaged: list[GroupKey] = []
+            tally = Tally(self.metrics)
             for i, res in zip(todo, got):
                 item = items[i]
                 if res.ok:
                     results[i] = res
-                    self.metrics.inc("loaded_bytes", payload_nbytes(item.dst), tenant=item.key.tenant, tier=tier.name)
+                    tally.inc("loaded_bytes", payload_nbytes(item.dst), tenant=item.key.tenant, tier=tier.name)
                     if tier is not self._memory and self._memory is not None and res.header is not None:
                         promote.append(PutItem(item.key, res.header, item.dst))
                     continue
@@ -319,6 +324,7 @@ class KVStore:
                     self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
                 if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
                     results[i] = res
+            tally.flush()
             if promote and self._memory is not None:
                 self._memory.put_from(promote)
             if damaged:
@@ -362,11 +368,12 @@ class KVStore:
         mem = self._memory.put_from(items)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
         statuses = list(mem)
+        tally = Tally(self.metrics)
         for i, (item, st) in enumerate(zip(items, mem)):
             queued = item
             if st is TierStatus.OK:
-                self.metrics.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier="memory")
-                self.metrics.inc("stored_objects", tenant=item.key.tenant, tier="memory")
+                tally.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier="memory")
+                tally.inc("stored_objects", tenant=item.key.tenant, tier="memory")
                 borrowed = self._memory.borrow(item.key)
                 if borrowed is not None:
                     queued = PutItem(item.key, item.header, borrowed[1])
@@ -380,13 +387,14 @@ class KVStore:
                 queued = PutItem(item.key, item.header, memoryview(owned))
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
+        tally.flush()
         return statuses
 
     def _enqueue(self, item: PutItem) -> bool:
         with self._pending_cv:
             self._pending += 1
         try:
-            self._queue.put_nowait(_WriteJob(item, self._lower))
+            self._queues[hash(item.key) % len(self._queues)].put_nowait(_WriteJob(item, self._lower))
             return True
         except queue.Full:
             self._done_one()
@@ -424,9 +432,9 @@ class KVStore:
             if self._pending == 0:
                 self._pending_cv.notify_all()
 
-    def _write_loop(self) -> None:
+    def _write_loop(self, jobs: queue.Queue[_WriteJob | None]) -> None:
         while True:
-            job = self._queue.get()
+            job = jobs.get()
             if job is None:
                 return
             try:
@@ -456,9 +464,9 @@ class KVStore:
             return
         self.flush(flush_timeout_s)
         self._closed = True
-        for _ in self._workers:
+        for jobs in self._queues:
             try:
-                self._queue.put(None, timeout=1.0)
+                jobs.put(None, timeout=1.0)
             except queue.Full:
                 pass
         for w in self._workers:
