@@ -3,7 +3,7 @@
 .PHONY: demo test bench
 
 demo:
-	scripts/demo.sh
+	scripts/demo.sh $(ARGS)
 
 test:
 	scripts/test.sh

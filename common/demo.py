@@ -11,7 +11,7 @@ then a follow-up turn that carries the first answer back in):
 
 It prints tokens reused, TTFT and time saved, and checks that engine 3's
 greedy tokens on the repeated prompts equal the no-cache run, with logprobs
-within `LOGPROB_TOLERANCE`. The exit status is non-zero if they do not, or if
+within `LOGPROB_TOLERANCE` for the model's dtype. The exit status is non-zero if they do not, or if
 engine 3 reuses nothing.
 
 Why a tolerance, and why only the repeated prompts are checked: on vLLM's CPU
@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOGPROB_TOLERANCE = 1e-3
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+"""Allowed logprob difference on a repeated prompt, by model dtype (bf16 rounds
+the same split-point difference ~100x coarser than fp32)."""
 
 
 @dataclass
@@ -106,11 +108,11 @@ def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpack demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: build the tiny benchmark Llama once)")
+    parser.add_argument("--model", help="model directory (default: build the 2-layer fp32 test Llama once)")
     parser.add_argument("--store", help="kvpack disk store (default: a fresh temp folder)")
     parser.add_argument("--doc-tokens", type=int, default=2000)
     parser.add_argument("--documents", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="the 2-layer test model (quick)")
+    parser.add_argument("--large", action="store_true", help="the 6-layer, hidden-1024 bf16 benchmark Llama (slower, bigger savings)")
     parser.add_argument("--kvpack-config", default="{}", help="extra kvpack config as JSON (merged over the demo's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -121,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpack"
     if args.model:
         model = Path(args.model)
-    elif args.small:
-        model = build_tiny_llama(cache / "demo-tiny-llama")
-    else:
+    elif args.large:
         print("kvpack demo: building the demo model once (6 layers, hidden 1024, bf16, random weights)...")
         model = build_bench_llama(cache / "demo-llama")
+    else:
+        model = build_tiny_llama(cache / "demo-tiny-llama")
     store = Path(args.store or tempfile.mkdtemp(prefix="kvpack-demo-store-"))
     prompts = _workload(args.doc_tokens, args.documents)
     kv = {
@@ -138,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         _run("vLLM + kvpack, empty store", model, kv, prompts, 0),
         _run("new vLLM engine + kvpack, same store", model, kv, prompts, 0),
     ]
-    return _report(runs, prompts, store)
+    dtype = json.loads((model / "config.json").read_text()).get("torch_dtype") or "float32"
+    return _report(runs, prompts, store, LOGPROB_TOLERANCE.get(str(dtype), max(LOGPROB_TOLERANCE.values())))
 
 
-def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path) -> int:
+def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float) -> int:
     from .inspect_store import summarize
 
     ref = runs[0]
@@ -157,7 +160,7 @@ def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path) -> int
     repeated = range(len(prompts))
     same = all(
         hit.outputs[i][0] == ref.outputs[i][0]
-        and all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(hit.outputs[i][1], ref.outputs[i][1]))
+        and all(abs(a - b) <= tolerance for a, b in zip(hit.outputs[i][1], ref.outputs[i][1]))
         for i in repeated
     )
     print()
@@ -179,6 +182,6 @@ def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path) -> int
               f"({t.tails} partial-block tails), {t.payload_bytes / 2**20:.1f} MiB")
     print(
         f"new engine, repeated prompts: greedy tokens identical to the no-cache run, logprobs within "
-        f"{LOGPROB_TOLERANCE:g}: {'yes' if same else 'NO'}"
+        f"{tolerance:g}: {'yes' if same else 'NO'}"
     )
     return 0 if same and sum(hit.reused) > 0 else 1
