@@ -56,12 +56,18 @@ def _workload(doc_tokens: int, documents: int, seed: int = 7) -> list[list[int]]
     return [[rng.randint(3, 1999) for _ in range(doc_tokens + 24)] for _ in range(documents)]
 
 
+def _model_dtype(model: Path) -> str:
+    config = json.loads((model / "config.json").read_text())
+    return str(config.get("torch_dtype") or config.get("dtype") or "float32")
+
+
 def _engine(model: Path, kv: dict[str, Any] | None):  # type: ignore[no-untyped-def]
     from vllm import LLM
 
+    # vLLM on CPU downcasts fp32 checkpoints to bf16 unless told the dtype.
     kw: dict[str, Any] = dict(
-        model=str(model), kv_cache_memory_bytes=512 << 20, max_model_len=4096, enforce_eager=True,
-        enable_prefix_caching=False, seed=0,
+        model=str(model), dtype=_model_dtype(model), kv_cache_memory_bytes=512 << 20, max_model_len=4096,
+        enforce_eager=True, enable_prefix_caching=False, seed=0,
     )
     if kv is not None:
         kw["kv_transfer_config"] = kv
@@ -140,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         _run("vLLM + kvpack, empty store", model, kv, prompts, 0),
         _run("new vLLM engine + kvpack, same store", model, kv, prompts, 0),
     ]
-    dtype = json.loads((model / "config.json").read_text()).get("torch_dtype") or "float32"
-    return _report(runs, prompts, store, LOGPROB_TOLERANCE.get(str(dtype), max(LOGPROB_TOLERANCE.values())))
+    tolerance = LOGPROB_TOLERANCE.get(_model_dtype(model), max(LOGPROB_TOLERANCE.values()))
+    return _report(runs, prompts, store, tolerance)
 
 
 def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float) -> int:

@@ -78,7 +78,10 @@ class SoakConfig:
     followup_fraction: float = 0.25
     fault_hold_s: float = 4.0
     slow_hold_s: float = 3.0
-    warmup_fraction: float = 0.3
+    warmup_fraction: float = 0.5
+    """RSS growth is measured from this fraction of the run to its end: in a short
+    run the first half still fills vLLM's and kvpack's bounded caches (allocator
+    high-water marks, the memory tier's slab); a leak keeps growing after it."""
     memory_capacity: str = "16MiB"
     disk_capacity: str = "40MiB"
     tmpfs_size: str = "64m"
