@@ -24,6 +24,7 @@ Thread-safe. Construct with `KVStore.from_config`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .config import ChecksumPolicy, KVPackConfig
+from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
 from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
@@ -97,9 +98,13 @@ def build_tiers(config: KVPackConfig, *, include_memory: bool = True) -> list[Ti
     return tiers
 
 
-def tail_chunk(parent: str | None) -> str:
-    """Chunk id under which the tail following `parent` (None: sequence start) is stored."""
-    return f"{parent or 'root'}-tail"
+TAIL_SLOTS = 4
+"""Tails kept per parent block: distinct continuations of one prefix."""
+
+
+def tail_chunk(parent: str | None, slot: int = 0) -> str:
+    """Chunk id of tail slot `slot` after `parent` (None: sequence start)."""
+    return f"{parent or 'root'}-tail" + (str(slot) if slot else "")
 
 
 @dataclass
@@ -249,12 +254,35 @@ class KVStore:
     ) -> TailMatch | None:
         """The stored tail after `parent` sharing the longest prefix with `tokens`.
 
-        Every required member must hold a tail with the same token ids (a draft
-        member may be absent under target_only: then only target members load).
+        Looks at every tail slot of `parent` (`TAIL_SLOTS`). Every required member
+        must hold a tail with the same token ids (a draft member may be absent
+        under target_only: then only target members load, counted as partial).
         Returns None when fewer than `match_unit` tokens match."""
         if not self.config.tail_reuse or len(tokens) == 0:
             return None
-        chunk = tail_chunk(parent)
+        query = np.asarray(tokens, dtype=np.int64)
+        best: TailMatch | None = None
+        missing_draft: set[str] = set()
+        for slot in range(TAIL_SLOTS):
+            chunk = tail_chunk(parent, slot)
+            match = self._match_tail_slot(tenant, fingerprint, chunk, query, members, match_unit, missing_draft)
+            if match is not None and (best is None or match.tokens > best.tokens):
+                best = match
+        if best is None or len(best.members) < len(members):
+            for name in missing_draft:  # a tail whose draft state is missing: never silent
+                self.metrics.inc("partial_hits", tenant=tenant, missing_member=name)
+        return best
+
+    def _match_tail_slot(
+        self,
+        tenant: str,
+        fingerprint: str,
+        chunk: str,
+        query: np.ndarray,
+        members: Sequence[MemberSpec],
+        match_unit: int,
+        missing_draft: set[str],
+    ) -> TailMatch | None:
         headers = {m.name: self.peek_header(StoreKey(tenant, fingerprint, chunk, m.name)) for m in members}
         targets = [m for m in members if m.role is not MemberRole.DRAFT]
         ref = headers[targets[0].name] if targets else None
@@ -264,21 +292,49 @@ class KVStore:
         for m in members:
             h = headers[m.name]
             if h is None or h.token_ids != ref.token_ids:
-                if m.role is MemberRole.DRAFT:
-                    self.metrics.inc("partial_hits", tenant=tenant, missing_member=m.name)
-                    if self.config.draft_policy.value == "target_only":
-                        continue
-                return None
+                if m.role is not MemberRole.DRAFT:
+                    return None
+                missing_draft.add(m.name)
+                if self.config.draft_policy is not DraftPolicy.TARGET_ONLY:
+                    return None
+                continue
             names.append(m.name)
         stored = np.asarray(ref.token_ids, dtype=np.int64)
-        query = np.asarray(tokens, dtype=np.int64)[: len(stored)]
-        n = len(query)
-        mismatch = np.nonzero(stored[:n] != query)[0]
+        n = min(len(stored), len(query))
+        mismatch = np.nonzero(stored[:n] != query[:n])[0]
         common = int(mismatch[0]) if mismatch.size else n
         common -= common % match_unit
         if common <= 0:
             return None
         return TailMatch(chunk, common, len(stored), ref.token_ids, tuple(names))
+
+    def place_tail(
+        self, tenant: str, fingerprint: str, parent: str | None, members: Sequence[str], token_ids: Sequence[int]
+    ) -> tuple[str, bool]:
+        """Where to store the tail `token_ids` after `parent`: (chunk, already stored).
+
+        Several continuations of one parent block keep separate tails (up to
+        `TAIL_SLOTS`), so concurrent requests sharing a prefix do not overwrite
+        each other's tail. Choice, in order: a slot already holding exactly
+        these tokens in every member (nothing to write); a slot whose tail this
+        one extends; an empty slot; else a slot picked by the tokens' hash."""
+        ids = tuple(int(t) for t in token_ids)
+        extends: str | None = None
+        empty: str | None = None
+        for slot in range(TAIL_SLOTS):
+            chunk = tail_chunk(parent, slot)
+            headers = [self.peek_header(StoreKey(tenant, fingerprint, chunk, m)) for m in members]
+            stored = headers[0].token_ids if headers[0] is not None else None
+            if stored is None:
+                empty = empty or chunk
+            elif stored == ids and all(h is not None and h.token_ids == ids for h in headers):
+                return chunk, True
+            elif extends is None and ids[: len(stored)] == stored:
+                extends = chunk
+        if extends or empty:
+            return extends or empty, False  # type: ignore[return-value]
+        slot = int.from_bytes(hashlib.blake2b(np.asarray(ids, dtype="<u4").tobytes(), digest_size=4).digest(), "little")
+        return tail_chunk(parent, slot % TAIL_SLOTS), False
 
     def peek_header(self, key: StoreKey) -> ObjectHeader | None:
         for tier in self.tiers:

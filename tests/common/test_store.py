@@ -273,3 +273,24 @@ def test_regression_writeback_keeps_per_key_order(tmp_path: Path) -> None:
     dst = np.empty(1024, np.uint8)
     assert disk.get_into([versions[-1][0].key], [memoryview(dst)], [expect(versions[-1][0])], True)[0].ok
     assert np.array_equal(dst, versions[-1][1])
+
+
+def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path) -> None:
+    # Found by the demo and the soak: one tail per parent meant requests that share a
+    # prefix overwrote each other's tail, and a repeated prompt lost its n-1 hit.
+    store = make_store(tmp_path)
+    parent = chunk_id(3)
+    tails = [tuple(range(100, 110)) + (i,) * 5 for i in range(3)]  # share 10 tokens, then diverge
+    for i, ids in enumerate(tails):
+        chunk, stored = store.place_tail("t", GROUP_FP, parent, ["kv"], ids)
+        assert not stored
+        store.store([make_item("t", chunk, token_ids=ids, token_count=len(ids), seed=i, checksum=False)[0]])
+    assert store.flush(10)
+    for ids in tails:
+        match = store.find_tail("t", GROUP_FP, parent, list(ids), [KV], 1)
+        assert match is not None and match.tokens == len(ids) and match.token_ids == ids
+        assert store.place_tail("t", GROUP_FP, parent, ["kv"], ids)[1]  # already stored: nothing to write
+    # a continuation of tail 0 replaces it rather than taking another slot
+    longer = tails[0] + (42,)
+    chunk, stored = store.place_tail("t", GROUP_FP, parent, ["kv"], longer)
+    assert not stored and chunk == store.find_tail("t", GROUP_FP, parent, list(tails[0]), [KV], 1).chunk  # type: ignore[union-attr]
