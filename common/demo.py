@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import gc
 import os
 import random
 import statistics
@@ -36,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvpack.vllm_plugin.offline import shutdown
 
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 """Allowed logprob difference on a repeated prompt, by model dtype (bf16 rounds
@@ -74,15 +75,6 @@ def _engine(model: Path, kv: dict[str, Any] | None):  # type: ignore[no-untyped-
     return LLM(**kw)
 
 
-def _close(llm: Any) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[int]], followup_of: int) -> EngineRun:
     """TTFT per prompt (one at a time), then greedy outputs; then the follow-up turn."""
     from vllm import SamplingParams
@@ -108,7 +100,7 @@ def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[i
         logprobs = [lp[t].logprob for lp, t in zip(full.logprobs or [], full.token_ids)]
         run.outputs.append((list(full.token_ids), logprobs))
     drain(llm)
-    _close(llm)
+    shutdown(llm)
     return run
 
 

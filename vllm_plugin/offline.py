@@ -38,3 +38,17 @@ def drain(llm: Any, timeout_s: float = 30.0, settle_s: float = 1.0) -> bool:
         return ok and time.monotonic() < deadline
     time.sleep(min(settle_s, timeout_s))
     return True
+
+
+def shutdown(llm: Any) -> None:
+    """Shut an offline engine down now (its engine core and workers), best effort.
+
+    Lets a process run several engine lifetimes one after another (tests,
+    benchmarks, the demo) without waiting for garbage collection."""
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # an engine that failed half-way: nothing left to stop
+        pass
+    gc.collect()

@@ -18,29 +18,14 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from kvpack.bench.timing import gbps, hardware
+from kvpack.bench.timing import Row, gbps, hardware
 from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-
-
-@dataclass(frozen=True)
-class Row:
-    """One measured line: what, GB/s, and the baseline it is compared with."""
-
-    what: str
-    gbps: float
-    baseline: str
-    baseline_gbps: float
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

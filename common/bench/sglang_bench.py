@@ -26,7 +26,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -34,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvpack.bench.timing import gbps, hardware
+from kvpack.bench.timing import Row, gbps, hardware
 from kvpack.keys import chain_hash
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,18 +60,6 @@ def _torchvision_shim() -> None:
     globals()["_TV_LIB"] = lib
     for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
         del sys.modules[name]
-
-
-@dataclass(frozen=True)
-class Row:
-    what: str
-    gbps: float
-    baseline: str
-    baseline_gbps: float
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
@@ -49,3 +50,17 @@ def hardware() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured line: what, GB/s, and the baseline it is compared with."""
+
+    what: str
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")

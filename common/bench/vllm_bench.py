@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.vllm_plugin.offline import shutdown
+
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 
 
@@ -84,17 +86,6 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int):  # type: igno
     return LLM(**kw)
 
 
-def _close(llm: Any) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _ttft(llm: Any, prompts: list[list[int]]) -> tuple[float, float]:
     from vllm import SamplingParams
 
@@ -130,7 +121,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     _ttft(llm, warm)
     t, r = _ttft(llm, timed)
     results.append(Result("no connector", t, r, n))
-    _close(llm)
+    shutdown(llm)
 
     kv = {
         "kv_connector": "KVPackConnector",
@@ -146,13 +137,13 @@ def run(args: argparse.Namespace) -> list[Result]:
     t, r = _ttft(llm, timed)
     results.append(Result("kvpack hit (memory)", t, r, n))
     drain(llm)
-    _close(llm)
+    shutdown(llm)
     if not args.no_disk_hit:
         llm = _engine(model, kv, max_len)
         _ttft(llm, _prompts(3, args.warmups, n))
         t, r = _ttft(llm, timed)
         results.append(Result("kvpack hit (disk, new engine)", t, r, n))
-        _close(llm)
+        shutdown(llm)
 
     ex = {
         "kv_connector": "ExampleConnector",
@@ -165,7 +156,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     results.append(Result("ExampleConnector miss (store)", t, r, n))
     t, r = _ttft(llm, timed)
     results.append(Result("ExampleConnector hit", t, r, n))
-    _close(llm)
+    shutdown(llm)
     results.append(Result("_bytes", float(_du(kv_dir) / max(1, args.repeats + 2 * args.warmups)), 0, n))
     results.append(Result("_ex_bytes", float(_du(ex_dir) / max(1, args.repeats + args.warmups)), 0, n))
     if not args.store_dir:

@@ -7,7 +7,8 @@ ids, so lengths (and block boundaries) are exact.
 
 from __future__ import annotations
 
-import gc
+from kvpack.vllm_plugin.offline import shutdown
+
 import os
 import random
 from dataclasses import dataclass
@@ -54,12 +55,7 @@ def make_llm(model: Path, kv: dict[str, Any] | None = None, **kw: Any):  # type:
 
 
 def close_llm(llm: Any) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
+    shutdown(llm)
 
 
 @dataclass(frozen=True)
