@@ -41,12 +41,13 @@ What this tier adds to ``MooncakeDistributedStore``:
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
 import logging
 import mmap
 import os
 import re
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -56,12 +57,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..config import MooncakeProtocol, MooncakeTierConfig
 from ..errors import ConfigError
 from ..keys import GroupKey, StoreKey
 from ..objects import (
+    FORMAT_VERSION,
     HEADER_PREFIX_BYTES,
+    MAGIC,
     Expectation,
     ObjectHeader,
     ObjectRejected,
@@ -71,10 +75,10 @@ from ..objects import (
     decode_header,
     Payload,
     copy_into_parts,
-    copy_parts_into,
     header_length,
     payload_checksum,
     payload_nbytes,
+    payload_parts,
 )
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .mooncake_runner import CircuitBreaker, Job, JobState, Lane, LaneRunner
@@ -260,7 +264,12 @@ _ALIGN = 64
 _PEEK_BYTES = 4096
 _STEP_MAX_BYTES = 16 << 20
 """A sub-batch moves at most this much, so a large healthy batch shows progress
-well inside the deadline and is not mistaken for a stall."""
+well inside the deadline and is not mistaken for a stall. The sub-batches of
+one call run on all lanes at once."""
+_DIRECT_MIN_BYTES = 256 << 10
+"""Payloads this large are put straight from the caller's regions (TCP):
+Mooncake gathers [header in the lane, payload regions] itself, no staging
+copy. Smaller ones are staged: Mooncake's per-buffer cost exceeds a memcpy."""
 _PROBE_KEY = "kvpack/__probe__"
 _INTEGRITY_REASONS = {
     # The key names tenant, layout, chunk and member: an object under it that
@@ -276,6 +285,130 @@ _INTEGRITY_REASONS = {
     RejectReason.LENGTH,
     RejectReason.CHECKSUM,
 }
+
+
+_HEAD = struct.Struct("<4sHHIIQQ16s")
+_U32 = struct.Struct("<I")
+assert _HEAD.size == HEADER_PREFIX_BYTES, "kvpack.objects header layout changed"
+
+
+class _Prep:
+    """One object of a put, ready for a step: encoded header, payload regions, route."""
+
+    __slots__ = ("key", "name", "header", "hdr", "hdr_len", "parts", "nbytes", "upsert", "direct")
+
+    def __init__(self, key: StoreKey, name: str, header: ObjectHeader, parts: tuple[memoryview, ...], nbytes: int, upsert: bool, direct: bool) -> None:
+        self.key = key
+        self.name = name
+        self.header = header
+        self.hdr = b""
+        self.hdr_len = _encoded_len(header)
+        self.parts = parts
+        self.nbytes = nbytes
+        self.upsert = upsert
+        self.direct = direct
+
+    def encode(self) -> bool:
+        """Checksum the payload (unless the header has it: one pass at most) and
+        encode the header; False if it cannot be encoded as planned."""
+        h = self.header
+        try:
+            if h.checksum is None:
+                parts = self.parts
+                csum = xxhash.xxh3_64_intdigest(parts[0]) if len(parts) == 1 else payload_checksum(parts)
+                h = ObjectHeader(h.fingerprint, h.tenant, h.chunk, h.member, h.token_count, h.payload_len, csum, h.token_ids, h.version)
+            self.hdr = h.encode()
+        except (ValueError, OverflowError, struct.error) as exc:
+            log.warning("kvpack: Mooncake put of %s skipped: %s", self.name, exc)
+            return False
+        return len(self.hdr) == self.hdr_len
+
+
+def _encoded_len(h: ObjectHeader) -> int:
+    """Bytes of `h.encode()` (see the layout in kvpack.objects)."""
+    n = HEADER_PREFIX_BYTES + 3 + len(h.tenant.encode()) + len(h.chunk.encode()) + len(h.member.encode()) + _U32.size
+    if h.token_ids is not None:
+        n += _U32.size + 4 * len(h.token_ids)
+    return n
+
+
+class _FastHeaders:
+    """The common case of a load, checked without a full decode.
+
+    Accepts a staged object only when every header byte is the one `exp`
+    predicts (magic, version, no token ids, token count, payload length,
+    fingerprint, tenant, chunk, member), the byte count is header + payload,
+    and the header's own xxh32 matches; the payload checksum is read from it.
+    Anything else returns None and goes through `decode_header` +
+    `check_header`, which name the exact reason. Never accepts what the full
+    decode would refuse."""
+
+    __slots__ = ("_fp", "_strs")
+
+    def __init__(self) -> None:
+        self._fp: dict[str, bytes | None] = {}
+        self._strs: dict[str, bytes] = {}
+
+    def _short(self, s: str) -> bytes:
+        enc = self._strs.get(s)
+        if enc is None:
+            raw = s.encode()
+            enc = bytes((len(raw),)) + raw if len(raw) <= 255 else b"\xff" * 300  # never matches
+            self._strs[s] = enc
+        return enc
+
+    def check(self, raw: memoryview, n: int, exp: Expectation) -> tuple[ObjectHeader, int] | None:
+        if exp.token_ids_prefix is not None or exp.token_count is None or exp.payload_len is None or n < HEADER_PREFIX_BYTES:
+            return None
+        magic, version, hl, flags, tc, plen, csum, fp = _HEAD.unpack_from(raw, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or flags or tc != exp.token_count or plen != exp.payload_len or n != hl + plen:
+            return None
+        want_fp = self._fp.get(exp.fingerprint, b"")
+        if want_fp == b"":
+            try:
+                want_fp = bytes.fromhex(exp.fingerprint)
+            except ValueError:
+                want_fp = None
+            if want_fp is not None and want_fp.hex() != exp.fingerprint:
+                want_fp = None  # decode_header would compare the lower-case hex
+            self._fp[exp.fingerprint] = want_fp
+        if fp != want_fp:
+            return None
+        tail = self._short(exp.tenant) + self._short(exp.chunk) + self._short(exp.member)
+        body_end = hl - _U32.size
+        if body_end != HEADER_PREFIX_BYTES + len(tail) or raw[HEADER_PREFIX_BYTES:body_end].tobytes() != tail:
+            return None
+        if xxhash.xxh32_intdigest(raw[:body_end]) != _U32.unpack_from(raw, body_end)[0]:
+            return None
+        return ObjectHeader(exp.fingerprint, exp.tenant, exp.chunk, exp.member, tc, plen, csum), hl
+
+
+def _address(buf: memoryview) -> int:
+    """Address of a contiguous buffer (cheap for writable ones)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError, BufferError):
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _copy_from(dst_addr: int, part: memoryview) -> None:
+    if part.nbytes:
+        ctypes.memmove(dst_addr, _address(part), part.nbytes)
+
+
+def _copy_out(dst: Payload, staged: Any, src_addr: int, header_len: int, n: int) -> None:
+    """Copy a staged payload (at `src_addr`) into the caller's regions, in order."""
+    parts = (dst,) if isinstance(dst, memoryview) else dst
+    try:
+        addrs = [ctypes.addressof(ctypes.c_char.from_buffer(p)) if p.nbytes else 0 for p in parts]
+    except (TypeError, ValueError, BufferError):  # not a plain writable buffer: the general copy
+        copy_into_parts(dst, np.asarray(staged)[header_len:n])
+        return
+    for p, a in zip(parts, addrs):
+        nb = p.nbytes
+        if nb:
+            ctypes.memmove(a, src_addr, nb)
+        src_addr += nb
 
 
 def _round_up(n: int) -> int:
@@ -332,6 +465,8 @@ class MooncakeTier(Tier):
             for i in range(cfg.workers)
         ]
         self._lane_bytes = lane_bytes
+        self._direct_put = cfg.protocol is MooncakeProtocol.TCP and hasattr(self._store_cls, "batch_put_from_multi_buffers")
+        """RDMA needs registered memory: there every payload goes through the arena."""
         self._runner = LaneRunner(cfg.workers, lanes, max_queued=max(16, 8 * cfg.workers))
 
         log.warning(
@@ -497,7 +632,7 @@ class MooncakeTier(Tier):
 
     def _probe_step(self, job: Job[int], lane: Lane, step: int) -> None:
         rc = self._call(lambda s: s.batch_is_exist([_PROBE_KEY])[0], default=-900)
-        job.publish([0], [int(rc)])
+        job.publish(step, [0], [int(rc)])
 
     def close(self) -> None:
         """Stop admitting calls, wait (bounded) for calls in flight, close the client."""
@@ -555,7 +690,7 @@ class MooncakeTier(Tier):
 
         def step(job: Job[list[int]], lane: Lane, i: int) -> None:
             codes = self._call(lambda s: list(s.batch_is_exist(names)), default=[-900] * len(names))
-            job.publish([0], [codes])
+            job.publish(i, [0], [codes])
 
         state, results = self._run(Job(1, step, 1))
         codes = results[0]
@@ -571,7 +706,7 @@ class MooncakeTier(Tier):
         n = len(names)
 
         def step(job: Job[ObjectHeader | None], lane: Lane, i: int) -> None:
-            job.publish(list(range(n)), self._peek_on_worker(names, lane))
+            job.publish(i, list(range(n)), self._peek_on_worker(names, lane))
 
         state, results = self._run(Job(n, step, 1))
         return [r for r in results]
@@ -628,10 +763,10 @@ class MooncakeTier(Tier):
             return [GetResult(refused, detail="mooncake tier not available") for _ in keys]
         names = [k.as_str() for k in keys]
         budgets = [_round_up(payload_nbytes(d) + _expected_header_len(e)) for d, e in zip(dsts, expected)]
-        steps = self._plan(budgets)
+        steps = self._plan(budgets, budgets)
 
         def run_step(job: Job[GetResult], lane: Lane, s: int) -> None:
-            self._get_step(job, lane, steps[s], names, dsts, expected, budgets, verify_checksum)
+            self._get_step(job, lane, s, steps[s], names, dsts, expected, budgets, verify_checksum)
 
         state, results = self._run(Job(len(keys), run_step, len(steps)))
         out = [r if r is not None else GetResult(TierStatus.TIMEOUT, detail=f"no answer within {self.config.timeout_ms} ms") for r in results]
@@ -640,18 +775,27 @@ class MooncakeTier(Tier):
                 self._mark_overwrite(key)
         return out
 
-    def _plan(self, budgets: Sequence[int]) -> list[list[int]]:
-        """Split items into steps that fit one lane and `_STEP_MAX_BYTES`."""
-        cap = min(self._lane_bytes, _STEP_MAX_BYTES)
+    def _plan(self, lane_budgets: Sequence[int], xfer_bytes: Sequence[int]) -> list[list[int]]:
+        """Split items into steps whose staging fits one lane and whose transfer
+        stays under `_STEP_MAX_BYTES` (steps of one call run on parallel lanes)."""
+        lane_cap = self._lane_bytes
+        # Even steps, `_STEP_MAX_BYTES` as a target (up to 1/4 over): 64 MiB of 64 KiB
+        # objects plus headers is 4 calls, not 4 full ones and a tiny fifth.
+        total = sum(xfer_bytes)
+        parts = max(round(total / _STEP_MAX_BYTES), 1)
+        if total > parts * _STEP_MAX_BYTES * 5 // 4:
+            parts += 1
+        step_cap = -(-total // parts) + max(xfer_bytes, default=0)
         steps: list[list[int]] = []
         cur: list[int] = []
-        used = 0
-        for i, b in enumerate(budgets):
-            if cur and used + b > cap:
+        used = moved = 0
+        for i, (b, x) in enumerate(zip(lane_budgets, xfer_bytes)):
+            if cur and (used + b > lane_cap or moved + x > step_cap):
                 steps.append(cur)
-                cur, used = [], 0
+                cur, used, moved = [], 0, 0
             cur.append(i)
             used += b
+            moved += x
         if cur:
             steps.append(cur)
         return steps
@@ -661,9 +805,10 @@ class MooncakeTier(Tier):
         views: list[Any] = []
         addrs: list[int] = []
         off = 0
+        cap = lane.view.nbytes
         for i in idx:
             b = budgets[i]
-            if off + b <= lane.view.nbytes:
+            if off + b <= cap:
                 views.append(lane.view[off : off + b])
                 addrs.append(lane.address + off)
                 off += b
@@ -677,6 +822,7 @@ class MooncakeTier(Tier):
         self,
         job: Job[GetResult],
         lane: Lane,
+        step: int,
         idx: list[int],
         names: list[str],
         dsts: Sequence[Payload],
@@ -686,6 +832,8 @@ class MooncakeTier(Tier):
     ) -> None:
         views, addrs = self._buffers(lane, idx, budgets)
         step_names = [names[i] for i in idx]
+        if not job.take_turn(step):
+            return
         got = self._call(
             lambda s: list(s.batch_get_into(step_names, addrs, [budgets[i] for i in idx])),
             default=[-900] * len(idx),
@@ -697,48 +845,62 @@ class MooncakeTier(Tier):
             if 0 < size <= budgets[idx[j]] + (64 << 10):
                 own = np.empty(size, dtype=np.uint8)
                 views[j] = own
+                addrs[j] = own.ctypes.data
                 got[j] = int(self._call(lambda s: s.batch_get_into([step_names[j]], [own.ctypes.data], [size])[0], default=-900))
+        job.end_turn(step)
         self._note_codes(got)
+        # Every check runs on the staged bytes, before any caller memory is touched.
+        fast = _FastHeaders()
         results: list[GetResult] = []
-        if not job.begin_copy():
-            return  # the caller gave up: caller buffers are not ours any more
-        try:
-            for j, i in enumerate(idx):
-                results.append(self._finish_get(got[j], views[j], dsts[i], expected[i], verify))
-        finally:
-            job.end_copy()
-        job.publish(idx, results)
+        copies: list[tuple[int, int]] = []  # (position in step, payload offset in its staging view)
+        for j, i in enumerate(idx):
+            res, header_len = self._check_staged(got[j], views[j], dsts[i], expected[i], verify, fast)
+            results.append(res)
+            if res.status is TierStatus.OK:
+                copies.append((j, header_len))
+        if copies:
+            if not job.begin_copy():
+                return  # the caller gave up: caller buffers are not ours any more
+            try:
+                for j, header_len in copies:
+                    _copy_out(dsts[idx[j]], views[j], addrs[j] + header_len, header_len, got[j])
+            finally:
+                job.end_copy()
+        job.publish(step, idx, results)
 
     @staticmethod
-    def _finish_get(n: int, staged: Any, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
+    def _check_staged(n: int, staged: Any, dst: Payload, exp: Expectation, verify: bool, fast: _FastHeaders) -> tuple[GetResult, int]:
+        """The outcome of one staged object (OK: its payload may be copied out) and its header length."""
         if n < 0:
             info = code_info(n)
             if n == INVALID_PARAMS:
-                return GetResult(TierStatus.REJECTED, None, RejectReason.LENGTH, "object larger than its destination")
+                return GetResult(TierStatus.REJECTED, None, RejectReason.LENGTH, "object larger than its destination"), 0
             if info.status is TierStatus.REJECTED:
-                return GetResult(TierStatus.REJECTED, None, RejectReason.CHECKSUM, describe(n))
-            return GetResult(info.status, detail=describe(n))
+                return GetResult(TierStatus.REJECTED, None, RejectReason.CHECKSUM, describe(n)), 0
+            return GetResult(info.status, detail=describe(n)), 0
         raw = memoryview(staged)[:n]
-        try:
-            header = decode_header(raw)
-        except ObjectRejected as exc:
-            return GetResult(TierStatus.REJECTED, None, exc.reason, str(exc))
-        reason = check_header(header, exp)
-        if reason is not None:
-            return GetResult(TierStatus.REJECTED, header, reason)
-        header_len = header_length(raw)
-        if n != header_len + header.payload_len:
-            return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{n} bytes for a {header.payload_len}-byte payload")
+        hit = fast.check(raw, n, exp)
+        if hit is not None:
+            header, header_len = hit
+        else:  # the full decode: names the exact reason when something differs
+            try:
+                header = decode_header(raw)
+            except ObjectRejected as exc:
+                return GetResult(TierStatus.REJECTED, None, exc.reason, str(exc)), 0
+            reason = check_header(header, exp)
+            if reason is not None:
+                return GetResult(TierStatus.REJECTED, header, reason), 0
+            header_len = header_length(raw)
+            if n != header_len + header.payload_len:
+                return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{n} bytes for a {header.payload_len}-byte payload"), 0
         if payload_nbytes(dst) != header.payload_len:
-            return GetResult(
-                TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {payload_nbytes(dst)}"
+            return (
+                GetResult(TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {payload_nbytes(dst)}"),
+                0,
             )
-        copy_into_parts(dst, raw[header_len:])
-        if verify:
-            bad = check_payload(header, dst)
-            if bad is not None:
-                return GetResult(TierStatus.REJECTED, header, bad)
-        return GetResult(TierStatus.OK, header)
+        if verify and header.checksum is not None and xxhash.xxh3_64_intdigest(raw[header_len:]) != header.checksum:
+            return GetResult(TierStatus.REJECTED, header, RejectReason.CHECKSUM), 0
+        return GetResult(TierStatus.OK, header), header_len
 
     # -- writes ------------------------------------------------------------------------
 
@@ -748,26 +910,33 @@ class MooncakeTier(Tier):
         refused = self._refusal()
         if refused is not None:
             return [refused] * len(items)
-        prepared: list[tuple[PutItem, bytes] | None] = []
+        direct_ok = self._direct_put
+        prepared: list[_Prep | None] = []
         for item in items:
-            if item.nbytes != item.header.payload_len:
+            h = item.header
+            parts = payload_parts(item.payload)
+            nbytes = sum(p.nbytes for p in parts)
+            if nbytes != h.payload_len:
                 prepared.append(None)
                 continue
-            header = item.header
-            if header.checksum is None:
-                header = dataclasses.replace(header, checksum=payload_checksum(item.payload))
-            prepared.append((item, header.encode()))
-        budgets = [_round_up(len(p[1]) + p[0].nbytes) if p else 0 for p in prepared]
+            name = item.key.as_str()
+            upsert = h.token_ids is not None or self._wants_overwrite(name)
+            direct = direct_ok and not upsert and nbytes >= _DIRECT_MIN_BYTES
+            prepared.append(_Prep(item.key, name, h, parts, nbytes, upsert, direct))
         todo = [i for i, p in enumerate(prepared) if p is not None]
-        steps = [[todo[k] for k in step] for step in self._plan([budgets[i] for i in todo])]
+        # Checksums and headers are made on the workers, step by step (pipelined with
+        # the transfers); the plan only needs the header lengths.
+        lane_budgets = [_round_up(p.hdr_len + (0 if p.direct else p.nbytes)) if p else 0 for p in prepared]
+        xfer = [p.hdr_len + p.nbytes if p else 0 for p in prepared]
+        steps = [[todo[k] for k in step] for step in self._plan([lane_budgets[i] for i in todo], [xfer[i] for i in todo])]
         statuses: list[TierStatus] = [TierStatus.ERROR] * len(items)
 
         def run_step(job: Job[TierStatus], lane: Lane, s: int) -> None:
-            self._put_step(job, lane, steps[s], prepared, budgets)
+            self._put_step(job, lane, s, steps[s], prepared, lane_budgets)
 
         def undo(job: Job[TierStatus], s: int) -> None:
             # The caller answered TIMEOUT for this step: whatever Mooncake stored must go again.
-            keys = [prepared[i][0].key.as_str() for i in steps[s]]  # type: ignore[index]
+            keys = [p.name for p in (prepared[i] for i in steps[s]) if p is not None]
             self._call(lambda st: st.batch_remove(keys), default=None)
             self.counters["abandoned_puts_removed"] += len(keys)
 
@@ -781,42 +950,71 @@ class MooncakeTier(Tier):
         self,
         job: Job[TierStatus],
         lane: Lane,
+        step: int,
         idx: list[int],
-        prepared: list[tuple[PutItem, bytes] | None],
-        budgets: Sequence[int],
+        prepared: list[_Prep | None],
+        lane_budgets: Sequence[int],
     ) -> None:
-        views, addrs = self._buffers(lane, idx, budgets)
-        sizes: list[int] = []
-        for j, i in enumerate(idx):
-            item, hdr = prepared[i]  # type: ignore[misc]
-            v = views[j]
-            v[: len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
-            copy_parts_into(v[len(hdr) : len(hdr) + item.nbytes], item.payload)
-            sizes.append(len(hdr) + item.nbytes)
-        keys = [prepared[i][0].key for i in idx]  # type: ignore[index]
-        names = [k.as_str() for k in keys]
-        upsert = [bool(prepared[i][0].header.token_ids is not None) or self._wants_overwrite(n) for i, n in zip(idx, names)]  # type: ignore[index]
+        views, addrs = self._buffers(lane, idx, lane_budgets)
+        preps: list[_Prep] = []
+        for i in idx:
+            p = prepared[i]
+            if p is not None and p.encode():
+                preps.append(p)
+            else:
+                prepared[i] = None  # a header that cannot be encoded: ERROR, never stored
+        dropped = [i for i in idx if prepared[i] is None]
+        if dropped:
+            idx = [i for i in idx if prepared[i] is not None]
+            views, addrs = self._buffers(lane, idx, lane_budgets)
+        # Staged objects: header + payload copied into the lane (one buffer each).
+        # Direct objects: header in the lane, payload read in place from the caller's regions.
+        buffers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for j, p in enumerate(preps):
+            hl = p.hdr_len
+            ctypes.memmove(addrs[j], p.hdr, hl)
+            if p.direct:
+                buffers.append([addrs[j], *(_address(part) for part in p.parts)])
+                sizes.append([hl, *(part.nbytes for part in p.parts)])
+            else:
+                off = addrs[j] + hl
+                for part in p.parts:
+                    _copy_from(off, part)
+                    off += part.nbytes
+                buffers.append([addrs[j]])
+                sizes.append([hl + p.nbytes])
+        keys = [p.key for p in preps]
+        names = [p.name for p in preps]
         codes = [0] * len(idx)
-        for mode in (False, True):
-            sel = [j for j in range(len(idx)) if upsert[j] is mode]
+        if not job.take_turn(step):
+            return  # the caller gave up before this step called: nothing of it was stored
+        # One call for all plain puts of the step (with any direct object among them,
+        # the multi-buffer call carries the staged ones too): a group's members are
+        # stored, or refused for space, together. Upserts (staged) go in a second call.
+        gather = any(p.direct for p in preps)
+        for mode in ("put", "upsert"):
+            sel = [j for j, p in enumerate(preps) if p.upsert is (mode == "upsert")]
             if not sel:
                 continue
             cfg = self._replicate_config([keys[j] for j in sel])
-            fn = "batch_upsert_from" if mode else "batch_put_from"
-            got = self._call(
-                lambda s: list(getattr(s, fn)([names[j] for j in sel], [addrs[j] for j in sel], [sizes[j] for j in sel], cfg)),
-                default=[-900] * len(sel),
-            )
+            sel_names = [names[j] for j in sel]
+            if mode == "put" and gather:
+                call: Callable[[Any], Any] = lambda s: s.batch_put_from_multi_buffers(sel_names, [buffers[j] for j in sel], [sizes[j] for j in sel], cfg)
+            else:
+                fn = "batch_upsert_from" if mode == "upsert" else "batch_put_from"
+                call = lambda s: getattr(s, fn)(sel_names, [buffers[j][0] for j in sel], [sizes[j][0] for j in sel], cfg)
+            got = self._call(lambda s: list(call(s)), default=[-900] * len(sel))
             for j, c in zip(sel, got):
                 codes[j] = int(c)
         # Mooncake refuses an upsert that would change an object's group membership
         # (e.g. a foreign or pre-groups object under our key): replace it instead.
-        stuck = [j for j in range(len(idx)) if upsert[j] and codes[j] == INVALID_PARAMS]
+        stuck = [j for j in range(len(idx)) if preps[j].upsert and codes[j] == INVALID_PARAMS]
         if stuck:
             cfg = self._replicate_config([keys[j] for j in stuck])
             self._call(lambda s: s.batch_remove([names[j] for j in stuck], True), default=None)
             got = self._call(
-                lambda s: list(s.batch_put_from([names[j] for j in stuck], [addrs[j] for j in stuck], [sizes[j] for j in stuck], cfg)),
+                lambda s: list(s.batch_put_from([names[j] for j in stuck], [buffers[j][0] for j in stuck], [sizes[j][0] for j in stuck], cfg)),
                 default=[-900] * len(stuck),
             )
             for j, c in zip(stuck, got):
@@ -825,10 +1023,11 @@ class MooncakeTier(Tier):
         statuses = [code_info(c).status for c in codes]
         if self._groups:
             self._roll_back_partial_groups(keys, statuses)
+        job.end_turn(step)
         for j, n in enumerate(names):
-            if statuses[j] is TierStatus.OK and upsert[j]:
+            if statuses[j] is TierStatus.OK and preps[j].upsert:
                 self._overwrite_done(n)
-        job.publish(idx, statuses)
+        job.publish(step, idx + dropped, statuses + [TierStatus.ERROR] * len(dropped))
 
     def _replicate_config(self, keys: Sequence[StoreKey]) -> Any:
         cfg = self._replicate_cls()
@@ -886,7 +1085,7 @@ class MooncakeTier(Tier):
             pattern = "^(" + "|".join(re.escape(g.as_str() + "/") for g in batches[s]) + ")"
             n = self._call(lambda st: int(st.remove_by_regex(pattern, True)), default=-900)
             self._note_codes([n])
-            job.publish([s], [max(0, n)])
+            job.publish(s, [s], [max(0, n)])
 
         state, results = self._run(Job(len(batches), step, len(batches)))
         return sum(r for r in results if r)
