@@ -20,13 +20,16 @@ class BlockRef:
 
     `token_count` is the tokens the object covers (the block size, or a tail's
     length). `token_ids` is set for tail objects: on save, the tail's ids; on
-    load, the ids the object's stored ids must start with.
+    load, the ids the object's stored ids must start with. `with_draft` is
+    False for a load of a chunk whose sidecar draft member is missing
+    (``draft_policy: target_only``): only the target member is restored.
     """
 
     chunk: str
     block_id: int
     token_count: int
     token_ids: tuple[int, ...] | None = None
+    with_draft: bool = True
 
 
 @dataclass(frozen=True)

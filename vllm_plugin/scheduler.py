@@ -14,6 +14,13 @@ beyond `num_computed_tokens`): full blocks not stored yet, plus the last
 partial block as a tail object carrying its token ids. The request's blocks
 stay allocated (delayed free) until the workers report the copy done.
 
+Draft KV (speculative decoding): packed into the ``kv`` objects, or, as a
+sidecar, a ``draft`` member (role DRAFT) of every chunk's group. Lookups
+declare it, so the core's draft policy decides: ``recompute`` reports no hit
+past the first chunk that lacks it, ``target_only`` loads the target member
+only for those chunks (`BlockRef.with_draft`); both count
+``partial_hits{missing_member="draft"}``.
+
 The store seen here has the workers' memory tiers as a `ReportedMemoryIndex`
 (fed by worker reports) in front of the shared tiers (disk, Mooncake).
 """
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack.config import KVPackConfig
-from kvpack.groups import MemberSpec
+from kvpack.groups import MemberRole, MemberSpec
 from kvpack.keys import ChunkHash, chunk_hashes
 from kvpack.store import KVStore, build_tiers, tail_chunk
 from kvpack.tiers.base import Tier
@@ -53,6 +60,9 @@ class LoadPlan:
     """Tokens loadable from the store (capped at num_tokens - 1)."""
     tail: BlockRef | None
     """The tail object to load into block `hit_chunks`, when the match reaches into it."""
+    full_chunks: int = 0
+    """Leading hit chunks with every member; chunks `full_chunks..hit_chunks` lack
+    the sidecar draft (target_only) and load the target member only."""
 
 
 class SchedulerSide:
@@ -64,7 +74,9 @@ class SchedulerSide:
         self.index = ReportedMemoryIndex()
         tiers: list[Tier] = [self.index] if config.memory.enabled else []
         self.store = KVStore(config, tiers + build_tiers(config, include_memory=False))
-        self.members = [MemberSpec(name, scope.fingerprint) for name in scope.members]
+        self.members = [MemberSpec(name, scope.fingerprint) for name in scope.members] + [
+            MemberSpec(name, scope.fingerprint, MemberRole.DRAFT) for name in scope.draft_members
+        ]
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
@@ -110,6 +122,8 @@ class SchedulerSide:
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
         result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, self.members, bs)
         k = result.hit_chunks
+        if result.partial:
+            self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
         matched = k * bs
         tail: BlockRef | None = None
         if self.config.tail_reuse and k * bs < n - 1:
@@ -119,7 +133,8 @@ class SchedulerSide:
                 rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit
             )
             if tm is not None and tm.tokens > 0:
-                tail = BlockRef(tm.chunk, -1, tm.stored_tokens, tuple(rest[: tm.tokens]))
+                with_draft = all(m in tm.members for m in self.scope.draft_members)
+                tail = BlockRef(tm.chunk, -1, tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft)
                 matched = k * bs + tm.tokens
         matched = min(matched, n - 1)
         partial = matched % bs
@@ -129,9 +144,9 @@ class SchedulerSide:
             if used <= 0:
                 tail = None
             else:
-                tail = BlockRef(tail.chunk, -1, tail.token_count, tail.token_ids[:used])  # type: ignore[index]
+                tail = BlockRef(tail.chunk, -1, tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
                 self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
-        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail)
+        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.can_load:
@@ -160,10 +175,11 @@ class SchedulerSide:
         refs: list[BlockRef] = []
         for i in range(first, last):
             if i < plan.hit_chunks:
-                refs.append(BlockRef(plan.hashes[i], block_ids[i], bs))
+                refs.append(BlockRef(plan.hashes[i], block_ids[i], bs, with_draft=i < plan.full_chunks))
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
-                refs.append(BlockRef(plan.tail.chunk, block_ids[i], plan.tail.token_count, plan.tail.token_ids))
+                t = plan.tail
+                refs.append(BlockRef(t.chunk, block_ids[i], t.token_count, t.token_ids, t.with_draft))
         self._pending_loads[request.request_id] = TransferJob(request.request_id, plan.scope.tenant, tuple(refs))
         self._load_issued.add(request.request_id)
         self._count("hit_tokens", num_external_tokens)
@@ -202,7 +218,7 @@ class SchedulerSide:
         if refresh:
             refs.extend(BlockRef(chunk, block_ids[i], bs) for i, chunk in enumerate(hashes) if i < len(block_ids))
         elif todo:
-            presence = self.store.contains_members(rs.tenant, self.scope.fingerprint, todo, self.scope.members)
+            presence = self.store.contains_members(rs.tenant, self.scope.fingerprint, todo, self.scope.all_members)
             for j, (chunk, present) in enumerate(zip(todo, presence)):
                 if not all(present.values()):
                     i = known + j

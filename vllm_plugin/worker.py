@@ -8,6 +8,17 @@ host memory and queues disk/Mooncake writes). Nothing waits on storage in the
 forward; `get_finished` reports completed jobs, failed blocks are reported
 through `get_block_ids_with_load_errors` so vLLM recomputes them.
 
+Draft KV (speculative decoding; `Scope.draft_placement`): PACKED copies the
+draft layers into each ``kv`` object after the target's, so the two cannot be
+separated; SIDECAR stores them as a second object per block, member ``draft``
+(own layout fingerprint over the draft layers), in the same group. A load
+marked ``with_draft=False`` (target_only policy, the draft member was
+missing) restores the target member and zeroes those blocks' draft layers:
+the drafter never recomputes KV for tokens it was not scheduled, so the
+request runs with empty draft state there (a counted partial hit). Saves run
+once per step (in `wait_for_save`, which vLLM defers until the drafter ran),
+however often the drafter's layers call `save_kv_layer`.
+
 Every wait is bounded by ``io_timeout_ms``: a load still running after it is
 cancelled (its blocks are reported as load errors and will never be written
 by the late thread), so a hung tier can never hold a request forever. In a
@@ -27,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpack.config import KVPackConfig
+from kvpack.errors import LayoutError
+from kvpack.groups import DraftPlacement
 from kvpack.keys import GroupKey, StoreKey
 from kvpack.layout import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader
@@ -35,12 +48,33 @@ from kvpack.tiers.base import PutItem
 
 from .blocks import BlockLayout
 from .metadata import BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
-from .settings import Scope, member_name
+from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger("kvpack.vllm")
+
+
+def keep_draft_on_save() -> bool:
+    """Whether saves write the sidecar ``draft`` member. Always True.
+
+    A test seam, not a setting (there is no config field or environment variable
+    for it): the speculative-decoding tests patch it to return False in an
+    in-process engine to reproduce the failure of the field (target KV stored,
+    draft state lost) and check that kvpack reports a partial hit."""
+    return True
+
+
+def keep_draft_on_load() -> bool:
+    """Whether loads restore the draft KV (PACKED: the draft layers' bytes of each
+    object; SIDECAR: the ``draft`` member). Always True.
+
+    A test seam like `keep_draft_on_save`: patched to return False, a hit
+    restores the target only and leaves the draft layers as they were, which is
+    exactly the silent failure kvpack exists to prevent (tests show that the
+    accept rate falls, so the suite can see it)."""
+    return True
 
 
 @dataclass
@@ -61,11 +95,24 @@ class WorkerSide:
         self.pp_rank = _pp_rank()
         world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self.member = member_name(self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank, world)
-        self.num_target_layers = _target_layers(vllm_config)
+        self.vllm_config = vllm_config
+        self.draft_member = (
+            member_name(self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank, world, DRAFT_MEMBER)
+            if scope.draft_placement is DraftPlacement.SIDECAR
+            else None
+        )
         self.store = store or KVStore.from_config(config)
         self.layout: BlockLayout | None = None
+        """Layers of the ``kv`` object (PACKED: target then draft layers)."""
+        self.target_layout: BlockLayout | None = None
+        """Target layers only; its rows are the leading `target_bytes` of a ``kv`` row."""
+        self.draft_layout: BlockLayout | None = None
+        """Draft layers only (PACKED: the trailing bytes of a ``kv`` row; SIDECAR: the ``draft`` object)."""
         self.fingerprint = ""
+        self.draft_fingerprint = ""
         self.slot_bytes = 0
+        self.target_bytes = 0
+        self.draft_bytes = 0
         self._lock = threading.Lock()
         self._loads: dict[str, _LoadTask] = {}
         self._done_recving: set[str] = set()
@@ -96,9 +143,48 @@ class WorkerSide:
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        names = tuple(kv_caches)
-        self.layout = BlockLayout.from_tensors([kv_caches[n] for n in names], num_blocks)
+        placement = self.scope.draft_placement
+        target, draft = split_draft_layers(self.vllm_config, tuple(kv_caches))
+        if placement is DraftPlacement.SIDECAR and not draft:
+            raise LayoutError(
+                "kvpack: draft_placement 'sidecar' needs the drafter's KV layers, but none of the registered "
+                f"layers {sorted(kv_caches)} is one (expected 'draft_model.*', or a layer index at or past the "
+                "target's layer count); use draft_placement 'packed'"
+            )
+        if placement is DraftPlacement.PACKED and not draft:
+            log.warning("kvpack: no drafter KV layer told apart; every registered layer is packed into each object")
+
+        def layout(names: tuple[str, ...]) -> BlockLayout:
+            return BlockLayout.from_tensors([kv_caches[n] for n in names], num_blocks)
+
+        kv_names = target + draft if placement is DraftPlacement.PACKED else target
+        self.layout = layout(kv_names)
         self.slot_bytes = self.layout.slot_bytes
+        self.fingerprint = self._member_fingerprint(kv_caches, kv_names, self.layout, "kv")
+        self.target_layout = layout(target) if kv_names != target else self.layout
+        self.target_bytes = self.target_layout.slot_bytes
+        if draft:
+            self.draft_layout = layout(draft)
+            self.draft_bytes = self.draft_layout.slot_bytes
+            if placement is DraftPlacement.SIDECAR:
+                self.draft_fingerprint = self._member_fingerprint(kv_caches, draft, self.draft_layout, DRAFT_MEMBER)
+        log.info(
+            "kvpack: %d KV layers registered (%d draft, %s), %d blocks, %d bytes per object, member %s%s",
+            len(kv_caches),
+            len(draft),
+            placement.value,
+            num_blocks,
+            self.slot_bytes,
+            self.member,
+            f" + {self.draft_member} ({self.draft_bytes} bytes)" if self.draft_member else "",
+        )
+
+    def _member_fingerprint(
+        self, kv_caches: dict[str, torch.Tensor], names: tuple[str, ...], layout: BlockLayout, role: str
+    ) -> str:
+        extra: tuple[tuple[str, str], ...] = (("layers", ";".join(layout.description)),)
+        if role != "kv":
+            extra += (("member", role),)
         spec = KVLayoutSpec(
             engine=self.scope.spec.engine,
             model=self.scope.spec.model,
@@ -110,20 +196,10 @@ class WorkerSide:
             pp_rank=self.pp_rank,
             layer_names=names,
             layer_shape=tuple(kv_caches[names[0]].shape[1:]) if names else (),
-            extra=(("layers", ";".join(self.layout.description)),),
+            extra=extra,
         )
         assert spec.group_fingerprint == self.scope.fingerprint
-        self.fingerprint = spec.member_fingerprint
-        draft = len(names) - self.num_target_layers if self.scope.draft else 0
-        log.info(
-            "kvpack: %d KV layers registered (%d draft, packed into each object), %d blocks, %d bytes per object, "
-            "member %s",
-            len(names),
-            max(draft, 0),
-            num_blocks,
-            self.slot_bytes,
-            self.member,
-        )
+        return spec.member_fingerprint
 
     # -- per step ---------------------------------------------------------------
 
@@ -203,8 +279,8 @@ class WorkerSide:
 
     # -- background work --------------------------------------------------------
 
-    def _key(self, tenant: str, chunk: str) -> StoreKey:
-        return StoreKey(tenant, self.scope.fingerprint, chunk, self.member)
+    def _key(self, tenant: str, chunk: str, member: str | None = None) -> StoreKey:
+        return StoreKey(tenant, self.scope.fingerprint, chunk, member or self.member)
 
     def _load_loop(self) -> None:
         while True:
@@ -219,43 +295,62 @@ class WorkerSide:
             finally:
                 task.done.set()
 
+    def _load_item(self, tenant: str, ref: BlockRef, member: str, fingerprint: str, dst: memoryview) -> LoadItem:
+        return LoadItem(
+            self._key(tenant, ref.chunk, member),
+            dst,
+            Expectation(
+                fingerprint=fingerprint,
+                tenant=tenant,
+                chunk=ref.chunk,
+                member=member,
+                token_count=None if ref.token_ids is not None else ref.token_count,
+                payload_len=len(dst),
+                token_ids_prefix=ref.token_ids,
+            ),
+        )
+
     def _run_load(self, task: _LoadTask) -> None:
-        assert self.layout is not None
+        assert self.layout is not None and self.target_layout is not None
         job = task.job
         n = len(job.blocks)
         staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
         rows = staging.numpy()
-        items = []
-        for i, ref in enumerate(job.blocks):
-            items.append(
-                LoadItem(
-                    self._key(job.tenant, ref.chunk),
-                    memoryview(rows[i]),
-                    Expectation(
-                        fingerprint=self.fingerprint,
-                        tenant=job.tenant,
-                        chunk=ref.chunk,
-                        member=self.member,
-                        token_count=None if ref.token_ids is not None else ref.token_count,
-                        payload_len=self.slot_bytes,
-                        token_ids_prefix=ref.token_ids,
-                    ),
-                )
-            )
+        items = [self._load_item(job.tenant, ref, self.member, self.fingerprint, memoryview(rows[i])) for i, ref in enumerate(job.blocks)]
+        restore_draft = keep_draft_on_load()
+        # SIDECAR: the draft member of every block that has one (with_draft), one batch with the target's
+        with_draft = [i for i, ref in enumerate(job.blocks) if ref.with_draft] if self.draft_member else []
+        dstaging = torch.empty((len(with_draft), self.draft_bytes), dtype=torch.uint8)
+        if restore_draft and with_draft:
+            drows = dstaging.numpy()
+            assert self.draft_member is not None
+            items += [
+                self._load_item(job.tenant, job.blocks[i], self.draft_member, self.draft_fingerprint, memoryview(drows[j]))
+                for j, i in enumerate(with_draft)
+            ]
         start = time.perf_counter()
         results = self.store.load(items)
-        ok = [i for i, r in enumerate(results) if r.ok]
-        failed = {job.blocks[i].block_id for i, r in enumerate(results) if not r.ok}
+        good = [r.ok for r in results[:n]]
+        if restore_draft and with_draft:
+            for j, i in enumerate(with_draft):
+                good[i] = good[i] and results[n + j].ok  # a block whose draft is missing is not a hit
+        ok = [i for i in range(n) if good[i]]
+        failed = {job.blocks[i].block_id for i in range(n) if not good[i]}
         with self._lock:
             if task.cancelled:
                 return
             if ok:
-                self.layout.scatter([job.blocks[i].block_id for i in ok], staging[ok] if len(ok) < n else staging)
+                self._scatter(job, ok, staging, with_draft, dstaging, restore_draft)
             task.failed_blocks = failed
         tokens = sum(_tokens_used(job.blocks[i]) for i in ok)
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
         self._count("loaded_bytes", len(ok) * self.slot_bytes)
+        if self.draft_layout is not None:
+            drafted = sum(1 for i in ok if job.blocks[i].with_draft) if restore_draft else 0
+            self._count("loaded_draft_blocks", drafted)
+            if len(ok) > drafted:
+                self._count("loaded_without_draft_blocks", len(ok) - drafted)
         self._count("load_seconds", time.perf_counter() - start)
         if failed:
             self._count("failed_blocks", len(failed))
@@ -276,30 +371,64 @@ class WorkerSide:
                     self._done_sending.add(job.req_id)
                 self._save_q.task_done()
 
+    def _scatter(
+        self,
+        job: TransferJob,
+        ok: list[int],
+        staging: torch.Tensor,
+        with_draft: list[int],
+        dstaging: torch.Tensor,
+        restore_draft: bool,
+    ) -> None:
+        """Loaded rows -> blocks (called under the lock, never after a cancel)."""
+        assert self.layout is not None and self.target_layout is not None
+        ids = [job.blocks[i].block_id for i in ok]
+        rows = staging[ok] if len(ok) < len(job.blocks) else staging
+        if self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft:
+            self.target_layout.scatter(ids, rows[:, : self.target_bytes].contiguous())
+        else:
+            self.layout.scatter(ids, rows)
+        if self.draft_member is None or self.draft_layout is None:
+            return
+        pos = {i: j for j, i in enumerate(with_draft)}
+        if restore_draft:
+            drafted = [i for i in ok if i in pos]
+            if drafted:
+                self.draft_layout.scatter([job.blocks[i].block_id for i in drafted], dstaging[[pos[i] for i in drafted]])
+        empty = [job.blocks[i].block_id for i in ok if i not in pos]  # target_only: no stored draft state
+        if empty:
+            self.draft_layout.scatter(empty, torch.zeros((len(empty), self.draft_bytes), dtype=torch.uint8))
+
     def _run_save(self, job: TransferJob) -> None:
         assert self.layout is not None
         n = len(job.blocks)
+        block_ids = [b.block_id for b in job.blocks]
         staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
-        self.layout.gather([b.block_id for b in job.blocks], staging)
+        self.layout.gather(block_ids, staging)
         rows = staging.numpy()
+        members = [(self.member, self.fingerprint, rows)]
+        if self.draft_member is not None and self.draft_layout is not None and keep_draft_on_save():
+            dstaging = torch.empty((n, self.draft_bytes), dtype=torch.uint8)
+            self.draft_layout.gather(block_ids, dstaging)
+            members.insert(0, (self.draft_member, self.draft_fingerprint, dstaging.numpy()))  # draft first: no kv without it
         items = []
-        for i, ref in enumerate(job.blocks):
-            key = self._key(job.tenant, ref.chunk)
-            header = ObjectHeader(
-                fingerprint=self.fingerprint,
-                tenant=job.tenant,
-                chunk=ref.chunk,
-                member=self.member,
-                token_count=ref.token_count,
-                payload_len=self.slot_bytes,
-                checksum=None,
-                token_ids=ref.token_ids,
-            )
-            items.append(PutItem(key, header, memoryview(rows[i])))
+        for member, fingerprint, member_rows in members:
+            for i, ref in enumerate(job.blocks):
+                header = ObjectHeader(
+                    fingerprint=fingerprint,
+                    tenant=job.tenant,
+                    chunk=ref.chunk,
+                    member=member,
+                    token_count=ref.token_count,
+                    payload_len=member_rows.shape[1],
+                    checksum=None,
+                    token_ids=ref.token_ids,
+                )
+                items.append(PutItem(self._key(job.tenant, ref.chunk, member), header, memoryview(member_rows[i])))
         start = time.perf_counter()
         self.store.store(items)
         self._count("saved_blocks", n)
-        self._count("saved_bytes", n * self.slot_bytes)
+        self._count("saved_bytes", sum(it.header.payload_len for it in items))
         self._count("save_seconds", time.perf_counter() - start)
         if self._memory is not None:
             present = self._memory.contains([it.key for it in items])
@@ -351,12 +480,5 @@ def _pp_rank() -> int:
         from vllm.distributed.parallel_state import get_pp_group
 
         return int(get_pp_group().rank_in_group)
-    except Exception:
-        return 0
-
-
-def _target_layers(vllm_config: VllmConfig) -> int:
-    try:
-        return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
     except Exception:
         return 0

@@ -1,0 +1,324 @@
+"""Speculative decoding with kvpack on the real vLLM CPU engine: the draft state survives a hit.
+
+The failure of the field: a tiered cache restored the target model's KV but not
+the draft model's; the hit rate looked perfect and the accept rate collapsed.
+Here the drafter is a copy of the tiny target (``method: draft_model``, 3
+speculative tokens), so without kvpack every draft token is accepted (R0 = 1.0).
+
+Engine lifetimes (in-process, one at a time, module scoped):
+
+1. baseline: speculative decoding, no kvpack -> tokens, logprobs, R0.
+2. packed store (draft layers inside each ``kv`` object), then a packed hit
+   engine: full hit == baseline, R == R0; the same engine with the draft layers
+   skipped on load (test seam `keep_draft_on_load`) -> R falls (the failure,
+   reproduced: this suite can see it).
+3. sidecar store (``draft`` member beside ``kv``): prompt A whole, prompt C
+   with the draft member not stored (test seam `keep_draft_on_save`); then a
+   ``recompute`` hit engine (A: full hit == baseline; C: partial, no hit,
+   == baseline, R == R0) and a ``target_only`` hit engine (C: partial hit
+   counted by member, target KV used, R falls). Hit engines are
+   ``kv_consumer`` so they never repair the store for the next one.
+
+Queries share a long prefix with a stored prompt (680 of 700 tokens: 5 blocks
+and 40 tokens of the stored tail) and then diverge, so the hit engine prefills
+20 tokens. (A query equal to the stored prompt hits n - 1 and prefills one
+token; vLLM's drafter then loses one draft round whatever the cache: measured
+36/39 accepted after a kvpack hit and after vLLM's own prefix-cache hit alike,
+36/36 with 2+ tokens to prefill. `kvpack bench spec` reports that case.)
+
+Greedy speculative decoding is lossless: damaged draft state changes only the
+accept rate, never the tokens, so every run is also compared with the baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm_helpers import BLOCK, Run, close_llm, kv_config, make_llm, metric, prompt, run, same_output
+
+pytestmark = pytest.mark.vllm
+
+SPEC_TOKENS = 3
+GEN = 48
+N = 700  # stored prompts: 5 whole blocks + a 60-token tail
+SHARED = 680  # a query's prefix shared with a stored prompt: what a hit loads
+A = prompt(21, N)  # stored with its draft state (packed and sidecar)
+B = prompt(22, N)  # packed; its hit skips the draft layers on load
+C = prompt(23, N)  # sidecar; stored without the draft member
+QA, QB, QC = (p[:SHARED] + prompt(30 + i, N - SHARED) for i, p in enumerate((A, B, C)))
+PROMPTS = {"A": A, "B": B, "C": C, "QA": QA, "QB": QB, "QC": QC}
+TOLERANCE = 0.02
+"""An accept rate after a hit may differ from R0 by at most this much."""
+DROP = 0.25
+"""A damaged draft state must lower the accept rate by at least this much (measured: ~0.9)."""
+
+
+@dataclass(frozen=True)
+class SpecRun:
+    out: Run
+    accepted: int
+    drafted: int
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def spec_counters(llm: Any) -> tuple[int, int]:
+    """(accepted, drafted) tokens so far, from vLLM's own metrics."""
+    values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    return int(values.get("vllm:spec_decode_num_accepted_tokens", 0)), int(
+        values.get("vllm:spec_decode_num_draft_tokens", 0)
+    )
+
+
+def spec_run(llm: Any, ids: list[int]) -> SpecRun:
+    a0, d0 = spec_counters(llm)
+    out = run(llm, ids, max_tokens=GEN)
+    a1, d1 = spec_counters(llm)
+    return SpecRun(out, a1 - a0, d1 - d0)
+
+
+def spec_llm(target: Path, draft: Path, kv: dict[str, Any] | None = None) -> Any:
+    return make_llm(
+        target,
+        kv,
+        speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": SPEC_TOKENS},
+        disable_log_stats=False,
+    )
+
+
+def members_on_disk(store: Path) -> dict[str, set[str]]:
+    """chunk -> member names of the objects under `store` (``<chunk>.<member>.kvp``)."""
+    out: dict[str, set[str]] = {}
+    for p in store.rglob("*.kvp"):
+        chunk, member, _ = p.name.rsplit(".", 2)
+        out.setdefault(chunk, set()).add(member)
+    return out
+
+
+def chunks_of(ids: list[int]) -> list[str]:
+    from kvpack.keys import chunk_hashes
+
+    return list(chunk_hashes(ids, BLOCK))
+
+
+def assert_same_as_baseline(r: SpecRun, base: SpecRun) -> None:
+    assert same_output(r.out, base.out), (r.out.tokens, base.out.tokens)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec-store")
+    return {"packed": root / "packed", "sidecar": root / "sidecar"}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama: Path, tiny_llama_draft: Path) -> dict[str, SpecRun]:
+    llm = spec_llm(tiny_llama, tiny_llama_draft)
+    try:
+        return {name: spec_run(llm, ids) for name, ids in PROMPTS.items()}
+    finally:
+        close_llm(llm)
+
+
+def _store_engine(target: Path, draft: Path, extra: dict[str, Any], runs: list[tuple[str, bool]]) -> dict[str, SpecRun]:
+    """One storing engine: each (prompt, keep_draft) once, then drained."""
+    import kvpack.vllm_plugin.worker as worker
+    from kvpack.vllm_plugin.offline import drain
+
+    llm = spec_llm(target, draft, kv_config(extra, "kv_producer"))
+    out: dict[str, SpecRun] = {}
+    try:
+        for name, keep_draft in runs:
+            with pytest.MonkeyPatch.context() as mp:
+                if not keep_draft:
+                    mp.setattr(worker, "keep_draft_on_save", lambda: False)
+                out[name] = spec_run(llm, PROMPTS[name])
+                assert drain(llm)  # the save runs (and reads the seam) before the patch is undone
+        return out
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def packed_stored(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], baseline) -> dict[str, SpecRun]:  # type: ignore[no-untyped-def]
+    return _store_engine(tiny_llama, tiny_llama_draft, {"disk": {"path": str(stores["packed"])}}, [("A", True), ("B", True)])
+
+
+@pytest.fixture(scope="module")
+def packed_hits(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], packed_stored) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """A new engine on the packed store: A hit whole, B hit with the draft layers skipped on load."""
+    import kvpack.vllm_plugin.worker as worker
+
+    extra = {"disk": {"path": str(stores["packed"])}}
+    llm = spec_llm(tiny_llama, tiny_llama_draft, kv_config(extra, "kv_consumer"))
+    try:
+        out: dict[str, Any] = {"QA": spec_run(llm, QA), "loaded_QA": metric("loaded_tokens")}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(worker, "keep_draft_on_load", lambda: False)
+            out["QB"] = spec_run(llm, QB)
+        return out
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def sidecar_stored(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], baseline) -> dict[str, SpecRun]:  # type: ignore[no-untyped-def]
+    extra = {"disk": {"path": str(stores["sidecar"])}, "draft_placement": "sidecar"}
+    return _store_engine(tiny_llama, tiny_llama_draft, extra, [("A", True), ("C", False)])
+
+
+def _sidecar_hit_engine(target: Path, draft: Path, store: Path, policy: str) -> Iterator[Any]:
+    extra = {"disk": {"path": str(store)}, "draft_placement": "sidecar", "draft_policy": policy}
+    llm = spec_llm(target, draft, kv_config(extra, "kv_consumer"))
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def sidecar_recompute(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], sidecar_stored):  # type: ignore[no-untyped-def]
+    yield from _sidecar_hit_engine(tiny_llama, tiny_llama_draft, stores["sidecar"], "recompute")
+
+
+@pytest.fixture(scope="module")
+def sidecar_target_only(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], sidecar_stored):  # type: ignore[no-untyped-def]
+    yield from _sidecar_hit_engine(tiny_llama, tiny_llama_draft, stores["sidecar"], "target_only")
+
+
+# -- tests ----------------------------------------------------------------------
+
+
+def test_baseline_accepts_drafts(baseline: dict[str, SpecRun]) -> None:
+    for name, r in baseline.items():
+        assert r.drafted >= GEN // (SPEC_TOKENS + 1) * SPEC_TOKENS // 2, name
+        assert r.accept_rate >= 0.9, (name, r.accept_rate)  # the drafter is a copy of the target
+        assert len(set(r.out.tokens)) > GEN // 2  # varied greedy output (initializer_range 0.15)
+
+
+def test_packed_store_keeps_one_object_per_block(packed_stored, baseline, stores) -> None:  # type: ignore[no-untyped-def]
+    for name, r in packed_stored.items():
+        assert r.out.cached == 0
+        assert_same_as_baseline(r, baseline[name])
+    on_disk = members_on_disk(stores["packed"])
+    for chunk in chunks_of(A):
+        assert on_disk[chunk] == {"kv"}  # draft layers packed inside: no extra object
+
+
+def test_packed_hit_keeps_accept_rate(packed_hits, baseline) -> None:  # type: ignore[no-untyped-def]
+    r, base = packed_hits["QA"], baseline["QA"]
+    assert r.out.cached == SHARED
+    assert packed_hits["loaded_QA"] >= SHARED
+    assert_same_as_baseline(r, base)
+    assert abs(r.accept_rate - base.accept_rate) <= TOLERANCE, (r.accept_rate, base.accept_rate)
+
+
+def test_packed_hit_without_draft_layers_drops_accept_rate(packed_hits, baseline) -> None:  # type: ignore[no-untyped-def]
+    """Negative control: the field's failure (target restored, draft not) is visible here."""
+    r, base = packed_hits["QB"], baseline["QB"]
+    assert r.out.cached == SHARED  # the same "perfect" hit...
+    assert_same_as_baseline(r, base)  # ...and the same tokens (lossless)...
+    assert r.accept_rate <= base.accept_rate - DROP, (r.accept_rate, base.accept_rate)  # ...but drafts fail
+
+
+def test_sidecar_store_writes_a_draft_member(sidecar_stored, baseline, stores) -> None:  # type: ignore[no-untyped-def]
+    for name, r in sidecar_stored.items():
+        assert r.out.cached == 0
+        assert_same_as_baseline(r, baseline[name])
+    on_disk = members_on_disk(stores["sidecar"])
+    for chunk in chunks_of(A):
+        assert on_disk[chunk] == {"kv", "draft"}
+    for chunk in chunks_of(C):
+        assert on_disk[chunk] == {"kv"}  # the test seam left the draft member out
+
+
+def test_sidecar_hit_keeps_accept_rate(sidecar_recompute, baseline) -> None:  # type: ignore[no-untyped-def]
+    before = metric("full_hits", role="SCHEDULER")
+    r, base = spec_run(sidecar_recompute, QA), baseline["QA"]
+    assert r.out.cached == SHARED
+    assert_same_as_baseline(r, base)
+    assert abs(r.accept_rate - base.accept_rate) <= TOLERANCE, (r.accept_rate, base.accept_rate)
+    assert metric("full_hits", role="SCHEDULER") >= before + 1
+
+
+def test_sidecar_missing_draft_under_recompute_is_no_hit(sidecar_recompute, baseline) -> None:  # type: ignore[no-untyped-def]
+    before = metric("partial_hits", role="SCHEDULER", missing_member="draft")
+    r, base = spec_run(sidecar_recompute, QC), baseline["QC"]
+    assert metric("partial_hits", role="SCHEDULER", missing_member="draft") >= before + SHARED // BLOCK
+    assert r.out.cached == 0  # reported, not used: the engine recomputes target and draft
+    assert_same_as_baseline(r, base)
+    assert abs(r.accept_rate - base.accept_rate) <= TOLERANCE, (r.accept_rate, base.accept_rate)
+
+
+def test_sidecar_missing_draft_under_target_only_is_partial(sidecar_target_only, baseline) -> None:  # type: ignore[no-untyped-def]
+    """target_only uses the target KV and counts the partial hit; the accept rate shows the cost."""
+    before = metric("partial_hits", role="SCHEDULER", missing_member="draft")
+    full_before = metric("full_hits", role="SCHEDULER")
+    r, base = spec_run(sidecar_target_only, QC), baseline["QC"]
+    assert metric("partial_hits", role="SCHEDULER", missing_member="draft") >= before + SHARED // BLOCK
+    assert metric("full_hits", role="SCHEDULER") == full_before  # partial, never reported as full
+    assert r.out.cached == SHARED
+    assert_same_as_baseline(r, base)
+    assert r.accept_rate <= base.accept_rate - DROP, (r.accept_rate, base.accept_rate)
+
+
+# -- draft layers told apart by the speculative config (no engine) ---------------
+
+
+def _vllm_config(method: str | None, target_layers: int = 2) -> Any:
+    spec = None
+    if method is not None:
+        spec = SimpleNamespace(
+            method=method,
+            model="/m/draft",
+            num_speculative_tokens=3,
+            uses_draft_kv_cache=lambda: method not in ("ngram", "suffix", "medusa"),
+        )
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: target_layers)
+    return SimpleNamespace(speculative_config=spec, model_config=model)
+
+
+TARGET = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def test_split_draft_model_layers_by_prefix() -> None:
+    from kvpack.vllm_plugin.settings import split_draft_layers
+
+    draft = ("draft_model.model.layers.0.self_attn.attn", "draft_model.model.layers.1.self_attn.attn")
+    assert split_draft_layers(_vllm_config("draft_model"), TARGET + draft) == (TARGET, draft)
+
+
+def test_split_eagle_head_by_layer_index_not_position() -> None:
+    from kvpack.vllm_plugin.settings import split_draft_layers
+
+    head = ("model.layers.2.self_attn.attn",)  # an EAGLE head after the target's 2 layers
+    names = (TARGET[0], *head, TARGET[1])  # registration order does not matter
+    assert split_draft_layers(_vllm_config("eagle"), names) == (TARGET, head)
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_no_draft_kv_no_draft_member(method: str | None) -> None:
+    from kvpack import DraftPlacement, KVPackConfig
+    from kvpack.vllm_plugin.settings import resolve_draft_placement, split_draft_layers
+
+    cfg = _vllm_config(method)
+    names = TARGET + ("model.layers.2.self_attn.attn",)
+    assert split_draft_layers(cfg, names) == (names, ())
+    for placement in ("auto", "packed", "sidecar"):
+        config = KVPackConfig.from_dict({"draft_placement": placement})
+        assert resolve_draft_placement(cfg, config) is DraftPlacement.NONE
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("auto", "packed"), ("packed", "packed"), ("sidecar", "sidecar")])
+def test_placement_resolution(setting: str, expected: str) -> None:
+    from kvpack import KVPackConfig
+    from kvpack.vllm_plugin.settings import resolve_draft_placement
+
+    config = KVPackConfig.from_dict({"draft_placement": setting})
+    assert resolve_draft_placement(_vllm_config("draft_model"), config).value == expected
