@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvpack.config import KVPackConfig
 from kvpack.groups import MemberRole, MemberSpec
 from kvpack.keys import ChunkHash, chunk_hashes
-from kvpack.store import KVStore, build_tiers, tail_chunk
+from kvpack.store import KVStore, build_tiers
 from kvpack.tiers.base import Tier
 
 from .index import ReportedMemoryIndex
@@ -227,11 +227,14 @@ class SchedulerSide:
         t = n % bs
         if t and self.config.tail_reuse and len(hashes) < len(block_ids):
             tail_ids = tuple(int(x) for x in tokens[len(hashes) * bs :])
-            chunk = tail_chunk(hashes[-1] if hashes else rs.seed)
-            stored = self.store.peek_header(
-                _member_key(rs.tenant, self.scope.fingerprint, chunk, self.scope.members[0])
+            chunk, stored = self.store.place_tail(
+                rs.tenant,
+                self.scope.fingerprint,
+                hashes[-1] if hashes else rs.seed,
+                (self.scope.members[0], *self.scope.draft_members),
+                tail_ids,
             )
-            if refresh or stored is None or stored.token_ids != tail_ids:
+            if refresh or not stored:
                 refs.append(BlockRef(chunk, block_ids[len(hashes)], t, tail_ids))
         if not refs:
             return False, None
