@@ -316,7 +316,10 @@ class WorkerSide:
         n = len(job.blocks)
         staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
         rows = staging.numpy()
-        items = [self._load_item(job.tenant, ref, self.member, self.fingerprint, memoryview(rows[i])) for i, ref in enumerate(job.blocks)]
+        items = [
+            self._load_item(job.tenant, ref, self.member, self.fingerprint, memoryview(rows[i]))
+            for i, ref in enumerate(job.blocks)
+        ]
         restore_draft = keep_draft_on_load()
         # SIDECAR: the draft member of every block that has one (with_draft), one batch with the target's
         with_draft = [i for i, ref in enumerate(job.blocks) if ref.with_draft] if self.draft_member else []
@@ -324,8 +327,9 @@ class WorkerSide:
         if restore_draft and with_draft:
             drows = dstaging.numpy()
             assert self.draft_member is not None
+            member, fingerprint = self.draft_member, self.draft_fingerprint
             items += [
-                self._load_item(job.tenant, job.blocks[i], self.draft_member, self.draft_fingerprint, memoryview(drows[j]))
+                self._load_item(job.tenant, job.blocks[i], member, fingerprint, memoryview(drows[j]))
                 for j, i in enumerate(with_draft)
             ]
         start = time.perf_counter()
