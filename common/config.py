@@ -48,8 +48,10 @@ class DraftPolicy(enum.Enum):
 
     RECOMPUTE: the prefix is not a hit (the engine recomputes target and draft);
     the partial hit is counted by missing member. TARGET_ONLY: the target KV is
-    used and the draft state is recomputed by the engine's own drafter; the hit is
-    counted as partial. Neither is ever silent.
+    used without the draft state; the hit is counted as partial. Engines do not
+    recompute draft KV for tokens they did not schedule (vLLM's drafter runs on
+    empty draft blocks), so expect a lower accept rate for those requests: this
+    trades acceptance for prefill time, visibly. Neither is ever silent.
     """
 
     RECOMPUTE = "recompute"

@@ -263,9 +263,3 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.store.close(flush_timeout_s=1.0)
-
-
-def _member_key(tenant: str, fingerprint: str, chunk: str, member: str):  # type: ignore[no-untyped-def]
-    from kvpack.keys import StoreKey
-
-    return StoreKey(tenant, fingerprint, chunk, member)
