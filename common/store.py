@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .background import lower_current_thread_priority
 from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
 from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
@@ -127,6 +128,7 @@ class KVStore:
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self._lower = tuple(t for t in self.tiers if t is not self._memory)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
+        self._evictions: list[tuple[str, str, int]] = []
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
@@ -169,12 +171,26 @@ class KVStore:
 
     def _evict_counter(self, tier: str):  # type: ignore[no-untyped-def]
         def on_evict(group: GroupKey, nbytes: int) -> None:
-            self.metrics.inc("evictions", tier=tier, tenant=group.tenant)
-            self.metrics.inc("evicted_bytes", nbytes, tier=tier, tenant=group.tenant)
+            # Runs under the tier's lock, once per evicted group: note it now (an
+            # atomic append), count it when the calling batch ends (`_count_evictions`).
+            self._evictions.append((tier, group.tenant, nbytes))
             for listener in self._evict_listeners:
                 listener(tier, group, nbytes)
 
         return on_evict
+
+    def _count_evictions(self) -> None:
+        if not self._evictions:
+            return
+        tally = Tally(self.metrics)
+        while self._evictions:
+            try:
+                tier, tenant, nbytes = self._evictions.pop()
+            except IndexError:  # drained by another thread meanwhile
+                break
+            tally.inc("evictions", tier=tier, tenant=tenant)
+            tally.inc("evicted_bytes", nbytes, tier=tier, tenant=tenant)
+        tally.flush()
 
     def _verify(self, tier: Tier) -> bool:
         policy = self.config.checksum
@@ -385,6 +401,7 @@ class KVStore:
                 self._memory.put_from(promote)
             if damaged:
                 self._remove_quietly(tier, damaged)
+        self._count_evictions()
         final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
         for item, res in zip(items, final):
             if not res.ok:
@@ -444,6 +461,7 @@ class KVStore:
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
         tally.flush()
+        self._count_evictions()
         return statuses
 
     def _enqueue(self, item: PutItem) -> bool:
@@ -480,6 +498,7 @@ class KVStore:
                     self.metrics.inc("tier_errors", tier=tier.name, status=status.value)
             if best is None or status is TierStatus.OK:
                 best = status
+        self._count_evictions()
         return best or TierStatus.ERROR
 
     def _done_one(self) -> None:
@@ -489,6 +508,7 @@ class KVStore:
                 self._pending_cv.notify_all()
 
     def _write_loop(self, jobs: queue.Queue[_WriteJob | None]) -> None:
+        lower_current_thread_priority()
         while True:
             job = jobs.get()
             if job is None:

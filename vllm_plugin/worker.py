@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.background import lower_current_thread_priority
 from kvpack.config import KVPackConfig
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
@@ -361,6 +362,7 @@ class WorkerSide:
             log.warning("kvpack: %d of %d blocks of %s could not be loaded; vLLM recomputes them", len(failed), n, job.req_id)
 
     def _save_loop(self) -> None:
+        lower_current_thread_priority()  # saves must not slow the engine's next steps
         while True:
             job = self._save_q.get()
             if job is None:

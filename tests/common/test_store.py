@@ -294,3 +294,10 @@ def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path
     longer = tails[0] + (42,)
     chunk, stored = store.place_tail("t", GROUP_FP, parent, ["kv"], longer)
     assert not stored and chunk == store.find_tail("t", GROUP_FP, parent, list(tails[0]), [KV], 1).chunk  # type: ignore[union-attr]
+
+
+def test_evictions_are_counted_per_tenant(tmp_path: Path) -> None:
+    store = make_store(tmp_path, memory={"capacity": "4KiB"}, disk={"enabled": False})
+    put_chunks(store, "acme", 6)  # 6 KiB into a 4 KiB tier: two groups must go
+    assert store.metrics.value("evictions", tier="memory", tenant="acme") == 2
+    assert store.metrics.value("evicted_bytes", tier="memory") == 2 * 1024

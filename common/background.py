@@ -1,0 +1,29 @@
+"""Helpers for kvpack's background threads (write-back, engine-side saves).
+
+Background storage work must never slow the engine's own threads: on a
+CPU-bound host (a CPU engine, or the host side of a GPU engine) a save that
+competes for the same cores shows up as slower decode steps. These threads
+therefore run at a lower scheduling priority than the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+BACKGROUND_NICENESS = 10
+"""How much lower (in nice steps) kvpack's background threads run than the engine."""
+
+
+def lower_current_thread_priority(niceness: int = BACKGROUND_NICENESS) -> bool:
+    """Raise the calling thread's nice value by `niceness` (Linux: per thread).
+
+    Returns False where the platform has no per-thread priority; the thread
+    then simply runs at the process's priority."""
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + niceness))
+        return True
+    except (AttributeError, OSError):
+        return False
