@@ -8,6 +8,11 @@ and touches them once, then hands out slots of one exact size per free list
 (KV chunks of one engine are uniform). Freed slots are reused, never returned
 to the system: the tier's capacity bounds the arena.
 
+A slot handed back with `release` is reused only once nothing references it
+any more (a reader or a write-back job may still hold the object it belonged
+to): until then it waits on a deferred list that `alloc` sweeps, so no slot
+is ever reused early and none is lost.
+
 On CUDA hosts slabs are pinned (`torch.empty(pin_memory=True)`), so a slab
 costs one pinned allocation instead of one per object.
 
@@ -17,6 +22,7 @@ Not thread-safe: the memory tier calls it under its own lock.
 from __future__ import annotations
 
 import mmap
+import sys
 
 import numpy as np
 
@@ -47,12 +53,16 @@ class SlabArena:
         self._pin = pin
         self._slab_bytes = slab_bytes
         self._free: dict[int, list[np.ndarray]] = {}
+        self._deferred: list[np.ndarray] = []
         self.reserved_bytes = 0
         """Bytes taken from the system so far (slabs and large single slots)."""
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of exactly `nbytes` (contents undefined)."""
         bucket = self._free.get(nbytes)
+        if not bucket and self._deferred:
+            self._sweep()
+            bucket = self._free.get(nbytes)
         if bucket:
             return bucket.pop()
         if nbytes == 0:
@@ -68,9 +78,21 @@ class SlabArena:
         bucket.extend(reversed(slots[1:]))
         return slots[0]
 
-    def free(self, slot: np.ndarray) -> None:
-        """Return a slot nothing else references (the caller checks)."""
-        self._free.setdefault(slot.nbytes, []).append(slot)
+    def release(self, slot: np.ndarray) -> None:
+        """Hand a slot back; it is reused once nothing else references it."""
+        self._deferred.append(slot)
+
+    def _sweep(self) -> None:
+        waiting: list[np.ndarray] = []
+        for slot in self._deferred:
+            # references: the deferred list, this loop variable, getrefcount's argument
+            if sys.getrefcount(slot) <= 3:
+                self._free.setdefault(slot.nbytes, []).append(slot)
+            else:
+                waiting.append(slot)
+        self._deferred = waiting
 
     def free_bytes(self) -> int:
+        """Bytes in slots ready for reuse (after sweeping released ones)."""
+        self._sweep()
         return sum(len(b) * size for size, b in self._free.items())

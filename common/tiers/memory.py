@@ -12,12 +12,12 @@ objects proceed in parallel; an object is visible only once fully copied.
 Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
 pinned on CUDA hosts, one free list per slot size), so a store never pays a
 page fault per 4 KiB. A slot of an evicted or overwritten object is reused only
-when nothing else holds it (a borrowed view in the write-back queue keeps it).
+once nothing else holds it (a reader mid-copy, or a borrowed view in the
+write-back queue); the arena checks, so slots are neither reused early nor lost.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -132,48 +132,45 @@ class MemoryTier(Tier):
     # -- writes --------------------------------------------------------------
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        return [self._put_one(item) for item in items]
-
-    def _put_one(self, item: PutItem) -> TierStatus:
-        key, nbytes = item.key, payload_nbytes(item.payload)
-        if nbytes != item.header.payload_len:
-            return TierStatus.ERROR
+        """Store a batch: capacity and slots under one lock, the copies outside
+        it, then every object made visible under one lock."""
+        statuses = [TierStatus.OK] * len(items)
+        slots: list[np.ndarray | None] = [None] * len(items)
         with self._lock:
             if self._closed:
-                return TierStatus.UNAVAILABLE
-            plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
-            if plan.admission is Admission.NO_SPACE:
-                return TierStatus.NO_SPACE
-            for victim in plan.victims:
-                self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
-            self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-            data = self._arena.alloc(nbytes)
-        copy_parts_into(data, item.payload)
+                return [TierStatus.UNAVAILABLE] * len(items)
+            for i, item in enumerate(items):
+                key, nbytes = item.key, payload_nbytes(item.payload)
+                if nbytes != item.header.payload_len:
+                    statuses[i] = TierStatus.ERROR
+                    continue
+                plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
+                if plan.admission is Admission.NO_SPACE:
+                    statuses[i] = TierStatus.NO_SPACE
+                    continue
+                for victim in plan.victims:
+                    self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
+                self._capacity.commit(key.group, key.tenant, key.member, nbytes)
+                slots[i] = self._arena.alloc(nbytes)
+        for item, slot in zip(items, slots):
+            if slot is not None:
+                copy_parts_into(slot, item.payload)
         with self._lock:
-            if not self._capacity.has_member(key.group, key.member):
-                self._arena.free(data)
-                return TierStatus.NO_SPACE  # evicted by a concurrent put while copying
-            old = self._objects.get(key)
-            self._objects[key] = _Entry(item.header, data)
-            self._members.setdefault(key.group, set()).add(key)
-            if old is not None:
-                self._recycle_locked(old)
-        return TierStatus.OK
-
-    def _recycle_locked(self, entry: _Entry) -> None:
-        """Free the slot of an entry just removed from the index, if unshared.
-
-        Readers and borrowers take references only under the lock, and the entry
-        is no longer indexed, so the counts cannot grow after this check. Expected
-        references: the caller's variable, this parameter, getrefcount's argument
-        (entry); entry.data, the local, getrefcount's argument (data). More means
-        a reader or a write-back job still holds it: leave it to the GC."""
-        if sys.getrefcount(entry) > 3:
-            return
-        data = entry.data
-        if sys.getrefcount(data) > 3:
-            return
-        self._arena.free(data)
+            for i, (item, slot) in enumerate(zip(items, slots)):
+                if slot is None:
+                    continue
+                key = item.key
+                if not self._capacity.has_member(key.group, key.member):
+                    # evicted while copying (by a later item of this batch, or a concurrent put)
+                    self._arena.release(slot)
+                    statuses[i] = TierStatus.NO_SPACE
+                    continue
+                old = self._objects.get(key)
+                self._objects[key] = _Entry(item.header, slot)
+                self._members.setdefault(key.group, set()).add(key)
+                if old is not None:
+                    self._arena.release(old.data)
+        return statuses
 
     def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
         members = self._capacity.release(group)
@@ -183,7 +180,7 @@ class MemoryTier(Tier):
         for k in keys:
             entry = self._objects.pop(k, None)
             if entry is not None:
-                self._recycle_locked(entry)
+                self._arena.release(entry.data)
         return len(keys)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:

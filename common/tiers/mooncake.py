@@ -71,7 +71,6 @@ from ..objects import (
     ObjectRejected,
     RejectReason,
     check_header,
-    check_payload,
     decode_header,
     Payload,
     copy_into_parts,

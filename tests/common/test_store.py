@@ -298,6 +298,7 @@ def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path
 
 def test_evictions_are_counted_per_tenant(tmp_path: Path) -> None:
     store = make_store(tmp_path, memory={"capacity": "4KiB"}, disk={"enabled": False})
-    put_chunks(store, "acme", 6)  # 6 KiB into a 4 KiB tier: two groups must go
+    for i in range(6):  # 6 KiB into a 4 KiB tier, one store at a time: two groups must go
+        put_chunks(store, "acme", 1, start=i)
     assert store.metrics.value("evictions", tier="memory", tenant="acme") == 2
     assert store.metrics.value("evicted_bytes", tier="memory") == 2 * 1024
