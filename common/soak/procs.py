@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..tiers.mooncake import mooncake_binaries
+
 HOST = "127.0.0.1"
 
 
@@ -168,19 +170,6 @@ def tree_rss(pid: int) -> int:
 
 
 # -- Mooncake ---------------------------------------------------------------------------
-
-
-def mooncake_binaries() -> tuple[str, str] | None:
-    """(mooncake_master, mooncake_client) from the installed package, or None."""
-    try:
-        import mooncake  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    pkg = Path(mooncake.__file__).parent
-    master, client = pkg / "mooncake_master", pkg / "mooncake_client"
-    if master.is_file() and client.is_file():
-        return str(master), str(client)
-    return None
 
 
 def mooncake_env() -> dict[str, str]:

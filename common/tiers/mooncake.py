@@ -69,11 +69,11 @@ from ..objects import (
     Expectation,
     ObjectHeader,
     ObjectRejected,
+    Payload,
     RejectReason,
     check_header,
-    decode_header,
-    Payload,
     copy_into_parts,
+    decode_header,
     header_length,
     payload_checksum,
     payload_nbytes,
@@ -166,6 +166,22 @@ def load_mooncake() -> tuple[type, type]:
             "'mooncake-transfer-engine' (or '-non-cuda' on machines without CUDA) and libibverbs1",
         ) from None
     return MooncakeDistributedStore, ReplicateConfig
+
+
+def mooncake_binaries() -> tuple[str, str] | None:
+    """Paths of (mooncake_master, mooncake_client) shipped in the installed
+    Mooncake package, or None (used to start a local cluster: tests, soak, examples)."""
+    try:
+        import mooncake  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    from pathlib import Path
+
+    pkg = Path(mooncake.__file__).parent
+    master, client = pkg / "mooncake_master", pkg / "mooncake_client"
+    if not (master.is_file() and client.is_file()):
+        return None
+    return str(master), str(client)
 
 
 def supports_tenants(store_cls: type) -> bool:
