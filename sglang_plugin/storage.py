@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -315,25 +315,27 @@ class KVPackStorage(HiCacheStorage):
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        out: dict[Any, list[bool]] = {}
-        for t in transfers or []:
-            keys = list(t.keys or [])
-            try:
-                out[t.name] = self._get(self.binding(t.name), pool_name(t.name), keys, t.host_indices)
-            except Exception as exc:
-                out[t.name] = self._data_path_error("batch_get_v2", exc, [False] * len(keys))
-        return out
+        return self._each_pool(transfers, self._get, "batch_get_v2")
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
+        return self._each_pool(transfers, self._set, "batch_set_v2")
+
+    def _each_pool(
+        self,
+        transfers: list[PoolTransfer],
+        op: Callable[[PoolBinding | None, str, list[str], torch.Tensor], list[bool]],
+        what: str,
+    ) -> dict[str, list[bool]]:
+        """Run `op` per pool transfer; a pool that fails answers False per key."""
         out: dict[Any, list[bool]] = {}
         for t in transfers or []:
             keys = list(t.keys or [])
             try:
-                out[t.name] = self._set(self.binding(t.name), pool_name(t.name), keys, t.host_indices)
+                out[t.name] = op(self.binding(t.name), pool_name(t.name), keys, t.host_indices)
             except Exception as exc:
-                out[t.name] = self._data_path_error("batch_set_v2", exc, [False] * len(keys))
+                out[t.name] = self._data_path_error(what, exc, [False] * len(keys))
         return out
 
     # -- copies -------------------------------------------------------------------
