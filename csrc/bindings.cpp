@@ -72,7 +72,7 @@ void copy_cpu(const at::Tensor& ptr_table, const at::Tensor& block_ids, const at
   const int rc = kvp_block_copy_cpu(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
                                     block_ids.data_ptr<int64_t>(), block_ids.numel(),
                                     static_cast<uint8_t*>(staging.data_ptr()), &g, gather,
-                                    at::get_num_threads());
+                                    /*num_threads=*/1);  // serial: see block_copy_cpu.cpp
   TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
   TORCH_CHECK(rc == KVP_OK, "kvpack: invalid block-copy geometry (code ", rc, ")");
 }
