@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,17 +20,6 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) ->
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
