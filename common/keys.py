@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -148,11 +148,3 @@ class GroupKey:
 
     def as_str(self) -> str:
         return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"
-
-
-def iter_prefix(keys: Sequence[StoreKey], present: Sequence[bool]) -> Iterator[StoreKey]:
-    """Yield keys while present (the longest present prefix of a chained sequence)."""
-    for key, ok in zip(keys, present):
-        if not ok:
-            return
-        yield key

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -283,7 +282,3 @@ def check_payload(header: ObjectHeader, payload: Payload | np.ndarray) -> Reject
     if header.checksum is not None and payload_checksum(payload) != header.checksum:
         return RejectReason.CHECKSUM
     return None
-
-
-def token_ids_tuple(tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
-    return tuple(int(t) for t in np.asarray(tokens).ravel())

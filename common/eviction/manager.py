@@ -79,10 +79,6 @@ class CapacityManager:
     def groups(self) -> Iterable[Hashable]:
         return list(self._groups)
 
-    def group_tenant(self, group: Hashable) -> str | None:
-        usage = self._groups.get(group)
-        return usage.tenant if usage else None
-
     # -- mutation ------------------------------------------------------------
 
     def reserve(self, group: Hashable, tenant: str, member: str, nbytes: int) -> Reservation:
