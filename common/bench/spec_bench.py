@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.bench.timing import write_report
+
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/tiny-llama"))
 TARGET_RATIO = 0.98
 """Accept rate after a hit must be at least this times the recompute rate."""
@@ -264,14 +266,7 @@ def main(argv: list[str]) -> int:
     table, ok = report(rows)
     print(table)
     if args.out:
-        from kvpack.bench.timing import hardware
-
-        text = (
-            "# kvpack bench spec: speculative decoding after a kvpack hit (real vLLM CPU engine)\n\n"
-            f"Command: `{command.strip()}`\n\nMachine: {hardware()}\n\n{table}\n"
-        )
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+        write_report(args.out, "kvpack bench spec: speculative decoding after a kvpack hit (real vLLM CPU engine)", command, table)
     return 0 if ok else 1
 
 

@@ -22,6 +22,14 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) ->
     return min(times)
 
 
+def write_report(path: str, title: str, command: str, table: str) -> None:
+    """Write a benchmark's markdown report: title, exact command, machine, table."""
+    from pathlib import Path
+
+    Path(path).write_text(f"# {title}\n\nCommand: `{command.strip()}`\n\nMachine: {hardware()}\n\n{table}\n")
+    print(f"wrote {path}")
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 

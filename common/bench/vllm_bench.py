@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.bench.timing import write_report
+
 from kvpack.vllm_plugin.offline import shutdown
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
@@ -198,14 +200,7 @@ def main(argv: list[str]) -> int:
     table = report(results, command)
     print(table)
     if args.out:
-        from kvpack.bench.timing import hardware
-
-        text = (
-            "# kvpack bench vllm: TTFT on the real vLLM CPU engine\n\n"
-            f"Command: `{command}`\n\nMachine: {hardware()}\n\n{table}\n"
-        )
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+        write_report(args.out, "kvpack bench vllm: TTFT on the real vLLM CPU engine", command, table)
     return 0
 
 
