@@ -53,12 +53,21 @@ def build_tiny_llama(
     max_positions: int = 4096,
     initializer_range: float = 0.15,
     seed: int = 0,
+    sliding_window: int | None = None,
+    layer_types: tuple[str, ...] | None = None,
 ) -> Path:
     """Write a random-weight Llama + tokenizer to `path` (reused if already built).
 
     `initializer_range` 0.15 gives varied, non-repeating greedy output, so
-    damaged KV shows in the tokens. Returns the model directory.
+    damaged KV shows in the tokens. `layer_types` ("full_attention" or
+    "sliding_attention" per layer) with `sliding_window` (tokens) makes a
+    sliding-window hybrid: vLLM's hybrid allocator gives it one KV cache group
+    per attention type. Returns the model directory.
     """
+    if (sliding_window is None) != (layer_types is None):
+        raise ValueError("sliding_window and layer_types go together")
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,6 +83,8 @@ def build_tiny_llama(
         initializer_range=initializer_range,
         seed=seed,
     )
+    if layer_types is not None:
+        spec.update(sliding_window=sliding_window, layer_types=list(layer_types))
     done = out / _DONE
     if done.exists():
         try:
@@ -101,6 +112,9 @@ def build_tiny_llama(
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
+    if layer_types is not None:
+        config.sliding_window = sliding_window
+        config.layer_types = list(layer_types)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(str(tmp), safe_serialization=True)
