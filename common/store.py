@@ -75,22 +75,33 @@ class TailMatch:
     members: tuple[str, ...]
 
 
-def build_tiers(config: KVPackConfig, *, include_memory: bool = True) -> list[Tier]:
+def build_tiers(config: KVPackConfig, *, include_memory: bool = True, copy_threads: int = 1) -> list[Tier]:
     """The tiers `config` enables, fastest first: memory, disk, Mooncake.
 
     `include_memory=False` leaves out the host-memory tier, for a process that
-    sees another process's memory through an index (vLLM's scheduler side)."""
+    sees another process's memory through an index (vLLM's scheduler side).
+    `copy_threads` (>= 1, the calling thread included) spreads one batch's
+    memory copies and disk file I/O over that many threads; 1 keeps every
+    call on its caller's thread (an engine that saves off its forward path on
+    a small machine wants that)."""
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
     if config.memory.enabled and include_memory:
         from .tiers.memory import MemoryTier
 
-        tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas))
+        tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas, copy_threads=copy_threads))
     if config.disk.enabled:
         from .tiers.disk import DiskTier
 
         tiers.append(
-            DiskTier(config.disk.path, config.disk.capacity, make_policy(config.eviction.policy), quotas, config.disk.fsync)
+            DiskTier(
+                config.disk.path,
+                config.disk.capacity,
+                make_policy(config.eviction.policy),
+                quotas,
+                config.disk.fsync,
+                io_threads=copy_threads,
+            )
         )
     if config.mooncake.enabled:
         from .tiers.mooncake import MooncakeTier
@@ -159,9 +170,9 @@ class KVStore:
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: KVPackConfig, metrics: Metrics | None = None) -> KVStore:
+    def from_config(cls, config: KVPackConfig, metrics: Metrics | None = None, *, copy_threads: int = 1) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
-        return cls(config, build_tiers(config), metrics)
+        return cls(config, build_tiers(config, copy_threads=copy_threads), metrics)
 
     def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
         """Call `listener(tier_name, group, nbytes)` for every group a bounded tier
@@ -204,17 +215,21 @@ class KVStore:
 
     def contains_members(self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
         """Per chunk, per member: stored on any tier? One batched call per tier."""
-        keys = [StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members]
+        found = self.contains([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members])
+        n = len(members)
+        return [{m: found[ci * n + mi] for mi, m in enumerate(members)} for ci in range(len(chunks))]
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: stored on any tier (not yet verified)? One batched call per tier."""
         found = [False] * len(keys)
         for tier in self.tiers:
             todo = [i for i, f in enumerate(found) if not f]
             if not todo:
                 break
-            answers = self._safe_contains(tier, [keys[i] for i in todo])
+            answers = self._safe_contains(tier, keys if len(todo) == len(keys) else [keys[i] for i in todo])
             for i, ok in zip(todo, answers):
                 found[i] = ok
-        n = len(members)
-        return [{m: found[ci * n + mi] for mi, m in enumerate(members)} for ci in range(len(chunks))]
+        return found
 
     def _safe_contains(self, tier: Tier, keys: Sequence[StoreKey]) -> list[bool]:
         try:
@@ -377,14 +392,17 @@ class KVStore:
             self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
             promote: list[PutItem] = []
             damaged: list[GroupKey] = []
-            tally = Tally(self.metrics)
+            loaded: dict[str, int] = {}
+            promoting = tier is not self._memory and self._memory is not None
             for i, res in zip(todo, got):
                 item = items[i]
                 if res.ok:
                     results[i] = res
-                    tally.inc("loaded_bytes", payload_nbytes(item.dst), tenant=item.key.tenant, tier=tier.name)
-                    if tier is not self._memory and self._memory is not None and res.header is not None:
-                        promote.append(PutItem(item.key, res.header, item.dst))
+                    header = res.header
+                    tenant = item.key.tenant
+                    loaded[tenant] = loaded.get(tenant, 0) + (header.payload_len if header is not None else payload_nbytes(item.dst))
+                    if promoting and header is not None:
+                        promote.append(PutItem(item.key, header, item.dst))
                     continue
                 if res.status is TierStatus.REJECTED:
                     reason = res.reason.value if res.reason else "unknown"
@@ -396,7 +414,8 @@ class KVStore:
                     self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
                 if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
                     results[i] = res
-            tally.flush()
+            for tenant, nbytes in loaded.items():
+                self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier.name)
             if promote and self._memory is not None:
                 self._memory.put_from(promote)
             if damaged:
@@ -436,33 +455,46 @@ class KVStore:
         if self._closed:
             return [TierStatus.UNAVAILABLE] * len(items)
         if self._memory is None:
-            return [self._write_through(item, self._lower) for item in items]
+            return self._write_through_many(items, self._lower)
         start = time.perf_counter()
         mem = self._memory.put_from(items)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
         statuses = list(mem)
         tally = Tally(self.metrics)
-        for i, (item, st) in enumerate(zip(items, mem)):
-            queued = item
+        stored: dict[str, list[int]] = {}  # tenant -> [bytes, objects]
+        for item, st in zip(items, mem):
             if st is TierStatus.OK:
-                tally.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier="memory")
-                tally.inc("stored_objects", tenant=item.key.tenant, tier="memory")
-                borrowed = self._memory.borrow(item.key)
-                if borrowed is not None:
-                    queued = PutItem(item.key, item.header, borrowed[1])
+                acc = stored.setdefault(item.key.tenant, [0, 0])
+                acc[0] += item.header.payload_len  # == the payload's size: put_from checked it
+                acc[1] += 1
             else:
-                self.metrics.inc("store_dropped", tier="memory", reason=st.value)
-            if not self._lower:
-                continue
+                tally.inc("store_dropped", tier="memory", reason=st.value)
+        for tenant, (nbytes, count) in stored.items():
+            tally.inc("stored_bytes", nbytes, tenant=tenant, tier="memory")
+            tally.inc("stored_objects", count, tenant=tenant, tier="memory")
+        if self._lower:
+            self._queue_stored(items, mem, statuses)
+        tally.flush()
+        self._count_evictions()
+        return statuses
+
+    def _queue_stored(self, items: Sequence[PutItem], mem: Sequence[TierStatus], statuses: list[TierStatus]) -> None:
+        """Queue every item for the lower tiers: from the memory tier's copy
+        (borrowed, all under one lock) where it holds one, else from a copy."""
+        assert self._memory is not None
+        stored = [i for i, st in enumerate(mem) if st is TierStatus.OK]
+        views: list[tuple[ObjectHeader, memoryview] | None] = [None] * len(items)
+        for i, borrowed in zip(stored, self._memory.borrow_many([items[i].key for i in stored])):
+            views[i] = borrowed
+        for i, item in enumerate(items):
+            borrowed = views[i]
+            queued = item if borrowed is None else PutItem(item.key, item.header, borrowed[1])
             if queued is item:  # the memory tier holds no copy: take one for the queue
                 owned = np.empty(item.nbytes, dtype=np.uint8)
                 copy_parts_into(owned, item.payload)
                 queued = PutItem(item.key, item.header, memoryview(owned))
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
-        tally.flush()
-        self._count_evictions()
-        return statuses
 
     def _enqueue(self, item: PutItem) -> bool:
         with self._pending_cv:
@@ -478,28 +510,47 @@ class KVStore:
 
     def _write_through(self, item: PutItem, tiers: Sequence[Tier]) -> TierStatus:
         """Write one object to `tiers` now; OK if at least one took it. Never raises."""
-        if item.header.checksum is None:
-            item = replace(item, header=replace(item.header, checksum=payload_checksum(item.payload)))
-        best: TierStatus | None = None
+        return self._write_through_many([item], tiers)[0]
+
+    def _write_through_many(self, items: Sequence[PutItem], tiers: Sequence[Tier]) -> list[TierStatus]:
+        """Write a batch to `tiers` now, one `put_from` per tier; per item OK if at
+        least one tier took it. Never raises.
+
+        With one tier, a missing payload checksum is left to that tier, which
+        computes it where it writes (the disk tier on its I/O threads); with
+        several it is computed once here and shared."""
+        if not items:
+            return []
+        if len(tiers) > 1:
+            items = [
+                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload))) if it.header.checksum is None else it
+                for it in items
+            ]
+        best: list[TierStatus | None] = [None] * len(items)
         for tier in tiers:
             start = time.perf_counter()
             try:
-                status = tier.put_from([item])[0]
+                got = tier.put_from(items)
+                if len(got) != len(items):
+                    raise RuntimeError(f"{tier.name}.put_from returned {len(got)} statuses for {len(items)} items")
             except Exception as exc:
                 log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
-                status = TierStatus.ERROR
+                got = [TierStatus.ERROR] * len(items)
             self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
-            if status is TierStatus.OK:
-                self.metrics.inc("stored_bytes", item.nbytes, tenant=item.key.tenant, tier=tier.name)
-                self.metrics.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
-            else:
-                self.metrics.inc("store_dropped", tier=tier.name, reason=status.value)
-                if status is not TierStatus.NO_SPACE:
-                    self.metrics.inc("tier_errors", tier=tier.name, status=status.value)
-            if best is None or status is TierStatus.OK:
-                best = status
+            tally = Tally(self.metrics)
+            for i, (item, status) in enumerate(zip(items, got)):
+                if status is TierStatus.OK:
+                    tally.inc("stored_bytes", item.header.payload_len, tenant=item.key.tenant, tier=tier.name)
+                    tally.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
+                else:
+                    tally.inc("store_dropped", tier=tier.name, reason=status.value)
+                    if status is not TierStatus.NO_SPACE:
+                        tally.inc("tier_errors", tier=tier.name, status=status.value)
+                if best[i] is None or status is TierStatus.OK:
+                    best[i] = status
+            tally.flush()
         self._count_evictions()
-        return best or TierStatus.ERROR
+        return [b or TierStatus.ERROR for b in best]
 
     def _done_one(self) -> None:
         with self._pending_cv:

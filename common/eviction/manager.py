@@ -20,7 +20,7 @@ Not thread-safe: the owning tier calls it under its own lock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .base import EvictionPolicy
@@ -88,18 +88,39 @@ class CapacityManager:
         caller must then evict them with `release` and record the member with
         `commit`, under one lock.
         """
-        existing = self._groups.get(group)
-        previous = existing.members.get(member, 0) if existing else 0
-        need = self.used - previous + nbytes - self.capacity
-        if nbytes > self.capacity:
-            return Reservation(Admission.NO_SPACE)
+        return self.reserve_many(tenant, ((group, member, nbytes),))
+
+    def reserve_many(self, tenant: str, requests: Iterable[tuple[Hashable, str, int]]) -> Reservation:
+        """Plan room for several members of `tenant` at once: all or nothing.
+
+        `requests` are (group, member, bytes); a request replaces a same-named
+        member already stored (and a later request an earlier one of the same
+        batch). The victims are whole groups, never a group of the batch, chosen
+        exactly as for one request of the batch's total size, so every invariant
+        of the module docstring holds for the batch as a whole. NO_SPACE (nothing
+        planned) when the batch as a whole does not fit: the caller may then
+        reserve its members one by one. The caller must `release` the victims
+        and `commit` every request, under one lock.
+        """
+        final: dict[tuple[Hashable, str], int] = {}
+        for group, member, nbytes in requests:
+            if nbytes > self.capacity:
+                return Reservation(Admission.NO_SPACE)
+            final[(group, member)] = nbytes
+        delta = 0
+        groups: set[Hashable] = set()
+        for (group, member), nbytes in final.items():
+            existing = self._groups.get(group)
+            delta += nbytes - (existing.members.get(member, 0) if existing else 0)
+            groups.add(group)
+        need = self.used + delta - self.capacity
         if need <= 0:
             return Reservation(Admission.ADMITTED)
         victims: list[Hashable] = []
         freed = 0
         # hypothetical per-tenant usage as victims are chosen
         tenant_after = dict(self._tenant_used)
-        tenant_after[tenant] = tenant_after.get(tenant, 0) - previous + nbytes
+        tenant_after[tenant] = tenant_after.get(tenant, 0) + delta
         chosen: set[Hashable] = set()
 
         def take(candidates: Iterable[Hashable], own_only: bool) -> None:
@@ -107,7 +128,7 @@ class CapacityManager:
             for cand in candidates:
                 if freed >= need:
                     return
-                if cand == group or cand in chosen:
+                if cand in groups or cand in chosen:
                     continue
                 usage = self._groups.get(cand)
                 if usage is None:
@@ -129,6 +150,35 @@ class CapacityManager:
         if freed < need:
             return Reservation(Admission.NO_SPACE)
         return Reservation(Admission.ADMITTED, tuple(victims))
+
+    def admit(
+        self, tenant: str, requests: Sequence[tuple[Hashable, str, int]], evict: Callable[[Hashable], object]
+    ) -> list[bool]:
+        """Reserve, evict and commit a batch of `tenant`'s members; per request, admitted?
+
+        One `reserve_many` for the whole batch when it fits (every request
+        admitted); else request by request, where a later request may evict an
+        earlier one's group (callers check `has_member` before publishing).
+        `evict(group)` is called for each victim and must `release` it and drop
+        its data."""
+        plan = self.reserve_many(tenant, requests)
+        if plan.admission is Admission.ADMITTED:
+            for victim in plan.victims:
+                evict(victim)
+            for group, member, nbytes in requests:
+                self.commit(group, tenant, member, nbytes)
+            return [True] * len(requests)
+        admitted: list[bool] = []
+        for group, member, nbytes in requests:
+            plan = self.reserve(group, tenant, member, nbytes)
+            if plan.admission is Admission.NO_SPACE:
+                admitted.append(False)
+                continue
+            for victim in plan.victims:
+                evict(victim)
+            self.commit(group, tenant, member, nbytes)
+            admitted.append(True)
+        return admitted
 
     def commit(self, group: Hashable, tenant: str, member: str, nbytes: int) -> None:
         """Record `member` (after its victims were released)."""
@@ -159,3 +209,10 @@ class CapacityManager:
     def touch(self, group: Hashable) -> None:
         if group in self._groups:
             self._policy.touch(group)
+
+    def touch_many(self, groups: Iterable[Hashable]) -> None:
+        """`touch` each resident group, in order (a read of a batch)."""
+        resident, touch = self._groups, self._policy.touch
+        for group in groups:
+            if group in resident:
+                touch(group)

@@ -17,6 +17,13 @@ that another process wrote after this one started. Capacity is enforced per
 process over whole groups (LRU/ARC, tenant shares); with several writers the
 bound is approximate.
 
+Batches: capacity for a whole put batch is planned under the lock in one
+pass (`CapacityManager.admit`), then the files are checksummed and written,
+and a get batch's files are read and verified, on `io_threads` threads
+(`kvpack.tiers.parallel`: file I/O releases the GIL). A file whose group was
+evicted while it was being written is removed again, so the index and the
+directory agree.
+
 Failures never raise: a vanished or unwritable directory is ERROR, a full
 disk NO_SPACE, a bad object REJECTED with its reason.
 """
@@ -48,6 +55,7 @@ from ..objects import (
     payload_parts,
 )
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
+from .parallel import IOThreads
 
 SUFFIX = ".kvp"
 PAGE = 4096
@@ -68,10 +76,15 @@ class DiskTier(Tier):
         policy: EvictionPolicy,
         quotas: dict[str, int] | None = None,
         fsync: bool = False,
+        io_threads: int = 1,
     ) -> None:
         self.root = Path(root).expanduser()
+        self._root_str = str(self.root)
         self._fsync = fsync
         self._lock = threading.Lock()
+        self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk")
+        self._dirs: set[str] = set()
+        """Folders known to exist (created by this process or seen); a removed one is recreated on ENOENT."""
         self._capacity = CapacityManager(capacity, policy, quotas)
         self._members: dict[GroupKey, set[StoreKey]] = {}
         self.on_evict: Callable[[GroupKey, int], None] | None = None
@@ -82,7 +95,13 @@ class DiskTier(Tier):
     # -- paths and index ---------------------------------------------------------
 
     def path_of(self, key: StoreKey) -> Path:
-        return self.root / key.tenant / key.fingerprint / key.chunk[:2] / f"{key.chunk}.{key.member}{SUFFIX}"
+        return Path(self._file_of(key))
+
+    def _dir_of(self, key: StoreKey) -> str:
+        return f"{self._root_str}/{key.tenant}/{key.fingerprint}/{key.chunk[:2]}"
+
+    def _file_of(self, key: StoreKey) -> str:
+        return f"{self._root_str}/{key.tenant}/{key.fingerprint}/{key.chunk[:2]}/{key.chunk}.{key.member}{SUFFIX}"
 
     @staticmethod
     def _key_from_header(header: ObjectHeader, fingerprint_dir: str) -> StoreKey:
@@ -130,8 +149,11 @@ class DiskTier(Tier):
             self.on_evict(group, sum(members.values()))
         keys = self._members.pop(group, set())
         for k in keys:
-            _unlink_quietly(self.path_of(k))
+            _unlink_quietly(self._file_of(k))
         return len(keys)
+
+    def _evict_locked(self, group: GroupKey) -> None:
+        self._drop_group_locked(group, evicted=True)
 
     # -- reads -------------------------------------------------------------------
 
@@ -139,7 +161,7 @@ class DiskTier(Tier):
         with self._lock:
             known = [k.group in self._members and k in self._members[k.group] for k in keys]
         # Files written by another process sharing this directory.
-        return [ok or self.path_of(k).is_file() for k, ok in zip(keys, known)]
+        return [ok or os.path.isfile(self._file_of(k)) for k, ok in zip(keys, known)]
 
     def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
         out: list[ObjectHeader | None] = []
@@ -158,15 +180,28 @@ class DiskTier(Tier):
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
-        results = [self._get_one(k, d, e, verify_checksum) for k, d, e in zip(keys, dsts, expected)]
+        """Read and check each file, spread over `io_threads`; then one locked
+        pass that touches the hits and indexes files another process wrote."""
+
+        def part(lo: int, hi: int) -> list[GetResult]:
+            return [self._get_one(keys[i], dsts[i], expected[i], verify_checksum) for i in range(lo, hi)]
+
+        results = self._io.split(len(keys), part)
         with self._lock:
+            capacity = self._capacity
             for key, res in zip(keys, results):
-                if res.ok:
-                    self._capacity.touch(key.group)
+                if not res.ok:
+                    continue
+                group = key.group
+                if capacity.has_member(group, key.member):
+                    capacity.touch(group)
+                else:
+                    assert res.header is not None
+                    self._admit_locked(key, res.header.payload_len)  # written by another process
         return results
 
     def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
-        path = self.path_of(key)
+        path = self._file_of(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -189,9 +224,6 @@ class DiskTier(Tier):
             bad = check_payload(header, dst)
             if bad is not None:
                 return GetResult(TierStatus.REJECTED, header, bad)
-        with self._lock:
-            if not self._capacity.has_member(key.group, key.member):
-                self._admit_locked(key, header.payload_len)  # written by another process
         return result
 
     @staticmethod
@@ -231,37 +263,70 @@ class DiskTier(Tier):
     # -- writes ------------------------------------------------------------------
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        return [self._put_one(item) for item in items]
-
-    def _put_one(self, item: PutItem) -> TierStatus:
-        key, payload = item.key, item.payload
-        header = item.header
-        nbytes = payload_nbytes(payload)
-        if nbytes != header.payload_len:
-            return TierStatus.ERROR
-        if header.checksum is None:
-            header = _with_checksum(header, payload)
+        """Admit the batch under one lock, write its files on `io_threads`, then
+        un-index the files that failed and remove those evicted meanwhile."""
+        n = len(items)
+        statuses = [TierStatus.OK] * n
+        sizes = [payload_nbytes(item.payload) for item in items]
+        by_tenant: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            if sizes[i] != item.header.payload_len:
+                statuses[i] = TierStatus.ERROR
+            else:
+                by_tenant.setdefault(item.key.tenant, []).append(i)
         with self._lock:
-            plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
-            if plan.admission is Admission.NO_SPACE:
-                return TierStatus.NO_SPACE
-            for victim in plan.victims:
-                self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
-            self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-            self._members.setdefault(key.group, set()).add(key)
-        status = self._write_file(self.path_of(key), header.encode(), payload)
-        if status is not TierStatus.OK:
-            with self._lock:
-                members = self._members.get(key.group)
-                if members is not None and key in members:
-                    self._drop_group_locked(key.group)
-        return status
+            for tenant, idx in by_tenant.items():
+                keys = [items[i].key for i in idx]
+                admitted = self._capacity.admit(tenant, [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)], self._evict_locked)
+                for i, key, ok in zip(idx, keys, admitted):
+                    if not ok or not self._capacity.has_member(key.group, key.member):
+                        statuses[i] = TierStatus.NO_SPACE  # no room, or evicted by a later item of the batch
+                        continue
+                    group_keys = self._members.get(key.group)
+                    if group_keys is None:
+                        self._members[key.group] = {key}
+                    else:
+                        group_keys.add(key)
+        todo = [i for i in range(n) if statuses[i] is TierStatus.OK]
 
-    def _write_file(self, path: Path, header: bytes, payload: Payload) -> TierStatus:
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+        def part(lo: int, hi: int) -> list[TierStatus]:
+            return [self._write_item(items[i]) for i in todo[lo:hi]]
+
+        for i, status in zip(todo, self._io.split(len(todo), part)):
+            statuses[i] = status
+        with self._lock:
+            for i in todo:
+                key = items[i].key
+                group_keys = self._members.get(key.group)
+                indexed = group_keys is not None and key in group_keys
+                if statuses[i] is not TierStatus.OK:
+                    if indexed:
+                        self._drop_group_locked(key.group)
+                elif not indexed:  # evicted while it was written (a later item, a concurrent put)
+                    _unlink_quietly(self._file_of(key))
+                    statuses[i] = TierStatus.NO_SPACE
+        return statuses
+
+    def _write_item(self, item: PutItem) -> TierStatus:
+        header = item.header
+        if header.checksum is None:
+            header = _with_checksum(header, item.payload)
+        return self._write_file(item.key, header.encode(), item.payload)
+
+    def _write_file(self, key: StoreKey, header: bytes, payload: Payload) -> TierStatus:
+        folder = self._dir_of(key)
+        path = self._file_of(key)
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            if folder not in self._dirs:
+                os.makedirs(folder, exist_ok=True)
+                self._dirs.add(folder)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:  # the folder was removed behind our back
+                os.makedirs(folder, exist_ok=True)
+                fd = os.open(tmp, flags, 0o600)
             try:
                 _write_all(fd, [header + bytes(data_offset(len(header)) - len(header)), *payload_parts(payload)])
                 if self._fsync:
@@ -292,6 +357,9 @@ class DiskTier(Tier):
     def tenant_used(self, tenant: str) -> int:
         with self._lock:
             return self._capacity.tenant_used(tenant)
+
+    def close(self) -> None:
+        self._io.close()
 
 
 def _with_checksum(header: ObjectHeader, payload: Payload) -> ObjectHeader:
@@ -331,9 +399,9 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][n:]
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: Path | str) -> None:
     try:
-        path.unlink()
+        os.unlink(path)
     except OSError:
         pass
 

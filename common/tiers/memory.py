@@ -6,8 +6,11 @@ object that never leaves this process is never hashed; the tiered store
 hashes it when it is written to disk or Mooncake. Headers are always checked
 against the reader's expectation.
 
-Copies run outside the lock, so concurrent puts and gets of different
-objects proceed in parallel; an object is visible only once fully copied.
+A batch is one bookkeeping pass under the lock (capacity and eviction for
+the whole batch at once, slots), then its copies outside the lock, spread
+over `copy_threads` threads (`kvpack.tiers.parallel`), then one pass that
+makes every object visible: concurrent puts and gets of different objects
+proceed in parallel, and an object is visible only once fully copied.
 
 Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
 pinned on CUDA hosts, one free list per slot size), so a store never pays a
@@ -25,20 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..eviction import CapacityManager, EvictionPolicy
-from ..eviction.manager import Admission
 from ..keys import GroupKey, StoreKey
-from ..objects import (
-    Expectation,
-    ObjectHeader,
-    Payload,
-    check_header,
-    check_payload,
-    copy_into_parts,
-    copy_parts_into,
-    payload_nbytes,
-)
+from ..objects import Expectation, ObjectHeader, Payload, RejectReason, check_header, check_payload, payload_parts
 from .arena import SlabArena
-from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
+from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from .parallel import CopyPair, IOThreads
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +59,14 @@ class MemoryTier(Tier):
         policy: EvictionPolicy,
         quotas: dict[str, int] | None = None,
         pin: bool | None = None,
+        copy_threads: int = 1,
     ) -> None:
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[GroupKey, set[StoreKey]] = {}
         self._capacity = CapacityManager(capacity, policy, quotas)
         self._arena = SlabArena(pin=_cuda_available() if pin is None else pin)
+        self._io = IOThreads(copy_threads, name="kvpack-memcopy")
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
@@ -79,7 +75,8 @@ class MemoryTier(Tier):
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
         with self._lock:
-            return [k in self._objects for k in keys]
+            objects = self._objects
+            return [k in objects for k in keys]
 
     def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
         with self._lock:
@@ -89,11 +86,13 @@ class MemoryTier(Tier):
         """The stored header and a read-only view of the payload, without a copy.
 
         The view stays valid after eviction: while it lives, its slot is not reused."""
+        return self.borrow_many([key])[0]
+
+    def borrow_many(self, keys: Sequence[StoreKey]) -> list[tuple[ObjectHeader, memoryview] | None]:
+        """`borrow` for a batch, under one lock."""
         with self._lock:
-            entry = self._objects.get(key)
-            if entry is None:
-                return None
-            return entry.header, memoryview(entry.data).toreadonly()
+            entries = [self._objects.get(k) for k in keys]
+        return [(e.header, memoryview(e.data).toreadonly()) if e is not None else None for e in entries]
 
     def get_into(
         self,
@@ -102,75 +101,130 @@ class MemoryTier(Tier):
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
+        """Headers checked per object, then every copy of the batch at once.
+
+        `entries` keeps each source slot referenced until its copy is done, so a
+        concurrent eviction cannot hand the slot to another object mid-copy
+        (slices of a slot do not reference the slot itself)."""
         with self._lock:
-            entries = [self._objects.get(k) for k in keys]
-            for k, e in zip(keys, entries):
-                if e is not None:
-                    self._capacity.touch(k.group)
+            get = self._objects.get
+            entries = [get(k) for k in keys]
+            self._capacity.touch_many([k.group for k, e in zip(keys, entries) if e is not None])
         results: list[GetResult] = []
-        for entry, dst, exp in zip(entries, dsts, expected):
+        pairs: list[CopyPair] = []
+        copied: list[int] = []
+        total = 0
+        for i, (entry, dst, exp) in enumerate(zip(entries, dsts, expected)):
             if entry is None:
-                results.append(GetResult(TierStatus.MISS))
+                results.append(_MISS)
                 continue
-            reason = check_header(entry.header, exp)
+            header = entry.header
+            reason = check_header(header, exp)
             if reason is not None:
-                results.append(GetResult(TierStatus.REJECTED, entry.header, reason))
+                results.append(GetResult(TierStatus.REJECTED, header, reason))
                 continue
-            misfit = check_fits(dst, entry.header)
-            if misfit is not None:
-                results.append(misfit)
+            parts = _byte_arrays(dst)
+            size = sum(p.nbytes for p in parts)
+            if size != header.payload_len:
+                results.append(
+                    GetResult(TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {size}")
+                )
                 continue
-            copy_into_parts(dst, entry.data)
-            if verify_checksum and entry.header.checksum is not None:
-                bad = check_payload(entry.header, dst)
-                if bad is not None:
-                    results.append(GetResult(TierStatus.REJECTED, entry.header, bad))
-                    continue
-            results.append(GetResult(TierStatus.OK, entry.header))
+            data, offset = entry.data, 0
+            for part in parts:
+                n = part.nbytes
+                pairs.append((part, data[offset : offset + n]))
+                offset += n
+            total += size
+            copied.append(i)
+            results.append(GetResult(TierStatus.OK, header))
+        self._io.copy(pairs, total)
+        del pairs
+        if verify_checksum:
+            for i in copied:
+                header = results[i].header
+                assert header is not None
+                if header.checksum is not None:
+                    bad = check_payload(header, dsts[i])
+                    if bad is not None:
+                        results[i] = GetResult(TierStatus.REJECTED, header, bad)
         return results
 
     # -- writes --------------------------------------------------------------
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        """Store a batch: capacity and slots under one lock, the copies outside
-        it, then every object made visible under one lock."""
-        statuses = [TierStatus.OK] * len(items)
-        slots: list[np.ndarray | None] = [None] * len(items)
+        """Store a batch: capacity (`CapacityManager.admit`, one reservation per
+        tenant of the batch when it fits) and slots under one lock, the copies outside it (on `copy_threads` threads),
+        then every object made visible under one lock."""
+        n = len(items)
+        statuses = [TierStatus.OK] * n
+        slots: list[np.ndarray | None] = [None] * n
+        parts = [_byte_arrays(item.payload) for item in items]
+        sizes = [sum(p.nbytes for p in ps) for ps in parts]
         with self._lock:
             if self._closed:
-                return [TierStatus.UNAVAILABLE] * len(items)
+                return [TierStatus.UNAVAILABLE] * n
+            todo: dict[str, list[int]] = {}
             for i, item in enumerate(items):
-                key, nbytes = item.key, payload_nbytes(item.payload)
-                if nbytes != item.header.payload_len:
+                if sizes[i] != item.header.payload_len:
                     statuses[i] = TierStatus.ERROR
-                    continue
-                plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
-                if plan.admission is Admission.NO_SPACE:
-                    statuses[i] = TierStatus.NO_SPACE
-                    continue
-                for victim in plan.victims:
-                    self._drop_group_locked(victim, evicted=True)  # type: ignore[arg-type]
-                self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-                slots[i] = self._arena.alloc(nbytes)
-        for item, slot in zip(items, slots):
-            if slot is not None:
-                copy_parts_into(slot, item.payload)
+                else:
+                    todo.setdefault(item.key.tenant, []).append(i)
+            for tenant, idx in todo.items():
+                keys = [items[i].key for i in idx]
+                requests = [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)]
+                for i, ok in zip(idx, self._capacity.admit(tenant, requests, self._evict_locked)):
+                    if not ok:
+                        statuses[i] = TierStatus.NO_SPACE
+            alloc, has_member = self._arena.alloc, self._capacity.has_member
+            for idx in todo.values():
+                for i in idx:
+                    if statuses[i] is not TierStatus.OK:
+                        continue
+                    key = items[i].key
+                    if has_member(key.group, key.member):
+                        slots[i] = alloc(sizes[i])
+                    else:  # evicted by a later item of this batch: nothing to copy
+                        statuses[i] = TierStatus.NO_SPACE
+        pairs: list[CopyPair] = []
+        total = 0
+        for slot, ps, size in zip(slots, parts, sizes):
+            if slot is None:
+                continue
+            offset = 0
+            for part in ps:
+                m = part.nbytes
+                pairs.append((slot[offset : offset + m], part))
+                offset += m
+            total += size
+        self._io.copy(pairs, total)
+        del pairs
         with self._lock:
+            has_member = self._capacity.has_member
+            objects, members = self._objects, self._members
             for i, (item, slot) in enumerate(zip(items, slots)):
                 if slot is None:
                     continue
                 key = item.key
-                if not self._capacity.has_member(key.group, key.member):
+                group = key.group
+                if not has_member(group, key.member):
                     # evicted while copying (by a later item of this batch, or a concurrent put)
                     self._arena.release(slot)
                     statuses[i] = TierStatus.NO_SPACE
                     continue
-                old = self._objects.get(key)
-                self._objects[key] = _Entry(item.header, slot)
-                self._members.setdefault(key.group, set()).add(key)
+                old = objects.get(key)
+                objects[key] = _Entry(item.header, slot)
+                group_keys = members.get(group)
+                if group_keys is None:
+                    members[group] = {key}
+                else:
+                    group_keys.add(key)
                 if old is not None:
                     self._arena.release(old.data)
         return statuses
+
+    def _evict_locked(self, group: GroupKey) -> None:
+        self._drop_group_locked(group, evicted=True)
 
     def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
         members = self._capacity.release(group)
@@ -205,3 +259,23 @@ class MemoryTier(Tier):
             self._closed = True
             self._objects.clear()
             self._members.clear()
+        self._io.close()
+
+
+_MISS = GetResult(TierStatus.MISS)
+
+
+def _byte_arrays(payload: Payload) -> list[np.ndarray]:
+    """A payload's regions as 1-D uint8 arrays over the caller's memory (no copy)."""
+    frombuffer = np.frombuffer
+    if isinstance(payload, tuple):
+        try:
+            return [frombuffer(p, dtype=np.uint8) for p in payload]
+        except (ValueError, TypeError):  # e.g. a non-contiguous view: take the general path
+            pass
+    else:
+        try:
+            return [frombuffer(payload, dtype=np.uint8)]
+        except (ValueError, TypeError):
+            pass
+    return [frombuffer(p, dtype=np.uint8) for p in payload_parts(payload)]

@@ -168,3 +168,68 @@ def test_regression_tenant_without_quota_keeps_more_than_one_group(policy: Evict
             mgr.release(victim)
         mgr.commit(f"b:{i}", "b", "kv", 100)
     assert mgr.tenant_used("b") == 500
+
+
+batches = st.lists(
+    st.tuples(
+        st.sampled_from(TENANTS),
+        st.lists(st.tuples(st.integers(0, 11), st.sampled_from(["kv", "draft"]), st.integers(1, 300)), min_size=1, max_size=6),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(batches=batches, quota_a=st.integers(0, 600), capacity=st.integers(200, 2000))
+def test_batch_admission_keeps_every_invariant(policy: EvictionPolicyName, batches: list, quota_a: int, capacity: int) -> None:
+    """`admit` (one reservation per batch, else one per request) keeps the same invariants as
+    single reservations: capacity, whole groups, never a group of the batch, other tenants' shares."""
+    quotas = {"a": quota_a}
+    mgr = CapacityManager(capacity, make_policy(policy), quotas)
+    for tenant, reqs in batches:
+        requests = [(f"{tenant}:{g}", member, nbytes) for g, member, nbytes in reqs]
+        batch_groups = {g for g, _, _ in requests}
+        before_a = mgr.tenant_used("a")
+        evicted: list[str] = []
+
+        def evict(group: object) -> None:
+            members = mgr.release(group)
+            assert members, "a victim must be a resident group"
+            evicted.append(str(group))
+
+        plan = mgr.reserve_many(tenant, requests)
+        admitted = mgr.admit(tenant, requests, evict)
+        if plan.admission is Admission.ADMITTED:
+            assert admitted == [True] * len(requests)
+            assert not batch_groups & set(evicted), "a batch never evicts its own groups"
+            for group, member, nbytes in requests:
+                assert mgr.has_member(group, member)
+        if tenant != "a":
+            # another tenant's batch never pushes "a" below its guaranteed share
+            assert mgr.tenant_used("a") >= min(quota_a, before_a)
+        assert mgr.used <= capacity
+        assert mgr.used == sum(mgr.tenant_used(t) for t in TENANTS)
+
+
+def test_batch_reservation_of_one_equals_single_reservation() -> None:
+    for policy in POLICIES:
+        one = CapacityManager(1000, make_policy(policy), {"a": 300})
+        many = CapacityManager(1000, make_policy(policy), {"a": 300})
+        for mgr in (one, many):
+            for i in range(4):
+                mgr.commit(f"a:{i}", "a", "kv", 100)
+            for i in range(5):
+                mgr.commit(f"b:{i}", "b", "kv", 100)
+        assert one.reserve("b:new", "b", "kv", 250) == many.reserve_many("b", [("b:new", "kv", 250)])
+
+
+def test_batch_that_does_not_fit_falls_back_to_one_by_one() -> None:
+    mgr = CapacityManager(400, make_policy(EvictionPolicyName.LRU))
+    requests = [(f"t:{i}", "kv", 100) for i in range(6)]
+    assert mgr.reserve_many("t", requests).admission is Admission.NO_SPACE
+    evicted: list[object] = []
+    admitted = mgr.admit("t", requests, lambda g: evicted.append((g, mgr.release(g))))
+    assert admitted == [True] * 6  # each admitted in turn; the first two then evicted by later ones
+    assert [g for g, _ in evicted] == ["t:0", "t:1"]
+    assert mgr.used == 400 and not mgr.has_member("t:0", "kv")

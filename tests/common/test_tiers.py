@@ -313,3 +313,36 @@ def test_memory_multi_region_payloads_round_trip() -> None:
     a, b = np.full(700, 1, np.uint8), np.full(324, 2, np.uint8)
     assert tier.get_into([item.key], [(memoryview(a), memoryview(b))], [expect(item)], True)[0].ok
     assert np.array_equal(np.concatenate([a, b]), payload)
+
+
+def test_disk_batch_larger_than_capacity_leaves_no_stray_files(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "disk", 4 * 1024, make_policy(EvictionPolicyName.LRU), io_threads=2)
+    items = [make_item("t", chunk_id(i), seed=i) for i in range(6)]
+    statuses = tier.put_from([it for it, _ in items])
+    # admitted one by one: the first two were evicted by later items of the batch
+    assert statuses == [TierStatus.NO_SPACE] * 2 + [TierStatus.OK] * 4
+    files = sorted(p.name for p in (tmp_path / "disk").rglob("*") if p.is_file())
+    assert len(files) == 4 and tier.usage().used_bytes == 4 * 1024
+    assert tier.contains([it.key for it, _ in items]) == [False] * 2 + [True] * 4
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_batches_on_two_io_threads_round_trip_in_order(tmp_path: Path, kind: str) -> None:
+    """Batches big enough to be split over the tier's threads (1 MiB objects, multi-region)."""
+    policy = make_policy(EvictionPolicyName.LRU)
+    tier: Tier = (
+        MemoryTier(1 << 30, policy, pin=False, copy_threads=2)
+        if kind == "memory"
+        else DiskTier(tmp_path / "disk", 1 << 30, policy, io_threads=2)
+    )
+    from dataclasses import replace
+
+    items = [make_item("t", chunk_id(i), seed=i, nbytes=1 << 20) for i in range(12)]
+    split = [replace(it, payload=(memoryview(p[:4096]), memoryview(p[4096:]))) for it, p in items]
+    assert tier.put_from(split) == [TierStatus.OK] * 12
+    dsts = [np.zeros(1 << 20, np.uint8) for _ in items]
+    got = tier.get_into([it.key for it, _ in items], [memoryview(d) for d in dsts], [expect(it) for it, _ in items], True)
+    assert [r.status for r in got] == [TierStatus.OK] * 12
+    for d, (_, p) in zip(dsts, items):
+        assert np.array_equal(d, p)
+    tier.close()

@@ -1,0 +1,119 @@
+"""Spreading a batch's copies and file I/O over a few threads.
+
+A tier's bookkeeping for a batch (capacity, eviction, slots) runs once, in the
+calling thread; the byte moving that follows (``np.copyto`` of whole regions,
+``preadv``/``writev`` of whole files) releases the GIL, so `threads` threads
+move bytes at once: the caller takes the first share and `threads - 1` worker
+threads (started on first use) the others. On a machine with two memory
+channels' worth of bandwidth two threads copy ~1.2-1.4x faster than one.
+
+The split is by bytes (copies) or by item count (I/O), in order; results keep
+the items' order. Batches too small to be worth a hand-off
+(`min_bytes_per_thread`, `min_items_per_thread`) stay on the caller's thread.
+A worker's exception is re-raised in the caller (callers turn it into per-item
+statuses: tiers never raise on the data path).
+
+Thread-safe: concurrent calls share the workers (a second call's shares queue
+behind the first's).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+CopyPair = tuple[np.ndarray, np.ndarray]
+"""(destination, source): 1-D uint8 arrays of equal length."""
+
+MIN_BYTES_PER_THREAD = 4 << 20
+MIN_ITEMS_PER_THREAD = 8
+
+
+def copy_pairs(pairs: Sequence[CopyPair]) -> None:
+    """Copy each source into its destination, in order, on this thread."""
+    copyto = np.copyto
+    for dst, src in pairs:
+        copyto(dst, src)
+
+
+class IOThreads:
+    """See the module docstring. `threads` counts the caller: 1 means no workers."""
+
+    def __init__(
+        self,
+        threads: int = 1,
+        min_bytes_per_thread: int = MIN_BYTES_PER_THREAD,
+        min_items_per_thread: int = MIN_ITEMS_PER_THREAD,
+        name: str = "kvpack-io",
+    ) -> None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.threads = threads
+        self._min_bytes = max(1, min_bytes_per_thread)
+        self._min_items = max(1, min_items_per_thread)
+        self._name = name
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.threads == 1:
+            return None
+        with self._lock:
+            if self._executor is None and not self._closed:
+                self._executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=self._name)
+            return self._executor
+
+    def copy(self, pairs: Sequence[CopyPair], nbytes: int | None = None) -> None:
+        """Run every copy of `pairs`; `nbytes` (their total, if known) saves a pass."""
+        total = sum(d.nbytes for d, _ in pairs) if nbytes is None else nbytes
+        k = min(self.threads, total // self._min_bytes, len(pairs))
+        pool = self._pool() if k > 1 else None
+        if pool is None:
+            copy_pairs(pairs)
+            return
+        bounds = [0]
+        target, acc = total / k, 0
+        for i, (dst, _) in enumerate(pairs):
+            acc += dst.nbytes
+            if acc >= target * len(bounds) and len(bounds) < k:
+                bounds.append(i + 1)
+        bounds.append(len(pairs))
+        futures: list[Future[None]] = [
+            pool.submit(copy_pairs, pairs[bounds[j] : bounds[j + 1]]) for j in range(1, len(bounds) - 1)
+        ]
+        try:
+            copy_pairs(pairs[bounds[0] : bounds[1]])
+        finally:
+            for f in futures:
+                f.result()
+
+    def split(self, n: int, part: Callable[[int, int], list[T]]) -> list[T]:
+        """``part(lo, hi)`` over consecutive ranges covering [0, n); results in order."""
+        k = min(self.threads, n // self._min_items)
+        pool = self._pool() if k > 1 else None
+        if pool is None:
+            return part(0, n)
+        bounds = [n * j // k for j in range(k + 1)]
+        futures = [pool.submit(part, bounds[j], bounds[j + 1]) for j in range(1, k)]
+        try:
+            out = part(bounds[0], bounds[1])
+        finally:
+            rest = [f.result() for f in futures]
+        for r in rest:
+            out += r
+        return out
+
+    def close(self) -> None:
+        """Stop the workers (after their queued shares); later calls run on the caller."""
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
