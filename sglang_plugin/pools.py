@@ -10,10 +10,13 @@ order for that pool. Objects are only interchangeable between pools with the
 same layout fingerprint (`PoolBinding.member_fingerprint`), which every load
 checks.
 
-Copies are whole regions (``memmove``): a page whose regions are one
-contiguous run (MLA ``page_first``) is stored and loaded straight from and
-into the host pool; other pages go through one staging buffer per thread.
-No per-token Python loop anywhere.
+Pages are handed to the tiers in place, as views of the pool's memory: one
+view when a page's regions are one contiguous run (MLA ``page_first``),
+else one per region (K and V of MHA ``page_first``; every layer of
+``layer_first``); the tiers copy region by region, no staging copy. Views
+are slices of one view over the pool's buffer when the regions lie in it
+(the usual case: a slice costs a fraction of a ctypes view). No per-token
+Python loop anywhere.
 """
 
 from __future__ import annotations
@@ -155,6 +158,8 @@ class PoolBinding:
         )
         self.member_fingerprint = self.layout.member_fingerprint
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
+        self._span: tuple[int, int, memoryview] | None = None
+        """(address, bytes, view) of the pool's buffer, while it stays where it was."""
 
     def regions(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[int], list[int]]:
         """Pointers and sizes of every page's regions (``n_pages * parts`` each).
@@ -177,10 +182,42 @@ class PoolBinding:
 
         One view when its regions are contiguous in memory, else one view per
         region (kvpack's tiers read and write regions in order: no staging copy)."""
-        base = page * self.parts
-        if self.contiguous(ptrs, page):
-            return raw_view(ptrs[base], self.page_bytes)
-        return tuple(raw_view(ptrs[base + j], size) for j, size in enumerate(self.part_sizes))
+        return self._payloads(ptrs, page, page + 1, self._buffer_span())[0]
+
+    def page_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
+        """Every page's payload (`page_payload`), from one metadata call."""
+        ptrs, _ = self.regions(host_indices, n_pages)
+        return self._payloads(ptrs, 0, n_pages, self._buffer_span())
+
+    def _buffer_span(self) -> tuple[int, int, memoryview] | None:
+        """A view over the pool's whole ``kv_buffer`` (CPU tensor), re-made if it moved."""
+        buf = getattr(self.host_pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+            return None
+        addr, nbytes = int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+        span = self._span
+        if span is None or span[0] != addr or span[1] != nbytes:
+            span = self._span = (addr, nbytes, raw_view(addr, nbytes)) if nbytes else None
+        return span
+
+    def _payloads(self, ptrs: list[int], lo: int, hi: int, span: tuple[int, int, memoryview] | None) -> list[Payload]:
+        parts, sizes, page_bytes = self.parts, self.part_sizes, self.page_bytes
+        start, length, whole = span if span is not None else (0, 0, None)
+
+        def view(ptr: int, size: int) -> memoryview:
+            offset = ptr - start
+            if whole is not None and 0 <= offset and offset + size <= length:
+                return whole[offset : offset + size]
+            return raw_view(ptr, size)
+
+        out: list[Payload] = []
+        for page in range(lo, hi):
+            base = page * parts
+            if self.contiguous(ptrs, page):
+                out.append(view(ptrs[base], page_bytes))
+            else:
+                out.append(tuple(view(ptrs[base + j], size) for j, size in enumerate(sizes)))
+        return out
 
     def contiguous(self, ptrs: list[int], page: int) -> bool:
         """Whether page `page`'s regions form one contiguous run in host memory."""

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,9 +73,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
 
 log = logging.getLogger("kvpack.sglang")
 
-MIN_PAGES_PER_THREAD = 16
-"""Batches smaller than this per thread are copied by the calling thread alone."""
-
 ADAPTER = "sglang"
 """`tier` label of metrics the adapter itself records (bad arguments, exceptions)."""
 
@@ -99,17 +95,15 @@ class KVPackStorage(HiCacheStorage):
             is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
         )
         self.tenant = self.config.tenant
-        self.store = KVStore.from_config(self.config)
+        # A batch's copies and file I/O run on io_threads threads inside the tiers;
+        # the backend itself makes one store call per SGLang call.
+        self.store = KVStore.from_config(self.config, copy_threads=max(1, self.config.io_threads))
         self.metrics = self.store.metrics
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
         self._bindings: dict[str, PoolBinding] = {}
         self._binding_errors: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._workers = max(1, self.config.io_threads)
-        self._executor = (
-            ThreadPoolExecutor(self._workers - 1, thread_name_prefix="kvpack-sglang-io") if self._workers > 1 else None
-        )
         self.group_fingerprint = ""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
@@ -340,97 +334,63 @@ class KVPackStorage(HiCacheStorage):
 
     # -- copies -------------------------------------------------------------------
 
-    def _usable(self, binding: PoolBinding | None, name: str, keys: list[str], op: str) -> bool:
+    def _store_keys(self, binding: PoolBinding | None, name: str, keys: list[str], op: str) -> list[StoreKey] | None:
+        """The pages' store keys (each validated once), or None when the pool
+        is unknown or a key is refused (counted and logged)."""
         if binding is None:
             why = self._binding_errors.get(name, "not registered")
             self.metrics.inc("tier_errors", tier=ADAPTER, status="unknown_pool")
             log.warning("kvpack: %s on pool %s refused: %s", op, name, why)
-            return False
-        return self._valid_chunks(keys)
-
-    def _split(self, n: int, part: Any) -> list[bool]:
-        """Run ``part(lo, hi) -> list[bool]`` over [0, n) on up to io_threads threads.
-
-        Copies and file I/O release the GIL, so a large batch is copied by
-        several cores at once; results keep the pages' order."""
-        k = min(self._workers, n // MIN_PAGES_PER_THREAD)
-        if k <= 1 or self._executor is None:
-            return part(0, n)
-        bounds = [n * j // k for j in range(k + 1)]
-        futures = [self._executor.submit(part, bounds[j], bounds[j + 1]) for j in range(1, k)]
-        out = part(bounds[0], bounds[1])
-        for f in futures:
-            out += f.result()
-        return out
+            return None
+        try:
+            return [StoreKey(self.tenant, self.group_fingerprint, k, binding.member) for k in keys]
+        except (ValueError, TypeError) as exc:
+            self.metrics.inc("tier_errors", tier=ADAPTER, status="bad_key")
+            log.warning("kvpack: SGLang page key refused: %s", exc)
+            return None
 
     def _get(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """One `KVStore.load` for the whole batch, straight into the host pool's pages."""
         n = len(keys)
         if n == 0:
             return []
-        if not self._usable(binding, name, keys, "get"):
+        skeys = self._store_keys(binding, name, keys, "get")
+        if skeys is None:
             return [False] * n
         assert binding is not None
-        ptrs, _ = binding.regions(host_indices, n)
-
-        def part(lo: int, hi: int) -> list[bool]:
-            items = [
-                LoadItem(self._key(keys[i], binding), binding.page_payload(ptrs, i), self._expect(keys[i], binding))
-                for i in range(lo, hi)
-            ]
-            return [r.ok for r in self.store.load(items)]
-
-        ok = self._split(n, part)
+        payloads = binding.page_payloads(host_indices, n)
+        fp, tenant, member, tokens, nbytes = binding.member_fingerprint, self.tenant, binding.member, binding.page_size, binding.page_bytes
+        items = [
+            LoadItem(key, payload, Expectation(fp, tenant, chunk, member, tokens, nbytes))
+            for key, payload, chunk in zip(skeys, payloads, keys)
+        ]
+        ok = [r.ok for r in self.store.load(items)]
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """Pages not stored yet go to one `KVStore.store`, read in place from the host pool."""
         n = len(keys)
         if n == 0:
             return []
-        if not self._usable(binding, name, keys, "set"):
+        skeys = self._store_keys(binding, name, keys, "set")
+        if skeys is None:
             return [False] * n
         assert binding is not None
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
-        ptrs, _ = binding.regions(host_indices, n)
-        present = self.store.contains_members(self.tenant, self.group_fingerprint, keys, [binding.member])
-        todo = [i for i in range(n) if not present[i][binding.member]]
-        nbytes = binding.page_bytes
-
-        def part(lo: int, hi: int) -> list[bool]:
-            items: list[PutItem] = []
-            for i in todo[lo:hi]:
-                payload = binding.page_payload(ptrs, i)
-                header = ObjectHeader(
-                    fingerprint=binding.member_fingerprint,
-                    tenant=self.tenant,
-                    chunk=keys[i],
-                    member=binding.member,
-                    token_count=binding.page_size,
-                    payload_len=nbytes,
-                    checksum=None,
-                )
-                items.append(PutItem(self._key(keys[i], binding), header, payload))
-            return [st is TierStatus.OK for st in self.store.store(items)]
-
+        payloads = binding.page_payloads(host_indices, n)
+        present = self.store.contains(skeys)
+        todo = [i for i in range(n) if not present[i]]
+        fp, tenant, member, tokens, nbytes = binding.member_fingerprint, self.tenant, binding.member, binding.page_size, binding.page_bytes
+        items = [
+            PutItem(skeys[i], ObjectHeader(fp, tenant, keys[i], member, tokens, nbytes, None), payloads[i]) for i in todo
+        ]
         ok = [True] * n
-        for i, stored in zip(todo, self._split(len(todo), part) if todo else []):
-            ok[i] = stored
+        for i, st in zip(todo, self.store.store(items) if items else []):
+            ok[i] = st is TierStatus.OK
         return ok
-
-    def _key(self, chunk: str, binding: PoolBinding) -> StoreKey:
-        return StoreKey(self.tenant, self.group_fingerprint, chunk, binding.member)
-
-    def _expect(self, chunk: str, binding: PoolBinding) -> Expectation:
-        return Expectation(
-            fingerprint=binding.member_fingerprint,
-            tenant=self.tenant,
-            chunk=chunk,
-            member=binding.member,
-            token_count=binding.page_size,
-            payload_len=binding.page_bytes,
-        )
 
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         self.metrics.inc("tier_errors", tier=ADAPTER, status="exception")
@@ -532,8 +492,6 @@ class KVPackStorage(HiCacheStorage):
         return self.metrics.snapshot()
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         self.store.close()
 
 
