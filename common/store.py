@@ -193,15 +193,21 @@ class KVStore:
     def _count_evictions(self) -> None:
         if not self._evictions:
             return
-        tally = Tally(self.metrics)
+        counts: dict[tuple[str, str], list[int]] = {}  # (tier, tenant) -> [groups, bytes]
         while self._evictions:
             try:
                 tier, tenant, nbytes = self._evictions.pop()
             except IndexError:  # drained by another thread meanwhile
                 break
-            tally.inc("evictions", tier=tier, tenant=tenant)
-            tally.inc("evicted_bytes", nbytes, tier=tier, tenant=tenant)
-        tally.flush()
+            acc = counts.get((tier, tenant))
+            if acc is None:
+                counts[(tier, tenant)] = [1, nbytes]
+            else:
+                acc[0] += 1
+                acc[1] += nbytes
+        for (tier, tenant), (groups, nbytes) in counts.items():
+            self.metrics.inc("evictions", groups, tier=tier, tenant=tenant)
+            self.metrics.inc("evicted_bytes", nbytes, tier=tier, tenant=tenant)
 
     def _verify(self, tier: Tier) -> bool:
         policy = self.config.checksum

@@ -31,14 +31,13 @@ class Admission(enum.Enum):
     NO_SPACE = "no_space"
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupUsage:
+    """One resident group: its tenant, its members' bytes, and their sum (`nbytes`)."""
+
     tenant: str
     members: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.members.values())
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,8 +164,7 @@ class CapacityManager:
         if plan.admission is Admission.ADMITTED:
             for victim in plan.victims:
                 evict(victim)
-            for group, member, nbytes in requests:
-                self.commit(group, tenant, member, nbytes)
+            self.commit_many(tenant, requests)
             return [True] * len(requests)
         admitted: list[bool] = []
         for group, member, nbytes in requests:
@@ -182,18 +180,27 @@ class CapacityManager:
 
     def commit(self, group: Hashable, tenant: str, member: str, nbytes: int) -> None:
         """Record `member` (after its victims were released)."""
-        usage = self._groups.get(group)
-        if usage is None:
-            usage = GroupUsage(tenant)
-            self._groups[group] = usage
-            self._policy.insert(group)
-        else:
-            self._policy.touch(group)
-        previous = usage.members.get(member, 0)
-        usage.members[member] = nbytes
-        delta = nbytes - previous
-        self.used += delta
-        self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + delta
+        self.commit_many(tenant, ((group, member, nbytes),))
+
+    def commit_many(self, tenant: str, requests: Iterable[tuple[Hashable, str, int]]) -> None:
+        """`commit` each (group, member, bytes) of `tenant`, in order."""
+        groups, policy = self._groups, self._policy
+        total = 0
+        for group, member, nbytes in requests:
+            usage = groups.get(group)
+            if usage is None:
+                usage = groups[group] = GroupUsage(tenant, {member: nbytes}, nbytes)
+                policy.insert(group)
+                total += nbytes
+                continue
+            policy.touch(group)
+            members = usage.members
+            delta = nbytes - members.get(member, 0)
+            members[member] = nbytes
+            usage.nbytes += delta
+            total += delta
+        self.used += total
+        self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + total
 
     def release(self, group: Hashable) -> dict[str, int]:
         """Forget a whole group; returns its members (name -> bytes)."""

@@ -161,6 +161,7 @@ class MemoryTier(Tier):
         slots: list[np.ndarray | None] = [None] * n
         parts = [_byte_arrays(item.payload) for item in items]
         sizes = [sum(p.nbytes for p in ps) for ps in parts]
+        groups = [item.key.group for item in items]  # one GroupKey per item, reused below
         with self._lock:
             if self._closed:
                 return [TierStatus.UNAVAILABLE] * n
@@ -171,8 +172,7 @@ class MemoryTier(Tier):
                 else:
                     todo.setdefault(item.key.tenant, []).append(i)
             for tenant, idx in todo.items():
-                keys = [items[i].key for i in idx]
-                requests = [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)]
+                requests = [(groups[i], items[i].key.member, sizes[i]) for i in idx]
                 for i, ok in zip(idx, self._capacity.admit(tenant, requests, self._evict_locked)):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
@@ -181,8 +181,7 @@ class MemoryTier(Tier):
                 for i in idx:
                     if statuses[i] is not TierStatus.OK:
                         continue
-                    key = items[i].key
-                    if has_member(key.group, key.member):
+                    if has_member(groups[i], items[i].key.member):
                         slots[i] = alloc(sizes[i])
                     else:  # evicted by a later item of this batch: nothing to copy
                         statuses[i] = TierStatus.NO_SPACE
@@ -205,8 +204,7 @@ class MemoryTier(Tier):
             for i, (item, slot) in enumerate(zip(items, slots)):
                 if slot is None:
                     continue
-                key = item.key
-                group = key.group
+                key, group = item.key, groups[i]
                 if not has_member(group, key.member):
                     # evicted while copying (by a later item of this batch, or a concurrent put)
                     self._arena.release(slot)
