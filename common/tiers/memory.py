@@ -1,9 +1,11 @@
 """Host-RAM tier: objects in this process's memory, pinned when CUDA exists.
 
 Capacity is enforced over whole groups by a `CapacityManager` (LRU or ARC,
-per-tenant guaranteed shares). Payload checksums are computed lazily: an
-object that never leaves this process is never hashed; the tiered store
-hashes it when it is written to disk or Mooncake. Headers are always checked
+per-tenant guaranteed shares), which sees each group by its id string
+(``tenant/fingerprint/chunk``); evictions are reported as `GroupKey`s.
+Payload checksums are computed lazily: an object that never leaves this
+process is never hashed; the tiered store hashes it when it is written to
+disk or Mooncake. Headers are always checked
 against the reader's expectation.
 
 A batch is one bookkeeping pass under the lock (capacity and eviction for
@@ -39,6 +41,21 @@ from .parallel import CopyPair, IOThreads
 class _Entry:
     header: ObjectHeader
     data: np.ndarray  # 1-D uint8, exactly header.payload_len bytes
+    gid: str  # the group's id (`_gid`)
+
+
+def _gid(key: StoreKey | GroupKey) -> str:
+    """A group's id inside this tier: ``tenant/fingerprint/chunk``.
+
+    Unique (no key field may contain '/') and cheap to hash repeatedly (a str
+    caches its hash; a key dataclass rehashes its fields on every dict access),
+    which matters with ~20 dict operations per stored object."""
+    return f"{key.tenant}/{key.fingerprint}/{key.chunk}"
+
+
+def _group_of(gid: str) -> GroupKey:
+    tenant, fingerprint, chunk = gid.split("/")
+    return GroupKey(tenant, fingerprint, chunk)
 
 
 def _cuda_available() -> bool:
@@ -63,7 +80,7 @@ class MemoryTier(Tier):
     ) -> None:
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
-        self._members: dict[GroupKey, set[StoreKey]] = {}
+        self._members: dict[str, set[StoreKey]] = {}  # by group id (`_gid`)
         self._capacity = CapacityManager(capacity, policy, quotas)
         self._arena = SlabArena(pin=_cuda_available() if pin is None else pin)
         self._io = IOThreads(copy_threads, name="kvpack-memcopy")
@@ -109,7 +126,7 @@ class MemoryTier(Tier):
         with self._lock:
             get = self._objects.get
             entries = [get(k) for k in keys]
-            self._capacity.touch_many([k.group for k, e in zip(keys, entries) if e is not None])
+            self._capacity.touch_many([e.gid for e in entries if e is not None])
         results: list[GetResult] = []
         pairs: list[CopyPair] = []
         copied: list[int] = []
@@ -161,7 +178,7 @@ class MemoryTier(Tier):
         slots: list[np.ndarray | None] = [None] * n
         parts = [_byte_arrays(item.payload) for item in items]
         sizes = [sum(p.nbytes for p in ps) for ps in parts]
-        groups = [item.key.group for item in items]  # one GroupKey per item, reused below
+        groups = [_gid(item.key) for item in items]
         with self._lock:
             if self._closed:
                 return [TierStatus.UNAVAILABLE] * n
@@ -211,7 +228,7 @@ class MemoryTier(Tier):
                     statuses[i] = TierStatus.NO_SPACE
                     continue
                 old = objects.get(key)
-                objects[key] = _Entry(item.header, slot)
+                objects[key] = _Entry(item.header, slot, group)
                 group_keys = members.get(group)
                 if group_keys is None:
                     members[group] = {key}
@@ -221,14 +238,14 @@ class MemoryTier(Tier):
                     self._arena.release(old.data)
         return statuses
 
-    def _evict_locked(self, group: GroupKey) -> None:
-        self._drop_group_locked(group, evicted=True)
+    def _evict_locked(self, gid: str) -> None:
+        self._drop_group_locked(gid, evicted=True)
 
-    def _drop_group_locked(self, group: GroupKey, evicted: bool = False) -> int:
-        members = self._capacity.release(group)
+    def _drop_group_locked(self, gid: str, evicted: bool = False) -> int:
+        members = self._capacity.release(gid)
         if evicted and self.on_evict is not None:
-            self.on_evict(group, sum(members.values()))
-        keys = self._members.pop(group, set())
+            self.on_evict(_group_of(gid), sum(members.values()))
+        keys = self._members.pop(gid, set())
         for k in keys:
             entry = self._objects.pop(k, None)
             if entry is not None:
@@ -237,7 +254,7 @@ class MemoryTier(Tier):
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         with self._lock:
-            return sum(self._drop_group_locked(g) for g in groups)
+            return sum(self._drop_group_locked(_gid(g)) for g in groups)
 
     def usage(self) -> TierUsage:
         with self._lock:
