@@ -23,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -71,20 +73,16 @@ class KVPackConnectorStats(KVConnectorStats):
         return not self.data
 
 
-class KVPackConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. Supports vLLM's hybrid allocator (several KV cache
+    groups: sliding-window and Mamba hybrids), so vLLM keeps it on for those models."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.kvpack_config = load_config(vllm_config)  # ConfigError names the field: fails start-up
-        self.scope = make_scope(vllm_config)
+        # ValueError for KV cache groups kvpack cannot store: fails start-up with the reason
+        self.scope = make_scope(vllm_config, self.kvpack_config, kv_cache_config)
         ktc = self._kv_transfer_config
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups > 1:
-            raise ValueError(
-                f"kvpack: this model has {groups} KV cache groups; the kvpack vLLM connector supports one "
-                "(all attention layers, target and draft, in one block index space)"
-            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -140,8 +138,16 @@ class KVPackConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        sending, recving = self.worker.get_finished()
+        sending, recving, _ = self.worker.get_finished()
         return (sending or None), (recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Done saves and loads, and the requests whose load failed (vLLM recomputes them;
+        with one KV cache group the failed blocks also go out through
+        `get_block_ids_with_load_errors`, so vLLM recomputes from the first bad block)."""
+        assert self.worker is not None
+        sending, recving, failed = self.worker.get_finished()
+        return KVConnectorTransferResults(sending, recving, failed if self.scope.hybrid else set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
@@ -176,7 +182,7 @@ class KVPackConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -186,4 +192,16 @@ class KVPackConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        assert self.scheduler is not None
+        return self.scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)

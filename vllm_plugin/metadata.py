@@ -14,22 +14,35 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
+NO_BLOCK = -1
+"""`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
+
+
 @dataclass(frozen=True)
 class BlockRef:
-    """One vLLM block <-> one stored chunk.
+    """One chunk of a request <-> its vLLM block in every KV cache group.
 
-    `token_count` is the tokens the object covers (the block size, or a tail's
-    length). `token_ids` is set for tail objects: on save, the tail's ids; on
-    load, the ids the object's stored ids must start with. `with_draft` is
-    False for a load of a chunk whose sidecar draft member is missing
-    (``draft_policy: target_only``): only the target member is restored.
+    `block_ids[g]` is the block of KV cache group g (one entry for a model
+    with one group), or `NO_BLOCK` where that group's member is not copied:
+    a sliding-window block vLLM already freed, a Mamba block between
+    boundaries, a member that is already stored. `token_count` is the tokens
+    the object covers (the block size, or a tail's length). `token_ids` is set
+    for tail objects: on save, the tail's ids; on load, the ids the object's
+    stored ids must start with. `with_draft` is False for a load of a chunk
+    whose sidecar draft member is missing (``draft_policy: target_only``):
+    only the target member is restored.
     """
 
     chunk: str
-    block_id: int
+    block_ids: tuple[int, ...]
     token_count: int
     token_ids: tuple[int, ...] | None = None
     with_draft: bool = True
+
+    @property
+    def blocks(self) -> set[int]:
+        """Every block this chunk copies to or from (what a failed load reports)."""
+        return {b for b in self.block_ids if b != NO_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,10 @@ class TransferJob:
     req_id: str
     tenant: str
     blocks: tuple[BlockRef, ...]
+    capture: bool = False
+    """A save of blocks vLLM may free before the request ends (sliding window,
+    Mamba): copied out in this step's ``wait_for_save``, stored in the
+    background, never reported as the request's finished send."""
 
 
 @dataclass

@@ -21,6 +21,18 @@ past the first chunk that lacks it, ``target_only`` loads the target member
 only for those chunks (`BlockRef.with_draft`); both count
 ``partial_hits{missing_member="draft"}``.
 
+Hybrid models (several KV cache groups, `SupportsHMA`): every group is a
+member of each chunk's kvpack group, required where its attention type needs
+it (`Scope.member_specs`): full attention in every chunk, a sliding window
+in the chunks it still sees at the boundary, Mamba state at the boundary.
+Loads copy each group's blocks that vLLM allocated (a freed sliding-window
+block is skipped; Mamba state goes into the boundary block only). Because
+vLLM frees sliding-window and Mamba blocks while a request runs, their
+chunks are saved as they complete (`TransferJob.capture`: the worker copies
+them in the same step), and Mamba's state at a partial block is saved when
+vLLM hands it over (`register_finished_partial_tail`); the state of a tail
+is usable only for a prompt that contains the whole tail.
+
 The store seen here has the workers' memory tiers as a `ReportedMemoryIndex`
 (fed by worker reports) in front of the shared tiers (disk, Mooncake).
 """
@@ -28,22 +40,27 @@ The store seen here has the workers' memory tiers as a `ReportedMemoryIndex`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpack.config import KVPackConfig
-from kvpack.groups import MemberRole, MemberSpec
+from kvpack.groups import Coverage, tail_usable
 from kvpack.keys import ChunkHash, chunk_hashes
 from kvpack.store import KVStore, build_tiers
 from kvpack.tiers.base import Tier
 
 from .index import ReportedMemoryIndex
-from .metadata import BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
+from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
 from .settings import BadTenant, RequestScope, Scope, cacheable, request_scope
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+NULL_BLOCK = 0
+"""vLLM's null block id (a sliding-window block freed, a Mamba block not kept)."""
 
 log = logging.getLogger("kvpack.vllm")
 
@@ -65,6 +82,29 @@ class LoadPlan:
     the sidecar draft (target_only) and load the target member only."""
 
 
+@dataclass
+class _Running:
+    """A request of an engine that frees blocks early: what its chunk captures need."""
+
+    request: Request
+    scope: RequestScope
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's blocks as vLLM reported them (scheduler output)."""
+    hashes: list[ChunkHash] = field(default_factory=list)
+    next_chunk: int = 0
+    """Chunks before this one are stored (loaded from kvpack) or captured."""
+
+
+@dataclass(frozen=True)
+class PartialTail:
+    """A Mamba state vLLM handed over at request finish (`register_finished_partial_tail`)."""
+
+    group: int
+    block_id: int
+    boundary: int
+    """Tokens the state covers."""
+
+
 class SchedulerSide:
     def __init__(self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool) -> None:
         self.config = config
@@ -74,9 +114,7 @@ class SchedulerSide:
         self.index = ReportedMemoryIndex()
         tiers: list[Tier] = [self.index] if config.memory.enabled else []
         self.store = KVStore(config, tiers + build_tiers(config, include_memory=False))
-        self.members = [MemberSpec(name, scope.fingerprint) for name in scope.members] + [
-            MemberSpec(name, scope.fingerprint, MemberRole.DRAFT) for name in scope.draft_members
-        ]
+        self.members = scope.member_specs()
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
@@ -86,6 +124,10 @@ class SchedulerSide:
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
         self._failed: set[str] = set()
+        self._running: dict[str, _Running] = {}
+        """Requests whose chunks are captured as they complete (engines that free blocks early)."""
+        self._partial_tails: dict[str, list[PartialTail]] = {}
+        self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
 
     # -- lookup -----------------------------------------------------------------
 
@@ -132,6 +174,8 @@ class SchedulerSide:
             tm = self.store.find_tail(
                 rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit
             )
+            if tm is not None and not tail_usable(self.members, tm.members, tm.tokens, tm.stored_tokens):
+                tm = None  # a Mamba state of a longer tail: not the state this prompt needs
             if tm is not None and tm.tokens > 0:
                 with_draft = all(m in tm.members for m in self.scope.draft_members)
                 tail = BlockRef(tm.chunk, -1, tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft)
@@ -158,6 +202,9 @@ class SchedulerSide:
             # would loop forever on a refused object: recompute instead.
             return 0, False
         plan = self.plan(request)
+        if self.can_save and self.scope.frees_blocks_early and plan.scope is not None:
+            if request.request_id not in self._running:
+                self._running[request.request_id] = _Running(request, plan.scope, next_chunk=plan.hit_chunks)
         if plan.matched <= num_computed_tokens:
             return 0, False
         return plan.matched - num_computed_tokens, True
@@ -169,37 +216,142 @@ class SchedulerSide:
         if plan is None or plan.scope is None:
             return
         bs = self.scope.block_size
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
         first = (plan.matched - num_external_tokens) // bs
         last = -(-plan.matched // bs)  # ceil
         refs: list[BlockRef] = []
         for i in range(first, last):
+            ids = self._load_blocks(block_ids, i, boundary=i == last - 1)
             if i < plan.hit_chunks:
-                refs.append(BlockRef(plan.hashes[i], block_ids[i], bs, with_draft=i < plan.full_chunks))
+                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks))
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
-                refs.append(BlockRef(t.chunk, block_ids[i], t.token_count, t.token_ids, t.with_draft))
+                refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft))
         self._pending_loads[request.request_id] = TransferJob(request.request_id, plan.scope.tenant, tuple(refs))
         self._load_issued.add(request.request_id)
         self._count("hit_tokens", num_external_tokens)
         self._count("load_requests")
 
-    def build_connector_meta(self) -> KVPackConnectorMetadata:
+    def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
+        """Per group, the block to restore chunk `chunk` into (NO_BLOCK: nothing to restore):
+        every allocated block, except that Mamba state goes into the boundary block only."""
+        out: list[int] = []
+        for g, ids in enumerate(block_ids):
+            b = ids[chunk] if chunk < len(ids) else NULL_BLOCK
+            state = bool(self.scope.groups) and self.scope.groups[g].coverage is Coverage.BOUNDARY
+            out.append(NO_BLOCK if b == NULL_BLOCK or (state and not boundary) else int(b))
+        return tuple(out)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
+        if scheduler_output is not None and self._running:
+            self._capture(scheduler_output)
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
         return meta
 
+    # -- captures (engines that free blocks before the request ends) -------------
+
+    def _capture(self, out: SchedulerOutput) -> None:
+        """Queue a capture of every chunk this step completes, for requests tracked in `_running`."""
+        for new in out.scheduled_new_reqs:
+            run = self._running.get(new.req_id)
+            if run is not None:
+                run.block_ids = [list(ids) for ids in new.block_ids]
+                self._capture_request(new.req_id, run, int(new.num_computed_tokens), out)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            run = self._running.get(req_id)
+            if run is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                run.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
+            elif new_ids is not None:
+                if not run.block_ids:
+                    run.block_ids = [[] for _ in new_ids]
+                for g, ids in enumerate(new_ids):
+                    run.block_ids[g].extend(ids)
+            self._capture_request(req_id, run, int(cached.num_computed_tokens[i]), out)
+
+    def _capture_request(self, req_id: str, run: _Running, computed: int, out: SchedulerOutput) -> None:
+        """Chunks complete after this step's forward (draft tokens excluded: they may be
+        rejected) and not stored yet -> one capture job."""
+        bs = self.scope.block_size
+        scheduled = int(out.num_scheduled_tokens.get(req_id, 0))
+        drafts = len((getattr(out, "scheduled_spec_decode_tokens", None) or {}).get(req_id, ()))
+        done = min(computed + scheduled - drafts, len(run.request.all_token_ids))
+        end = done // bs
+        start = max(run.next_chunk, computed // bs)  # earlier chunks were never computed here (vLLM cache hits)
+        if end <= start or not run.block_ids:
+            run.next_chunk = max(run.next_chunk, end)
+            return
+        if len(run.hashes) < end:
+            parent = run.hashes[-1] if run.hashes else run.scope.seed
+            tokens = list(run.request.all_token_ids[len(run.hashes) * bs : end * bs])
+            run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
+        refs = []
+        for i in range(start, end):
+            ids = tuple(
+                int(ids[i]) if i < len(ids) and ids[i] != NULL_BLOCK else NO_BLOCK for ids in run.block_ids
+            )
+            if any(b != NO_BLOCK for b in ids):
+                refs.append(BlockRef(run.hashes[i], ids, bs))
+        run.next_chunk = end
+        if refs:
+            self._pending_saves.append(TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True))
+            self._count("capture_blocks", len(refs))
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        """Take Mamba state at a partial block (group, block, boundary tokens) for the save in
+        `request_finished`. True: a save job is queued for this request, so vLLM keeps its
+        blocks until the workers report it."""
+        if not self.can_save or not self.config.tail_reuse or not offloads:
+            return False
+        if self._scope_of(request) is None:
+            return False
+        tails = []
+        for group, block, boundary in offloads:
+            if 0 <= group < len(self.scope.groups) and self.scope.groups[group].coverage is Coverage.BOUNDARY:
+                if 0 < boundary <= len(request.all_token_ids) and block != NULL_BLOCK:
+                    tails.append(PartialTail(int(group), int(block), int(boundary)))
+        if not tails or len({t.boundary for t in tails}) != 1:
+            return False  # nothing kvpack stores, or states of different lengths: not one tail
+        self._partial_tails[request.request_id] = tails
+        return True
+
     # -- save -------------------------------------------------------------------
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        plan = self._plans.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
-        refresh = request.request_id in self._failed  # overwrite what could not be loaded
-        self._failed.discard(request.request_id)
-        self._load_issued.discard(request.request_id)
-        self._bad_tenants_logged.discard(request.request_id)
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Save what the request computed and kvpack lacks. `block_ids`: per KV cache group,
+        the request's blocks (a model with one group passes one list). True: a save job
+        is queued; vLLM keeps the blocks until the workers report it done."""
+        req_id = request.request_id
+        partial_tails = self._partial_tails.pop(req_id, None)
+        delay, params = self._finish(request, block_ids, partial_tails)
+        if partial_tails and not delay:
+            # register_finished_partial_tail promised a report for this request: send an empty job
+            self._pending_saves.append(TransferJob(req_id, self.config.tenant, ()))
+            self._saving.add(req_id)
+            delay = True
+        return delay, params
+
+    def _finish(
+        self, request: Request, block_ids: Sequence[Sequence[int]], partial_tails: list[PartialTail] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        plan = self._plans.pop(req_id, None)
+        run = self._running.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        refresh = req_id in self._failed  # overwrite what could not be loaded
+        self._failed.discard(req_id)
+        self._load_issued.discard(req_id)
+        self._bad_tenants_logged.discard(req_id)
         if not self.can_save:
             return False, None
         rs = plan.scope if plan is not None else self._scope_of(request)
@@ -209,39 +361,91 @@ class SchedulerSide:
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
         if n <= 0:
             return False, None
+        groups = [list(ids) for ids in block_ids]
         tokens = list(request.all_token_ids[:n])
         hashes = chunk_hashes(tokens, bs, parent=rs.seed)
-        # chained keys: the plan's hit chunks are a prefix of these, already stored
+        # chained keys: the plan's hit chunks are a prefix of these, already stored; so are captures
         known = min(plan.hit_chunks, len(hashes)) if plan is not None else 0
+        captured = range(0)
+        if run is not None and not refresh:
+            captured = range(max(known, 0), min(run.next_chunk, len(hashes)))
         refs: list[BlockRef] = []
-        todo = hashes[known:]
         if refresh:
-            refs.extend(BlockRef(chunk, block_ids[i], bs) for i, chunk in enumerate(hashes) if i < len(block_ids))
-        elif todo:
-            presence = self.store.contains_members(rs.tenant, self.scope.fingerprint, todo, self.scope.all_members)
-            for j, (chunk, present) in enumerate(zip(todo, presence)):
-                if not all(present.values()):
-                    i = known + j
-                    if i < len(block_ids):
-                        refs.append(BlockRef(chunk, block_ids[i], bs))
-        t = n % bs
-        if t and self.config.tail_reuse and len(hashes) < len(block_ids):
-            tail_ids = tuple(int(x) for x in tokens[len(hashes) * bs :])
-            chunk, stored = self.store.place_tail(
-                rs.tenant,
-                self.scope.fingerprint,
-                hashes[-1] if hashes else rs.seed,
-                (self.scope.members[0], *self.scope.draft_members),
-                tail_ids,
+            refs.extend(BlockRef(chunk, self._save_blocks(groups, i), bs) for i, chunk in enumerate(hashes))
+        else:
+            todo = [i for i in range(known, len(hashes)) if i not in captured]
+            presence = self.store.contains_members(
+                rs.tenant, self.scope.fingerprint, [hashes[i] for i in todo], self.scope.all_members
             )
-            if refresh or not stored:
-                refs.append(BlockRef(chunk, block_ids[len(hashes)], t, tail_ids))
+            for i, present in zip(todo, presence):
+                ids = self._save_blocks(groups, i, present)
+                if any(b != NO_BLOCK for b in ids):
+                    refs.append(BlockRef(hashes[i], ids, bs))
+        tail = self._tail_ref(rs, tokens, hashes, groups, partial_tails, refresh)
+        if tail is not None:
+            refs.append(tail)
+        refs = [r for r in refs if r.blocks]
         if not refs:
             return False, None
-        self._pending_saves.append(TransferJob(request.request_id, rs.tenant, tuple(refs)))
-        self._saving.add(request.request_id)
+        self._pending_saves.append(TransferJob(req_id, rs.tenant, tuple(refs)))
+        self._saving.add(req_id)
         self._count("save_blocks", len(refs))
         return True, None
+
+    def _save_blocks(
+        self, groups: list[list[int]], chunk: int, present: dict[str, bool] | None = None
+    ) -> tuple[int, ...]:
+        """Per group, the block to save chunk `chunk` from: NO_BLOCK where vLLM holds none any
+        more, where every rank's member is already stored, and for Mamba state, which only
+        captures (taken while the state is that chunk's) and partial tails may store."""
+        out: list[int] = []
+        for g, ids in enumerate(groups):
+            b = ids[chunk] if chunk < len(ids) else NULL_BLOCK
+            group = self.scope.groups[g] if self.scope.groups else None
+            members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
+            stored = present is not None and all(present.get(m, False) for m in members)
+            state = group is not None and group.coverage is Coverage.BOUNDARY
+            out.append(NO_BLOCK if b == NULL_BLOCK or stored or state else int(b))
+        return tuple(out)
+
+    def _tail_ref(
+        self,
+        rs: RequestScope,
+        tokens: list[int],
+        hashes: list[ChunkHash],
+        groups: list[list[int]],
+        partial_tails: list[PartialTail] | None,
+        refresh: bool,
+    ) -> BlockRef | None:
+        """The tail object to save: the computed part of the last block with its token ids.
+
+        With Mamba groups the tail ends where vLLM's handed-over state ends; without a
+        handed-over state there is no tail (its state would be unknown)."""
+        bs = self.scope.block_size
+        end = len(tokens)
+        if self._state_groups:
+            if not partial_tails:
+                return None
+            end = partial_tails[0].boundary
+        c, t = divmod(end, bs)
+        if not self.config.tail_reuse or (t == 0 and not partial_tails):
+            return None
+        states = {pt.group: pt.block_id for pt in partial_tails or ()}
+        if t == 0:  # a state at a block boundary is that chunk's member (its other members are saved as a chunk)
+            if c == 0 or c > len(hashes):
+                return None
+            return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
+        ids = []
+        for g, blocks in enumerate(groups):
+            b = blocks[c] if c < len(blocks) else NULL_BLOCK
+            ids.append(states.get(g, NO_BLOCK if b == NULL_BLOCK or g in self._state_groups else int(b)))
+        tail_ids = tuple(int(x) for x in tokens[c * bs : end])
+        chunk, stored = self.store.place_tail(
+            rs.tenant, self.scope.fingerprint, hashes[c - 1] if c else rs.seed, self.scope.all_members, tail_ids
+        )
+        if stored and not refresh and not partial_tails:
+            return None
+        return BlockRef(chunk, tuple(ids), t, tail_ids)
 
     # -- worker reports ---------------------------------------------------------
 
@@ -253,6 +457,9 @@ class SchedulerSide:
             for req_id in report.failed_loads:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)
+                run = self._running.get(req_id)
+                if run is not None:
+                    run.next_chunk = 0  # vLLM recomputes the request: capture (overwrite) every chunk again
 
     def take_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}

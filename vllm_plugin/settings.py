@@ -8,9 +8,12 @@ fingerprints and member names independently.
 - config: ``kv_connector_extra_config`` -> `KVPackConfig` (strict; a bad key
   fails engine start-up naming the field).
 - scope: the group fingerprint (engine, model + draft model and its placement,
-  dtype, block size, TP/PP sizes) and this rank's member names (``kv``, or
-  ``kv@<rank>of<world>``; plus ``draft``/``draft@<rank>of<world>`` when the
-  draft KV is a sidecar).
+  dtype, block size, TP/PP sizes, KV cache groups) and the member names
+  (``kv``, or ``kv@<rank>of<world>``; plus ``draft``/``draft@<rank>of<world>``
+  when the draft KV is a sidecar).
+- KV cache groups (hybrid models, vLLM's hybrid allocator): each group is a
+  member of its own (``kv`` for group 0, ``kv_g<i>`` for group i), with the
+  coverage its attention type needs (`cache_groups`).
 - draft layers: which registered KV layers belong to the drafter, told apart by
   the speculative config, never by position alone (`split_draft_layers`).
 - tenant and chain seed of a request: ``kv_transfer_params["kvpack_tenant"]``,
@@ -29,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvpack.config import DraftPlacementMode, KVPackConfig
 from kvpack.errors import ConfigError
-from kvpack.groups import DraftPlacement
+from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
 from kvpack.keys import ChunkHash, seed_hash, validate_tenant
 from kvpack.layout import KVLayoutSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpack.vllm")
@@ -59,6 +63,77 @@ def load_config(vllm_config: VllmConfig) -> KVPackConfig:
 
 
 @dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups, as kvpack stores it.
+
+    Every group has its own block table (block ids index the same pool), so
+    each is a member of its own in every chunk's kvpack group. `coverage`
+    says which chunks of a prefix the member is needed in: ALL (full
+    attention), TRAILING (sliding window / chunked local attention: the last
+    `window_chunks` chunks before the boundary, the blocks vLLM still holds
+    there), BOUNDARY (Mamba state in ``mamba_cache_mode="align"``).
+    """
+
+    index: int
+    coverage: Coverage
+    window_chunks: int
+    layer_names: tuple[str, ...]
+    kind: str
+    """vLLM's spec class name (logs, fingerprint)."""
+
+    @property
+    def member_base(self) -> str:
+        return "kv" if self.index == 0 else f"kv_g{self.index}"
+
+    @property
+    def frees_blocks_early(self) -> bool:
+        """True when vLLM releases this group's blocks before the request ends (the
+        connector must copy them while they are still held)."""
+        return self.coverage is not Coverage.ALL
+
+
+def cache_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[CacheGroup, ...]:
+    """kvpack's view of vLLM's KV cache groups. Raises ValueError (start-up) for a
+    group kvpack cannot store correctly."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return (CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),)
+    out: list[CacheGroup] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if int(spec.block_size) != block_size:
+            raise ValueError(
+                f"kvpack: KV cache group {i} ({kind}) has block size {spec.block_size}, the engine {block_size}; "
+                "kvpack stores groups of one block size only"
+            )
+        if isinstance(spec, SlidingWindowSpec):
+            retain = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            coverage, window = Coverage.TRAILING, max(1, -(-retain // block_size))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            coverage, window = Coverage.TRAILING, max(1, -(-int(spec.attention_chunk_size) // block_size))
+        elif isinstance(spec, MambaSpec):
+            if getattr(spec, "mamba_cache_mode", "align") != "align":
+                raise ValueError(
+                    f"kvpack: KV cache group {i} is Mamba state with mamba_cache_mode="
+                    f"{spec.mamba_cache_mode!r}; kvpack needs 'align' (state kept at block boundaries)"
+                )
+            coverage, window = Coverage.BOUNDARY, 1
+        elif isinstance(spec, FullAttentionSpec):
+            coverage, window = Coverage.ALL, 0
+        else:
+            raise ValueError(f"kvpack: KV cache group {i} has spec {kind}, which kvpack cannot store")
+        out.append(CacheGroup(i, coverage, window, tuple(group.layer_names), kind))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Scope:
     """What every process of one engine agrees on: group fingerprint, members, block size."""
 
@@ -73,6 +148,10 @@ class Scope:
     """NONE (no draft KV), PACKED (draft layers inside the ``kv`` objects) or SIDECAR."""
     draft_members: tuple[str, ...] = ()
     """Every rank's sidecar draft member name (SIDECAR only; role DRAFT)."""
+    groups: tuple[CacheGroup, ...] = ()
+    """vLLM's KV cache groups (one full-attention group unless the model is hybrid)."""
+    world: int = 1
+    """TP x PP ranks (each writes its own members)."""
 
     @property
     def fingerprint(self) -> str:
@@ -82,6 +161,31 @@ class Scope:
     def all_members(self) -> tuple[str, ...]:
         """Target members, then sidecar draft members: everything one chunk's group holds."""
         return self.members + self.draft_members
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one KV cache group (vLLM's hybrid allocator)."""
+        return len(self.groups) > 1
+
+    @property
+    def frees_blocks_early(self) -> bool:
+        """Some group's blocks are released before the request ends (sliding window, Mamba)."""
+        return any(g.frees_blocks_early for g in self.groups)
+
+    def group_members(self, group: int) -> tuple[str, ...]:
+        """Every rank's member name of KV cache group `group`."""
+        base = self.groups[group].member_base if self.groups else "kv"
+        return tuple(member_name(r, self.world, base) for r in range(self.world))
+
+    def member_specs(self) -> list[MemberSpec]:
+        """What a lookup requires: each group's members with its coverage, then sidecar drafts."""
+        specs: list[MemberSpec] = []
+        for g in self.groups or (CacheGroup(0, Coverage.ALL, 0, (), ""),):
+            role = MemberRole.TARGET if g.coverage is Coverage.ALL else MemberRole.STATE
+            specs += [
+                MemberSpec(name, self.fingerprint, role, g.coverage, g.window_chunks) for name in self.group_members(g.index)
+            ]
+        return specs + [MemberSpec(name, self.fingerprint, MemberRole.DRAFT) for name in self.draft_members]
 
 
 def draft_identity(vllm_config: VllmConfig) -> str:
@@ -156,9 +260,9 @@ def resolve_draft_placement(vllm_config: VllmConfig, config: KVPackConfig) -> Dr
     """The configured `draft_placement`, with AUTO decided for this engine.
 
     AUTO is PACKED when the draft layers share the target's block index space.
-    The connector accepts one KV cache group only (it refuses more at start-up),
-    and every layer of that group, target and draft, is addressed by the same
-    block ids: so on vLLM AUTO is PACKED whenever the drafter has KV.
+    Every layer of one KV cache group, target and draft, is addressed by the
+    same block ids, and each group is a member of its own: so on vLLM AUTO is
+    PACKED whenever the drafter has KV.
     """
     if not has_draft_kv(vllm_config):
         return DraftPlacement.NONE
@@ -167,8 +271,11 @@ def resolve_draft_placement(vllm_config: VllmConfig, config: KVPackConfig) -> Dr
     return DraftPlacement.PACKED
 
 
-def make_scope(vllm_config: VllmConfig, config: KVPackConfig | None = None) -> Scope:
-    """The engine's `Scope`. `config` defaults to the one in ``kv_connector_extra_config``."""
+def make_scope(
+    vllm_config: VllmConfig, config: KVPackConfig | None = None, kv_cache_config: KVCacheConfig | None = None
+) -> Scope:
+    """The engine's `Scope`. `config` defaults to the one in ``kv_connector_extra_config``.
+    Raises ValueError (engine start-up) for a combination kvpack cannot store."""
     from vllm.platforms import current_platform
 
     if config is None:
@@ -186,6 +293,15 @@ def make_scope(vllm_config: VllmConfig, config: KVPackConfig | None = None) -> S
         model += f"|draft={draft}"
     if placement is not DraftPlacement.NONE:
         model += f"|{placement.value}"  # packed and sidecar objects never share keys
+    groups = cache_groups(kv_cache_config, block_size)
+    if len(groups) > 1:
+        if placement is DraftPlacement.SIDECAR:
+            raise ValueError(
+                "kvpack: draft_placement 'sidecar' is not supported with several KV cache groups; use 'packed' "
+                "(each group's draft layers are stored in that group's member)"
+            )
+        # a hybrid engine's objects hold one group's layers each: never shared with a one-group engine's
+        model += "|groups=" + ",".join(f"{g.kind}:{g.coverage.value}{g.window_chunks}" for g in groups)
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = str(model_cfg.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
     spec = KVLayoutSpec(
@@ -196,7 +312,7 @@ def make_scope(vllm_config: VllmConfig, config: KVPackConfig | None = None) -> S
         tp_size=tp,
         pp_size=pp,
     )
-    members = tuple(member_name(r, world) for r in range(world))
+    members = tuple(member_name(r, world, g.member_base) for g in groups for r in range(world))
     draft_members = (
         tuple(member_name(r, world, DRAFT_MEMBER) for r in range(world)) if placement is DraftPlacement.SIDECAR else ()
     )
@@ -207,6 +323,8 @@ def make_scope(vllm_config: VllmConfig, config: KVPackConfig | None = None) -> S
         draft=draft,
         draft_placement=placement,
         draft_members=draft_members,
+        groups=groups,
+        world=world,
     )
 
 

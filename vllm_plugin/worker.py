@@ -19,6 +19,13 @@ request runs with empty draft state there (a counted partial hit). Saves run
 once per step (in `wait_for_save`, which vLLM defers until the drafter ran),
 however often the drafter's layers call `save_kv_layer`.
 
+Hybrid models (several KV cache groups): each group is a member of its own
+(``kv``, ``kv_g1``...), copied from that group's layers at that group's
+block ids (`BlockRef.block_ids`). Blocks vLLM frees before the request ends
+(sliding window, Mamba) arrive as `TransferJob.capture` saves: they are
+copied out in the same step's ``wait_for_save``, before vLLM can reuse
+them, and stored in the background.
+
 Every wait is bounded by ``io_timeout_ms``: a load still running after it is
 cancelled (its blocks are reported as load errors and will never be written
 by the late thread), so a hung tier can never hold a request forever. In a
@@ -48,7 +55,7 @@ from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem
 
 from .blocks import BlockLayout
-from .metadata import BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
+from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
@@ -78,6 +85,19 @@ def keep_draft_on_load() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """One member this worker writes: its layers' layout and which group's block ids address it."""
+
+    member: str
+    fingerprint: str
+    layout: BlockLayout
+    group: int
+    """Index into `BlockRef.block_ids`."""
+    draft: bool = False
+    """The sidecar draft member (loaded only for `BlockRef.with_draft` chunks)."""
+
+
 @dataclass
 class _LoadTask:
     job: TransferJob
@@ -95,13 +115,13 @@ class WorkerSide:
         self.tp_rank = _tp_rank()
         self.pp_rank = _pp_rank()
         world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-        self.member = member_name(self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank, world)
+        self.rank = self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank
+        self.world = world
+        self.member = member_name(self.rank, world)
         self.vllm_config = vllm_config
-        self.draft_member = (
-            member_name(self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank, world, DRAFT_MEMBER)
-            if scope.draft_placement is DraftPlacement.SIDECAR
-            else None
-        )
+        self.draft_member = member_name(self.rank, world, DRAFT_MEMBER) if scope.draft_placement is DraftPlacement.SIDECAR else None
+        self.slots: list[_Slot] = []
+        """Every member this rank writes (group 0's ``kv`` first)."""
         self.store = store or KVStore.from_config(config)
         self.layout: BlockLayout | None = None
         """Layers of the ``kv`` object (PACKED: target then draft layers)."""
@@ -119,6 +139,7 @@ class WorkerSide:
         self._done_recving: set[str] = set()
         self._done_sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
         self._reported_stored: list[StoredObject] = []
         self._reported_evicted: list[str] = []
         self._failed_loads: list[str] = []
@@ -126,7 +147,7 @@ class WorkerSide:
         self._idle_step = False
         self._step_loads: list[_LoadTask] = []
         self._load_q: queue.Queue[_LoadTask | None] = queue.Queue()
-        self._save_q: queue.Queue[TransferJob | None] = queue.Queue()
+        self._save_q: queue.Queue[tuple[TransferJob, list[PutItem] | None] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvpack-vllm-load", daemon=True),
             threading.Thread(target=self._save_loop, name="kvpack-vllm-save", daemon=True),
@@ -144,6 +165,9 @@ class WorkerSide:
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if self.scope.hybrid:
+            self._register_groups(kv_caches, num_blocks)
+            return
         placement = self.scope.draft_placement
         target, draft = split_draft_layers(self.vllm_config, tuple(kv_caches))
         if placement is DraftPlacement.SIDECAR and not draft:
@@ -164,11 +188,14 @@ class WorkerSide:
         self.fingerprint = self._member_fingerprint(kv_caches, kv_names, self.layout, "kv")
         self.target_layout = layout(target) if kv_names != target else self.layout
         self.target_bytes = self.target_layout.slot_bytes
+        self.slots = [_Slot(self.member, self.fingerprint, self.layout, 0)]
         if draft:
             self.draft_layout = layout(draft)
             self.draft_bytes = self.draft_layout.slot_bytes
             if placement is DraftPlacement.SIDECAR:
+                assert self.draft_member is not None
                 self.draft_fingerprint = self._member_fingerprint(kv_caches, draft, self.draft_layout, DRAFT_MEMBER)
+                self.slots.append(_Slot(self.draft_member, self.draft_fingerprint, self.draft_layout, 0, draft=True))
         log.info(
             "kvpack: %d KV layers registered (%d draft, %s), %d blocks, %d bytes per object, member %s%s",
             len(kv_caches),
@@ -180,12 +207,42 @@ class WorkerSide:
             f" + {self.draft_member} ({self.draft_bytes} bytes)" if self.draft_member else "",
         )
 
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Hybrid model: one member per KV cache group, over that group's layers (a drafter's
+        layers are packed into the group vLLM put them in)."""
+        for group in self.scope.groups:
+            names = tuple(n for n in kv_caches if n in group.layer_names)
+            if not names:
+                continue  # this rank holds no layer of the group (pipeline parallel)
+            tensors = [t for n in names for t in _layer_tensors(kv_caches[n])]
+            layout = BlockLayout.from_tensors(tensors, num_blocks)
+            member = member_name(self.rank, self.world, group.member_base)
+            fingerprint = self._member_fingerprint(kv_caches, names, layout, group.member_base)
+            self.slots.append(_Slot(member, fingerprint, layout, group.index))
+            log.info(
+                "kvpack: KV cache group %d (%s, %s coverage): %d layers, %d bytes per object, member %s",
+                group.index,
+                group.kind,
+                group.coverage.value,
+                len(names),
+                layout.slot_bytes,
+                member,
+            )
+        unknown = set(kv_caches) - {n for g in self.scope.groups for n in g.layer_names}
+        if unknown:
+            raise LayoutError(f"kvpack: KV layers {sorted(unknown)} belong to no KV cache group")
+        first = self.slots[0]
+        self.layout = self.target_layout = first.layout
+        self.member, self.fingerprint, self.slot_bytes = first.member, first.fingerprint, first.layout.slot_bytes
+        self.target_bytes = self.slot_bytes
+
     def _member_fingerprint(
         self, kv_caches: dict[str, torch.Tensor], names: tuple[str, ...], layout: BlockLayout, role: str
     ) -> str:
         extra: tuple[tuple[str, str], ...] = (("layers", ";".join(layout.description)),)
         if role != "kv":
             extra += (("member", role),)
+        first = kv_caches[names[0]] if names else None
         spec = KVLayoutSpec(
             engine=self.scope.spec.engine,
             model=self.scope.spec.model,
@@ -196,7 +253,7 @@ class WorkerSide:
             tp_rank=self.tp_rank,
             pp_rank=self.pp_rank,
             layer_names=names,
-            layer_shape=tuple(kv_caches[names[0]].shape[1:]) if names else (),
+            layer_shape=tuple(first.shape[1:]) if isinstance(first, torch.Tensor) else (),
             extra=extra,
         )
         assert spec.group_fingerprint == self.scope.fingerprint
@@ -208,7 +265,7 @@ class WorkerSide:
         """Queue this step's loads (called from start_load_kv)."""
         self._idle_step = not has_forward
         self._step_loads = []
-        if self.layout is None:
+        if not self.slots:
             return
         for job in meta.loads:
             task = _LoadTask(job, time.monotonic())
@@ -218,13 +275,23 @@ class WorkerSide:
             self._load_q.put(task)
 
     def queue_saves(self, meta: KVPackConnectorMetadata) -> None:
-        """Queue this step's saves (called from wait_for_save: once per step, after every forward)."""
-        if self.layout is None:
+        """Queue this step's saves (called from wait_for_save: once per step, after every forward).
+
+        Capture jobs are copied out here, before vLLM can free their blocks."""
+        if not self.slots:
             return
         for job in meta.saves:
-            self._save_q.put(job)
+            if job.capture:
+                try:
+                    self._save_q.put((job, self._gather(job)))
+                except Exception as exc:  # a failed capture is a future miss, never an engine error
+                    log.warning("kvpack: capture for %s failed: %s", job.req_id, exc)
+                    self._count("save_errors")
+            else:
+                self._save_q.put((job, None))
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(saves done, loads done, loads failed): a failed load is also a done load."""
         timeout = self.config.io_timeout_ms / 1000.0
         if self._idle_step and self._step_loads:
             deadline = time.monotonic() + timeout
@@ -241,24 +308,30 @@ class WorkerSide:
                         self._load_errors |= task.failed_blocks
                         if task.failed_blocks:
                             self._failed_loads.append(req_id)
+                            self._failed_recving.add(req_id)
                 elif now - task.started > timeout:
                     task.cancelled = True  # the load thread will not write these blocks any more
                     del self._loads[req_id]
                     self._done_recving.add(req_id)
-                    self._load_errors |= {b.block_id for b in task.job.blocks}
+                    self._load_errors |= {b for ref in task.job.blocks for b in ref.blocks}
                     self._failed_loads.append(req_id)
+                    self._failed_recving.add(req_id)
                     self._count("load_timeouts")
                     log.warning("kvpack: load for %s exceeded io_timeout_ms=%d; recomputing", req_id, self.config.io_timeout_ms)
             recving, self._done_recving = self._done_recving, set()
             sending, self._done_sending = self._done_sending, set()
-        return sending, recving
+            failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:
+        """Blocks whose load failed (vLLM recomputes from the first). Empty for hybrid models:
+        block ids are not unique across KV cache groups there, so vLLM takes failures per
+        request (`get_finished`'s third set) and recomputes the whole request."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         if errors:
             self._count("load_error_blocks", len(errors))
-        return errors
+        return set() if self.scope.hybrid else errors
 
     def take_report(self) -> KVPackWorkerMetadata | None:
         with self._lock:
@@ -292,7 +365,7 @@ class WorkerSide:
                 self._run_load(task)
             except Exception as exc:  # never let a load kill the thread: report the blocks
                 log.warning("kvpack: load for %s failed: %s", task.job.req_id, exc)
-                task.failed_blocks = {b.block_id for b in task.job.blocks}
+                task.failed_blocks = {b for ref in task.job.blocks for b in ref.blocks}
             finally:
                 task.done.set()
 
@@ -312,45 +385,44 @@ class WorkerSide:
         )
 
     def _run_load(self, task: _LoadTask) -> None:
-        assert self.layout is not None and self.target_layout is not None
         job = task.job
         n = len(job.blocks)
-        staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
-        rows = staging.numpy()
-        items = [
-            self._load_item(job.tenant, ref, self.member, self.fingerprint, memoryview(rows[i]))
-            for i, ref in enumerate(job.blocks)
-        ]
         restore_draft = keep_draft_on_load()
-        # SIDECAR: the draft member of every block that has one (with_draft), one batch with the target's
-        with_draft = [i for i, ref in enumerate(job.blocks) if ref.with_draft] if self.draft_member else []
-        dstaging = torch.empty((len(with_draft), self.draft_bytes), dtype=torch.uint8)
-        if restore_draft and with_draft:
-            drows = dstaging.numpy()
-            assert self.draft_member is not None
-            member, fingerprint = self.draft_member, self.draft_fingerprint
-            items += [
-                self._load_item(job.tenant, job.blocks[i], member, fingerprint, memoryview(drows[j]))
-                for j, i in enumerate(with_draft)
+        plans: list[tuple[_Slot, list[int], torch.Tensor]] = []
+        items: list[LoadItem] = []
+        for slot in self.slots:
+            wanted = [
+                i
+                for i, ref in enumerate(job.blocks)
+                if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or (restore_draft and ref.with_draft))
             ]
+            staging = torch.empty((len(wanted), slot.layout.slot_bytes), dtype=torch.uint8)
+            rows = staging.numpy()
+            items += [
+                self._load_item(job.tenant, job.blocks[i], slot.member, slot.fingerprint, memoryview(rows[j]))
+                for j, i in enumerate(wanted)
+            ]
+            plans.append((slot, wanted, staging))
         start = time.perf_counter()
         results = self.store.load(items)
-        good = [r.ok for r in results[:n]]
-        if restore_draft and with_draft:
-            for j, i in enumerate(with_draft):
-                good[i] = good[i] and results[n + j].ok  # a block whose draft is missing is not a hit
+        good = [True] * n
+        pos = 0
+        for _, wanted, _ in plans:
+            for i in wanted:  # a chunk is a hit only when every member it copies loaded
+                good[i] = good[i] and results[pos].ok
+                pos += 1
         ok = [i for i in range(n) if good[i]]
-        failed = {job.blocks[i].block_id for i in range(n) if not good[i]}
+        failed = {b for i in range(n) if not good[i] for b in job.blocks[i].blocks}
         with self._lock:
             if task.cancelled:
                 return
             if ok:
-                self._scatter(job, ok, staging, with_draft, dstaging, restore_draft)
+                self._scatter(job, good, plans, restore_draft)
             task.failed_blocks = failed
         tokens = sum(_tokens_used(job.blocks[i]) for i in ok)
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
-        self._count("loaded_bytes", len(ok) * self.slot_bytes)
+        self._count("loaded_bytes", sum(int(staging.shape[1]) for _, wanted, staging in plans for i in wanted if good[i]))
         if self.draft_layout is not None:
             drafted = sum(1 for i in ok if job.blocks[i].with_draft) if restore_draft else 0
             self._count("loaded_draft_blocks", drafted)
@@ -364,76 +436,76 @@ class WorkerSide:
     def _save_loop(self) -> None:
         lower_current_thread_priority()  # saves must not slow the engine's next steps
         while True:
-            job = self._save_q.get()
-            if job is None:
+            entry = self._save_q.get()
+            if entry is None:
                 return
+            job, items = entry
             try:
-                self._run_save(job)
+                self._put(job, items if items is not None else self._gather(job))
             except Exception as exc:  # a failed save is a future miss, never an engine error
                 log.warning("kvpack: save for %s failed: %s", job.req_id, exc)
                 self._count("save_errors")
             finally:
-                with self._lock:
-                    self._done_sending.add(job.req_id)
+                if not job.capture:
+                    with self._lock:
+                        self._done_sending.add(job.req_id)
                 self._save_q.task_done()
 
     def _scatter(
-        self,
-        job: TransferJob,
-        ok: list[int],
-        staging: torch.Tensor,
-        with_draft: list[int],
-        dstaging: torch.Tensor,
-        restore_draft: bool,
+        self, job: TransferJob, good: list[bool], plans: list[tuple[_Slot, list[int], torch.Tensor]], restore_draft: bool
     ) -> None:
-        """Loaded rows -> blocks (called under the lock, never after a cancel)."""
-        assert self.layout is not None and self.target_layout is not None
-        ids = [job.blocks[i].block_id for i in ok]
-        rows = staging[ok] if len(ok) < len(job.blocks) else staging
-        if self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft:
-            self.target_layout.scatter(ids, rows[:, : self.target_bytes].contiguous())
-        else:
-            self.layout.scatter(ids, rows)
+        """Loaded rows -> blocks, member by member (called under the lock, never after a cancel)."""
+        packed_target_only = self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
+        for slot, wanted, staging in plans:
+            sel = [j for j, i in enumerate(wanted) if good[i]]
+            if not sel:
+                continue
+            ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
+            rows = staging[sel] if len(sel) < len(wanted) else staging
+            if packed_target_only and slot.group == 0 and not slot.draft:
+                assert self.target_layout is not None
+                self.target_layout.scatter(ids, rows[:, : self.target_bytes].contiguous())
+            else:
+                slot.layout.scatter(ids, rows)
         if self.draft_member is None or self.draft_layout is None:
             return
-        pos = {i: j for j, i in enumerate(with_draft)}
-        if restore_draft:
-            drafted = [i for i in ok if i in pos]
-            if drafted:
-                self.draft_layout.scatter([job.blocks[i].block_id for i in drafted], dstaging[[pos[i] for i in drafted]])
-        empty = [job.blocks[i].block_id for i in ok if i not in pos]  # target_only: no stored draft state
+        # target_only: chunks loaded without their draft member get empty draft state
+        empty = [ref.block_ids[0] for ref, ok in zip(job.blocks, good) if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK]
         if empty:
             self.draft_layout.scatter(empty, torch.zeros((len(empty), self.draft_bytes), dtype=torch.uint8))
 
-    def _run_save(self, job: TransferJob) -> None:
-        assert self.layout is not None
-        n = len(job.blocks)
-        block_ids = [b.block_id for b in job.blocks]
-        staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
-        self.layout.gather(block_ids, staging)
-        rows = staging.numpy()
-        members = [(self.member, self.fingerprint, rows)]
-        if self.draft_member is not None and self.draft_layout is not None and keep_draft_on_save():
-            dstaging = torch.empty((n, self.draft_bytes), dtype=torch.uint8)
-            self.draft_layout.gather(block_ids, dstaging)
-            members.insert(0, (self.draft_member, self.draft_fingerprint, dstaging.numpy()))  # draft first: no kv without it
-        items = []
-        for member, fingerprint, member_rows in members:
-            for i, ref in enumerate(job.blocks):
+    def _gather(self, job: TransferJob) -> list[PutItem]:
+        """Copy the job's blocks into fresh staging rows: one `PutItem` per chunk and member.
+
+        Sidecar draft members come first, so a chunk's ``kv`` never lands without them."""
+        slots = [s for s in self.slots if not s.draft or keep_draft_on_save()]
+        slots.sort(key=lambda s: not s.draft)
+        items: list[PutItem] = []
+        for slot in slots:
+            refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
+            if not refs:
+                continue
+            staging = torch.empty((len(refs), slot.layout.slot_bytes), dtype=torch.uint8)
+            slot.layout.gather([ref.block_ids[slot.group] for ref in refs], staging)
+            rows = staging.numpy()
+            for i, ref in enumerate(refs):
                 header = ObjectHeader(
-                    fingerprint=fingerprint,
+                    fingerprint=slot.fingerprint,
                     tenant=job.tenant,
                     chunk=ref.chunk,
-                    member=member,
+                    member=slot.member,
                     token_count=ref.token_count,
-                    payload_len=member_rows.shape[1],
+                    payload_len=rows.shape[1],
                     checksum=None,
                     token_ids=ref.token_ids,
                 )
-                items.append(PutItem(self._key(job.tenant, ref.chunk, member), header, memoryview(member_rows[i])))
+                items.append(PutItem(self._key(job.tenant, ref.chunk, slot.member), header, memoryview(rows[i])))
+        return items
+
+    def _put(self, job: TransferJob, items: list[PutItem]) -> None:
         start = time.perf_counter()
         self.store.store(items)
-        self._count("saved_blocks", n)
+        self._count("saved_blocks", len(job.blocks))
         self._count("saved_bytes", sum(it.header.payload_len for it in items))
         self._count("save_seconds", time.perf_counter() - start)
         if self._memory is not None:
@@ -465,6 +537,11 @@ class WorkerSide:
         for t in self._threads:
             t.join(timeout=self.config.io_timeout_ms / 1000.0 + 5.0)
         self.store.close()
+
+
+def _layer_tensors(cache: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """A layer's cache tensors (attention: one; Mamba: its conv and SSM state tensors)."""
+    return list(cache) if isinstance(cache, (list, tuple)) else [cache]
 
 
 def _tokens_used(ref: BlockRef) -> int:
