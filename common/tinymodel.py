@@ -140,6 +140,24 @@ def build_bench_llama(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def build_bench_swa_llama(path: str | os.PathLike[str]) -> Path:
+    """The benchmark model as a sliding-window hybrid: the same sizes, layers 0 and 3
+    full attention, the others a 1024-token window (vLLM gives it several KV cache groups)."""
+    return build_tiny_llama(
+        path,
+        num_layers=6,
+        hidden=1024,
+        heads=16,
+        kv_heads=4,
+        intermediate=2816,
+        dtype="bfloat16",
+        max_positions=8192,
+        initializer_range=0.02,
+        sliding_window=1024,
+        layer_types=("full_attention", "sliding_attention", "sliding_attention") * 2,
+    )
+
+
 def copy_model(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """A copy of a built model under another path (e.g. a draft model)."""
     out = Path(dst)

@@ -8,6 +8,13 @@ vLLM's own prefix cache off so every reuse comes from the connector:
   memory (same engine), then a hit from disk (a new engine on the same store);
 - vLLM's ExampleConnector (disk, safetensors): a miss (store) and a hit.
 
+`--hybrid` runs the same on a sliding-window hybrid of the bench model (two
+full-attention layers, four with a 1024-token window: several KV cache
+groups), adds kvpack with ``tail_reuse`` off (block-aligned reuse only) for
+the tokens-reused comparison, and runs ExampleConnector the only way vLLM
+allows it there (it does not support the hybrid allocator, so vLLM turns the
+allocator off and keeps every layer's whole history).
+
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; each number is
 the median over `--repeats` distinct prompts after `--warmups` warm-up prompts.
 Prints ratios; asserts nothing about speed.
@@ -54,16 +61,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--store-dir", default="", help="kvpack / ExampleConnector store root (default: a temp dir)")
     p.add_argument("--out", default="", help="write a markdown results file here")
     p.add_argument("--no-disk-hit", action="store_true", help="skip the new-engine (disk) kvpack hit")
+    p.add_argument("--hybrid", action="store_true", help="a sliding-window hybrid of the bench model (see above)")
     return p.parse_args(argv)
 
 
 def _model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    from ..tinymodel import build_bench_llama, build_tiny_llama
+    from ..tinymodel import build_bench_llama, build_bench_swa_llama, build_tiny_llama
 
     if args.small:
         return build_tiny_llama(Path(args.model_dir).with_name("tiny-llama"))
+    if args.hybrid:
+        return build_bench_swa_llama(Path(args.model_dir).with_name("bench-swa-llama"))
     return build_bench_llama(args.model_dir)
 
 
@@ -145,6 +155,15 @@ def run(args: argparse.Namespace) -> list[Result]:
         _ttft(llm, _prompts(3, args.warmups, n))
         t, r = _ttft(llm, timed)
         results.append(Result("kvpack hit (disk, new engine)", t, r, n))
+        shutdown(llm)
+    if args.hybrid:
+        aligned = {**kv, "kv_connector_extra_config": {"disk": {"path": str(root / "aligned")}, "tail_reuse": False}}
+        llm = _engine(model, aligned, max_len)
+        _ttft(llm, warm)
+        _ttft(llm, timed)
+        drain(llm)
+        t, r = _ttft(llm, timed)
+        results.append(Result("kvpack hit (memory), block-aligned only", t, r, n))
         shutdown(llm)
 
     ex = {
