@@ -2,9 +2,12 @@
 
 Same data, same cluster, same run: for each object size, batch put and batch
 get throughput of the raw API (``batch_put_from`` / ``batch_get_into`` on the
-caller's buffers) and of `MooncakeTier` (header + checksum + staging copy +
-verification), the ratio kvpack / raw, and the latency of a 1000-key batch
-lookup (``batch_is_exist`` vs ``MooncakeTier.contains``).
+caller's buffers, one call per batch), of the raw API with the same Mooncake
+group ids kvpack passes (one per kvpack group: here one per object), and of
+`MooncakeTier` (header + checksum + staging copy + verification + group ids);
+the ratios kvpack / raw and kvpack / raw with groups (the like-for-like one:
+kvpack must pass group ids for its group semantics), and the latency of a
+1000-key batch lookup (``batch_is_exist`` vs ``MooncakeTier.contains``).
 
     python -m kvpack.bench.mooncake_bench              # starts a master + holder on 127.0.0.1
     python -m kvpack.bench.mooncake_bench --master 10.0.0.1:50051
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     from ..config import MooncakeTierConfig
     from ..keys import StoreKey
@@ -128,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         fp = "cd" * 16
         print(f"master {master}; {args.total_mib} MiB per batch, {args.repeats} interleaved repeats; GB/s of the median; "
               "ratios of the medians and of the best times; spread = (max-min)/median of raw and kvpack")
-        print(f"{'size':>6} {'op':>4} {'raw':>7} {'kvpack':>7} {'ratio':>6} {'best':>6}  {'kvpack+checksum':>15} {'ratio':>6} {'best':>6}"
-              f"  {'spread':>11}")
+        print("ratio: kvpack / raw; ratio/g and best/g: kvpack / raw with the same group ids; +checksum: get with payload "
+              "checksum verification, its ratio vs raw with groups")
+        print(f"{'size':>6} {'op':>4} {'raw':>6} {'raw+g':>6} {'kvpack':>6} {'ratio':>6} {'ratio/g':>7} {'best/g':>6}"
+              f"  {'+checksum':>9} {'ratio/g':>7}  {'spread raw/raw+g/kvpack':>23}")
         for label, size in SIZES.items():
             n = max(1, total // size)
             src = np.random.default_rng(size).integers(0, 256, n * size, dtype=np.uint8)
@@ -138,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             dviews = [memoryview(dst[i * size:(i + 1) * size]) for i in range(n)]
             ptrs = [src.ctypes.data + i * size for i in range(n)]
             dptrs = [dst.ctypes.data + i * size for i in range(n)]
-            t = {k: [] for k in ("rp", "rg", "kp", "kg", "kgc")}
+            t = {k: [] for k in ("rp", "rg", "gp", "gg", "kp", "kg", "kgc")}
             for r in range(args.repeats):
                 rkeys = [f"bench/raw/{label}/{r}/{i}" for i in range(n)]
+                gkeys = [f"bench/rawg/{label}/{r}/{i}" for i in range(n)]
+                gcfg = ReplicateConfig()
+                gcfg.group_ids = [f"bench/rawg/{label}/{r}/g{i}" for i in range(n)]
                 keys = [StoreKey("default", fp, f"b{label}-{r}-{i}", "kv") for i in range(n)]
                 items = [PutItem(k, ObjectHeader(fp, "default", k.chunk, "kv", 16, size, None), v) for k, v in zip(keys, views)]
                 exp = [Expectation(fp, "default", k.chunk, "kv", 16, size) for k in keys]
@@ -149,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
                 def raw_put() -> None:
                     s0 = time.perf_counter(); codes = raw.batch_put_from(rkeys, ptrs, [size] * n); t["rp"].append(time.perf_counter() - s0)
                     assert all(c == 0 for c in codes), codes
+
+                def rawg_put() -> None:
+                    s0 = time.perf_counter(); codes = raw.batch_put_from(gkeys, ptrs, [size] * n, gcfg); t["gp"].append(time.perf_counter() - s0)
+                    assert all(c == 0 for c in codes), codes
+
+                def rawg_get() -> None:
+                    s0 = time.perf_counter(); got = raw.batch_get_into(gkeys, dptrs, [size] * n); t["gg"].append(time.perf_counter() - s0)
+                    assert all(g == size for g in got), got
 
                 def kv_put() -> None:
                     s0 = time.perf_counter(); st = tier.put_from(items); t["kp"].append(time.perf_counter() - s0)
@@ -162,20 +178,22 @@ def main(argv: list[str] | None = None) -> int:
                     s0 = time.perf_counter(); res = tier.get_into(keys, dviews, exp, False); t["kg"].append(time.perf_counter() - s0)
                     assert all(x.ok for x in res)
 
-                for fn in ((raw_put, kv_put, raw_get, kv_get) if r % 2 == 0 else (kv_put, raw_put, kv_get, raw_get)):
+                order = (raw_put, rawg_put, kv_put, raw_get, rawg_get, kv_get)
+                for fn in (order if r % 2 == 0 else order[2::-1] + order[:2:-1]):
                     fn()
                 s0 = time.perf_counter(); res = tier.get_into(keys, dviews, exp, True); t["kgc"].append(time.perf_counter() - s0)
                 assert all(x.ok for x in res) and np.array_equal(src, dst)
                 raw.batch_remove(rkeys, True)
+                raw.batch_remove(gkeys, True)
                 tier.remove_groups([k.group for k in keys])
             m = {k: _gbps(n * size, statistics.median(v)) for k, v in t.items()}
             b = {k: _gbps(n * size, min(v)) for k, v in t.items()}
             # spread: (slowest - fastest) / median of each series, the noise of this run
             sp = {k: (max(v) - min(v)) / statistics.median(v) for k, v in t.items()}
-            print(f"{label:>6} {'put':>4} {m['rp']:7.2f} {m['kp']:7.2f} {m['kp'] / m['rp']:6.2f} {b['kp'] / b['rp']:6.2f}"
-                  f"  {'(always)':>15} {'':>6} {'':>6}  {sp['rp']:5.0%} {sp['kp']:5.0%}")
-            print(f"{label:>6} {'get':>4} {m['rg']:7.2f} {m['kg']:7.2f} {m['kg'] / m['rg']:6.2f} {b['kg'] / b['rg']:6.2f}"
-                  f"  {m['kgc']:15.2f} {m['kgc'] / m['rg']:6.2f} {b['kgc'] / b['rg']:6.2f}  {sp['rg']:5.0%} {sp['kg']:5.0%}")
+            print(f"{label:>6} {'put':>4} {m['rp']:6.2f} {m['gp']:6.2f} {m['kp']:6.2f} {m['kp'] / m['rp']:6.2f} {m['kp'] / m['gp']:7.2f}"
+                  f" {b['kp'] / b['gp']:6.2f}  {'(always)':>9} {'':>7}  {sp['rp']:7.0%} {sp['gp']:7.0%} {sp['kp']:7.0%}")
+            print(f"{label:>6} {'get':>4} {m['rg']:6.2f} {m['gg']:6.2f} {m['kg']:6.2f} {m['kg'] / m['rg']:6.2f} {m['kg'] / m['gg']:7.2f}"
+                  f" {b['kg'] / b['gg']:6.2f}  {m['kgc']:9.2f} {m['kgc'] / m['gg']:7.2f}  {sp['rg']:7.0%} {sp['gg']:7.0%} {sp['kg']:7.0%}")
         # Batch lookup latency, 1000 keys (half present).
         keys = [StoreKey("default", fp, f"look-{i}", "kv") for i in range(1000)]
         small = np.zeros(64, dtype=np.uint8)

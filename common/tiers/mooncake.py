@@ -20,7 +20,9 @@ What this tier adds to ``MooncakeDistributedStore``:
   also makes `close` wait for calls in flight, and leaks rather than closes
   a store that a stuck call still uses.
 - Bounded failure. Calls run on `LaneRunner` workers and the caller waits at
-  most `timeout_ms` (see `kvpack.tiers.mooncake_runner`). A stall or a
+  most `timeout_ms` (see `kvpack.tiers.mooncake_runner`: one worker makes all
+  Mooncake calls of a batch back to back from a two-slot ring, another stages
+  the next step or checks and copies out the previous one meanwhile). A stall or a
   connection failure opens a circuit breaker: the tier answers UNAVAILABLE
   without calling Mooncake for `backoff_s`, a background probe closes the
   breaker when the master answers again (Mooncake's client reconnects by
@@ -80,7 +82,7 @@ from ..objects import (
     payload_parts,
 )
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .mooncake_runner import CircuitBreaker, Job, JobState, Lane, LaneRunner
+from .mooncake_runner import CircuitBreaker, Job, JobState, Lane, LaneRunner, Slot
 
 log = logging.getLogger("kvpack")
 
@@ -278,9 +280,13 @@ class TierState:
 _ALIGN = 64
 _PEEK_BYTES = 4096
 _STEP_MAX_BYTES = 16 << 20
-"""A sub-batch moves at most this much, so a large healthy batch shows progress
-well inside the deadline and is not mistaken for a stall. The sub-batches of
-one call run on all lanes at once."""
+"""Target bytes a sub-batch (one Mooncake call) moves: a large healthy batch
+shows progress well inside the deadline (not mistaken for a stall). Measured
+on loopback (benchmarks/RESULTS.md): 4 and 8 MiB steps were slower than 16 MiB
+(more calls), 64 MiB no faster."""
+_SLOTS = 2
+"""Ring slots per job: the leader transfers one while a helper prepares the next
+(put) or checks and copies out the previous one (get)."""
 _DIRECT_MIN_BYTES = 256 << 10
 """Payloads this large are put straight from the caller's regions (TCP):
 Mooncake gathers [header in the lane, payload regions] itself, no staging
@@ -428,6 +434,48 @@ def _copy_out(dst: Payload, staged: Any, src_addr: int, header_len: int, n: int)
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def plan_steps(slot_budgets: Sequence[int], xfer_bytes: Sequence[int], slot_cap: int, step_bytes: int) -> list[list[int]]:
+    """Split items (in order) into steps whose staging fits one slot of `slot_cap`
+    bytes and whose transfers are about `step_bytes` each (even steps, up to a
+    quarter over the target: 64 MiB of 64 KiB objects plus headers in 8 MiB
+    steps is 8 calls, not 8 full ones and a tiny ninth). An item larger than a
+    slot is a step of its own (it gets a private buffer)."""
+    total = sum(xfer_bytes)
+    parts = max(round(total / step_bytes), 1)
+    if total > parts * step_bytes * 5 // 4:
+        parts += 1
+    step_cap = -(-total // parts) + max(xfer_bytes, default=0)
+    steps: list[list[int]] = []
+    cur: list[int] = []
+    used = moved = 0
+    for i, (b, x) in enumerate(zip(slot_budgets, xfer_bytes)):
+        if cur and (used + b > slot_cap or moved + x > step_cap):
+            steps.append(cur)
+            cur, used, moved = [], 0, 0
+        cur.append(i)
+        used += b
+        moved += x
+    if cur:
+        steps.append(cur)
+    return steps
+
+
+@dataclass
+class _PutStep:
+    """One put step, staged by `prepare` and consumed by `transfer`.
+
+    `kept` (item indices) line up with `preps`, `buffers` and `sizes` (the
+    address and byte count lists Mooncake gets) and `groups` (Mooncake group
+    ids, None without groups); `dropped` items could not be encoded (ERROR)."""
+
+    kept: list[int]
+    dropped: list[int]
+    preps: list[_Prep]
+    buffers: list[list[int]]
+    sizes: list[list[int]]
+    groups: list[str] | None
 
 
 def _expected_header_len(exp: Expectation) -> int:
@@ -637,7 +685,7 @@ class MooncakeTier(Tier):
 
     def _probe(self) -> None:
         """Off the engine's path: one cheap call; close the breaker if it answers."""
-        job: Job[int] = Job(1, self._probe_step, 1)
+        job: Job[int] = Job(1, 1, self._probe_step)
         state, _, results = self._runner.run(job, max(self._timeout_s, 1.0))
         rc = results[0]
         if state is JobState.DONE and rc is not None and rc >= 0:
@@ -645,7 +693,7 @@ class MooncakeTier(Tier):
         else:
             self.breaker.rearm()
 
-    def _probe_step(self, job: Job[int], lane: Lane, step: int) -> None:
+    def _probe_step(self, job: Job[int], slot: Slot, step: int) -> None:
         rc = self._call(lambda s: s.batch_is_exist([_PROBE_KEY])[0], default=-900)
         job.publish(step, [0], [int(rc)])
 
@@ -703,11 +751,11 @@ class MooncakeTier(Tier):
             return [False] * len(keys)
         names = [k.as_str() for k in keys]
 
-        def step(job: Job[list[int]], lane: Lane, i: int) -> None:
+        def step(job: Job[list[int]], slot: Slot, i: int) -> None:
             codes = self._call(lambda s: list(s.batch_is_exist(names)), default=[-900] * len(names))
             job.publish(i, [0], [codes])
 
-        state, results = self._run(Job(1, step, 1))
+        state, results = self._run(Job(1, 1, step))
         codes = results[0]
         if codes is None or len(codes) != len(keys):
             return [False] * len(keys)
@@ -720,13 +768,13 @@ class MooncakeTier(Tier):
         names = [k.as_str() for k in keys]
         n = len(names)
 
-        def step(job: Job[ObjectHeader | None], lane: Lane, i: int) -> None:
-            job.publish(i, list(range(n)), self._peek_on_worker(names, lane))
+        def step(job: Job[ObjectHeader | None], slot: Slot, i: int) -> None:
+            job.publish(i, list(range(n)), self._peek_on_worker(names, slot))
 
-        state, results = self._run(Job(n, step, 1))
+        state, results = self._run(Job(n, 1, step))
         return [r for r in results]
 
-    def _peek_on_worker(self, names: list[str], lane: Lane) -> list[ObjectHeader | None]:
+    def _peek_on_worker(self, names: list[str], lane: Slot) -> list[ObjectHeader | None]:
         out: list[ObjectHeader | None] = [None] * len(names)
         sizes = [int(self._call(lambda s, k=k: s.get_size(k), default=-900)) for k in names]
         self._note_codes(sizes)
@@ -778,77 +826,55 @@ class MooncakeTier(Tier):
             return [GetResult(refused, detail="mooncake tier not available") for _ in keys]
         names = [k.as_str() for k in keys]
         budgets = [_round_up(payload_nbytes(d) + _expected_header_len(e)) for d, e in zip(dsts, expected)]
-        steps = self._plan(budgets, budgets)
+        slot_bytes = self._slot_bytes(budgets)
+        steps = plan_steps(budgets, budgets, slot_bytes, _STEP_MAX_BYTES)
+        staged: dict[int, tuple[list[Any], list[int], list[int]]] = {}
+        """Per step, from its transfer to its finish: staging views, addresses, byte counts."""
 
-        def run_step(job: Job[GetResult], lane: Lane, s: int) -> None:
-            self._get_step(job, lane, s, steps[s], names, dsts, expected, budgets, verify_checksum)
+        def transfer(job: Job[GetResult], slot: Slot, s: int) -> None:
+            staged[s] = self._get_transfer(slot, steps[s], names, budgets)
 
-        state, results = self._run(Job(len(keys), run_step, len(steps)))
+        def finish(job: Job[GetResult], slot: Slot, s: int) -> None:
+            views, addrs, got = staged.pop(s)
+            self._get_finish(job, s, steps[s], views, addrs, got, dsts, expected, verify_checksum)
+
+        job: Job[GetResult] = Job(len(keys), len(steps), transfer, finish=finish, slots=_SLOTS, slot_bytes=slot_bytes)
+        state, results = self._run(job)
         out = [r if r is not None else GetResult(TierStatus.TIMEOUT, detail=f"no answer within {self.config.timeout_ms} ms") for r in results]
         for key, res in zip(names, out):
             if res.status is TierStatus.REJECTED and res.reason in _INTEGRITY_REASONS:
                 self._mark_overwrite(key)
         return out
 
-    def _plan(self, lane_budgets: Sequence[int], xfer_bytes: Sequence[int]) -> list[list[int]]:
-        """Split items into steps whose staging fits one lane and whose transfer
-        stays under `_STEP_MAX_BYTES` (steps of one call run on parallel lanes)."""
-        lane_cap = self._lane_bytes
-        # Even steps, `_STEP_MAX_BYTES` as a target (up to 1/4 over): 64 MiB of 64 KiB
-        # objects plus headers is 4 calls, not 4 full ones and a tiny fifth.
-        total = sum(xfer_bytes)
-        parts = max(round(total / _STEP_MAX_BYTES), 1)
-        if total > parts * _STEP_MAX_BYTES * 5 // 4:
-            parts += 1
-        step_cap = -(-total // parts) + max(xfer_bytes, default=0)
-        steps: list[list[int]] = []
-        cur: list[int] = []
-        used = moved = 0
-        for i, (b, x) in enumerate(zip(lane_budgets, xfer_bytes)):
-            if cur and (used + b > lane_cap or moved + x > step_cap):
-                steps.append(cur)
-                cur, used, moved = [], 0, 0
-            cur.append(i)
-            used += b
-            moved += x
-        if cur:
-            steps.append(cur)
-        return steps
+    def _slot_bytes(self, budgets: Sequence[int]) -> int:
+        """Bytes of each ring slot for a call: a step's worth, or the largest object, within a lane."""
+        want = max(_STEP_MAX_BYTES + _STEP_MAX_BYTES // 4, max(budgets, default=0))
+        return min(want, self._lane_bytes // _SLOTS) // _ALIGN * _ALIGN
 
-    def _buffers(self, lane: Lane, idx: list[int], budgets: Sequence[int]) -> tuple[list[Any], list[int]]:
-        """Per item of a step: a staging view and its address (own buffer if larger than the lane)."""
+    @staticmethod
+    def _buffers(slot: Slot, idx: list[int], budgets: Sequence[int]) -> tuple[list[Any], list[int]]:
+        """Per item of a step: a staging view and its address (own buffer if larger than the slot)."""
         views: list[Any] = []
         addrs: list[int] = []
         off = 0
-        cap = lane.view.nbytes
+        cap = slot.view.nbytes
+        view, base = slot.view, slot.address
         for i in idx:
             b = budgets[i]
             if off + b <= cap:
-                views.append(lane.view[off : off + b])
-                addrs.append(lane.address + off)
+                views.append(view[off : off + b])
+                addrs.append(base + off)
                 off += b
-            else:  # larger than a whole lane: a private buffer (TCP only; RDMA would need registration)
+            else:  # larger than a whole slot: a private buffer (TCP only; RDMA would need registration)
                 own = np.empty(b, dtype=np.uint8)
                 views.append(own)
                 addrs.append(own.ctypes.data)
         return views, addrs
 
-    def _get_step(
-        self,
-        job: Job[GetResult],
-        lane: Lane,
-        step: int,
-        idx: list[int],
-        names: list[str],
-        dsts: Sequence[Payload],
-        expected: Sequence[Expectation],
-        budgets: Sequence[int],
-        verify: bool,
-    ) -> None:
-        views, addrs = self._buffers(lane, idx, budgets)
+    def _get_transfer(self, slot: Slot, idx: list[int], names: list[str], budgets: Sequence[int]) -> tuple[list[Any], list[int], list[int]]:
+        """The Mooncake calls of one get step, into its slot: (views, addresses, codes or byte counts)."""
+        views, addrs = self._buffers(slot, idx, budgets)
         step_names = [names[i] for i in idx]
-        if not job.take_turn(step):
-            return
         got = self._call(
             lambda s: list(s.batch_get_into(step_names, addrs, [budgets[i] for i in idx])),
             default=[-900] * len(idx),
@@ -862,8 +888,22 @@ class MooncakeTier(Tier):
                 views[j] = own
                 addrs[j] = own.ctypes.data
                 got[j] = int(self._call(lambda s: s.batch_get_into([step_names[j]], [own.ctypes.data], [size])[0], default=-900))
-        job.end_turn(step)
         self._note_codes(got)
+        return views, addrs, got
+
+    def _get_finish(
+        self,
+        job: Job[GetResult],
+        step: int,
+        idx: list[int],
+        views: list[Any],
+        addrs: list[int],
+        got: list[int],
+        dsts: Sequence[Payload],
+        expected: Sequence[Expectation],
+        verify: bool,
+    ) -> None:
+        """Check every staged object of a step, copy the accepted ones out, publish."""
         # Every check runs on the staged bytes, before any caller memory is touched.
         fast = _FastHeaders()
         results: list[GetResult] = []
@@ -926,28 +966,36 @@ class MooncakeTier(Tier):
         if refused is not None:
             return [refused] * len(items)
         direct_ok = self._direct_put
+        with self._lock:
+            overwrite = set(self._overwrite) if self._overwrite else None
         prepared: list[_Prep | None] = []
         for item in items:
             h = item.header
             parts = payload_parts(item.payload)
-            nbytes = sum(p.nbytes for p in parts)
+            nbytes = parts[0].nbytes if len(parts) == 1 else sum(p.nbytes for p in parts)
             if nbytes != h.payload_len:
                 prepared.append(None)
                 continue
             name = item.key.as_str()
-            upsert = h.token_ids is not None or self._wants_overwrite(name)
+            upsert = h.token_ids is not None or (overwrite is not None and name in overwrite)
             direct = direct_ok and not upsert and nbytes >= _DIRECT_MIN_BYTES
             prepared.append(_Prep(item.key, name, h, parts, nbytes, upsert, direct))
         todo = [i for i, p in enumerate(prepared) if p is not None]
-        # Checksums and headers are made on the workers, step by step (pipelined with
-        # the transfers); the plan only needs the header lengths.
+        # Checksums and headers are made step by step, while the previous step
+        # transfers; the plan only needs the header lengths.
         lane_budgets = [_round_up(p.hdr_len + (0 if p.direct else p.nbytes)) if p else 0 for p in prepared]
         xfer = [p.hdr_len + p.nbytes if p else 0 for p in prepared]
-        steps = [[todo[k] for k in step] for step in self._plan([lane_budgets[i] for i in todo], [xfer[i] for i in todo])]
+        slot_bytes = self._slot_bytes([lane_budgets[i] for i in todo])
+        plan = plan_steps([lane_budgets[i] for i in todo], [xfer[i] for i in todo], slot_bytes, _STEP_MAX_BYTES)
+        steps = [[todo[k] for k in step] for step in plan]
+        staged: dict[int, _PutStep] = {}
         statuses: list[TierStatus] = [TierStatus.ERROR] * len(items)
 
-        def run_step(job: Job[TierStatus], lane: Lane, s: int) -> None:
-            self._put_step(job, lane, s, steps[s], prepared, lane_budgets)
+        def prepare(job: Job[TierStatus], slot: Slot, s: int) -> None:
+            staged[s] = self._put_prepare(slot, steps[s], prepared, lane_budgets)
+
+        def transfer(job: Job[TierStatus], slot: Slot, s: int) -> None:
+            self._put_transfer(job, s, staged.pop(s))
 
         def undo(job: Job[TierStatus], s: int) -> None:
             # The caller answered TIMEOUT for this step: whatever Mooncake stored must go again.
@@ -955,65 +1003,68 @@ class MooncakeTier(Tier):
             self._call(lambda st: st.batch_remove(keys), default=None)
             self.counters["abandoned_puts_removed"] += len(keys)
 
-        state, results = self._run(Job(len(items), run_step, len(steps), on_abandoned=undo))
+        job: Job[TierStatus] = Job(len(items), len(steps), transfer, prepare=prepare, on_abandoned=undo, slots=_SLOTS, slot_bytes=slot_bytes)
+        state, results = self._run(job)
         for i in todo:
             r = results[i]
             statuses[i] = r if r is not None else TierStatus.TIMEOUT
         return statuses
 
-    def _put_step(
-        self,
-        job: Job[TierStatus],
-        lane: Lane,
-        step: int,
-        idx: list[int],
-        prepared: list[_Prep | None],
-        lane_budgets: Sequence[int],
-    ) -> None:
-        views, addrs = self._buffers(lane, idx, lane_budgets)
+    def _put_prepare(self, slot: Slot, idx: list[int], prepared: list[_Prep | None], lane_budgets: Sequence[int]) -> _PutStep:
+        """Stage one put step in its slot: checksums, headers, payload copies (no Mooncake call)."""
         preps: list[_Prep] = []
+        dropped: list[int] = []
+        kept: list[int] = []
         for i in idx:
             p = prepared[i]
             if p is not None and p.encode():
                 preps.append(p)
+                kept.append(i)
             else:
-                prepared[i] = None  # a header that cannot be encoded: ERROR, never stored
-        dropped = [i for i in idx if prepared[i] is None]
-        if dropped:
-            idx = [i for i in idx if prepared[i] is not None]
-            views, addrs = self._buffers(lane, idx, lane_budgets)
-        # Staged objects: header + payload copied into the lane (one buffer each).
-        # Direct objects: header in the lane, payload read in place from the caller's regions.
+                dropped.append(i)  # a header that cannot be encoded: ERROR, never stored
+        views, addrs = self._buffers(slot, kept, lane_budgets)
+        # Staged objects: header + payload copied into the slot (one buffer each).
+        # Direct objects: header in the slot, payload read in place from the caller's regions.
         buffers: list[list[int]] = []
         sizes: list[list[int]] = []
-        for j, p in enumerate(preps):
+        memmove = ctypes.memmove
+        for p, a in zip(preps, addrs):
             hl = p.hdr_len
-            ctypes.memmove(addrs[j], p.hdr, hl)
+            memmove(a, p.hdr, hl)
             if p.direct:
-                buffers.append([addrs[j], *(_address(part) for part in p.parts)])
+                buffers.append([a, *(_address(part) for part in p.parts)])
                 sizes.append([hl, *(part.nbytes for part in p.parts)])
             else:
-                off = addrs[j] + hl
+                off = a + hl
                 for part in p.parts:
-                    _copy_from(off, part)
-                    off += part.nbytes
-                buffers.append([addrs[j]])
+                    nb = part.nbytes
+                    if nb:
+                        memmove(off, _address(part), nb)
+                    off += nb
+                buffers.append([a])
                 sizes.append([hl + p.nbytes])
-        keys = [p.key for p in preps]
+        groups = [p.name[: p.name.rfind("/")] for p in preps] if self._groups else None
+        return _PutStep(kept, dropped, preps, buffers, sizes, groups)
+
+    def _put_transfer(self, job: Job[TierStatus], step: int, st: _PutStep) -> None:
+        """The Mooncake calls of one staged put step; publishes its statuses."""
+        preps, buffers, sizes = st.preps, st.buffers, st.sizes
         names = [p.name for p in preps]
-        codes = [0] * len(idx)
-        if not job.take_turn(step):
-            return  # the caller gave up before this step called: nothing of it was stored
+        codes = [0] * len(preps)
         # One call for all plain puts of the step (with any direct object among them,
         # the multi-buffer call carries the staged ones too): a group's members are
         # stored, or refused for space, together. Upserts (staged) go in a second call.
         gather = any(p.direct for p in preps)
+        any_upsert = any(p.upsert for p in preps)
         for mode in ("put", "upsert"):
-            sel = [j for j, p in enumerate(preps) if p.upsert is (mode == "upsert")]
+            if not any_upsert:
+                sel = list(range(len(preps))) if mode == "put" else []
+            else:
+                sel = [j for j, p in enumerate(preps) if p.upsert is (mode == "upsert")]
             if not sel:
                 continue
-            cfg = self._replicate_config([keys[j] for j in sel])
-            sel_names = [names[j] for j in sel]
+            cfg = self._replicate_config(st.groups, sel)
+            sel_names = names if len(sel) == len(names) else [names[j] for j in sel]
             if mode == "put" and gather:
                 call: Callable[[Any], Any] = lambda s: s.batch_put_from_multi_buffers(sel_names, [buffers[j] for j in sel], [sizes[j] for j in sel], cfg)
             else:
@@ -1024,9 +1075,9 @@ class MooncakeTier(Tier):
                 codes[j] = int(c)
         # Mooncake refuses an upsert that would change an object's group membership
         # (e.g. a foreign or pre-groups object under our key): replace it instead.
-        stuck = [j for j in range(len(idx)) if preps[j].upsert and codes[j] == INVALID_PARAMS]
+        stuck = [j for j in range(len(preps)) if preps[j].upsert and codes[j] == INVALID_PARAMS] if any_upsert else []
         if stuck:
-            cfg = self._replicate_config([keys[j] for j in stuck])
+            cfg = self._replicate_config(st.groups, stuck)
             self._call(lambda s: s.batch_remove([names[j] for j in stuck], True), default=None)
             got = self._call(
                 lambda s: list(s.batch_put_from([names[j] for j in stuck], [buffers[j][0] for j in stuck], [sizes[j][0] for j in stuck], cfg)),
@@ -1035,20 +1086,23 @@ class MooncakeTier(Tier):
             for j, c in zip(stuck, got):
                 codes[j] = int(c)
         self._note_codes(codes)
-        statuses = [code_info(c).status for c in codes]
-        if self._groups:
-            self._roll_back_partial_groups(keys, statuses)
-        job.end_turn(step)
-        for j, n in enumerate(names):
-            if statuses[j] is TierStatus.OK and preps[j].upsert:
-                self._overwrite_done(n)
-        job.publish(step, idx + dropped, statuses + [TierStatus.ERROR] * len(dropped))
+        if all(c == 0 for c in codes):
+            statuses = [TierStatus.OK] * len(codes)
+        else:
+            statuses = [code_info(c).status for c in codes]
+            if self._groups:
+                self._roll_back_partial_groups([p.key for p in preps], statuses)
+        if any_upsert:
+            for j, n in enumerate(names):
+                if statuses[j] is TierStatus.OK and preps[j].upsert:
+                    self._overwrite_done(n)
+        job.publish(step, st.kept + st.dropped, statuses + [TierStatus.ERROR] * len(st.dropped))
 
-    def _replicate_config(self, keys: Sequence[StoreKey]) -> Any:
+    def _replicate_config(self, groups: list[str] | None, sel: Sequence[int]) -> Any:
         cfg = self._replicate_cls()
         cfg.replica_num = self.config.replica_num
-        if self._groups:
-            cfg.group_ids = [k.group.as_str() for k in keys]
+        if groups is not None:
+            cfg.group_ids = groups if len(sel) == len(groups) else [groups[j] for j in sel]
         return cfg
 
     def _roll_back_partial_groups(self, keys: list[StoreKey], statuses: list[TierStatus]) -> None:
@@ -1096,13 +1150,13 @@ class MooncakeTier(Tier):
             return 0
         batches = [groups[i : i + 64] for i in range(0, len(groups), 64)]
 
-        def step(job: Job[int], lane: Lane, s: int) -> None:
+        def step(job: Job[int], slot: Slot, s: int) -> None:
             pattern = "^(" + "|".join(re.escape(g.as_str() + "/") for g in batches[s]) + ")"
             n = self._call(lambda st: int(st.remove_by_regex(pattern, True)), default=-900)
             self._note_codes([n])
             job.publish(s, [s], [max(0, n)])
 
-        state, results = self._run(Job(len(batches), step, len(batches)))
+        state, results = self._run(Job(len(batches), len(batches), step))
         return sum(r for r in results if r)
 
     def usage(self) -> TierUsage:

@@ -1,4 +1,4 @@
-"""Bounded execution of blocking Mooncake calls: worker lanes, abandonment, circuit breaker.
+"""Bounded execution of blocking Mooncake calls: worker lanes, a staging ring, abandonment, circuit breaker.
 
 Mooncake's client calls block for seconds when the master or a segment holder
 is gone (about 4.3 s each with the master dead), and a call cannot be
@@ -7,24 +7,33 @@ cancelled once it runs. kvpack must answer every engine-facing call within
 caller waits with a deadline:
 
 - `LaneRunner` owns `workers` threads. Each thread owns one *lane*, a slice
-  of the tier's registered staging arena, and runs one job at a time, so a
-  job can use its lane without locks. The number of threads never grows: a
-  call stuck in Mooncake keeps its thread (and its lane) until Mooncake gives
-  up by itself; new jobs wait in a bounded queue, and a job still queued at
-  its deadline is skipped, never run.
-- A `Job` is a sequence of steps (sub-batches). Every idle worker claims
-  the next unstarted step of the same job, so the sub-batches of one call
-  are pipelined over the lanes: one step stages (or checks and copies out)
-  in its lane while another is in Mooncake; the Mooncake calls themselves
-  take turns, in step order (`Job.take_turn`). A worker publishes each step's
-  results as it finishes; the caller, at its deadline, takes what is done
-  and *abandons* the rest. An abandoned job starts no further step; steps
-  that were running complete in the background and `on_abandoned` undoes,
-  for each step whose results the caller never saw, what the caller was
-  told did not happen (a put reported as TIMEOUT is removed again). Copies
-  into caller buffers happen only while the job is not abandoned, under a
-  counter the caller waits on, so a late transfer can never write into
-  memory the caller has taken back.
+  of the tier's registered staging arena. The number of threads never grows:
+  a call stuck in Mooncake keeps its thread (and its lane) until Mooncake
+  gives up by itself; new jobs wait in a bounded queue, and a job still
+  queued at its deadline is skipped, never run.
+- A `Job` is a sequence of steps (sub-batches), each in three phases:
+  ``prepare`` (stage into a slot: headers, checksums, copies), ``transfer``
+  (the Mooncake calls) and ``finish`` (checks, copy-out, publish). The first
+  worker to take a job *leads* it: it makes every Mooncake call of the job,
+  one step after another, from a ring of `slots` slots at the start of its
+  own lane (step k uses slot k % slots), so the staged bytes stay cache-warm
+  and no call waits for a turn hand-off between threads. Other workers that
+  take the same job *help*: they prepare the next step and finish the last
+  one while the leader's call runs. The leader does any phase nobody else
+  has taken, so a job never depends on a helper. A slot is reused only
+  after the step that used it is finished.
+- Only the leader calls Mooncake and only into (or from) its own lane, and
+  it returns to the queue only after every helper has left the job: a stuck
+  call can never see its lane reused, and a helper never writes into a lane
+  another job owns.
+- The caller, at its deadline, takes what is published and *abandons* the
+  rest. An abandoned job starts no further phase; a transfer that was
+  running completes in the background and `on_abandoned` undoes, for each
+  step whose results the caller never saw, what the caller was told did not
+  happen (a put reported as TIMEOUT is removed again). Copies into caller
+  buffers happen only while the job is not abandoned, under a counter the
+  caller waits on, so a late transfer can never write into memory the caller
+  has taken back.
 - `CircuitBreaker`: after a stall or a connection-level failure the tier
   stops calling Mooncake for `backoff_s`; a background probe closes it again
   when the master answers (the engine never waits on a dead master).
@@ -64,69 +73,252 @@ class Lane:
     address: int
 
 
+@dataclass(frozen=True)
+class Slot:
+    """One slot of a leader's ring: `view` (uint8, `view.nbytes` bytes) at `address`."""
+
+    index: int
+    view: Any
+    address: int
+
+
+class _Phase(enum.IntEnum):
+    TODO = 0
+    CLAIMED = 1
+    DONE = 2
+
+
+StepFn = Callable[["Job[Any]", Slot, int], None]
+
+
 @dataclass
 class Job(Generic[R]):
-    """A unit of work made of `n_steps` steps, each filling part of `results`.
+    """A unit of work of `n_steps` steps filling `results` (see the module docstring).
 
-    `run_step(job, lane, i)` performs step i: its Mooncake calls go between
-    `take_turn(i)` and `end_turn(i)`, a copy into caller memory between
-    `begin_copy` and `end_copy`, and it ends with
-    `job.publish(i, indices, values)`. Steps run concurrently on different
-    workers."""
+    `transfer(job, slot, k)` makes step k's Mooncake calls (leader only, in
+    step order); `prepare` (optional) stages step k into its slot before;
+    `finish` (optional) checks and publishes after. A step's results are
+    published with `job.publish(k, indices, values)` by whichever phase has
+    them (`finish`, or `transfer` when there is no `finish`). Copies into
+    caller memory go between `begin_copy` and `end_copy`. `slot_bytes` is
+    the size of each of the `slots` ring slots (the tier plans steps that fit
+    one; 0: the whole lane, one slot)."""
 
     n_items: int
-    run_step: Callable[[Job[R], Lane, int], None]
     n_steps: int
+    transfer: StepFn
+    prepare: StepFn | None = None
+    finish: StepFn | None = None
     on_abandoned: Callable[[Job[R], int], None] | None = None
-    """Called on the worker for each step that called Mooncake but whose results the caller never took."""
+    """Called on the leader for each step that called Mooncake but whose results the caller never took."""
+    slots: int = 1
+    slot_bytes: int = 0
     results: list[R | None] = field(default_factory=list)
     state: JobState = JobState.QUEUED
     started_steps: int = 0
-    """Steps claimed by a worker (they run, or ran, in Mooncake)."""
+    """Steps whose transfer began (they run, or ran, in Mooncake)."""
     progress: int = 0
     """Steps whose results are published."""
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _copying: int = 0
     _published: set[int] = field(default_factory=set)
-    _turn: int = 0
     _called: set[int] = field(default_factory=set)
+    _leader: bool = False
+    _helpers: int = 0
+    _prep: list[_Phase] = field(default_factory=list)
+    _fin: list[_Phase] = field(default_factory=list)
+    _failed: set[int] = field(default_factory=set)
+    _transferred: int = 0
+    """Steps 0.._transferred-1 have left Mooncake."""
+    _ring: list[Slot] = field(default_factory=list)
+    """The leader's slots, set when it takes the job (helpers work in them)."""
 
     def __post_init__(self) -> None:
         self.results = [None] * self.n_items
+        done_prep = _Phase.DONE if self.prepare is None else _Phase.TODO
+        self._prep = [done_prep] * self.n_steps
+        self._fin = [_Phase.TODO] * self.n_steps
+        self.slots = max(1, self.slots)
+
+    @property
+    def wants_helpers(self) -> bool:
+        return self.n_steps > 1 and (self.prepare is not None or self.finish is not None)
+
+    # -- scheduling (under _cv) ------------------------------------------------
+
+    def _slot_free(self, k: int) -> bool:
+        j = k - self.slots
+        return j < 0 or self._fin[j] is _Phase.DONE
+
+    def _next_finish(self) -> int | None:
+        for j in range(self._transferred):
+            if self._fin[j] is _Phase.TODO:
+                return j
+        return None
+
+    def _next_prepare(self) -> int | None:
+        """The next step to stage: in order, one at a time, into a free slot
+        (staging two steps at once would only delay the first call)."""
+        for k in range(self._transferred, self.n_steps):
+            if self._prep[k] is _Phase.TODO:
+                return k if self._slot_free(k) else None
+            if self._prep[k] is _Phase.CLAIMED:
+                return None
+        return None
+
+    def _leader_action(self) -> tuple[str, int] | None:
+        """What the leader does next: ("transfer"|"prepare"|"finish", step), or None (wait)."""
+        k = self._transferred
+        if k < self.n_steps:
+            if self._prep[k] is _Phase.DONE and self._slot_free(k):
+                return "transfer", k
+            if self._prep[k] is _Phase.TODO and self._slot_free(k):
+                return "prepare", k
+        j = self._next_finish()
+        if j is not None:
+            return "finish", j
+        return None
+
+    def _helper_action(self) -> tuple[str, int] | None:
+        j = self._next_finish()
+        if j is not None:
+            return "finish", j
+        k = self._next_prepare()
+        if k is not None:
+            return "prepare", k
+        return None
+
+    def _all_finished(self) -> bool:
+        return self._transferred >= self.n_steps and all(f is _Phase.DONE for f in self._fin)
+
+    def _claim(self, action: tuple[str, int]) -> None:
+        kind, k = action
+        if kind == "prepare":
+            self._prep[k] = _Phase.CLAIMED
+        elif kind == "finish":
+            self._fin[k] = _Phase.CLAIMED
+        else:
+            self.state = JobState.RUNNING
+            self.started_steps += 1
+            self._called.add(k)
+
+    def _complete(self, action: tuple[str, int], ok: bool) -> None:
+        kind, k = action
+        if not ok:
+            self._failed.add(k)
+        if kind == "prepare":
+            self._prep[k] = _Phase.DONE
+        elif kind == "finish":
+            self._fin[k] = _Phase.DONE
+        else:
+            self._transferred = k + 1
+            if self.finish is None or k in self._failed:
+                self._fin[k] = _Phase.DONE
+        self._cv.notify_all()
 
     # -- worker side ---------------------------------------------------------
 
-    def claim_step(self) -> int | None:
-        """The next unstarted step, or None (all claimed, or the caller gave up)."""
+    def run(self, lane: Lane) -> None:
+        """Run this job on a worker: as its leader (the first taker) or as a helper."""
         with self._cv:
-            if self.state is JobState.ABANDONED or self.started_steps >= self.n_steps:
-                return None
-            self.state = JobState.RUNNING
-            step = self.started_steps
-            self.started_steps += 1
-            return step
+            if self.state is JobState.ABANDONED or self._all_finished():
+                return
+            leader = not self._leader
+            self._leader = True
+            if leader:
+                self._ring = self._slots_of(lane)
+            else:
+                if not self.wants_helpers:
+                    return
+                self._helpers += 1
+        if leader:
+            self._lead()
+        else:
+            try:
+                self._help()
+            finally:
+                with self._cv:
+                    self._helpers -= 1
+                    self._cv.notify_all()
 
-    def take_turn(self, step: int) -> bool:
-        """Wait until the steps before `step` have finished their Mooncake calls.
+    def _slots_of(self, lane: Lane) -> list[Slot]:
+        view = lane.view
+        if view is None:
+            return [Slot(i, None, 0) for i in range(self.slots)]
+        size = self.slot_bytes or view.nbytes // self.slots
+        size = min(size, view.nbytes // self.slots) // 64 * 64
+        return [Slot(i, view[i * size : (i + 1) * size], lane.address + i * size) for i in range(self.slots)]
 
-        Steps stage (or check and copy out) in parallel, but call Mooncake one
-        after another, in order: on two cores, concurrent transfers of one
-        batch are slower than consecutive ones. False when the caller gave up
-        meanwhile: the step must not call Mooncake at all."""
-        with self._cv:
-            while self._turn < step and self.state is not JobState.ABANDONED:
-                self._cv.wait()
-            if self.state is JobState.ABANDONED:
-                return False
-            self._called.add(step)
+    def _lead(self) -> None:
+        ring = self._ring
+        try:
+            while True:
+                with self._cv:
+                    action = None
+                    while self.state is not JobState.ABANDONED and not self._all_finished():
+                        action = self._leader_action()
+                        if action is not None:
+                            break
+                        self._cv.wait()
+                    if action is None:
+                        break
+                    if action[0] == "transfer" and action[1] in self._failed:
+                        self._claim(action)
+                        self._complete(action, False)
+                        self._publish_failed(action[1])
+                        continue
+                    self._claim(action)
+                ok = self._do(action, ring)
+                with self._cv:
+                    self._complete(action, ok)
+                if action[0] == "transfer" and self.state is JobState.ABANDONED:
+                    self._undo(action[1])
+        finally:
+            with self._cv:
+                while self._helpers:  # helpers may be writing into this lane: wait (bounded work)
+                    self._cv.wait()
+
+    def _help(self) -> None:
+        while True:
+            with self._cv:
+                action = None
+                while self.state is not JobState.ABANDONED and not self._all_finished():
+                    action = self._helper_action()
+                    if action is not None:
+                        break
+                    self._cv.wait()
+                if action is None:
+                    return
+                self._claim(action)
+            ok = self._do(action, self._ring)
+            with self._cv:
+                self._complete(action, ok)
+
+    def _do(self, action: tuple[str, int], ring: list[Slot]) -> bool:
+        kind, k = action
+        fn = {"prepare": self.prepare, "transfer": self.transfer, "finish": self.finish}[kind]
+        if fn is None:
             return True
+        if kind == "finish" and k in self._failed:
+            self._publish_failed(k)
+            return False
+        try:
+            fn(self, ring[k % len(ring)], k)
+            return True
+        except Exception as exc:  # a bug in a step must not kill the worker
+            log.error("kvpack: Mooncake worker step %s failed: %r", kind, exc)
+            self._publish_failed(k)
+            return False
 
-    def end_turn(self, step: int) -> None:
-        """The step's Mooncake calls are over; the next step may call."""
-        with self._cv:
-            if self._turn <= step:
-                self._turn = step + 1
-                self._cv.notify_all()
+    def _publish_failed(self, k: int) -> None:
+        self.publish(k, [], [])
+
+    def _undo(self, k: int) -> None:
+        if self.on_abandoned is not None and self.called(k) and not self.was_published(k):
+            try:
+                self.on_abandoned(self, k)
+            except Exception as exc:
+                log.error("kvpack: Mooncake clean-up after an abandoned call failed: %r", exc)
 
     def called(self, step: int) -> bool:
         with self._cv:
@@ -172,8 +364,8 @@ class Job(Generic[R]):
 
     def wait(self, deadline: float) -> tuple[JobState, int, list[R | None]]:
         """Wait until done or `deadline` (monotonic). On expiry the job is
-        abandoned. Returns the final state, the steps that had started and a
-        snapshot of the published results (None: not done in time)."""
+        abandoned. Returns the final state, the steps whose transfer had
+        started and a snapshot of the published results (None: not done in time)."""
         with self._cv:
             while self.state in (JobState.QUEUED, JobState.RUNNING):
                 left = deadline - time.monotonic()
@@ -182,7 +374,7 @@ class Job(Generic[R]):
                         self._cv.wait()
                     if self.state in (JobState.QUEUED, JobState.RUNNING):
                         self.state = JobState.ABANDONED
-                        self._cv.notify_all()  # steps waiting for their turn give up
+                        self._cv.notify_all()  # workers waiting for a phase give up
                     break
                 self._cv.wait(left)
             return self.state, self.started_steps, list(self.results)
@@ -213,10 +405,10 @@ class LaneRunner:
             return self._busy
 
     def submit(self, job: Job[Any]) -> bool:
-        """Queue `job` once per worker that can help (at most one per step).
+        """Queue `job` for a leader, and once more per worker that can help.
 
         Only the first entry must fit: the others are best effort (a worker
-        that finds no unclaimed step left drops its entry)."""
+        that finds the job done, or nothing to help with, drops its entry)."""
         if self._closed:
             job.state = JobState.REFUSED
             return False
@@ -225,11 +417,12 @@ class LaneRunner:
         except queue.Full:
             job.state = JobState.REFUSED
             return False
-        for _ in range(min(job.n_steps, self._workers) - 1):
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                break
+        if job.wants_helpers:
+            for _ in range(min(job.n_steps, self._workers) - 1):
+                try:
+                    self._queue.put_nowait(job)
+                except queue.Full:
+                    break
         return True
 
     def run(self, job: Job[R], timeout_s: float) -> tuple[JobState, int, list[R | None]]:
@@ -246,31 +439,12 @@ class LaneRunner:
             with self._lock:
                 self._busy += 1
             try:
-                self._run_job(job, lane)
+                job.run(lane)
+            except Exception as exc:  # pragma: no cover - Job.run catches step errors itself
+                log.error("kvpack: Mooncake worker failed: %r", exc)
             finally:
                 with self._lock:
                     self._busy -= 1
-
-    @staticmethod
-    def _run_job(job: Job[Any], lane: Lane) -> None:
-        while True:
-            step = job.claim_step()
-            if step is None:
-                return  # all steps taken by other workers, or abandoned: nothing more runs
-            try:
-                job.run_step(job, lane, step)
-            except Exception as exc:  # a bug in a step must not kill the worker
-                log.error("kvpack: Mooncake worker step failed: %r", exc)
-                job.publish(step, [], [])
-            finally:
-                job.end_turn(step)
-            if job.state is JobState.ABANDONED:
-                if job.on_abandoned is not None and job.called(step) and not job.was_published(step):
-                    try:
-                        job.on_abandoned(job, step)
-                    except Exception as exc:
-                        log.error("kvpack: Mooncake clean-up after an abandoned call failed: %r", exc)
-                return
 
     def close(self, timeout_s: float) -> bool:
         """Stop the workers; True if every worker exited within `timeout_s`."""

@@ -76,8 +76,8 @@ def test_mixed_batch_over_many_steps(tier: MooncakeTier) -> None:
 
 
 def test_plan_is_even() -> None:
-    class _T:
-        _lane_bytes = 32 << 20
-
-    steps = MooncakeTier._plan(_T(), [65664] * 1024, [65646] * 1024)  # type: ignore[arg-type]
+    steps = mc.plan_steps([65664] * 1024, [65646] * 1024, 32 << 20, 16 << 20)
     assert len(steps) == 4 and sorted(i for s in steps for i in s) == list(range(1024))
+    # Staging that does not fit a slot splits a step; an item larger than a slot is a step alone.
+    steps = mc.plan_steps([3 << 20] * 4, [3 << 20] * 4, 4 << 20, 16 << 20)
+    assert steps == [[0], [1], [2], [3]]
