@@ -58,7 +58,7 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(swa_model: Path) -> dict[str, Run]:
-    llm = make_llm(swa_model)
+    llm = make_llm(swa_model, dtype="float32")
     try:
         return {name: run(llm, ids) for name, ids in ALL.items()}
     finally:
@@ -71,7 +71,7 @@ def stored(swa_model: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[s
     from kvpack.vllm_plugin import live_connectors
     from kvpack.vllm_plugin.offline import drain
 
-    llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}))
+    llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}), dtype="float32")
     try:
         scopes = [c.scope for c in live_connectors() if str(swa_model) in c.scope.spec.model]
         assert scopes and all(len(s.groups) == 4 for s in scopes)  # the hybrid allocator is on
@@ -88,7 +88,7 @@ def stored(swa_model: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[s
 
 @pytest.fixture(scope="module")
 def engine2(swa_model: Path, store_dir: Path, stored: dict[str, Run]):  # type: ignore[no-untyped-def]
-    llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}))
+    llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}), dtype="float32")
     yield llm
     close_llm(llm)
 
@@ -143,3 +143,24 @@ def test_corrupted_window_member_is_refused(engine2, baseline: dict[str, Run], s
     again = run(engine2, Y)
     assert again.cached == len(Y) - 1
     assert same_output(again, baseline["Y"])
+
+
+def test_multiprocess_hybrid_hit_from_worker_memory(
+    swa_model: Path, baseline: dict[str, Run], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default mode: the scheduler side (engine core) tracks captures and sees the
+    worker's memory tier only through reports; disk is off, so every hit is from memory."""
+    from kvpack.vllm_plugin.offline import drain
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(swa_model, kv_config({"disk": {"enabled": False}}), dtype="float32")
+    try:
+        for name in ("P", "L"):
+            assert run(llm, ALL[name]).cached == 0
+        assert drain(llm)
+        for name, want in (("P", len(P) - 1), ("L", len(L) - 1), ("M", 3 * BLOCK)):
+            r = run(llm, ALL[name])
+            assert r.cached == want, name
+            assert same_output(r, baseline[name]), name
+    finally:
+        close_llm(llm)
