@@ -151,19 +151,22 @@ class CapacityManager:
         return Reservation(Admission.ADMITTED, tuple(victims))
 
     def admit(
-        self, tenant: str, requests: Sequence[tuple[Hashable, str, int]], evict: Callable[[Hashable], object]
+        self,
+        tenant: str,
+        requests: Sequence[tuple[Hashable, str, int]],
+        evict: Callable[[Sequence[Hashable]], object],
     ) -> list[bool]:
         """Reserve, evict and commit a batch of `tenant`'s members; per request, admitted?
 
         One `reserve_many` for the whole batch when it fits (every request
         admitted); else request by request, where a later request may evict an
         earlier one's group (callers check `has_member` before publishing).
-        `evict(group)` is called for each victim and must `release` it and drop
-        its data."""
+        `evict(groups)` is called with the victims of each reservation and must
+        `release` them (`release_many`) and drop their data."""
         plan = self.reserve_many(tenant, requests)
         if plan.admission is Admission.ADMITTED:
-            for victim in plan.victims:
-                evict(victim)
+            if plan.victims:
+                evict(plan.victims)
             self.commit_many(tenant, requests)
             return [True] * len(requests)
         admitted: list[bool] = []
@@ -172,8 +175,8 @@ class CapacityManager:
             if plan.admission is Admission.NO_SPACE:
                 admitted.append(False)
                 continue
-            for victim in plan.victims:
-                evict(victim)
+            if plan.victims:
+                evict(plan.victims)
             self.commit(group, tenant, member, nbytes)
             admitted.append(True)
         return admitted
@@ -204,14 +207,25 @@ class CapacityManager:
 
     def release(self, group: Hashable) -> dict[str, int]:
         """Forget a whole group; returns its members (name -> bytes)."""
-        usage = self._groups.pop(group, None)
-        if usage is None:
-            return {}
-        self._policy.remove(group)
-        size = usage.nbytes
-        self.used -= size
-        self._tenant_used[usage.tenant] = self._tenant_used.get(usage.tenant, 0) - size
-        return usage.members
+        return self.release_many((group,))[0]
+
+    def release_many(self, groups: Iterable[Hashable]) -> list[dict[str, int]]:
+        """`release` each group, in order; an unknown group gives an empty dict."""
+        pop, remove, tenant_used = self._groups.pop, self._policy.remove, self._tenant_used
+        out: list[dict[str, int]] = []
+        freed = 0
+        for group in groups:
+            usage = pop(group, None)
+            if usage is None:
+                out.append({})
+                continue
+            remove(group)
+            size = usage.nbytes
+            freed += size
+            tenant_used[usage.tenant] = tenant_used.get(usage.tenant, 0) - size
+            out.append(usage.members)
+        self.used -= freed
+        return out
 
     def touch(self, group: Hashable) -> None:
         if group in self._groups:

@@ -152,8 +152,9 @@ class DiskTier(Tier):
             _unlink_quietly(self._file_of(k))
         return len(keys)
 
-    def _evict_locked(self, group: GroupKey) -> None:
-        self._drop_group_locked(group, evicted=True)
+    def _evict_locked(self, groups: Sequence[GroupKey]) -> None:
+        for group in groups:
+            self._drop_group_locked(group, evicted=True)
 
     # -- reads -------------------------------------------------------------------
 

@@ -37,8 +37,10 @@ from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .parallel import CopyPair, IOThreads
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Entry:
+    """One stored object (never mutated: not frozen only because frozen init is slower)."""
+
     header: ObjectHeader
     data: np.ndarray  # 1-D uint8, exactly header.payload_len bytes
     gid: str  # the group's id (`_gid`)
@@ -141,7 +143,7 @@ class MemoryTier(Tier):
                 results.append(GetResult(TierStatus.REJECTED, header, reason))
                 continue
             parts = _byte_arrays(dst)
-            size = sum(p.nbytes for p in parts)
+            size = parts[0].nbytes if len(parts) == 1 else sum([p.nbytes for p in parts])
             if size != header.payload_len:
                 results.append(
                     GetResult(TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {size}")
@@ -171,14 +173,21 @@ class MemoryTier(Tier):
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
         """Store a batch: capacity (`CapacityManager.admit`, one reservation per
-        tenant of the batch when it fits) and slots under one lock, the copies outside it (on `copy_threads` threads),
-        then every object made visible under one lock."""
+        tenant of the batch when it fits) and slots under one lock, the copies
+        outside it (on `copy_threads` threads), then every object made visible
+        under one lock."""
         n = len(items)
         statuses = [TierStatus.OK] * n
         slots: list[np.ndarray | None] = [None] * n
-        parts = [_byte_arrays(item.payload) for item in items]
-        sizes = [sum(p.nbytes for p in ps) for ps in parts]
-        groups = [_gid(item.key) for item in items]
+        parts: list[list[np.ndarray]] = []
+        sizes: list[int] = []
+        groups: list[str] = []
+        for item in items:
+            arrays = _byte_arrays(item.payload)
+            parts.append(arrays)
+            sizes.append(arrays[0].nbytes if len(arrays) == 1 else sum([a.nbytes for a in arrays]))
+            key = item.key
+            groups.append(f"{key.tenant}/{key.fingerprint}/{key.chunk}")  # == _gid(key)
         with self._lock:
             if self._closed:
                 return [TierStatus.UNAVAILABLE] * n
@@ -238,23 +247,30 @@ class MemoryTier(Tier):
                     self._arena.release(old.data)
         return statuses
 
-    def _evict_locked(self, gid: str) -> None:
-        self._drop_group_locked(gid, evicted=True)
+    def _evict_locked(self, gids: Sequence[str]) -> None:
+        self._drop_groups_locked(gids, evicted=True)
 
-    def _drop_group_locked(self, gid: str, evicted: bool = False) -> int:
-        members = self._capacity.release(gid)
-        if evicted and self.on_evict is not None:
-            self.on_evict(_group_of(gid), sum(members.values()))
-        keys = self._members.pop(gid, set())
-        for k in keys:
-            entry = self._objects.pop(k, None)
-            if entry is not None:
-                self._arena.release(entry.data)
-        return len(keys)
+    def _drop_groups_locked(self, gids: Sequence[str], evicted: bool = False) -> int:
+        """Forget whole groups and hand their slots back; returns objects removed."""
+        on_evict = self.on_evict if evicted else None
+        members_pop, objects_pop, release = self._members.pop, self._objects.pop, self._arena.release
+        removed = 0
+        for gid, sizes in zip(gids, self._capacity.release_many(gids)):
+            if on_evict is not None:
+                on_evict(_group_of(gid), sum(sizes.values()))
+            keys = members_pop(gid, None)
+            if not keys:
+                continue
+            removed += len(keys)
+            for k in keys:
+                entry = objects_pop(k, None)
+                if entry is not None:
+                    release(entry.data)
+        return removed
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         with self._lock:
-            return sum(self._drop_group_locked(_gid(g)) for g in groups)
+            return self._drop_groups_locked([_gid(g) for g in groups])
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -280,17 +296,15 @@ class MemoryTier(Tier):
 _MISS = GetResult(TierStatus.MISS)
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def _byte_arrays(payload: Payload) -> list[np.ndarray]:
     """A payload's regions as 1-D uint8 arrays over the caller's memory (no copy)."""
     frombuffer = np.frombuffer
-    if isinstance(payload, tuple):
-        try:
-            return [frombuffer(p, dtype=np.uint8) for p in payload]
-        except (ValueError, TypeError):  # e.g. a non-contiguous view: take the general path
-            pass
-    else:
-        try:
-            return [frombuffer(payload, dtype=np.uint8)]
-        except (ValueError, TypeError):
-            pass
-    return [frombuffer(p, dtype=np.uint8) for p in payload_parts(payload)]
+    try:
+        if type(payload) is tuple:
+            return [frombuffer(p, _U8) for p in payload]
+        return [frombuffer(payload, _U8)]
+    except (ValueError, TypeError):  # e.g. a non-contiguous view: take the general path
+        return [frombuffer(p, _U8) for p in payload_parts(payload)]

@@ -193,10 +193,10 @@ def test_batch_admission_keeps_every_invariant(policy: EvictionPolicyName, batch
         before_a = mgr.tenant_used("a")
         evicted: list[str] = []
 
-        def evict(group: object) -> None:
-            members = mgr.release(group)
-            assert members, "a victim must be a resident group"
-            evicted.append(str(group))
+        def evict(groups: object) -> None:
+            for group, members in zip(groups, mgr.release_many(groups)):  # type: ignore[call-overload]
+                assert members, "a victim must be a resident group"
+                evicted.append(str(group))
 
         plan = mgr.reserve_many(tenant, requests)
         admitted = mgr.admit(tenant, requests, evict)
@@ -229,7 +229,7 @@ def test_batch_that_does_not_fit_falls_back_to_one_by_one() -> None:
     requests = [(f"t:{i}", "kv", 100) for i in range(6)]
     assert mgr.reserve_many("t", requests).admission is Admission.NO_SPACE
     evicted: list[object] = []
-    admitted = mgr.admit("t", requests, lambda g: evicted.append((g, mgr.release(g))))
+    admitted = mgr.admit("t", requests, lambda gs: evicted.extend(zip(gs, mgr.release_many(gs))))
     assert admitted == [True] * 6  # each admitted in turn; the first two then evicted by later ones
     assert [g for g, _ in evicted] == ["t:0", "t:1"]
     assert mgr.used == 400 and not mgr.has_member("t:0", "kv")
