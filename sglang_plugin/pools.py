@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..groups import MemberRole, MemberSpec
@@ -173,9 +174,10 @@ class PoolBinding:
         ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices.to("cpu"))
         if len(ptrs) != n_pages * self.parts or len(sizes) != len(ptrs):
             raise ValueError(f"pool {self.name}: {len(ptrs)} regions for {n_pages} pages of {self.parts}")
-        if [int(s) for s in sizes] != list(self.part_sizes) * n_pages:
+        sizes = list(map(int, sizes))
+        if sizes != list(self.part_sizes) * n_pages:
             raise ValueError(f"pool {self.name}: region sizes changed since registration")
-        return [int(p) for p in ptrs], [int(s) for s in sizes]
+        return list(map(int, ptrs)), sizes
 
     def page_payload(self, ptrs: list[int], page: int) -> Payload:
         """Page `page` as kvpack payload regions, in place in the host pool.
@@ -201,6 +203,10 @@ class PoolBinding:
         return span
 
     def _payloads(self, ptrs: list[int], lo: int, hi: int, span: tuple[int, int, memoryview] | None) -> list[Payload]:
+        if span is not None and hi > lo:
+            sliced = self._sliced_payloads(ptrs[lo * self.parts : hi * self.parts], span)
+            if sliced is not None:
+                return sliced
         parts, sizes, page_bytes = self.parts, self.part_sizes, self.page_bytes
         start, length, whole = span if span is not None else (0, 0, None)
 
@@ -218,6 +224,24 @@ class PoolBinding:
             else:
                 out.append(tuple(view(ptrs[base + j], size) for j, size in enumerate(sizes)))
         return out
+
+    def _sliced_payloads(self, ptrs: list[int], span: tuple[int, int, memoryview]) -> list[Payload] | None:
+        """Payloads as slices of the pool's view, bounds and contiguity checked
+        for the whole batch at once; None when a region lies outside the view."""
+        start, length, whole = span
+        offsets = np.asarray(ptrs, dtype=np.int64).reshape(-1, self.parts) - start
+        ends = offsets + np.asarray(self.part_sizes, dtype=np.int64)
+        if offsets.min() < 0 or ends.max() > length:
+            return None
+        rows = offsets.tolist()
+        if self.parts == 1 or bool((offsets[:, 1:] == ends[:, :-1]).all()):
+            n = self.page_bytes
+            return [whole[row[0] : row[0] + n] for row in rows]
+        if self.parts == 2:
+            k, v = self.part_sizes
+            return [(whole[a : a + k], whole[b : b + v]) for a, b in rows]
+        sizes = self.part_sizes
+        return [tuple(whole[o : o + n] for o, n in zip(row, sizes)) for row in rows]
 
     def contiguous(self, ptrs: list[int], page: int) -> bool:
         """Whether page `page`'s regions form one contiguous run in host memory."""
