@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack.config import KVPackConfig
@@ -50,6 +50,7 @@ from kvpack.keys import ChunkHash, chunk_hashes
 from kvpack.store import KVStore, build_tiers
 from kvpack.tiers.base import Tier
 
+from .captures import NULL_BLOCK, CaptureTracker
 from .index import ReportedMemoryIndex
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
 from .settings import BadTenant, RequestScope, Scope, cacheable, request_scope
@@ -59,8 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-NULL_BLOCK = 0
-"""vLLM's null block id (a sliding-window block freed, a Mamba block not kept)."""
 
 log = logging.getLogger("kvpack.vllm")
 
@@ -80,19 +79,6 @@ class LoadPlan:
     full_chunks: int = 0
     """Leading hit chunks with every member; chunks `full_chunks..hit_chunks` lack
     the sidecar draft (target_only) and load the target member only."""
-
-
-@dataclass
-class _Running:
-    """A request of an engine that frees blocks early: what its chunk captures need."""
-
-    request: Request
-    scope: RequestScope
-    block_ids: list[list[int]] = field(default_factory=list)
-    """Per KV cache group, the request's blocks as vLLM reported them (scheduler output)."""
-    hashes: list[ChunkHash] = field(default_factory=list)
-    next_chunk: int = 0
-    """Chunks before this one are stored (loaded from kvpack) or captured."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +110,7 @@ class SchedulerSide:
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
         self._failed: set[str] = set()
-        self._running: dict[str, _Running] = {}
+        self._captures = CaptureTracker(scope.block_size)
         """Requests whose chunks are captured as they complete (engines that free blocks early)."""
         self._partial_tails: dict[str, list[PartialTail]] = {}
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
@@ -203,8 +189,7 @@ class SchedulerSide:
             return 0, False
         plan = self.plan(request)
         if self.can_save and self.scope.frees_blocks_early and plan.scope is not None:
-            if request.request_id not in self._running:
-                self._running[request.request_id] = _Running(request, plan.scope, next_chunk=plan.hit_chunks)
+            self._captures.track(request, plan.scope, plan.hit_chunks)
         if plan.matched <= num_computed_tokens:
             return 0, False
         return plan.matched - num_computed_tokens, True
@@ -244,64 +229,14 @@ class SchedulerSide:
         return tuple(out)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
-        if scheduler_output is not None and self._running:
-            self._capture(scheduler_output)
+        if scheduler_output is not None and self._captures:
+            for job in self._captures.step(scheduler_output):
+                self._pending_saves.append(job)
+                self._count("capture_blocks", len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
         return meta
-
-    # -- captures (engines that free blocks before the request ends) -------------
-
-    def _capture(self, out: SchedulerOutput) -> None:
-        """Queue a capture of every chunk this step completes, for requests tracked in `_running`."""
-        for new in out.scheduled_new_reqs:
-            run = self._running.get(new.req_id)
-            if run is not None:
-                run.block_ids = [list(ids) for ids in new.block_ids]
-                self._capture_request(new.req_id, run, int(new.num_computed_tokens), out)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            run = self._running.get(req_id)
-            if run is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                run.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
-            elif new_ids is not None:
-                if not run.block_ids:
-                    run.block_ids = [[] for _ in new_ids]
-                for g, ids in enumerate(new_ids):
-                    run.block_ids[g].extend(ids)
-            self._capture_request(req_id, run, int(cached.num_computed_tokens[i]), out)
-
-    def _capture_request(self, req_id: str, run: _Running, computed: int, out: SchedulerOutput) -> None:
-        """Chunks complete after this step's forward (draft tokens excluded: they may be
-        rejected) and not stored yet -> one capture job."""
-        bs = self.scope.block_size
-        scheduled = int(out.num_scheduled_tokens.get(req_id, 0))
-        drafts = len((getattr(out, "scheduled_spec_decode_tokens", None) or {}).get(req_id, ()))
-        done = min(computed + scheduled - drafts, len(run.request.all_token_ids))
-        end = done // bs
-        start = max(run.next_chunk, computed // bs)  # earlier chunks were never computed here (vLLM cache hits)
-        if end <= start or not run.block_ids:
-            run.next_chunk = max(run.next_chunk, end)
-            return
-        if len(run.hashes) < end:
-            parent = run.hashes[-1] if run.hashes else run.scope.seed
-            tokens = list(run.request.all_token_ids[len(run.hashes) * bs : end * bs])
-            run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
-        refs = []
-        for i in range(start, end):
-            ids = tuple(
-                int(ids[i]) if i < len(ids) and ids[i] != NULL_BLOCK else NO_BLOCK for ids in run.block_ids
-            )
-            if any(b != NO_BLOCK for b in ids):
-                refs.append(BlockRef(run.hashes[i], ids, bs))
-        run.next_chunk = end
-        if refs:
-            self._pending_saves.append(TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True))
-            self._count("capture_blocks", len(refs))
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]
@@ -346,7 +281,8 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
-        run = self._running.pop(req_id, None)
+        captured_chunks = self._captures.captured(req_id)
+        tracked = self._captures.forget(req_id)
         self._pending_loads.pop(req_id, None)
         refresh = req_id in self._failed  # overwrite what could not be loaded
         self._failed.discard(req_id)
@@ -367,8 +303,8 @@ class SchedulerSide:
         # chained keys: the plan's hit chunks are a prefix of these, already stored; so are captures
         known = min(plan.hit_chunks, len(hashes)) if plan is not None else 0
         captured = range(0)
-        if run is not None and not refresh:
-            captured = range(max(known, 0), min(run.next_chunk, len(hashes)))
+        if tracked and not refresh:
+            captured = range(known, min(captured_chunks, len(hashes)))
         refs: list[BlockRef] = []
         if refresh:
             refs.extend(BlockRef(chunk, self._save_blocks(groups, i), bs) for i, chunk in enumerate(hashes))
@@ -457,9 +393,7 @@ class SchedulerSide:
             for req_id in report.failed_loads:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)
-                run = self._running.get(req_id)
-                if run is not None:
-                    run.next_chunk = 0  # vLLM recomputes the request: capture (overwrite) every chunk again
+                self._captures.restart(req_id)
 
     def take_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}
