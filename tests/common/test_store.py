@@ -302,3 +302,22 @@ def test_evictions_are_counted_per_tenant(tmp_path: Path) -> None:
         put_chunks(store, "acme", 1, start=i)
     assert store.metrics.value("evictions", tier="memory", tenant="acme") == 2
     assert store.metrics.value("evicted_bytes", tier="memory") == 2 * 1024
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_batches_on_two_copy_threads_store_and_load_bit_exact(tmp_path: Path, memory: bool) -> None:
+    """A store built with copy_threads=2 (the SGLang backend's setting): one batch of
+    multi-region objects big enough to be split, through memory+disk or disk alone."""
+    data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "256MiB", "enabled": memory}}
+    store = KVStore.from_config(KVPackConfig.from_dict(data), copy_threads=2)
+    made = [make_item("t", chunk_id(i), seed=i, nbytes=1 << 20, checksum=False) for i in range(10)]
+    items = [PutItem(it.key, it.header, (memoryview(p[:1000]), memoryview(p[1000:]))) for it, p in made]
+    assert store.store(items) == [TierStatus.OK] * 10
+    assert store.flush(10)
+    assert store.contains([it.key for it in items]) == [True] * 10
+    dsts = [np.zeros(1 << 20, np.uint8) for _ in made]
+    got = store.load([LoadItem(it.key, memoryview(d), expect(it)) for it, d in zip(items, dsts)])
+    assert all(r.ok for r in got)
+    assert all(np.array_equal(d, p) for d, (_, p) in zip(dsts, made))
+    assert store.metrics.value("loaded_bytes", tenant="t") == 10 << 20
+    store.close()
