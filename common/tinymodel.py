@@ -125,19 +125,22 @@ def build_tiny_llama(
     return out
 
 
+BENCH_SIZES: dict[str, int | str | float] = dict(
+    num_layers=6,
+    hidden=1024,
+    heads=16,
+    kv_heads=4,
+    intermediate=2816,
+    dtype="bfloat16",
+    max_positions=8192,
+    initializer_range=0.02,
+)
+"""The benchmark model's sizes (prefill of 3000 tokens costs real time on a CPU)."""
+
+
 def build_bench_llama(path: str | os.PathLike[str]) -> Path:
     """The benchmark model: 6 layers, hidden 1024, 16 heads, 4 kv heads, bf16."""
-    return build_tiny_llama(
-        path,
-        num_layers=6,
-        hidden=1024,
-        heads=16,
-        kv_heads=4,
-        intermediate=2816,
-        dtype="bfloat16",
-        max_positions=8192,
-        initializer_range=0.02,
-    )
+    return build_tiny_llama(path, **BENCH_SIZES)  # type: ignore[arg-type]
 
 
 def build_bench_swa_llama(path: str | os.PathLike[str]) -> Path:
@@ -145,14 +148,7 @@ def build_bench_swa_llama(path: str | os.PathLike[str]) -> Path:
     full attention, the others a 1024-token window (vLLM gives it several KV cache groups)."""
     return build_tiny_llama(
         path,
-        num_layers=6,
-        hidden=1024,
-        heads=16,
-        kv_heads=4,
-        intermediate=2816,
-        dtype="bfloat16",
-        max_positions=8192,
-        initializer_range=0.02,
+        **BENCH_SIZES,  # type: ignore[arg-type]
         sliding_window=1024,
         layer_types=("full_attention", "sliding_attention", "sliding_attention") * 2,
     )
