@@ -33,6 +33,7 @@ CopyPair = tuple[np.ndarray, np.ndarray]
 
 MIN_BYTES_PER_THREAD = 4 << 20
 MIN_ITEMS_PER_THREAD = 8
+CHUNKS_PER_THREAD = 4
 
 
 def copy_pairs(pairs: Sequence[CopyPair]) -> None:
@@ -40,6 +41,18 @@ def copy_pairs(pairs: Sequence[CopyPair]) -> None:
     copyto = np.copyto
     for dst, src in pairs:
         copyto(dst, src)
+
+
+def _runs(pairs: Sequence[CopyPair], total: int, count: int) -> list[Sequence[CopyPair]]:
+    """`pairs` cut, in order, into `count` consecutive runs of about equal bytes."""
+    bounds = [0]
+    acc = 0
+    for i, (dst, _) in enumerate(pairs):
+        acc += dst.nbytes
+        if acc * count >= total * len(bounds) and len(bounds) < count:
+            bounds.append(i + 1)
+    bounds.append(len(pairs))
+    return [pairs[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class IOThreads:
@@ -71,25 +84,28 @@ class IOThreads:
             return self._executor
 
     def copy(self, pairs: Sequence[CopyPair], nbytes: int | None = None) -> None:
-        """Run every copy of `pairs`; `nbytes` (their total, if known) saves a pass."""
+        """Run every copy of `pairs`; `nbytes` (their total, if known) saves a pass.
+
+        The batch is cut into `CHUNKS_PER_THREAD` runs per thread of about equal
+        bytes, which the caller and the workers take in turn from one shared
+        iterator: a worker that wakes late, or a core busy with something else,
+        just takes fewer runs."""
         total = sum(d.nbytes for d, _ in pairs) if nbytes is None else nbytes
         k = min(self.threads, total // self._min_bytes, len(pairs))
         pool = self._pool() if k > 1 else None
         if pool is None:
             copy_pairs(pairs)
             return
-        bounds = [0]
-        target, acc = total / k, 0
-        for i, (dst, _) in enumerate(pairs):
-            acc += dst.nbytes
-            if acc >= target * len(bounds) and len(bounds) < k:
-                bounds.append(i + 1)
-        bounds.append(len(pairs))
-        futures: list[Future[None]] = [
-            pool.submit(copy_pairs, pairs[bounds[j] : bounds[j + 1]]) for j in range(1, len(bounds) - 1)
-        ]
+        runs = _runs(pairs, total, min(len(pairs), k * CHUNKS_PER_THREAD))
+        shared = iter(runs)
+
+        def drain() -> None:
+            for run in shared:  # list_iterator.__next__ is atomic: each run is taken once
+                copy_pairs(run)
+
+        futures: list[Future[None]] = [pool.submit(drain) for _ in range(k - 1)]
         try:
-            copy_pairs(pairs[bounds[0] : bounds[1]])
+            drain()
         finally:
             for f in futures:
                 f.result()
