@@ -7,7 +7,11 @@ One run, same pages, same machine:
   ``batch_get_v1``), on the memory tier and on the disk tier;
 - SGLang's built-in ``file`` backend (``HiCacheFile``) through the path SGLang
   takes for it, the generic one (``_generic_page_set`` / ``_generic_page_get``:
-  it has no v1 methods), in a folder on the same file system;
+  it has no v1 methods), in a folder on the same file system; its calls and
+  those of kvpack's disk tier alternate (kvpack set, file set, kvpack set...,
+  then the gets likewise), so neither runs while the file system is quieter
+  (on an ext4 mount with online discard, file creation stalls for a while
+  after many deletions, e.g. the previous run's clean-up);
 - a single-thread ``memcpy`` of the same bytes between two warm buffers,
   timed right before every kvpack memory-tier call: each memory row is the
   best kvpack call against the best memcpy of the same repeats (paired
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -177,6 +182,18 @@ class _Op:
         return False
 
 
+@dataclass
+class _Entry:
+    """One backend under test: SGLang's zero-copy path (v1) or its generic one."""
+
+    label: str
+    backend: Any
+    zero_copy: bool
+    flush: Callable[[], object] | None
+    folder: Path | None
+    paired_memcpy: bool = False
+
+
 def _drop_cache(folder: Path) -> None:
     for path in folder.rglob("*"):
         if path.is_file():
@@ -254,53 +271,68 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, float] = {}
     want = pool.get_data_page(int(src[0]), flat=True).clone()
 
-    def run(label: str, backend: Any, zero_copy: bool, flush: Callable[[], object] | None, folder: Path | None) -> None:
-        ctl = _controller(backend, pool)
-        set_times, keys = [], []
-        sample_memcpy = label == "kvpack memory"
+    def run(entries: list[_Entry]) -> None:
+        """Time every entry's sets, gets and cold gets, the entries' repeats
+        interleaved (a, b, a, b...), so a backend is never favoured by running
+        while the machine or the file system is quieter."""
+        keys: dict[str, list[str]] = {}
+        set_times: dict[str, list[float]] = {e.label: [] for e in entries}
         paired: list[float] = []
         for rep in range(args.repeats + 1):
-            keys = _keys(n, seed=1000 * rep + hash(label) % 997, page_tokens=ps)
-            if sample_memcpy:
-                paired.append(memcpy_once())
-            if zero_copy:
-                t = _timed(lambda: (set_zero_copy(ctl, keys, src), flush and flush()))
-            else:
-                t = _timed(lambda: set_generic(ctl, keys, src))
-            set_times.append(t)
-        results[f"{label} set"] = gbps(nbytes, min(set_times[1:]))
+            for e in entries:
+                ctl, k = _controller(e.backend, pool), _keys(n, seed=1000 * rep + hash(e.label) % 997, page_tokens=ps)
+                keys[e.label] = k
+                if e.paired_memcpy:
+                    paired.append(memcpy_once())
+                if e.zero_copy:
+                    t = _timed(lambda: (set_zero_copy(ctl, k, src), e.flush and e.flush()))
+                else:
+                    t = _timed(lambda: set_generic(ctl, k, src))
+                set_times[e.label].append(t)
+        for e in entries:
+            results[f"{e.label} set"] = gbps(nbytes, min(set_times[e.label][1:]))
         if paired:
             memcpy_best["set"] = min(paired[1:])
-        fn = get_zero_copy if zero_copy else get_generic
-        got = []
-        get_times = []
+        get_times: dict[str, list[float]] = {e.label: [] for e in entries}
         paired = []
         for _ in range(args.repeats + 1):
-            if sample_memcpy:
-                paired.append(memcpy_once())
-            get_times.append(_timed(lambda: got.append(fn(ctl, _Op, keys, dst))))
+            for e in entries:
+                ctl, fn, k = _controller(e.backend, pool), get_zero_copy if e.zero_copy else get_generic, keys[e.label]
+                if e.paired_memcpy:
+                    paired.append(memcpy_once())
+                got: list[int] = []
+                get_times[e.label].append(_timed(lambda: got.append(fn(ctl, _Op, k, dst))))
+                if got[-1] != n:
+                    print(f"! {e.label}: get returned {got[-1]} of {n} pages", file=sys.stderr)
         if paired:
             memcpy_best["get"] = min(paired[1:])
-        results[f"{label} get (page cache)" if folder else f"{label} get"] = gbps(nbytes, min(get_times[1:]))
-        if got[-1] != n:
-            print(f"! {label}: get returned {got[-1]} of {n} pages", file=sys.stderr)
-        if folder is not None and not args.no_cold:
-            cold = []
+        for e in entries:
+            results[f"{e.label} get (page cache)" if e.folder else f"{e.label} get"] = gbps(nbytes, min(get_times[e.label][1:]))
+        cold_entries = [e for e in entries if e.folder is not None]
+        if cold_entries and not args.no_cold:
+            cold: dict[str, list[float]] = {e.label: [] for e in cold_entries}
             for _ in range(max(2, args.repeats // 2)):
-                _drop_cache(folder)
-                cold.append(_timed(lambda: fn(ctl, _Op, keys, dst)))
-            results[f"{label} get (cold)"] = gbps(nbytes, min(cold))
+                for e in cold_entries:
+                    ctl, fn, k = _controller(e.backend, pool), get_zero_copy if e.zero_copy else get_generic, keys[e.label]
+                    _drop_cache(e.folder)  # type: ignore[arg-type]
+                    cold[e.label].append(_timed(lambda: fn(ctl, _Op, k, dst)))
+            for e in cold_entries:
+                results[f"{e.label} get (cold)"] = gbps(nbytes, min(cold[e.label]))
 
     mem = kvpack_backend("memory")
-    run("kvpack memory", mem, True, None, None)
+    run([_Entry("kvpack memory", mem, True, None, None, paired_memcpy=True)])
     mem.close()
     disk = kvpack_backend("disk")
-    run("kvpack disk", disk, True, disk.flush, root / "kvpack-disk")
-    disk.close()
     file_dir = root / "sglang-file"
     file_backend = HiCacheFile(_storage_config({"file_storage_path": str(file_dir)}, args), file_path=str(file_dir))
     file_backend.register_mem_pool_host(pool)
-    run("sglang file", file_backend, False, None, file_dir)
+    run(
+        [
+            _Entry("kvpack disk", disk, True, disk.flush, root / "kvpack-disk"),
+            _Entry("sglang file", file_backend, False, None, file_dir),
+        ]
+    )
+    disk.close()
     memcpy_set, memcpy_get = gbps(nbytes, memcpy_best["set"]), gbps(nbytes, memcpy_best["get"])
     memcpy_gbps = max(memcpy_set, memcpy_get)
     check = pool.get_data_page(int(src[0]), flat=True)
