@@ -54,7 +54,7 @@ from ..objects import (
     payload_nbytes,
     payload_parts,
 )
-from .base import GetResult, PutItem, Tier, TierStatus, TierUsage, check_fits
+from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .parallel import IOThreads
 
 SUFFIX = ".kvp"
@@ -209,8 +209,9 @@ class DiskTier(Tier):
             return GetResult(TierStatus.MISS)
         except OSError as exc:
             return GetResult(TierStatus.ERROR, detail=f"{path}: {exc}")
+        parts = payload_parts(dst)
         try:
-            result = self._read_verified(fd, dst, exp)
+            result = self._read_verified(fd, parts, exp)
         except ObjectRejected as exc:
             return GetResult(TierStatus.REJECTED, None, exc.reason, str(exc))
         except OSError as exc:
@@ -222,20 +223,21 @@ class DiskTier(Tier):
         header = result.header
         assert header is not None
         if verify:
-            bad = check_payload(header, dst)
+            bad = check_payload(header, parts)
             if bad is not None:
                 return GetResult(TierStatus.REJECTED, header, bad)
         return result
 
     @staticmethod
-    def _read_verified(fd: int, dst: Payload, exp: Expectation) -> GetResult:
-        """Header and payload of one open file; raises ObjectRejected on a bad header.
+    def _read_verified(fd: int, parts: tuple[memoryview, ...], exp: Expectation) -> GetResult:
+        """Header and payload of one open file into the destination `parts`;
+        raises ObjectRejected on a bad header.
 
         Objects without token ids (every full chunk) have a header length known
         from the key, so header and payload arrive in one `preadv`."""
         size = os.fstat(fd).st_size
-        parts = payload_parts(dst)
-        if size == PAGE + payload_nbytes(dst):
+        want = sum([p.nbytes for p in parts])
+        if size == PAGE + want:
             head = bytearray(PAGE)
             got = os.preadv(fd, [head, *parts], 0)
             header = decode_header(head)
@@ -250,9 +252,10 @@ class DiskTier(Tier):
         reason = check_header(header, exp)
         if reason is not None:
             return GetResult(TierStatus.REJECTED, header, reason)
-        misfit = check_fits(dst, header)
-        if misfit is not None:
-            return misfit
+        if want != header.payload_len:
+            return GetResult(
+                TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {want}"
+            )
         if size != offset + header.payload_len:
             return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"file of {size} bytes")
         if payload_got < 0:
