@@ -81,7 +81,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=700, help="stored prompt length")
     p.add_argument("--shared", type=int, default=680, help="tokens a query shares with its stored prompt")
     p.add_argument("--gen", type=int, default=64, help="tokens generated per query")
-    p.add_argument("--prompts", type=int, default=5, help="queries per row")
+    p.add_argument("--prompts", type=int, default=8, help="queries per row")
+    p.add_argument("--warmups", type=int, default=4, help="warm-up queries per engine (32 tokens each)")
     p.add_argument("--spec-tokens", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--store-dir", default="", help="kvpack store root (default: a temp dir)")
     p.add_argument("--out", default="", help="write a markdown results file here")
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> list[Row]:
 
     stored = {name: prompts(k, n) for name in ("packed", "skip", "sidecar", "nodraft")}
     queries = {name: [p[:shared] + q for p, q in zip(ps, prompts(k, n - shared))] for name, ps in stored.items()}
-    warm = prompts(2, n)
+    warm = prompts(args.warmups, n)
     root = Path(args.store_dir or tempfile.mkdtemp(prefix="kvpack-spec-bench-"))
     packed_dir, sidecar_dir = root / "packed", root / "sidecar"
     for d in (packed_dir, sidecar_dir):
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> list[Row]:
 
     def engine(kv: dict[str, Any] | None = None, **kw: Any):  # type: ignore[no-untyped-def]
         llm = _engine(target, draft, args.spec_tokens, max_len, kv, **kw)
-        _measure(llm, "warm-up", warm, 8)
+        _measure(llm, "warm-up", warm, 32)  # a new engine's first steps are slow: keep them out of every row
         return llm
 
     llm = engine()
