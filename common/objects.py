@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,6 +168,40 @@ class ObjectHeader:
     def encoded_len(self) -> int:
         return len(self.encode())
 
+    @classmethod
+    def batch(
+        cls, fingerprint: str, tenant: str, chunks: Sequence[str], member: str, token_count: int, payload_len: int
+    ) -> list[ObjectHeader]:
+        """``[ObjectHeader(fingerprint, tenant, c, member, token_count, payload_len, None) for c in chunks]``,
+        built with slot stores (~2x cheaper per header): headers of a batch of
+        pages that differ only by chunk, before their checksum is known. The
+        result is equal, field for field, to the constructor's."""
+        new = object.__new__
+        s_fp, s_tenant, s_chunk, s_member, s_count, s_len, s_sum, s_ids, s_version = _HEADER_SETTERS
+        out: list[ObjectHeader] = []
+        append = out.append
+        for chunk in chunks:
+            h = new(cls)
+            s_fp(h, fingerprint)
+            s_tenant(h, tenant)
+            s_chunk(h, chunk)
+            s_member(h, member)
+            s_count(h, token_count)
+            s_len(h, payload_len)
+            s_sum(h, None)
+            s_ids(h, None)
+            s_version(h, FORMAT_VERSION)
+            append(h)
+        return out
+
+
+_HEADER_SETTERS = tuple(
+    ObjectHeader.__dict__[name].__set__
+    for name in ("fingerprint", "tenant", "chunk", "member", "token_count", "payload_len", "checksum", "token_ids", "version")
+)
+"""Slot setters in field order, for `ObjectHeader.batch` (a frozen dataclass
+blocks plain assignment, not its slots' descriptors)."""
+
 
 def _short_str(s: str) -> bytes:
     raw = s.encode()
@@ -252,6 +287,34 @@ class Expectation:
     payload_len: int | None = None
     token_ids_prefix: tuple[int, ...] | None = None
     """For tails: the object's token ids must start with these."""
+
+    @classmethod
+    def batch(
+        cls, fingerprint: str, tenant: str, chunks: Sequence[str], member: str, token_count: int | None, payload_len: int | None
+    ) -> list[Expectation]:
+        """``[Expectation(fingerprint, tenant, c, member, token_count, payload_len) for c in chunks]``,
+        built with slot stores; equal, field for field, to the constructor's."""
+        new = object.__new__
+        s_fp, s_tenant, s_chunk, s_member, s_count, s_len, s_prefix = _EXPECTATION_SETTERS
+        out: list[Expectation] = []
+        append = out.append
+        for chunk in chunks:
+            e = new(cls)
+            s_fp(e, fingerprint)
+            s_tenant(e, tenant)
+            s_chunk(e, chunk)
+            s_member(e, member)
+            s_count(e, token_count)
+            s_len(e, payload_len)
+            s_prefix(e, None)
+            append(e)
+        return out
+
+
+_EXPECTATION_SETTERS = tuple(
+    Expectation.__dict__[name].__set__
+    for name in ("fingerprint", "tenant", "chunk", "member", "token_count", "payload_len", "token_ids_prefix")
+)
 
 
 def check_header(header: ObjectHeader, expected: Expectation) -> RejectReason | None:

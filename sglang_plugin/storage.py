@@ -343,7 +343,7 @@ class KVPackStorage(HiCacheStorage):
             log.warning("kvpack: %s on pool %s refused: %s", op, name, why)
             return None
         try:
-            return [StoreKey(self.tenant, self.group_fingerprint, k, binding.member) for k in keys]
+            return StoreKey.batch(self.tenant, self.group_fingerprint, keys, binding.member)
         except (ValueError, TypeError) as exc:
             self.metrics.inc("tier_errors", tier=ADAPTER, status="bad_key")
             log.warning("kvpack: SGLang page key refused: %s", exc)
@@ -359,11 +359,8 @@ class KVPackStorage(HiCacheStorage):
             return [False] * n
         assert binding is not None
         payloads = binding.page_payloads(host_indices, n)
-        fp, tenant, member, tokens, nbytes = binding.member_fingerprint, self.tenant, binding.member, binding.page_size, binding.page_bytes
-        items = [
-            LoadItem(key, payload, Expectation(fp, tenant, chunk, member, tokens, nbytes))
-            for key, payload, chunk in zip(skeys, payloads, keys)
-        ]
+        expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
+        items = list(map(LoadItem, skeys, payloads, expected))
         ok = [r.ok for r in self.store.load(items)]
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
@@ -383,10 +380,10 @@ class KVPackStorage(HiCacheStorage):
         payloads = binding.page_payloads(host_indices, n)
         present = self.store.contains(skeys)
         todo = [i for i in range(n) if not present[i]]
-        fp, tenant, member, tokens, nbytes = binding.member_fingerprint, self.tenant, binding.member, binding.page_size, binding.page_bytes
-        items = [
-            PutItem(skeys[i], ObjectHeader(fp, tenant, keys[i], member, tokens, nbytes, None), payloads[i]) for i in todo
-        ]
+        if len(todo) < n:
+            skeys, keys, payloads = [skeys[i] for i in todo], [keys[i] for i in todo], [payloads[i] for i in todo]
+        headers = ObjectHeader.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
+        items = list(map(PutItem, skeys, headers, payloads))
         ok = [True] * n
         for i, st in zip(todo, self.store.store(items) if items else []):
             ok[i] = st is TierStatus.OK

@@ -133,6 +133,7 @@ class MemoryTier(Tier):
         pairs: list[CopyPair] = []
         copied: list[int] = []
         total = 0
+        frombuffer, u8 = np.frombuffer, _U8
         for i, (entry, dst, exp) in enumerate(zip(entries, dsts, expected)):
             if entry is None:
                 results.append(_MISS)
@@ -142,7 +143,10 @@ class MemoryTier(Tier):
             if reason is not None:
                 results.append(GetResult(TierStatus.REJECTED, header, reason))
                 continue
-            parts = _byte_arrays(dst)
+            try:  # inlined `_byte_arrays`
+                parts = [frombuffer(p, u8) for p in dst] if type(dst) is tuple else [frombuffer(dst, u8)]
+            except (ValueError, TypeError):
+                parts = _byte_arrays(dst)
             size = parts[0].nbytes if len(parts) == 1 else sum([p.nbytes for p in parts])
             if size != header.payload_len:
                 results.append(
@@ -182,12 +186,19 @@ class MemoryTier(Tier):
         parts: list[list[np.ndarray]] = []
         sizes: list[int] = []
         groups: list[str] = []
+        frombuffer, u8 = np.frombuffer, _U8
         for item in items:
-            arrays = _byte_arrays(item.payload)
+            payload = item.payload
+            try:  # inlined `_byte_arrays` (a call per item adds up at hundreds of pages)
+                arrays = [frombuffer(p, u8) for p in payload] if type(payload) is tuple else [frombuffer(payload, u8)]
+            except (ValueError, TypeError):
+                arrays = _byte_arrays(payload)
             parts.append(arrays)
             sizes.append(arrays[0].nbytes if len(arrays) == 1 else sum([a.nbytes for a in arrays]))
             key = item.key
             groups.append(f"{key.tenant}/{key.fingerprint}/{key.chunk}")  # == _gid(key)
+        pairs: list[CopyPair] = []
+        total = 0
         with self._lock:
             if self._closed:
                 return [TierStatus.UNAVAILABLE] * n
@@ -202,26 +213,26 @@ class MemoryTier(Tier):
                 for i, ok in zip(idx, self._capacity.admit(tenant, requests, self._evict_locked)):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
-            alloc, has_member = self._arena.alloc, self._capacity.has_member
+            alloc, has_member, add_pair = self._arena.alloc, self._capacity.has_member, pairs.append
             for idx in todo.values():
                 for i in idx:
                     if statuses[i] is not TierStatus.OK:
                         continue
-                    if has_member(groups[i], items[i].key.member):
-                        slots[i] = alloc(sizes[i])
-                    else:  # evicted by a later item of this batch: nothing to copy
-                        statuses[i] = TierStatus.NO_SPACE
-        pairs: list[CopyPair] = []
-        total = 0
-        for slot, ps, size in zip(slots, parts, sizes):
-            if slot is None:
-                continue
-            offset = 0
-            for part in ps:
-                m = part.nbytes
-                pairs.append((slot[offset : offset + m], part))
-                offset += m
-            total += size
+                    if not has_member(groups[i], items[i].key.member):
+                        statuses[i] = TierStatus.NO_SPACE  # evicted by a later item of this batch: nothing to copy
+                        continue
+                    size = sizes[i]
+                    slot = slots[i] = alloc(size)
+                    ps = parts[i]
+                    if len(ps) == 1:
+                        add_pair((slot, ps[0]))
+                    else:
+                        offset = 0
+                        for part in ps:
+                            m = part.nbytes
+                            add_pair((slot[offset : offset + m], part))
+                            offset += m
+                    total += size
         self._io.copy(pairs, total)
         del pairs
         with self._lock:
