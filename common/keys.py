@@ -22,6 +22,8 @@ from typing import NewType
 
 import numpy as np
 
+from .slots import build_many
+
 ChunkHash = NewType("ChunkHash", str)
 """Hex digest (64 lowercase hex chars for kvpack's own chain; engine-given
 hashes such as SGLang's page keys are accepted as they are)."""
@@ -133,17 +135,7 @@ class StoreKey:
         validate_member(member)
         for chunk in chunks:
             validate_chunk_hash(chunk)
-        new, set_tenant, set_fp, set_chunk, set_member = object.__new__, *_STORE_KEY_SETTERS
-        out: list[StoreKey] = []
-        append = out.append
-        for chunk in chunks:
-            key = new(cls)
-            set_tenant(key, tenant)
-            set_fp(key, fingerprint)
-            set_chunk(key, chunk)
-            set_member(key, member)
-            append(key)
-        return out
+        return build_many(cls, {"tenant": tenant, "fingerprint": fingerprint, "member": member}, "chunk", chunks)
 
     @property
     def group(self) -> GroupKey:
@@ -160,10 +152,6 @@ class StoreKey:
             raise ValueError(f"not a kvpack store key: {text!r}")
         return cls(parts[1], parts[2], parts[3], parts[4])
 
-
-_STORE_KEY_SETTERS = tuple(StoreKey.__dict__[name].__set__ for name in ("tenant", "fingerprint", "chunk", "member"))
-"""The slot descriptors' setters, for `StoreKey.batch` (a frozen dataclass blocks
-plain attribute assignment, not its slots' own descriptors)."""
 
 
 @dataclass(frozen=True, slots=True)

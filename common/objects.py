@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .slots import build_many
+
 MAGIC = b"KVPK"
 FORMAT_VERSION = 1
 FLAG_TOKENS = 1
@@ -176,31 +178,17 @@ class ObjectHeader:
         built with slot stores (~2x cheaper per header): headers of a batch of
         pages that differ only by chunk, before their checksum is known. The
         result is equal, field for field, to the constructor's."""
-        new = object.__new__
-        s_fp, s_tenant, s_chunk, s_member, s_count, s_len, s_sum, s_ids, s_version = _HEADER_SETTERS
-        out: list[ObjectHeader] = []
-        append = out.append
-        for chunk in chunks:
-            h = new(cls)
-            s_fp(h, fingerprint)
-            s_tenant(h, tenant)
-            s_chunk(h, chunk)
-            s_member(h, member)
-            s_count(h, token_count)
-            s_len(h, payload_len)
-            s_sum(h, None)
-            s_ids(h, None)
-            s_version(h, FORMAT_VERSION)
-            append(h)
-        return out
-
-
-_HEADER_SETTERS = tuple(
-    ObjectHeader.__dict__[name].__set__
-    for name in ("fingerprint", "tenant", "chunk", "member", "token_count", "payload_len", "checksum", "token_ids", "version")
-)
-"""Slot setters in field order, for `ObjectHeader.batch` (a frozen dataclass
-blocks plain assignment, not its slots' descriptors)."""
+        fixed = {
+            "fingerprint": fingerprint,
+            "tenant": tenant,
+            "member": member,
+            "token_count": token_count,
+            "payload_len": payload_len,
+            "checksum": None,
+            "token_ids": None,
+            "version": FORMAT_VERSION,
+        }
+        return build_many(cls, fixed, "chunk", chunks)
 
 
 def _short_str(s: str) -> bytes:
@@ -294,27 +282,15 @@ class Expectation:
     ) -> list[Expectation]:
         """``[Expectation(fingerprint, tenant, c, member, token_count, payload_len) for c in chunks]``,
         built with slot stores; equal, field for field, to the constructor's."""
-        new = object.__new__
-        s_fp, s_tenant, s_chunk, s_member, s_count, s_len, s_prefix = _EXPECTATION_SETTERS
-        out: list[Expectation] = []
-        append = out.append
-        for chunk in chunks:
-            e = new(cls)
-            s_fp(e, fingerprint)
-            s_tenant(e, tenant)
-            s_chunk(e, chunk)
-            s_member(e, member)
-            s_count(e, token_count)
-            s_len(e, payload_len)
-            s_prefix(e, None)
-            append(e)
-        return out
-
-
-_EXPECTATION_SETTERS = tuple(
-    Expectation.__dict__[name].__set__
-    for name in ("fingerprint", "tenant", "chunk", "member", "token_count", "payload_len", "token_ids_prefix")
-)
+        fixed = {
+            "fingerprint": fingerprint,
+            "tenant": tenant,
+            "member": member,
+            "token_count": token_count,
+            "payload_len": payload_len,
+            "token_ids_prefix": None,
+        }
+        return build_many(cls, fixed, "chunk", chunks)
 
 
 def check_header(header: ObjectHeader, expected: Expectation) -> RejectReason | None:
