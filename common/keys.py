@@ -153,7 +153,6 @@ class StoreKey:
         return cls(parts[1], parts[2], parts[3], parts[4])
 
 
-
 @dataclass(frozen=True, slots=True)
 class GroupKey:
     """A logical cache entry: all members stored for one chunk of one tenant and layout."""
