@@ -140,7 +140,9 @@ class Scope:
     spec: KVLayoutSpec
     """Group-level spec (no layer set): `spec.group_fingerprint` scopes keys."""
     members: tuple[str, ...]
-    """Every rank's target member name; a chunk is a hit only when all are stored."""
+    """Every KV cache group's member, for every rank (group-major: ``kv``, ``kv_g1``...;
+    ``kv@0of2``, ``kv@1of2``, ``kv_g1@0of2``... with TP/PP). Which chunks need
+    which member is `member_specs`."""
     block_size: int
     draft: str
     """Draft model identity ("" without speculative decoding)."""
