@@ -21,16 +21,12 @@ from typing import TYPE_CHECKING
 
 from kvpack.keys import ChunkHash, chunk_hashes
 
-from .metadata import NO_BLOCK, BlockRef, TransferJob
+from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
 from .settings import RequestScope
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-NULL_BLOCK = 0
-"""vLLM's null block id (a sliding-window block freed, a Mamba block not kept)."""
-
 
 @dataclass
 class _Running:
@@ -60,20 +56,17 @@ class CaptureTracker:
         if request.request_id not in self._running:
             self._running[request.request_id] = _Running(request, scope, next_chunk=stored_chunks)
 
-    def captured(self, req_id: str) -> int:
-        """Chunks of `req_id` stored or captured so far (0 when untracked)."""
-        run = self._running.get(req_id)
-        return run.next_chunk if run is not None else 0
-
     def restart(self, req_id: str) -> None:
         """vLLM recomputes the request (its load failed): capture (overwrite) every chunk again."""
         run = self._running.get(req_id)
         if run is not None:
             run.next_chunk = 0
 
-    def forget(self, req_id: str) -> bool:
-        """Stop tracking `req_id` (finished); True when it was tracked."""
-        return self._running.pop(req_id, None) is not None
+    def forget(self, req_id: str) -> int | None:
+        """Stop tracking `req_id` (finished): the chunks it had stored or captured, None
+        when it was not tracked."""
+        run = self._running.pop(req_id, None)
+        return run.next_chunk if run is not None else None
 
     def step(self, out: SchedulerOutput) -> list[TransferJob]:
         """Capture jobs for every chunk this step completes (one job per request at most)."""
@@ -115,7 +108,7 @@ class CaptureTracker:
             run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
         refs = []
         for i in range(start, end):
-            ids = tuple(int(ids[i]) if i < len(ids) and ids[i] != NULL_BLOCK else NO_BLOCK for ids in run.block_ids)
+            ids = tuple(block_at(group_blocks, i) for group_blocks in run.block_ids)
             if any(b != NO_BLOCK for b in ids):
                 refs.append(BlockRef(run.hashes[i], ids, bs))
         run.next_chunk = end

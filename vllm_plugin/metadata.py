@@ -9,6 +9,7 @@ can answer lookups for memory it cannot see (vLLM's default multi-process mode).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -16,6 +17,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
+
+NULL_BLOCK = 0
+"""vLLM's null block id (a sliding-window block freed, a Mamba block not kept)."""
+
+
+def block_at(group_blocks: Sequence[int], chunk: int) -> int:
+    """The block of chunk `chunk` in one KV cache group's block table: NO_BLOCK past its
+    end or where vLLM put its null block."""
+    b = group_blocks[chunk] if chunk < len(group_blocks) else NULL_BLOCK
+    return NO_BLOCK if b == NULL_BLOCK else int(b)
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ from kvpack.keys import ChunkHash, chunk_hashes
 from kvpack.store import KVStore, build_tiers
 from kvpack.tiers.base import Tier
 
-from .captures import NULL_BLOCK, CaptureTracker
+from .captures import CaptureTracker
 from .index import ReportedMemoryIndex
-from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
+from .metadata import NO_BLOCK, NULL_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob, block_at
 from .settings import BadTenant, RequestScope, Scope, cacheable, request_scope
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class SchedulerSide:
                 tm = None  # a Mamba state of a longer tail: not the state this prompt needs
             if tm is not None and tm.tokens > 0:
                 with_draft = all(m in tm.members for m in self.scope.draft_members)
-                tail = BlockRef(tm.chunk, -1, tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft)
+                tail = BlockRef(tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft)  # blocks: at alloc
                 matched = k * bs + tm.tokens
         matched = min(matched, n - 1)
         partial = matched % bs
@@ -174,7 +174,7 @@ class SchedulerSide:
             if used <= 0:
                 tail = None
             else:
-                tail = BlockRef(tail.chunk, -1, tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
+                tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
                 self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
         return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k))
 
@@ -221,12 +221,9 @@ class SchedulerSide:
     def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
         """Per group, the block to restore chunk `chunk` into (NO_BLOCK: nothing to restore):
         every allocated block, except that Mamba state goes into the boundary block only."""
-        out: list[int] = []
-        for g, ids in enumerate(block_ids):
-            b = ids[chunk] if chunk < len(ids) else NULL_BLOCK
-            state = bool(self.scope.groups) and self.scope.groups[g].coverage is Coverage.BOUNDARY
-            out.append(NO_BLOCK if b == NULL_BLOCK or (state and not boundary) else int(b))
-        return tuple(out)
+        return tuple(
+            NO_BLOCK if g in self._state_groups and not boundary else block_at(ids, chunk) for g, ids in enumerate(block_ids)
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
         if scheduler_output is not None and self._captures:
@@ -281,8 +278,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
-        captured_chunks = self._captures.captured(req_id)
-        tracked = self._captures.forget(req_id)
+        captured_chunks = self._captures.forget(req_id)
         self._pending_loads.pop(req_id, None)
         refresh = req_id in self._failed  # overwrite what could not be loaded
         self._failed.discard(req_id)
@@ -303,7 +299,7 @@ class SchedulerSide:
         # chained keys: the plan's hit chunks are a prefix of these, already stored; so are captures
         known = min(plan.hit_chunks, len(hashes)) if plan is not None else 0
         captured = range(0)
-        if tracked and not refresh:
+        if captured_chunks is not None and not refresh:
             captured = range(known, min(captured_chunks, len(hashes)))
         refs: list[BlockRef] = []
         if refresh:
@@ -336,12 +332,9 @@ class SchedulerSide:
         captures (taken while the state is that chunk's) and partial tails may store."""
         out: list[int] = []
         for g, ids in enumerate(groups):
-            b = ids[chunk] if chunk < len(ids) else NULL_BLOCK
-            group = self.scope.groups[g] if self.scope.groups else None
             members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
             stored = present is not None and all(present.get(m, False) for m in members)
-            state = group is not None and group.coverage is Coverage.BOUNDARY
-            out.append(NO_BLOCK if b == NULL_BLOCK or stored or state else int(b))
+            out.append(NO_BLOCK if stored or g in self._state_groups else block_at(ids, chunk))
         return tuple(out)
 
     def _tail_ref(
@@ -371,10 +364,7 @@ class SchedulerSide:
             if c == 0 or c > len(hashes):
                 return None
             return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
-        ids = []
-        for g, blocks in enumerate(groups):
-            b = blocks[c] if c < len(blocks) else NULL_BLOCK
-            ids.append(states.get(g, NO_BLOCK if b == NULL_BLOCK or g in self._state_groups else int(b)))
+        ids = [states.get(g, NO_BLOCK if g in self._state_groups else block_at(blocks, c)) for g, blocks in enumerate(groups)]
         tail_ids = tuple(int(x) for x in tokens[c * bs : end])
         chunk, stored = self.store.place_tail(
             rs.tenant, self.scope.fingerprint, hashes[c - 1] if c else rs.seed, self.scope.all_members, tail_ids
