@@ -35,6 +35,21 @@ def _ptrs(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
 
 
+def _host_args(layout: str, page_size: int, device_tokens: int, layers: int) -> dict[str, object]:
+    """The host-pool constructor arguments MHA and MLA pools share (CPU, unpinned, 2x the device)."""
+    return dict(
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=page_size,
+        layout=layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=layers,
+    )
+
+
 def mha_pool(
     layout: str,
     *,
@@ -58,19 +73,7 @@ def mha_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    pool = MHATokenToKVPoolHost(
-        info,
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=page_size,
-        layout=layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=layers,
-        pool_label=pool_label,
-    )
+    pool = MHATokenToKVPoolHost(info, **_host_args(layout, page_size, device_tokens, layers), pool_label=pool_label)
     pool._kvpack_keepalive = (ks, vs)  # the host pool keeps raw pointers to these
     return pool
 
@@ -100,19 +103,7 @@ def mla_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    pool = MLATokenToKVPoolHost(
-        info,
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=page_size,
-        layout=layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=layers,
-        target_layer_num=layers,
-    )
+    pool = MLATokenToKVPoolHost(info, **_host_args(layout, page_size, device_tokens, layers), target_layer_num=layers)
     pool._kvpack_keepalive = bufs
     return pool
 
