@@ -50,6 +50,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
     MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
     MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),
+    MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
     MetricSpec("lookup_seconds", "Lookup latency", ("tenant",), Kind.HISTOGRAM),

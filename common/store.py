@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .background import lower_current_thread_priority
+from .budget import WaitBudget
 from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
 from .eviction import make_policy
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
@@ -219,19 +220,29 @@ class KVStore:
 
     # -- lookup -------------------------------------------------------------------
 
-    def contains_members(self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
+    def contains_members(
+        self,
+        tenant: str,
+        fingerprint: str,
+        chunks: Sequence[str],
+        members: Sequence[str],
+        budget: WaitBudget | None = None,
+    ) -> list[dict[str, bool]]:
         """Per chunk, per member: stored on any tier? One batched call per tier."""
-        found = self.contains([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members])
+        found = self.contains([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
         n = len(members)
         return [{m: found[ci * n + mi] for mi, m in enumerate(members)} for ci in range(len(chunks))]
 
-    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Per key: stored on any tier (not yet verified)? One batched call per tier."""
+    def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
+        """Per key: stored on any tier (not yet verified)? One batched call per tier.
+        With a `budget`, remote tiers are skipped once it is spent (see `kvpack.budget`)."""
         found = [False] * len(keys)
         for tier in self.tiers:
             todo = [i for i, f in enumerate(found) if not f]
             if not todo:
                 break
+            if self._over_budget(tier, budget):
+                continue
             answers = self._safe_contains(tier, keys if len(todo) == len(keys) else [keys[i] for i in todo])
             for i, ok in zip(todo, answers):
                 found[i] = ok
@@ -248,14 +259,30 @@ class KVStore:
             log.warning("kvpack: %s.contains failed: %s", tier.name, exc)
             return [False] * len(keys)
 
+    def _over_budget(self, tier: Tier, budget: WaitBudget | None) -> bool:
+        """True (counted) when `tier` is remote and the step's budget is spent: skip it."""
+        if budget is None or not tier.remote:
+            return False
+        budget.start()
+        if not budget.spent:
+            return False
+        self.metrics.inc("budget_skips", tier=tier.name)
+        return True
+
     def lookup(
-        self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[MemberSpec], chunk_tokens: int
+        self,
+        tenant: str,
+        fingerprint: str,
+        chunks: Sequence[str],
+        members: Sequence[MemberSpec],
+        chunk_tokens: int,
+        budget: WaitBudget | None = None,
     ) -> GroupLookup:
         """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
 
         Counts the lookup, hit tokens, full hits and partial hits by missing member."""
         start = time.perf_counter()
-        presence = self.contains_members(tenant, fingerprint, chunks, [m.name for m in members])
+        presence = self.contains_members(tenant, fingerprint, chunks, [m.name for m in members], budget)
         result = resolve_lookup(presence, members, self.config.draft_policy)
         self._count_lookup(tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
         self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
@@ -288,6 +315,7 @@ class KVStore:
         tokens: Sequence[int] | np.ndarray,
         members: Sequence[MemberSpec],
         match_unit: int,
+        budget: WaitBudget | None = None,
     ) -> TailMatch | None:
         """The stored tail after `parent` sharing the longest prefix with `tokens`.
 
@@ -300,9 +328,10 @@ class KVStore:
         query = np.asarray(tokens, dtype=np.int64)
         best: TailMatch | None = None
         missing_draft: set[str] = set()
-        for slot in range(TAIL_SLOTS):
-            chunk = tail_chunk(parent, slot)
-            match = self._match_tail_slot(tenant, fingerprint, chunk, query, members, match_unit, missing_draft)
+        slots = self._tail_slot_headers(tenant, fingerprint, parent, [m.name for m in members], budget)
+        for chunk, found in slots:
+            headers = dict(zip((m.name for m in members), found))
+            match = self._match_tail_slot(chunk, headers, query, members, match_unit, missing_draft)
             if match is not None and (best is None or match.tokens > best.tokens):
                 best = match
         if best is None or len(best.members) < len(members):
@@ -310,17 +339,25 @@ class KVStore:
                 self.metrics.inc("partial_hits", tenant=tenant, missing_member=name)
         return best
 
+    def _tail_slot_headers(
+        self, tenant: str, fingerprint: str, parent: str | None, members: Sequence[str], budget: WaitBudget | None
+    ) -> list[tuple[str, list[ObjectHeader | None]]]:
+        """For each tail slot of `parent`: (its chunk, the header of each member, in
+        `members` order). One batched `peek_headers` per tier for all of them."""
+        chunks = [tail_chunk(parent, slot) for slot in range(TAIL_SLOTS)]
+        headers = self.peek_headers([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
+        n = len(members)
+        return [(c, headers[i * n : (i + 1) * n]) for i, c in enumerate(chunks)]
+
     def _match_tail_slot(
         self,
-        tenant: str,
-        fingerprint: str,
         chunk: str,
+        headers: dict[str, ObjectHeader | None],
         query: np.ndarray,
         members: Sequence[MemberSpec],
         match_unit: int,
         missing_draft: set[str],
     ) -> TailMatch | None:
-        headers = {m.name: self.peek_header(StoreKey(tenant, fingerprint, chunk, m.name)) for m in members}
         targets = [m for m in members if m.role is not MemberRole.DRAFT]
         ref = headers[targets[0].name] if targets else None
         if ref is None or ref.token_ids is None:
@@ -346,7 +383,13 @@ class KVStore:
         return TailMatch(chunk, common, len(stored), ref.token_ids, tuple(names))
 
     def place_tail(
-        self, tenant: str, fingerprint: str, parent: str | None, members: Sequence[str], token_ids: Sequence[int]
+        self,
+        tenant: str,
+        fingerprint: str,
+        parent: str | None,
+        members: Sequence[str],
+        token_ids: Sequence[int],
+        budget: WaitBudget | None = None,
     ) -> tuple[str, bool]:
         """Where to store the tail `token_ids` after `parent`: (chunk, already stored).
 
@@ -358,9 +401,7 @@ class KVStore:
         ids = tuple(int(t) for t in token_ids)
         extends: str | None = None
         empty: str | None = None
-        for slot in range(TAIL_SLOTS):
-            chunk = tail_chunk(parent, slot)
-            headers = [self.peek_header(StoreKey(tenant, fingerprint, chunk, m)) for m in members]
+        for chunk, headers in self._tail_slot_headers(tenant, fingerprint, parent, members, budget):
             stored = headers[0].token_ids if headers[0] is not None else None
             if stored is None:
                 empty = empty or chunk
@@ -374,15 +415,29 @@ class KVStore:
         return tail_chunk(parent, slot % TAIL_SLOTS), False
 
     def peek_header(self, key: StoreKey) -> ObjectHeader | None:
+        return self.peek_headers([key])[0]
+
+    def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
+        """The header of each key from the fastest tier holding it (None: none does).
+        One `peek_headers` call per tier, for the keys no faster tier answered."""
+        out: list[ObjectHeader | None] = [None] * len(keys)
         for tier in self.tiers:
-            try:
-                header = tier.peek_headers([key])[0]
-            except Exception:
-                self.metrics.inc("tier_errors", tier=tier.name, status="exception")
+            todo = [i for i, h in enumerate(out) if h is None]
+            if not todo:
+                break
+            if self._over_budget(tier, budget):
                 continue
-            if header is not None:
-                return header
-        return None
+            try:
+                found = tier.peek_headers([keys[i] for i in todo])
+                if len(found) != len(todo):
+                    raise RuntimeError(f"{tier.name}.peek_headers returned {len(found)} headers for {len(todo)} keys")
+            except Exception as exc:
+                self.metrics.inc("tier_errors", tier=tier.name, status="exception")
+                log.warning("kvpack: %s.peek_headers failed: %s", tier.name, exc)
+                continue
+            for i, header in zip(todo, found):
+                out[i] = header
+        return out
 
     # -- load ---------------------------------------------------------------------
 

@@ -35,6 +35,13 @@ is usable only for a prompt that contains the whole tail.
 
 The store seen here has the workers' memory tiers as a `ReportedMemoryIndex`
 (fed by worker reports) in front of the shared tiers (disk, Mooncake).
+
+Every store call here runs on vLLM's scheduler thread, between two engine
+steps. Besides each remote call's own bound, one `WaitBudget`
+(`io_timeout_ms`) bounds all of a step's remote waits together: once spent,
+the rest of the step's lookups see only local tiers (fewer hits, never a
+longer step) and save planning assumes the remote tiers hold nothing (at
+worst an object is written again).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpack.budget import WaitBudget
 from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage, tail_usable
 from kvpack.keys import ChunkHash, chunk_hashes
@@ -114,6 +122,9 @@ class SchedulerSide:
         """Requests whose chunks are captured as they complete (engines that free blocks early)."""
         self._partial_tails: dict[str, list[PartialTail]] = {}
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
+        self._budget = WaitBudget(config.io_timeout_ms / 1000.0)
+        """What this scheduler step's lookups and save planning may wait on remote tiers
+        in all (renewed in `build_connector_meta`, once per step)."""
 
     # -- lookup -----------------------------------------------------------------
 
@@ -148,7 +159,7 @@ class SchedulerSide:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, self.members, bs)
+        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, self.members, bs, self._budget)
         k = result.hit_chunks
         if result.partial:
             self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
@@ -158,7 +169,7 @@ class SchedulerSide:
             parent = hashes[k - 1] if k else rs.seed
             rest = tokens[k * bs : min(n - 1, (k + 1) * bs)]
             tm = self.store.find_tail(
-                rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit
+                rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit, self._budget
             )
             if tm is not None and not tail_usable(self.members, tm.members, tm.tokens, tm.stored_tokens):
                 tm = None  # a Mamba state of a longer tail: not the state this prompt needs
@@ -226,6 +237,7 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
+        self._budget.renew()  # once per scheduler step
         if scheduler_output is not None and self._captures:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
@@ -307,7 +319,7 @@ class SchedulerSide:
         else:
             todo = [i for i in range(known, len(hashes)) if i not in captured]
             presence = self.store.contains_members(
-                rs.tenant, self.scope.fingerprint, [hashes[i] for i in todo], self.scope.all_members
+                rs.tenant, self.scope.fingerprint, [hashes[i] for i in todo], self.scope.all_members, self._budget
             )
             for i, present in zip(todo, presence):
                 ids = self._save_blocks(groups, i, present)
@@ -367,7 +379,7 @@ class SchedulerSide:
         ids = [states.get(g, NO_BLOCK if g in self._state_groups else block_at(blocks, c)) for g, blocks in enumerate(groups)]
         tail_ids = tuple(int(x) for x in tokens[c * bs : end])
         chunk, stored = self.store.place_tail(
-            rs.tenant, self.scope.fingerprint, hashes[c - 1] if c else rs.seed, self.scope.all_members, tail_ids
+            rs.tenant, self.scope.fingerprint, hashes[c - 1] if c else rs.seed, self.scope.all_members, tail_ids, self._budget
         )
         if stored and not refresh and not partial_tails:
             return None

@@ -83,6 +83,9 @@ class Tier(ABC):
     """One storage tier. Thread-safe: any method may be called from any thread."""
 
     name: str = "tier"
+    remote: bool = False
+    """Calls leave this process and may each wait up to the tier's own bound (Mooncake):
+    `KVStore` skips such a tier once an engine step's `WaitBudget` is spent."""
 
     @abstractmethod
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:

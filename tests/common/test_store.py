@@ -156,14 +156,22 @@ def test_tail_needs_draft_member_under_recompute(tmp_path: Path) -> None:
 
 
 class SlowTier(Tier):
-    """A real disk tier behind an artificial delay: fault injection for back-pressure."""
+    """A real disk tier behind an artificial delay: fault injection for back-pressure
+    (`delay_s` per put) and for a remote tier that answers lookups slowly
+    (`lookup_delay_s` per `contains` / `peek_headers`, `remote=True`)."""
 
     name = "slow"
 
-    def __init__(self, inner: Tier, delay_s: float, gate: threading.Event | None = None) -> None:
+    def __init__(
+        self, inner: Tier, delay_s: float, gate: threading.Event | None = None, lookup_delay_s: float = 0.0, remote: bool = False
+    ) -> None:
         self.inner, self.delay_s, self.gate = inner, delay_s, gate
+        self.lookup_delay_s, self.remote = lookup_delay_s, remote
+        self.lookup_calls = 0
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        self.lookup_calls += 1
+        time.sleep(self.lookup_delay_s)
         return self.inner.contains(keys)
 
     def get_into(self, keys, dsts, expected, verify_checksum):  # type: ignore[no-untyped-def]
@@ -176,6 +184,8 @@ class SlowTier(Tier):
         return self.inner.put_from(items)
 
     def peek_headers(self, keys):  # type: ignore[no-untyped-def]
+        self.lookup_calls += 1
+        time.sleep(self.lookup_delay_s)
         return self.inner.peek_headers(keys)
 
     def remove_groups(self, groups):  # type: ignore[no-untyped-def]
@@ -183,6 +193,66 @@ class SlowTier(Tier):
 
     def usage(self) -> TierUsage:
         return self.inner.usage()
+
+
+def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path) -> None:
+    """A remote tier that answers every call just inside its own bound would still stall an
+    engine step by the sum of its calls. Once the step's budget is spent, lookups skip it
+    (fewer hits, counted, never a longer step); the next step asks it again. Local tiers
+    are always asked."""
+    from kvpack.budget import WaitBudget
+    from kvpack.config import EvictionPolicyName
+    from kvpack.eviction import make_policy
+    from kvpack.tiers.disk import DiskTier
+    from kvpack.tiers.memory import MemoryTier
+
+    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, lookup_delay_s=0.2, remote=True)
+    memory = MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False)
+    store = KVStore(KVPackConfig(), [memory, remote])
+    items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(4)]
+    assert remote.inner.put_from(items[:3]) == [TierStatus.OK] * 3  # chunks 0-2 only remote
+    assert memory.put_from(items[3:]) == [TierStatus.OK]  # chunk 3 only local
+    tail, _ = make_item("t", tail_chunk(chunk_id(2)), checksum=False, token_ids=(5, 6, 7), token_count=3)
+    assert remote.inner.put_from([tail]) == [TierStatus.OK]
+    chunks = [chunk_id(i) for i in range(3)]
+
+    budget = WaitBudget(0.3)
+    start = time.monotonic()
+    hits = [store.lookup("t", GROUP_FP, chunks, [KV], 16, budget).hit_chunks for _ in range(10)]
+    took = time.monotonic() - start
+    assert hits[0] == 3, "the remote tier is asked while the budget lasts"
+    assert hits[-1] == 0, "a spent budget skips the remote tier"
+    assert remote.lookup_calls <= 3, remote.lookup_calls  # 0.2 s each: the third starts after 0.3 s
+    assert store.metrics.value("budget_skips", tier="slow") == 10 - remote.lookup_calls
+    assert took < 1.5, f"ten lookups took {took:.2f}s: the budget did not bound them (unbounded: 2.0 s)"
+    assert store.find_tail("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget) is None
+    assert store.contains([items[3].key], budget) == [True], "local tiers are asked past the budget"
+
+    budget.renew()  # the next engine step
+    assert store.lookup("t", GROUP_FP, chunks, [KV], 16, budget).hit_chunks == 3
+    match = store.find_tail("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget)
+    assert match is not None and match.tokens == 3
+
+
+def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path) -> None:
+    """Tail lookups run on the engine's scheduler thread: all slots and members of a
+    parent are peeked in one batched call per tier, not one call per slot and member."""
+    from kvpack.config import EvictionPolicyName
+    from kvpack.eviction import make_policy
+    from kvpack.tiers.disk import DiskTier
+
+    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, remote=True)
+    store = KVStore(KVPackConfig(), [remote])
+    for slot, ids in enumerate([(1, 2, 3), (1, 2, 9, 9)]):
+        for member in ("kv", "draft"):
+            item, _ = make_item("t", tail_chunk(chunk_id(0), slot), member, checksum=False, token_ids=ids, token_count=len(ids))
+            assert remote.put_from([item]) == [TierStatus.OK]
+    match = store.find_tail("t", GROUP_FP, chunk_id(0), [1, 2, 9, 9, 4], [KV, DRAFT], 1)
+    assert match is not None and match.tokens == 4 and set(match.members) == {"kv", "draft"}
+    assert remote.lookup_calls == 1
+    chunk, stored = store.place_tail("t", GROUP_FP, chunk_id(0), ["kv", "draft"], [1, 2, 3])
+    assert (chunk, stored) == (tail_chunk(chunk_id(0), 0), True)
+    assert remote.lookup_calls == 2
 
 
 def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
