@@ -202,15 +202,19 @@ def supports_groups(replicate_config_cls: type) -> bool:
 class _Gate:
     """Admits Mooncake calls only while a successfully set-up store is open.
 
-    `enter()` returns the store (or None: do not call); `leave()` must follow.
-    `close_store()` stops admission, waits (bounded) for calls in flight and
-    closes the store only if none is left inside it."""
+    `enter()` returns the store (or None: do not call); `leave()` must follow,
+    on the same thread (a thread makes one call at a time). `close_store()`
+    stops admission, waits (bounded) for calls in flight and closes the store
+    only if none is left inside it. `oldest_call_s()` says how long the
+    oldest call in flight has been running (a call stuck in Mooncake)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._store: Any = None
         self._closed = False
         self._inside = 0
+        self._entered: dict[int, float] = {}
+        """Thread ident -> monotonic time its call entered."""
 
     def open(self, store: Any) -> bool:
         with self._cv:
@@ -229,12 +233,21 @@ class _Gate:
             if self._closed or self._store is None:
                 return None
             self._inside += 1
+            self._entered[threading.get_ident()] = time.monotonic()
             return self._store
 
     def leave(self) -> None:
         with self._cv:
             self._inside -= 1
+            self._entered.pop(threading.get_ident(), None)
             self._cv.notify_all()
+
+    def oldest_call_s(self) -> float:
+        """Seconds the longest-running call in flight has run (0.0: none)."""
+        with self._cv:
+            if not self._entered:
+                return 0.0
+            return time.monotonic() - min(self._entered.values())
 
     def close_store(self, wait_s: float, before_close: Callable[[Any], None] | None = None) -> bool:
         """True if the store was closed (or never opened); False if leaked."""
@@ -491,6 +504,7 @@ class MooncakeTier(Tier):
     """See the module docstring."""
 
     name = "mooncake"
+    remote = True
 
     def __init__(self, config: MooncakeTierConfig, *, wait_ready_s: float = 0.0) -> None:
         self.config = config.resolved()
@@ -735,6 +749,12 @@ class MooncakeTier(Tier):
                 # A Mooncake call did not return within the bound: a stall.
                 self.counters["stalls"] += 1
                 self.breaker.record_failure(f"no answer within {self.config.timeout_ms} ms")
+            elif started == 0 and self._gate.oldest_call_s() >= self._timeout_s:
+                # Never started: every worker is held by calls, one of them stuck past the
+                # bound (a stopped segment holder blocks puts for as long as it is stopped).
+                # Every later call would wait its full bound in the queue too: stop calling.
+                self.counters["stalls"] += 1
+                self.breaker.record_failure(f"workers held by a call running over {self.config.timeout_ms} ms")
         return state, results
 
     def _note_codes(self, codes: Sequence[int]) -> None:

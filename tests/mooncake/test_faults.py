@@ -11,6 +11,7 @@ import pytest
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
+from kvpack.tiers.mooncake_runner import BreakerState, Job
 
 from mooncake_helpers import expect, item, key, payload
 
@@ -117,6 +118,42 @@ def test_holder_killed_loads_fail_cleanly(mooncake_cluster_factory) -> None:  # 
         cluster.start_holder()
         assert _wait(lambda: tier.put_from([item(key("h-new"), datas[0])]) == [TierStatus.OK], 15)
     finally:
+        tier.close()
+
+
+def test_calls_queued_behind_stuck_calls_open_the_breaker(mooncake_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Calls that never return (a put into a stopped segment holder blocks for as long as
+    the holder is stopped) hold every worker. A call queued behind them must not wait its
+    whole bound each time: the first one that cannot start opens the breaker, and every
+    later call answers at once, named UNAVAILABLE, until Mooncake is free again.
+
+    The stuck calls here block inside the tier's own call gate on an event, standing in
+    for a Mooncake call that does not return (a real stopped holder also trips the
+    breaker on the put itself, which would hide the queueing)."""
+    tier = MooncakeTier(mooncake_cluster.tier_config(timeout_ms=TIMEOUT_MS, backoff_s=30.0, workers=2))
+    assert tier.wait_ready(15)
+    release = threading.Event()
+    keys = [key(f"queued-{i}") for i in range(3)]
+    try:
+        assert tier.put_from([item(k, payload(3, 4096)) for k in keys]) == [TierStatus.OK] * 3
+
+        def stuck(job: Job[int], slot, i: int) -> None:  # type: ignore[no-untyped-def]
+            tier._call(lambda s: release.wait(30), default=None)
+            job.publish(i, [0], [0])
+
+        for _ in range(2):
+            assert tier._runner.submit(Job(1, 1, stuck))
+        assert _wait(lambda: tier._runner.busy == 2 and tier._gate.oldest_call_s() > TIMEOUT_MS / 1000, 5)
+        assert tier.breaker.state is BreakerState.CLOSED
+        timeouts = tier.counters["timeouts"]
+
+        answers, took = _timed(lambda: [tier.contains(keys) for _ in range(6)])
+        assert answers == [[False] * 3] * 6
+        assert tier.counters["timeouts"] == timeouts + 1, "each queued call waited its whole bound"
+        assert tier.breaker.state is BreakerState.OPEN
+        assert took <= BOUND_S, f"six lookups took {took:.2f}s behind stuck calls"
+    finally:
+        release.set()
         tier.close()
 
 
