@@ -123,8 +123,9 @@ def compare(results: Iterable[Result], refs: dict[str, dict[str, Any]]) -> Compa
     return c
 
 
-def overlaps(a: float, b: float, windows: Sequence[Window]) -> bool:
-    return any(w.tier_down and a < w.end and b > w.start for w in windows)
+def down_windows(a: float, b: float, windows: Sequence[Window]) -> list[str]:
+    """Names of the tier-down windows that the interval [a, b] (soak clock) overlaps."""
+    return [w.name for w in windows if w.tier_down and a < w.end and b > w.start]
 
 
 @dataclass

@@ -43,9 +43,9 @@ from .report import (
     Row,
     by_labels,
     compare,
+    down_windows,
     fmt_counter,
     format_table,
-    overlaps,
     parse_prometheus,
     parse_server_log,
 )
@@ -422,8 +422,8 @@ class Soak:
         gaps = [(a, b) for r in results for a, b in r.gaps]
         t0 = self.t0
         longest = max((b - a for a, b in gaps), default=0.0)
-        down_gaps = [b - a for a, b in gaps if overlaps(a - t0, b - t0, windows)]
-        longest_down = max(down_gaps, default=0.0)
+        down_gaps = [(b - a, down_windows(a - t0, b - t0, windows)) for a, b in gaps]
+        longest_down, longest_down_in = max(((d, w) for d, w in down_gaps if w), default=(0.0, []))
         warm_t = cfg.duration_s * cfg.warmup_fraction
         after = [v for t, v in self.rss if t >= warm_t]
         base = after[:3] if after else [0]
@@ -476,7 +476,12 @@ class Soak:
                 fmt_counter({k: v for k, v in xfer.items() if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")}) or "none",
             ),
             Row("longest step delay (all)", f"{longest:.3f}s"),
-            Row("longest step delay while a tier was down", f"{longest_down:.3f}s", f"< {cfg.delay_bound_s}s", longest_down < cfg.delay_bound_s),
+            Row(
+                "longest step delay while a tier was down",
+                f"{longest_down:.3f}s" + (f" ({', '.join(longest_down_in)})" if longest_down_in else ""),
+                f"< {cfg.delay_bound_s}s",
+                longest_down < cfg.delay_bound_s,
+            ),
             Row("server tree RSS: peak / growth after warm-up", f"{peak:.0f} / {growth:+.0f} MiB", f"< {cfg.memory_growth_bound_mib:.0f} MiB", growth < cfg.memory_growth_bound_mib),
             Row("server alive and healthy at the end", str(server_alive), "True", server_alive),
             Row("engine deaths / tracebacks in the server log", f"{log['engine_dead']} / {log['tracebacks']}", "0 / -", log["engine_dead"] == 0),
@@ -496,6 +501,7 @@ class Soak:
             xfer=dict(xfer),
             longest_gap=longest,
             longest_gap_down=longest_down,
+            longest_gap_down_in=longest_down_in,
             rss_growth_mib=growth,
             server_alive=server_alive,
             engine_dead=log["engine_dead"],
