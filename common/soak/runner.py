@@ -422,6 +422,8 @@ class Soak:
         gaps = [(a, b) for r in results for a, b in r.gaps]
         t0 = self.t0
         longest = max((b - a for a, b in gaps), default=0.0)
+        quiet = [b - a for a, b in gaps if not any(a - t0 < w.end and b - t0 > w.start for w in windows)]
+        longest_quiet = max(quiet, default=0.0)
         down_gaps = [(b - a, down_windows(a - t0, b - t0, windows)) for a, b in gaps]
         longest_down, longest_down_in = max(((d, w) for d, w in down_gaps if w), default=(0.0, []))
         warm_t = cfg.duration_s * cfg.warmup_fraction
@@ -476,6 +478,7 @@ class Soak:
                 fmt_counter({k: v for k, v in xfer.items() if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")}) or "none",
             ),
             Row("longest step delay (all)", f"{longest:.3f}s"),
+            Row("longest step delay outside every fault window (the machine's own noise)", f"{longest_quiet:.3f}s"),
             Row(
                 "longest step delay while a tier was down",
                 f"{longest_down:.3f}s" + (f" ({', '.join(longest_down_in)})" if longest_down_in else ""),
@@ -500,6 +503,7 @@ class Soak:
             rss=[(round(t, 1), v >> 20) for t, v in self.rss],
             xfer=dict(xfer),
             longest_gap=longest,
+            longest_gap_quiet=longest_quiet,
             longest_gap_down=longest_down,
             longest_gap_down_in=longest_down_in,
             rss_growth_mib=growth,
