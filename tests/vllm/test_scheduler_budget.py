@@ -1,0 +1,103 @@
+"""The vLLM scheduler side waits on remote tiers for at most one budget per engine step.
+
+Each remote call is bounded on its own; a step makes one lookup per new request,
+so a tier that answers every call just inside its bound would still stall the
+step by the sum. `SchedulerSide` gives every store call of a step one
+`WaitBudget` (`io_timeout_ms`), renewed in `build_connector_meta`. Here the
+remote tier is a real disk tier that answers lookups 0.2 s late and says it is
+remote (as Mooncake's tier does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpack.config import EvictionPolicyName, KVPackConfig
+from kvpack.eviction import make_policy
+from kvpack.groups import Coverage
+from kvpack.keys import StoreKey, chunk_hashes
+from kvpack.layout import KVLayoutSpec
+from kvpack.objects import ObjectHeader
+from kvpack.store import KVStore
+from kvpack.tiers.base import PutItem, TierStatus
+from kvpack.tiers.disk import DiskTier
+
+pytest.importorskip("vllm")
+
+from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
+from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+
+BS = 16
+DELAY_S = 0.2
+BUDGET_MS = 300
+
+
+class LateRemoteDisk(DiskTier):
+    """A disk tier whose lookups answer `DELAY_S` late, marked remote."""
+
+    name = "late"
+    remote = True
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 1 << 30, make_policy(EvictionPolicyName.LRU))
+        self.lookup_calls = 0
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        self.lookup_calls += 1
+        time.sleep(DELAY_S)
+        return super().contains(keys)
+
+    def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
+        self.lookup_calls += 1
+        time.sleep(DELAY_S)
+        return super().peek_headers(keys)
+
+
+def request(ids: list[int], req_id: str) -> Any:
+    return SimpleNamespace(
+        request_id=req_id,
+        num_tokens=len(ids),
+        all_token_ids=list(ids),
+        num_computed_tokens=0,
+        kv_transfer_params=None,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
+
+
+def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
+    config = KVPackConfig.from_dict({"disk": {"enabled": False}, "io_timeout_ms": BUDGET_MS})  # memory: the (empty) worker index
+    groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
+    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
+    side = SchedulerSide(config, scope, can_load=True, can_save=False)
+    late = LateRemoteDisk(tmp_path / "late")
+    side.store.close()
+    side.store = KVStore(config, [side.index, late])  # the workers' memory index, then the remote tier
+    ids = list(range(200, 260))  # 3 whole chunks and a 12-token tail
+    for chunk in chunk_hashes(ids, BS)[:3]:
+        payload = np.zeros(64, dtype=np.uint8)
+        header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)
+        assert late.put_from([PutItem(StoreKey("default", scope.fingerprint, chunk, "kv"), header, memoryview(payload))]) == [TierStatus.OK]
+
+    start = time.monotonic()
+    matched = [side.get_num_new_matched_tokens(request(ids, f"r{i}"), 0)[0] for i in range(8)]
+    took = time.monotonic() - start
+    assert matched[0] == 3 * BS, "the remote tier is asked while the step's budget lasts"
+    assert matched[1:] == [0] * 7, "once it is spent, the step's other lookups skip the remote tier"
+    assert late.lookup_calls == 2  # the first request's chunk lookup and tail lookup
+    assert side.store.metrics.value("budget_skips", tier="late") == 2 * 7
+    assert took < 1.5, f"eight lookups took {took:.2f}s (unbounded: {8 * 2 * DELAY_S:.1f}s)"
+
+    side.build_connector_meta(None)  # the next engine step renews the budget
+    assert side.get_num_new_matched_tokens(request(ids, "next-step"), 0)[0] == 3 * BS
+    assert late.lookup_calls == 4
