@@ -43,6 +43,7 @@ from .keys import GroupKey, StoreKey
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.parallel import RegionCopier
 
 log = logging.getLogger("kvpack")
 
@@ -76,7 +77,13 @@ class TailMatch:
     members: tuple[str, ...]
 
 
-def build_tiers(config: KVPackConfig, *, include_memory: bool = True, copy_threads: int = 1) -> list[Tier]:
+def build_tiers(
+    config: KVPackConfig,
+    *,
+    include_memory: bool = True,
+    copy_threads: int = 1,
+    region_copier: Callable[[], RegionCopier | None] | None = None,
+) -> list[Tier]:
     """The tiers `config` enables, fastest first: memory, disk, Mooncake.
 
     `include_memory=False` leaves out the host-memory tier, for a process that
@@ -84,13 +91,22 @@ def build_tiers(config: KVPackConfig, *, include_memory: bool = True, copy_threa
     `copy_threads` (>= 1, the calling thread included) spreads one batch's
     memory copies and disk file I/O over that many threads; 1 keeps every
     call on its caller's thread (an engine that saves off its forward path on
-    a small machine wants that)."""
+    a small machine wants that). `region_copier` hands the memory tier a native
+    copy (`kvpack.ops.region_copier`) once one is loaded."""
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
     if config.memory.enabled and include_memory:
         from .tiers.memory import MemoryTier
 
-        tiers.append(MemoryTier(config.memory.capacity, make_policy(config.eviction.policy), quotas, copy_threads=copy_threads))
+        tiers.append(
+            MemoryTier(
+                config.memory.capacity,
+                make_policy(config.eviction.policy),
+                quotas,
+                copy_threads=copy_threads,
+                region_copier=region_copier,
+            )
+        )
     if config.disk.enabled:
         from .tiers.disk import DiskTier
 
@@ -171,9 +187,16 @@ class KVStore:
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: KVPackConfig, metrics: Metrics | None = None, *, copy_threads: int = 1) -> KVStore:
+    def from_config(
+        cls,
+        config: KVPackConfig,
+        metrics: Metrics | None = None,
+        *,
+        copy_threads: int = 1,
+        region_copier: Callable[[], RegionCopier | None] | None = None,
+    ) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
-        return cls(config, build_tiers(config, copy_threads=copy_threads), metrics)
+        return cls(config, build_tiers(config, copy_threads=copy_threads, region_copier=region_copier), metrics)
 
     def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
         """Call `listener(tier_name, group, nbytes)` for every group a bounded tier

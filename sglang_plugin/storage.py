@@ -54,6 +54,7 @@ from ..groups import MemberRole
 from ..keys import StoreKey
 from ..layout import KVLayoutSpec
 from ..objects import Expectation, ObjectHeader
+from ..ops import load_extension, region_copier
 from ..store import KVStore, LoadItem
 from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
@@ -96,8 +97,13 @@ class KVPackStorage(HiCacheStorage):
         )
         self.tenant = self.config.tenant
         # A batch's copies and file I/O run on io_threads threads inside the tiers;
-        # the backend itself makes one store call per SGLang call.
-        self.store = KVStore.from_config(self.config, copy_threads=max(1, self.config.io_threads))
+        # the backend itself makes one store call per SGLang call. Memory-tier stores
+        # use kvpack's native region copy (streaming stores) when the extension builds
+        # (here, at start-up: once per machine, cached); else numpy copies.
+        load_extension()
+        self.store = KVStore.from_config(
+            self.config, copy_threads=max(1, self.config.io_threads), region_copier=region_copier
+        )
         self.metrics = self.store.metrics
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}

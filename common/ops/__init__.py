@@ -13,7 +13,7 @@ kernels are JIT-built on first use (``kvpack.ops._build``). Importing this modul
 builds nothing and needs no CUDA.
 """
 
-from ._build import ExtensionStatus, load_extension
+from ._build import ExtensionStatus, load_extension, region_copier
 from .copy import Backend, gather_blocks, scatter_blocks, select_backend, staging_bytes_per_block
 from .layout import KVLayout, KVLayoutKind, LayoutError, LoopDim
 from .paged import PagedKV
@@ -28,6 +28,7 @@ __all__ = [
     "PagedKV",
     "gather_blocks",
     "load_extension",
+    "region_copier",
     "scatter_blocks",
     "select_backend",
     "staging_bytes_per_block",

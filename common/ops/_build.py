@@ -7,7 +7,11 @@ rebuilds it safely. The CUDA kernel is compiled in only where torch has CUDA, a
 GPU is visible and nvcc exists. The build is logged once; when no compiler (or
 ninja) is found, or the build fails, the pure-torch fallback runs and that is
 logged once (with the reason). The only module state is the lock-protected
-handle below.
+handle below (the status and the extension's Python module).
+
+`region_copier()` never waits: it is the native region copy once the
+extension is loaded (by `load_extension`, which an adapter calls at start-up),
+else None, and callers copy with numpy.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from ..tiers.parallel import RegionCopier
+
 logger = logging.getLogger("kvpack.ops")
 
-_SOURCES_CPU = ("bindings.cpp", "block_copy_cpu.cpp")
+_SOURCES_CPU = ("bindings.cpp", "block_copy_cpu.cpp", "region_copy_cpu.cpp", "region_copy_py.cpp")
 _SOURCES_CUDA = ("block_copy.cu",)
-_HEADERS = ("block_copy_geometry.h", "block_copy_cpu.h", "block_copy.h")
+_HEADERS = ("block_copy_geometry.h", "block_copy_cpu.h", "block_copy.h", "region_copy_cpu.h")
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class ExtensionStatus:
 
 _lock = threading.Lock()
 _status: ExtensionStatus | None = None
+_module: Any = None
 
 
 def csrc_dir() -> Path | None:
@@ -103,7 +112,7 @@ def _register_fakes() -> None:
         return None
 
 
-def _build_flavour(src: Path, with_cuda: bool, note: str) -> ExtensionStatus:
+def _build_flavour(src: Path, with_cuda: bool, note: str) -> tuple[ExtensionStatus, Any]:
     """Builds (or loads the cached) extension with or without the CUDA kernel."""
     from torch.utils import cpp_extension
 
@@ -122,7 +131,7 @@ def _build_flavour(src: Path, with_cuda: bool, note: str) -> ExtensionStatus:
     if not prebuilt:
         logger.info("kvpack.ops: building block-copy kernels (%s) in %s ...", flavour, build_dir)
     t0 = time.monotonic()
-    cpp_extension.load(
+    module = cpp_extension.load(
         name=name,
         sources=[str(src / f) for f in sources],
         extra_cflags=cflags,
@@ -130,7 +139,7 @@ def _build_flavour(src: Path, with_cuda: bool, note: str) -> ExtensionStatus:
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(src)],
         build_directory=str(build_dir),
-        is_python_module=False,
+        is_python_module=True,
         with_cuda=with_cuda,
         verbose=False,
     )
@@ -138,16 +147,16 @@ def _build_flavour(src: Path, with_cuda: bool, note: str) -> ExtensionStatus:
     has_cuda = bool(torch.ops.kvpack.has_cuda())
     how = "loaded cached" if prebuilt else f"built in {time.monotonic() - t0:.1f}s"
     reason = f"{how} ({flavour}{'' if with_cuda else '; CUDA kernel not built: ' + note})"
-    return ExtensionStatus(True, has_cuda, reason, str(build_dir))
+    return ExtensionStatus(True, has_cuda, reason, str(build_dir)), module
 
 
-def _build() -> ExtensionStatus:
+def _build() -> tuple[ExtensionStatus, Any]:
     src = csrc_dir()
     if src is None:
-        return ExtensionStatus(False, False, "kernel sources (csrc/) not found")
+        return ExtensionStatus(False, False, "kernel sources (csrc/) not found"), None
     missing = _compiler_missing()
     if missing is not None:
-        return ExtensionStatus(False, False, missing)
+        return ExtensionStatus(False, False, missing), None
     with_cuda, cuda_why = cuda_build_possible()
     if with_cuda:
         try:
@@ -160,11 +169,11 @@ def _build() -> ExtensionStatus:
 
 def load_extension() -> ExtensionStatus:
     """Builds/loads the extension once per process; never raises. Thread safe."""
-    global _status
+    global _status, _module
     with _lock:
         if _status is None:
             try:
-                _status = _build()
+                _status, _module = _build()
             except Exception as e:  # a failed build must never break the engine
                 _status = ExtensionStatus(False, False, f"build failed: {type(e).__name__}: {e}")
             if _status.available:
@@ -174,3 +183,9 @@ def load_extension() -> ExtensionStatus:
                     "kvpack.ops: using the pure-torch block copy fallback (%s)", _status.reason
                 )
         return _status
+
+
+def region_copier() -> RegionCopier | None:
+    """The native region copy if the extension is loaded now, else None. Never waits."""
+    module = _module
+    return None if module is None else module.copy_regions

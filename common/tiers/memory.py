@@ -34,7 +34,7 @@ from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload, RejectReason, check_header, check_payload, payload_parts
 from .arena import SlabArena
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .parallel import CopyPair, IOThreads
+from .parallel import CopyPair, IOThreads, RegionCopier
 
 
 @dataclass(slots=True)
@@ -79,13 +79,16 @@ class MemoryTier(Tier):
         quotas: dict[str, int] | None = None,
         pin: bool | None = None,
         copy_threads: int = 1,
+        region_copier: Callable[[], RegionCopier | None] | None = None,
     ) -> None:
+        """`copy_threads` and `region_copier`: see `kvpack.tiers.parallel.IOThreads`
+        (stores stream into the tier's slots when a native copier is available)."""
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[str, set[StoreKey]] = {}  # by group id (`_gid`)
         self._capacity = CapacityManager(capacity, policy, quotas)
         self._arena = SlabArena(pin=_cuda_available() if pin is None else pin)
-        self._io = IOThreads(copy_threads, name="kvpack-memcopy")
+        self._io = IOThreads(copy_threads, name="kvpack-memcopy", region_copier=region_copier)
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
@@ -161,7 +164,7 @@ class MemoryTier(Tier):
             total += size
             copied.append(i)
             results.append(GetResult(TierStatus.OK, header))
-        self._io.copy(pairs, total)
+        self._io.copy(pairs, total, streaming=True)
         del pairs
         if verify_checksum:
             for i in copied:
@@ -233,7 +236,7 @@ class MemoryTier(Tier):
                             add_pair((slot[offset : offset + m], part))
                             offset += m
                     total += size
-        self._io.copy(pairs, total)
+        self._io.copy(pairs, total, streaming=True)
         del pairs
         with self._lock:
             has_member = self._capacity.has_member
