@@ -51,6 +51,7 @@ from kvpack.groups import DraftPlacement
 from kvpack.keys import GroupKey, StoreKey
 from kvpack.layout import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader
+from kvpack.ops import region_copier
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem
 
@@ -122,7 +123,9 @@ class WorkerSide:
         self.draft_member = member_name(self.rank, world, DRAFT_MEMBER) if scope.draft_placement is DraftPlacement.SIDECAR else None
         self.slots: list[_Slot] = []
         """Every member this rank writes (group 0's ``kv`` first)."""
-        self.store = store or KVStore.from_config(config)
+        # stores copy into the memory tier with kvpack's native region copy once the ops
+        # extension is loaded (the first block gather loads it), else with numpy
+        self.store = store or KVStore.from_config(config, region_copier=region_copier)
         self.layout: BlockLayout | None = None
         """Layers of the ``kv`` object (PACKED: target then draft layers)."""
         self.target_layout: BlockLayout | None = None
