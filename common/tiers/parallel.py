@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -45,6 +46,14 @@ def copy_pairs(pairs: Sequence[CopyPair]) -> None:
     copyto = np.copyto
     for dst, src in pairs:
         copyto(dst, src)
+
+
+def _copy_native(native: RegionCopier, streaming: bool, run: Sequence[CopyPair]) -> None:
+    """`native` over `run`; a run it refuses (it checks every pair before copying) goes to numpy."""
+    try:
+        native(run, streaming)
+    except (ValueError, BufferError, TypeError):
+        copy_pairs(run)
 
 
 def _runs(pairs: Sequence[CopyPair], total: int, count: int) -> list[Sequence[CopyPair]]:
@@ -104,10 +113,7 @@ class IOThreads:
         just takes fewer runs."""
         total = sum(d.nbytes for d, _ in pairs) if nbytes is None else nbytes
         native = self._region_copier() if self._region_copier is not None else None
-        if native is None:
-            copy_run: Callable[[Sequence[CopyPair]], None] = copy_pairs
-        else:
-            copy_run = lambda run: native(run, streaming)  # noqa: E731
+        copy_run = copy_pairs if native is None else partial(_copy_native, native, streaming)
         k = min(self.threads, total // self._min_bytes, len(pairs))
         pool = self._pool() if k > 1 else None
         if pool is None:
