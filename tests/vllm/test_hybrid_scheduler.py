@@ -34,6 +34,7 @@ pytest.importorskip("vllm")
 from kvpack.vllm_plugin.metadata import NO_BLOCK, BlockRef  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from vllm_helpers import fake_request  # noqa: E402
 
 BS = 16
 STATE = "kv_g1"
@@ -48,20 +49,6 @@ def make_side(tmp_path: Path, can_save: bool = True) -> SchedulerSide:
     spec = KVLayoutSpec(engine="vllm:cpu", model="hybrid|groups=full,mamba", dtype="float32", chunk_tokens=BS)
     scope = Scope(spec=spec, members=("kv", STATE), block_size=BS, draft="", groups=groups, world=1)
     return SchedulerSide(config, scope, can_load=True, can_save=can_save)
-
-
-def request(ids: list[int], computed: int = 0, req_id: str = "r1") -> Any:
-    return SimpleNamespace(
-        request_id=req_id,
-        num_tokens=len(ids),
-        all_token_ids=list(ids),
-        num_computed_tokens=computed,
-        kv_transfer_params=None,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-    )
 
 
 def put(side: SchedulerSide, chunk: str, member: str, token_ids: tuple[int, ...] | None = None) -> None:
@@ -84,7 +71,7 @@ IDS = list(range(100, 164))  # 4 chunks of 16
 
 def test_partial_tail_state_is_saved_with_the_attention_tail(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:40], computed=40)
+    req = fake_request(IDS[:40], computed=40)
     assert side.register_finished_partial_tail(req, ([1, 2, 3], [0, 0, 77]), [(1, 77, 40)])
     delay, _ = side.request_finished(req, ([1, 2, 3], [0, 0, 77]))
     assert delay  # vLLM keeps the blocks until the workers report the save
@@ -98,7 +85,7 @@ def test_partial_tail_state_is_saved_with_the_attention_tail(tmp_path: Path) -> 
 
 def test_partial_tail_ends_where_the_state_ends(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:40], computed=40)
+    req = fake_request(IDS[:40], computed=40)
     assert side.register_finished_partial_tail(req, ([1, 2, 3], [0, 0, 77]), [(1, 77, 37)])
     side.request_finished(req, ([1, 2, 3], [0, 0, 77]))
     tail = side.build_connector_meta().saves[0].blocks[-1]
@@ -107,7 +94,7 @@ def test_partial_tail_ends_where_the_state_ends(tmp_path: Path) -> None:
 
 def test_no_tail_without_a_handed_over_state(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:40], computed=40)
+    req = fake_request(IDS[:40], computed=40)
     side.request_finished(req, ([1, 2, 3], [0, 0, 77]))
     job = side.build_connector_meta().saves[0]
     assert all(r.token_ids is None for r in job.blocks)  # the running state's length is unknown
@@ -115,7 +102,7 @@ def test_no_tail_without_a_handed_over_state(tmp_path: Path) -> None:
 
 def test_partial_tail_refused_when_not_kvpack_s_to_store(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:40], computed=40)
+    req = fake_request(IDS[:40], computed=40)
     assert not side.register_finished_partial_tail(req, ([1, 2, 3], [0, 0, 77]), [(0, 3, 40)])  # attention group
     assert not side.register_finished_partial_tail(req, ([1, 2, 3], [0, 0, 77]), [])
     producer_off = make_side(tmp_path / "b", can_save=False)
@@ -124,7 +111,7 @@ def test_partial_tail_refused_when_not_kvpack_s_to_store(tmp_path: Path) -> None
 
 def test_promise_kept_when_nothing_else_is_saved(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:40], computed=0)  # nothing computed: nothing to store
+    req = fake_request(IDS[:40], computed=0)  # nothing computed: nothing to store
     assert side.register_finished_partial_tail(req, ([], []), [(1, 77, 10)])
     delay, _ = side.request_finished(req, ([], []))
     assert delay
@@ -138,10 +125,10 @@ def test_lookup_needs_state_only_at_the_boundary(tmp_path: Path) -> None:
     for h in hashes[:3]:
         put(side, h, "kv")
     put(side, hashes[1], STATE)  # state after 32 tokens only
-    req = request(IDS[:60])
+    req = fake_request(IDS[:60])
     assert side.get_num_new_matched_tokens(req, 0) == (32, True)
     put(side, hashes[2], STATE)
-    assert side.get_num_new_matched_tokens(request(IDS[:60], req_id="r2"), 0) == (48, True)
+    assert side.get_num_new_matched_tokens(fake_request(IDS[:60], req_id="r2"), 0) == (48, True)
 
 
 def test_state_tail_is_used_only_whole(tmp_path: Path) -> None:
@@ -153,9 +140,9 @@ def test_state_tail_is_used_only_whole(tmp_path: Path) -> None:
     chunk, _ = side.store.place_tail("default", side.scope.fingerprint, hashes[2], ("kv", STATE), IDS[48:56])
     put(side, chunk, "kv", tuple(IDS[48:56]))
     put(side, chunk, STATE, tuple(IDS[48:56]))
-    whole = request(IDS[:57], req_id="whole")  # contains the 8 tail tokens (+1 vLLM computes)
+    whole = fake_request(IDS[:57], req_id="whole")  # contains the 8 tail tokens (+1 vLLM computes)
     assert side.get_num_new_matched_tokens(whole, 0) == (56, True)
-    part = request(IDS[:53] + [1, 2, 3, 4], req_id="part")  # shares 5 of the 8: the state would be wrong
+    part = fake_request(IDS[:53] + [1, 2, 3, 4], req_id="part")  # shares 5 of the 8: the state would be wrong
     assert side.get_num_new_matched_tokens(part, 0) == (48, True)
 
 
@@ -165,7 +152,7 @@ def test_load_puts_state_in_the_boundary_block_only(tmp_path: Path) -> None:
     for h in hashes[:3]:
         put(side, h, "kv")
         put(side, h, STATE)
-    req = request(IDS[:60])
+    req = fake_request(IDS[:60])
     assert side.get_num_new_matched_tokens(req, 0) == (48, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4], [0, 6, 7, 8]))
     side.update_state_after_alloc(req, blocks, 48)  # type: ignore[arg-type]
@@ -190,7 +177,7 @@ def _output(new: list[Any], cached: dict[str, tuple[int, tuple[list[int], ...] |
 
 def test_captures_copy_each_chunk_in_the_step_that_completes_it(tmp_path: Path) -> None:
     side = make_side(tmp_path)
-    req = request(IDS[:50])
+    req = fake_request(IDS[:50])
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     new = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3], [5, 6, 7]), num_computed_tokens=0)
     (job,) = side.build_connector_meta(_output([new], {}, {"r1": 40})).saves

@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +31,7 @@ pytest.importorskip("vllm")
 
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from vllm_helpers import fake_request  # noqa: E402
 
 BS = 16
 DELAY_S = 0.2
@@ -60,20 +59,6 @@ class LateRemoteDisk(DiskTier):
         return super().peek_headers(keys)
 
 
-def request(ids: list[int], req_id: str) -> Any:
-    return SimpleNamespace(
-        request_id=req_id,
-        num_tokens=len(ids),
-        all_token_ids=list(ids),
-        num_computed_tokens=0,
-        kv_transfer_params=None,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-    )
-
-
 def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     config = KVPackConfig.from_dict({"disk": {"enabled": False}, "io_timeout_ms": BUDGET_MS})  # memory: the (empty) worker index
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
@@ -90,7 +75,7 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
         assert late.put_from([PutItem(StoreKey("default", scope.fingerprint, chunk, "kv"), header, memoryview(payload))]) == [TierStatus.OK]
 
     start = time.monotonic()
-    matched = [side.get_num_new_matched_tokens(request(ids, f"r{i}"), 0)[0] for i in range(8)]
+    matched = [side.get_num_new_matched_tokens(fake_request(ids, f"r{i}"), 0)[0] for i in range(8)]
     took = time.monotonic() - start
     assert matched[0] == 3 * BS, "the remote tier is asked while the step's budget lasts"
     assert matched[1:] == [0] * 7, "once it is spent, the step's other lookups skip the remote tier"
@@ -99,5 +84,5 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     assert took < 1.5, f"eight lookups took {took:.2f}s (unbounded: {8 * 2 * DELAY_S:.1f}s)"
 
     side.build_connector_meta(None)  # the next engine step renews the budget
-    assert side.get_num_new_matched_tokens(request(ids, "next-step"), 0)[0] == 3 * BS
+    assert side.get_num_new_matched_tokens(fake_request(ids, "next-step"), 0)[0] == 3 * BS
     assert late.lookup_calls == 4

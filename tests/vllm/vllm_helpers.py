@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,6 +32,21 @@ BLOCK = 128
 def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(3, 1999) for _ in range(n)]
+
+
+def fake_request(ids: list[int], req_id: str = "r1", computed: int = 0) -> Any:
+    """What `SchedulerSide` reads of a vLLM ``Request`` (for scheduler-side tests without an engine)."""
+    return SimpleNamespace(
+        request_id=req_id,
+        num_tokens=len(ids),
+        all_token_ids=list(ids),
+        num_computed_tokens=computed,
+        kv_transfer_params=None,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
 
 
 def kv_config(extra: dict[str, Any] | None, role: str = "kv_both") -> dict[str, Any]:
