@@ -437,9 +437,6 @@ class KVStore:
         slot = int.from_bytes(hashlib.blake2b(np.asarray(ids, dtype="<u4").tobytes(), digest_size=4).digest(), "little")
         return tail_chunk(parent, slot % TAIL_SLOTS), False
 
-    def peek_header(self, key: StoreKey) -> ObjectHeader | None:
-        return self.peek_headers([key])[0]
-
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
         """The header of each key from the fastest tier holding it (None: none does).
         One `peek_headers` call per tier, for the keys no faster tier answered."""
