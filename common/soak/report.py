@@ -123,9 +123,10 @@ def compare(results: Iterable[Result], refs: dict[str, dict[str, Any]]) -> Compa
     return c
 
 
-def down_windows(a: float, b: float, windows: Sequence[Window]) -> list[str]:
-    """Names of the tier-down windows that the interval [a, b] (soak clock) overlaps."""
-    return [w.name for w in windows if w.tier_down and a < w.end and b > w.start]
+def overlapping_windows(a: float, b: float, windows: Sequence[Window], down_only: bool = True) -> list[str]:
+    """Names of the windows (only tier-down ones if `down_only`) that the interval
+    [a, b] (soak clock) overlaps."""
+    return [w.name for w in windows if (w.tier_down or not down_only) and a < w.end and b > w.start]
 
 
 @dataclass

@@ -43,9 +43,9 @@ from .report import (
     Row,
     by_labels,
     compare,
-    down_windows,
     fmt_counter,
     format_table,
+    overlapping_windows,
     parse_prometheus,
     parse_server_log,
 )
@@ -422,9 +422,9 @@ class Soak:
         gaps = [(a, b) for r in results for a, b in r.gaps]
         t0 = self.t0
         longest = max((b - a for a, b in gaps), default=0.0)
-        quiet = [b - a for a, b in gaps if not any(a - t0 < w.end and b - t0 > w.start for w in windows)]
+        quiet = [b - a for a, b in gaps if not overlapping_windows(a - t0, b - t0, windows, down_only=False)]
         longest_quiet = max(quiet, default=0.0)
-        down_gaps = [(b - a, down_windows(a - t0, b - t0, windows)) for a, b in gaps]
+        down_gaps = [(b - a, overlapping_windows(a - t0, b - t0, windows)) for a, b in gaps]
         longest_down, longest_down_in = max(((d, w) for d, w in down_gaps if w), default=(0.0, []))
         warm_t = cfg.duration_s * cfg.warmup_fraction
         after = [v for t, v in self.rss if t >= warm_t]
