@@ -164,7 +164,7 @@ class MemoryTier(Tier):
             total += size
             copied.append(i)
             results.append(GetResult(TierStatus.OK, header))
-        self._io.copy(pairs, total, streaming=True)
+        self._io.copy(pairs, total)  # cached stores: the caller (or the checksum below) reads them next
         del pairs
         if verify_checksum:
             for i in copied:
