@@ -7,7 +7,11 @@
     kvpack config [FILE]        # print the effective config (defaults filled in)
 
 Subcommands import their module only when run, so `kvpack inspect` works
-without any engine installed.
+without any engine installed. bench, demo and soak are operator tools in
+`kvpack.tools` (folder tools/), reached here by module name only: the core
+never imports them. `kvpack bench --help` lists the benchmarks and
+`kvpack bench NAME --help` (or `kvpack demo --help`, ...) shows the tool's own
+arguments; every `--help` exits 0.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import sys
 from pathlib import Path
 
 BENCHES = {
-    "tiers": "kvpack.bench.tiers_bench",
-    "copy": "kvpack.bench.copy_bench",
-    "vllm": "kvpack.bench.vllm_bench",
-    "mooncake": "kvpack.bench.mooncake_bench",
-    "sglang": "kvpack.bench.sglang_bench",
-    "spec": "kvpack.bench.spec_bench",
+    "tiers": "kvpack.tools.bench.tiers_bench",
+    "copy": "kvpack.tools.bench.copy_bench",
+    "vllm": "kvpack.tools.bench.vllm_bench",
+    "mooncake": "kvpack.tools.bench.mooncake_bench",
+    "sglang": "kvpack.tools.bench.sglang_bench",
+    "spec": "kvpack.tools.bench.spec_bench",
 }
-RUNNERS = {"demo": "kvpack.demo", "soak": "kvpack.soak"}
+RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak"}
 
 
 def _run_module(module: str, argv: list[str]) -> int:
@@ -70,12 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect = sub.add_parser("inspect", help="summarize a disk store per tenant and group")
     p_inspect.add_argument("dir")
     p_inspect.add_argument("--json", action="store_true")
-    p_bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
-    p_bench.add_argument("name", choices=sorted(BENCHES))
+    p_bench = sub.add_parser(
+        "bench",
+        help="run a benchmark",
+        usage="kvpack bench [-h] NAME [ARGS...]",
+        epilog="`kvpack bench NAME --help` shows the benchmark's own arguments.",
+    )
+    p_bench.add_argument("name", metavar="NAME", choices=sorted(BENCHES), help="the benchmark, one of: %(choices)s")
     p_config = sub.add_parser("config", help="print the effective config")
     p_config.add_argument("file", nargs="?")
     for name in RUNNERS:
-        sub.add_parser(name, help=f"run the {name}", add_help=False)
+        # no arguments of its own here: everything after the name, --help too, goes to the tool
+        sub.add_parser(name, help=f"run the {name} (`kvpack {name} --help` for its arguments)", add_help=False)
     if argv and argv[0] in RUNNERS:
         return _run_module(RUNNERS[argv[0]], argv[1:])
     if argv and argv[0] == "bench" and len(argv) >= 2 and argv[1] in BENCHES:

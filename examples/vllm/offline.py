@@ -19,7 +19,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         model = sys.argv[1]
     else:
-        from kvpack.tinymodel import build_tiny_llama
+        from kvpack.tools.tinymodel import build_tiny_llama
 
         model = str(build_tiny_llama("/tmp/kvpack-tiny-llama"))
     store = sys.argv[2] if len(sys.argv) > 2 else "/tmp/kvpack-example-store"

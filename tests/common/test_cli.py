@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import chunk_id, make_item
 
-from kvpack.cli import main
+from kvpack.cli import BENCHES, RUNNERS, main
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.store import tail_chunk
@@ -50,3 +50,26 @@ def test_bench_tiers_runs_and_prints_ratios(capsys: pytest.CaptureFixture[str]) 
     assert main(["bench", "tiers", "--total", "2MiB", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "x memcpy" in out and "| 1MiB |" in out
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's --help and usage errors
+        return int(exc.code or 0)
+
+
+HELP_ARGVS = [[], ["inspect"], ["config"], ["bench"]] + [[name] for name in RUNNERS] + [["bench", name] for name in BENCHES]
+
+
+@pytest.mark.parametrize("argv", HELP_ARGVS, ids=lambda argv: " ".join(["kvpack", *argv]))
+def test_every_help_prints_usage_and_exits_0(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # regression: `kvpack bench --help` exited 2 ("the following arguments are required: name")
+    assert _exit_code([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {' '.join(['kvpack', *argv])}"), out[:200]
+
+
+def test_bench_without_a_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench"]) == 2
+    assert "NAME" in capsys.readouterr().err

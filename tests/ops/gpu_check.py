@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
     for name in checks.failed:
         print(f"  failed: {name}")
 
-    from kvpack.bench import copy_bench
+    from kvpack.tools.bench import copy_bench
 
     bench_args = ["--repeats", "10"] + (["--markdown", args.markdown] if args.markdown else [])
     try:

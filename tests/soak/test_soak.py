@@ -1,6 +1,6 @@
 """The short soak: the real vLLM server with kvpack under load and faults (under 5 minutes).
 
-One run (module scope) of `kvpack.soak` with its default schedule over 75 s
+One run (module scope) of `kvpack.tools.soak` with its default schedule over 75 s
 of load from 8 clients: Mooncake master and segment holder killed and
 stopped, the disk directory replaced by a file, the disk full, objects
 corrupted, pickle bombs planted, invalid tenants and salts. Each test below
@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpack.soak import Soak, SoakConfig, SoakReport  # noqa: E402
+from kvpack.tools.soak import Soak, SoakConfig, SoakReport  # noqa: E402
 
 pytestmark = [pytest.mark.soak, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -44,7 +44,7 @@ def objects(store: Path, ids: list[int], chunk_index: int, members: tuple[str, .
 
 @pytest.fixture(scope="module")
 def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpack.tinymodel import build_tiny_llama
+    from kvpack.tools.tinymodel import build_tiny_llama
 
     return build_tiny_llama(
         tmp_path_factory.mktemp("models") / "tiny-swa", num_layers=4, sliding_window=WINDOW, layer_types=LAYERS

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpack.bench.timing import write_report
+from kvpack.tools.bench.timing import write_report
 
 from kvpack.vllm_plugin.offline import drain, shutdown
 

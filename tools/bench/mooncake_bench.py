@@ -9,8 +9,8 @@ the ratios kvpack / raw and kvpack / raw with groups (the like-for-like one:
 kvpack must pass group ids for its group semantics), and the latency of a
 1000-key batch lookup (``batch_is_exist`` vs ``MooncakeTier.contains``).
 
-    python -m kvpack.bench.mooncake_bench              # starts a master + holder on 127.0.0.1
-    python -m kvpack.bench.mooncake_bench --master 10.0.0.1:50051
+    python -m kvpack.tools.bench.mooncake_bench              # starts a master + holder on 127.0.0.1
+    python -m kvpack.tools.bench.mooncake_bench --master 10.0.0.1:50051
 
 Numbers are printed, never asserted.
 """
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-    from ..config import MooncakeTierConfig
-    from ..keys import StoreKey
-    from ..objects import Expectation, ObjectHeader
-    from ..tiers.base import PutItem, TierStatus
-    from ..tiers.mooncake import MooncakeTier
+    from kvpack.config import MooncakeTierConfig
+    from kvpack.keys import StoreKey
+    from kvpack.objects import Expectation, ObjectHeader
+    from kvpack.tiers.base import PutItem, TierStatus
+    from kvpack.tiers.mooncake import MooncakeTier
 
     cluster = None if args.master else _LocalCluster(args.segment)
     master = args.master or cluster.address  # type: ignore[union-attr]

@@ -5,10 +5,10 @@
 1. a work folder; a small tmpfs under the disk tier when this process may
    mount (so "disk full" is a real ENOSPC); a Mooncake master and segment
    holder on 127.0.0.1 (when Mooncake is installed);
-2. the no-cache reference (`kvpack.soak.reference`, a child process) runs
+2. the no-cache reference (`kvpack.tools.soak.reference`, a child process) runs
    while the vLLM server with kvpack boots;
 3. `clients` threads send the workload until the load time is over and the
-   fault schedule (`kvpack.soak.faults.SCHEDULE`, once per cycle) has run;
+   fault schedule (`kvpack.tools.soak.faults.SCHEDULE`, once per cycle) has run;
    a sampler records the server tree's RSS;
 4. every process the soak started is stopped by PID (also on failure), the
    tmpfs unmounted, and the report built.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import METRICS_PORT_SPAN as METRICS_PORTS
+from kvpack.config import METRICS_PORT_SPAN as METRICS_PORTS
 from . import faults as F
 from .procs import HOST, MooncakeProcs, Tmpfs, free_port_range, mooncake_binaries, tree_rss
 from .reference import key_of
@@ -70,7 +70,7 @@ class SoakConfig:
     kvpack: bool = True
     """False: the same server and load without kvpack (a numerics baseline; no tiers, no faults)."""
     dtype: str = "float32"
-    """Model dtype of the server and the reference (see `kvpack.soak`: why fp32)."""
+    """Model dtype of the server and the reference (see `kvpack.tools.soak`: why fp32)."""
     metrics_port: int = 0
     """kvpack's ``metrics_port`` (first of 16); 0: a free range found at start."""
     seed: int = 0
@@ -119,7 +119,7 @@ class SoakReport:
 
 
 def default_model() -> str:
-    """The tiny test Llama (`kvpack.tinymodel`), built once and cached."""
+    """The tiny test Llama (`kvpack.tools.tinymodel`), built once and cached."""
     from ..tinymodel import build_tiny_llama
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpack" / "soak-model"
@@ -243,7 +243,7 @@ class Soak:
         log = open(self.work / "reference.log", "wb")
         try:
             return subprocess.Popen(
-                [sys.executable, "-m", "kvpack.soak.reference", str(spec), str(self.work / "reference-out.json")],
+                [sys.executable, "-m", "kvpack.tools.soak.reference", str(spec), str(self.work / "reference-out.json")],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -516,7 +516,7 @@ class Soak:
         return SoakReport(rows, windows, cmp, counts, str(self.work))
 
     def _root_is_clean(self) -> bool | None:
-        from ..keys import validate_tenant
+        from kvpack.keys import validate_tenant
 
         if not self.disk_root.is_dir():
             return None

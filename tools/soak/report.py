@@ -24,7 +24,7 @@ XFER_RE = re.compile(r"KV Transfer metrics: (.*)$")
 NEAR_TIE = 1e-3
 """A divergence where the reference's top-2 log-prob margin is below this is a
 near-tie (batch-order noise), not a difference. In fp32 that noise is ~1e-5
-(measured: the same prompt alone vs in a batch of 8); see `kvpack.soak`."""
+(measured: the same prompt alone vs in a batch of 8); see `kvpack.tools.soak`."""
 
 
 def parse_server_log(text: str) -> dict[str, Any]:

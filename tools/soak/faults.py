@@ -147,7 +147,7 @@ def disk_full(soak: Soak) -> str:
 
 
 def _flip_payload_byte(path: Path) -> bool:
-    from ..objects import decode_header
+    from kvpack.objects import decode_header
 
     try:
         raw = bytearray(path.read_bytes())
@@ -214,8 +214,8 @@ def mooncake_edit(soak: Soak, corrupt: list[str] = (), plant: list[tuple[str, by
 
 def corrupt_objects(soak: Soak) -> str:
     """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again."""
-    from ..keys import chunk_hashes
-    from ..store import tail_chunk
+    from kvpack.keys import chunk_hashes
+    from kvpack.store import tail_chunk
 
     n = soak.cycle_index
     tenant = f"canary-{n}"
@@ -279,7 +279,7 @@ ODD_SALTS: tuple[str, ...] = ("salt with spaces and \u00fcml\u00e4uts",)
 
 def security_probes(soak: Soak) -> str:
     """Bad tenants and salts, and pickle bombs on disk and in Mooncake."""
-    from ..keys import chunk_hashes
+    from kvpack.keys import chunk_hashes
 
     victim = soak.workload.first_turn("public", 0)
     soak.send("victim-store", "acme", victim)

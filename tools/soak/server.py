@@ -45,7 +45,7 @@ class VllmServer:
     max_model_len: int = 2048
     dtype: str = "float32"
     """Model dtype (``--dtype``). vLLM downcasts an fp32 checkpoint to bf16 on
-    CPU unless told; see `kvpack.soak` for why the soak compares in fp32."""
+    CPU unless told; see `kvpack.tools.soak` for why the soak compares in fp32."""
     port: int = field(default_factory=free_port)
     proc: Proc | None = None
     served_name: str = "soak-model"

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import EvictionPolicyName
-from ..eviction import make_policy
-from ..keys import StoreKey
-from ..layout import KVLayoutSpec
-from ..objects import Expectation, ObjectHeader, payload_checksum
-from ..tiers.base import PutItem, Tier
-from ..tiers.disk import DiskTier
-from ..tiers.memory import MemoryTier
+from kvpack.config import EvictionPolicyName
+from kvpack.eviction import make_policy
+from kvpack.keys import StoreKey
+from kvpack.layout import KVLayoutSpec
+from kvpack.objects import Expectation, ObjectHeader, payload_checksum
+from kvpack.tiers.base import PutItem, Tier
+from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.memory import MemoryTier
 from .timing import best_seconds, gbps, hardware
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="folder for the disk measurements (default: a temp folder)")
     args = parser.parse_args(argv)
-    from ..sizes import parse_size
+    from kvpack.sizes import parse_size
 
     folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvpack-bench-"))
     try:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpack.bench.timing import write_report
+from kvpack.tools.bench.timing import write_report
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/tiny-llama"))
 TARGET_RATIO = 0.98

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float) -> int:
-    from .inspect_store import summarize
+    from kvpack.inspect_store import summarize
 
     ref = runs[0]
     labels = [f"document {i + 1} + question" for i in range(len(prompts))] + ["follow-up turn, document 1"]

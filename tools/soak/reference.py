@@ -1,6 +1,6 @@
 """The no-cache reference: greedy outputs of every soak prompt from vLLM without kvpack.
 
-Run as a child process (``python -m kvpack.soak.reference IN.json OUT.json``)
+Run as a child process (``python -m kvpack.tools.soak.reference IN.json OUT.json``)
 so the soak's own process never imports vLLM and a crash here cannot take the
 harness down. The engine is the same vLLM build, model and settings as the
 soak's server (eager, prefix caching off, same max_model_len), in-process
@@ -15,7 +15,7 @@ arrives together on the server), so for every position the reference also
 records the margin between the best and second-best log-probability: a
 divergence where that margin is below the tolerance (batch-order float noise
 can flip it) is reported as a near-tie, not hidden and not failed. See
-`kvpack.soak` for the measurements behind running both in fp32.
+`kvpack.tools.soak` for the measurements behind running both in fp32.
 
 Input: ``{"model": PATH, "max_tokens": N, "max_model_len": L, "prompts":
 [[ids...], ...], "followups": [[doc+q ids, f_ids], ...]}``. Output:
@@ -84,7 +84,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m kvpack.soak.reference IN.json OUT.json", file=sys.stderr)
+        print("usage: python -m kvpack.tools.soak.reference IN.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(open(argv[0]).read())
     result = run(spec)

@@ -48,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvpack.bench.timing import Row, gbps, hardware
+from kvpack.tools.bench.timing import Row, gbps, hardware
 from kvpack.keys import chain_hash
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

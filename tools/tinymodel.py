@@ -9,7 +9,7 @@ Used by `kvpack demo`, the benchmarks and the tests (tests/fixtures/tiny_model.p
 wraps these as pytest fixtures). Needs `transformers` and `tokenizers`, which
 every engine install has; imported lazily::
 
-    from kvpack.tinymodel import build_tiny_llama, build_bench_llama
+    from kvpack.tools.tinymodel import build_tiny_llama, build_bench_llama
     path = build_tiny_llama("/tmp/tiny-llama")
 """
 

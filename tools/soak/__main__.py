@@ -1,4 +1,4 @@
-"""``python -m kvpack.soak`` is ``kvpack soak``."""
+"""``python -m kvpack.tools.soak`` is ``kvpack soak``."""
 
 import sys
 

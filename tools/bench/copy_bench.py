@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kvpack.bench.timing import Row, gbps, hardware
+from kvpack.tools.bench.timing import Row, gbps, hardware
 from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(rows)
     print("\n".join(table))
     if args.markdown:
-        prog = "python -m kvpack.bench.copy_bench" if argv is None else "kvpack bench copy"
+        prog = "python -m kvpack.tools.bench.copy_bench" if argv is None else "kvpack bench copy"
         cmd = prog + " " + " ".join(sys.argv[1:] if argv is None else argv)
         stamp = time.strftime("%Y-%m-%d")
         with open(args.markdown, "a") as f:
