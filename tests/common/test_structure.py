@@ -1,0 +1,89 @@
+"""The tree keeps its shape: the core imports no engine, adapter or tool; no module is huge.
+
+Read from the source with `ast` (nothing is imported), so a lazy import inside a
+function, a `TYPE_CHECKING` block or an `importlib.import_module("...")` with a
+literal name counts the same as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "common"  # import kvpack
+# folders of the shipped package (pyproject.toml's package-dir) whose modules must stay readable
+PACKAGE_FOLDERS = ("common", "vllm_plugin", "sglang_plugin", "tools")
+# what the engine-neutral core must never import (DESIGN.md: adapters import the core, not the reverse;
+# the operator tools in tools/ are reached by the CLI by module name only)
+FORBIDDEN = ("vllm", "sglang", "kvpack.vllm_plugin", "kvpack.sglang_plugin", "kvpack.tools")
+MAX_LINES = 600
+
+
+def _module_of(path: Path, core: Path) -> str:
+    """`common/tiers/disk.py` -> `kvpack.tiers.disk` (a package's `__init__.py` -> the package)."""
+    parts = list(path.relative_to(core).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["kvpack", *parts])
+
+
+def _imported(path: Path, core: Path = CORE) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) for every import in the file, at any depth."""
+    module = _module_of(path, core)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            yield node.lineno, source
+            for alias in node.names:  # `from kvpack import tools` imports a submodule
+                yield node.lineno, f"{source}.{alias.name}"
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value
+
+
+def _is_forbidden(name: str) -> bool:
+    return any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN)
+
+
+def test_resolver_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
+    # the check itself: a lazy relative import of the adapter, two levels up, is found
+    core = tmp_path / "common"
+    (core / "tiers").mkdir(parents=True)
+    src = core / "tiers" / "x.py"
+    src.write_text("def f():\n    from ..vllm_plugin import worker\n    import importlib\n    importlib.import_module('sglang.srt')\n")
+    found = [name for _, name in _imported(src, core) if _is_forbidden(name)]
+    assert found == ["kvpack.vllm_plugin", "kvpack.vllm_plugin.worker", "sglang.srt"]
+
+
+def test_core_imports_no_engine_adapter_or_tool() -> None:
+    offenders: dict[str, str] = {}  # one line per import statement: the first forbidden name it names
+    for path in sorted(CORE.rglob("*.py")):
+        for line, name in _imported(path):
+            if _is_forbidden(name):
+                offenders.setdefault(f"{path.relative_to(ROOT)}:{line}", name)
+    listing = "\n".join(f"{where}: {name}" for where, name in offenders.items())
+    assert not offenders, "the core (common/) must not import these:\n" + listing
+
+
+def test_no_module_over_600_lines() -> None:
+    # one job per module (issue 14); a module that grows past this is split, not excused
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for folder in PACKAGE_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    }
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines: " + ", ".join(f"{name} ({n})" for name, n in sorted(over.items()))
