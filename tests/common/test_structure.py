@@ -63,7 +63,12 @@ def test_resolver_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
     core = tmp_path / "common"
     (core / "tiers").mkdir(parents=True)
     src = core / "tiers" / "x.py"
-    src.write_text("def f():\n    from ..vllm_plugin import worker\n    import importlib\n    importlib.import_module('sglang.srt')\n")
+    src.write_text(
+        "def f():\n"
+        "    from ..vllm_plugin import worker\n"
+        "    import importlib\n"
+        "    importlib.import_module('sglang.srt')\n"
+    )
     found = [name for _, name in _imported(src, core) if _is_forbidden(name)]
     assert found == ["kvpack.vllm_plugin", "kvpack.vllm_plugin.worker", "sglang.srt"]
 
@@ -86,4 +91,5 @@ def test_no_module_over_600_lines() -> None:
         for path in sorted((ROOT / folder).rglob("*.py"))
     }
     over = {name: n for name, n in sizes.items() if n > MAX_LINES}
-    assert not over, f"modules over {MAX_LINES} lines: " + ", ".join(f"{name} ({n})" for name, n in sorted(over.items()))
+    listing = ", ".join(f"{name} ({n})" for name, n in sorted(over.items()))
+    assert not over, f"modules over {MAX_LINES} lines: {listing}"
