@@ -59,7 +59,8 @@ def _exit_code(argv: list[str]) -> int:
         return int(exc.code or 0)
 
 
-HELP_ARGVS = [[], ["inspect"], ["config"], ["bench"], *([name] for name in RUNNERS), *(["bench", name] for name in BENCHES)]
+HELP_ARGVS = [[], ["inspect"], ["config"], ["bench"]]
+HELP_ARGVS += [[name] for name in RUNNERS] + [["bench", name] for name in BENCHES]
 
 
 @pytest.mark.parametrize("argv", HELP_ARGVS, ids=lambda argv: " ".join(["kvpack", *argv]))
