@@ -1,11 +1,52 @@
 """kvpack: one correct, fast, multi-tenant KV-cache reuse layer for vLLM and SGLang.
 
-The engine-neutral core. It never imports vllm or sglang; the adapters
-(`kvpack.vllm_plugin`, `kvpack.sglang_plugin`) translate engine calls into
-the types below.
+The engine-neutral core. It never imports vllm, sglang, an adapter or the
+operator tools (`kvpack.tools`; checked by tests/common/test_structure.py);
+the adapters (`kvpack.vllm_plugin`, `kvpack.sglang_plugin`) translate engine
+calls into the types below.
 
     from kvpack import KVPackConfig, KVStore
     store = KVStore.from_config(KVPackConfig.from_dict({"disk": {"path": "/tmp/kv"}}))
+
+Glossary (one name per idea; ../shared/DESIGN.md's terms):
+
+- tenant: the security boundary. A validated name (`keys.validate_tenant`) in
+  every key, quota and metric; from the request (vLLM ``kv_transfer_params``
+  or ``cache_salt``) or the config.
+- chunk: a run of tokens of one engine block (vLLM block = SGLang page), named
+  by its chunk hash (`ChunkHash`, `chain_hash`: parent hash + token ids).
+- layout: everything a writer and a reader of one member must agree on
+  (`KVLayoutSpec`: engine and its memory layout family, model, dtype, tokens
+  per chunk, ranks, layers, per-layer shape, engine facts). Other "layouts"
+  carry their qualifier: the disk folder layout, SGLang's host-pool layout
+  (``layer_first``/``page_first``).
+- fingerprint: a digest of a layout. The group fingerprint scopes keys; the
+  member fingerprint is in every object's header and must match to load.
+- group: the logical cache entry, one chunk of one tenant under one group
+  fingerprint (`GroupKey`: ``tenant/fingerprint/chunk``). Visible, hit and
+  evicted whole.
+- member: one stored object of a group (``kv``, ``kv@<rank>of<size>``,
+  ``draft``, ``mamba``, ``swa``), declared by `MemberSpec` (`MemberRole`,
+  `Coverage`); addressed by `StoreKey` (group key + member).
+- object: what a tier stores for one member: `ObjectHeader` + payload.
+- hit: full when every required member of every leading chunk is there
+  (`GroupLookup`); anything less is a partial hit, counted by missing member.
+  A rejected object (`RejectReason`: fingerprint, checksum...) is a miss.
+- tail: the computed part of a request's last, partial block, stored with its
+  token ids under `tail_chunk(parent, slot)`; reused up to the longest common
+  prefix (`TailMatch`, in units of ``prefix_match_unit``).
+- slot: unqualified, a tail slot (one of a parent's ``TAIL_SLOTS`` places for a
+  tail). Every other slot says which: arena slot (memory tier), staging slot
+  (Mooncake ring), token slot (an engine's slot mapping); `slots.py` is about
+  ``__slots__`` dataclasses.
+- draft: speculative-decoding draft-model state. The config's
+  `config.DraftPlacementMode` (AUTO/PACKED/SIDECAR) is what the operator asks
+  for; the adapter resolves it to a `DraftPlacement` (NONE, PACKED: in the
+  target's object, SIDECAR: its own member). A missing draft: `DraftPolicy`.
+- tier: one storage medium behind `tiers.base.Tier` (memory, disk, mooncake);
+  every outcome is a `TierStatus`. The store (`KVStore`) stacks them.
+- write-back: lower tiers written from a bounded queue; a full queue drops
+  and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
 from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
