@@ -52,6 +52,7 @@ import torch
 from ..config import DraftPolicy
 from ..groups import MemberRole
 from ..keys import StoreKey
+from ..cpu_features import request_amx_permission
 from ..layout import KVLayoutSpec
 from ..objects import Expectation, ObjectHeader
 from ..ops import load_extension, region_copier
@@ -101,6 +102,8 @@ class KVPackStorage(HiCacheStorage):
         # use kvpack's native region copy (streaming stores) when the extension builds
         # (here, at start-up: once per machine, cached); else numpy copies.
         load_extension()
+        # SGLang's CPU attention may use AMX tiles first in a short step over restored pages
+        request_amx_permission()
         self.store = KVStore.from_config(
             self.config, copy_threads=max(1, self.config.io_threads), region_copier=region_copier
         )

@@ -46,6 +46,7 @@ import torch
 
 from kvpack.background import lower_current_thread_priority
 from kvpack.config import KVPackConfig
+from kvpack.cpu_features import request_amx_permission
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
 from kvpack.keys import GroupKey, StoreKey
@@ -56,6 +57,7 @@ from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem
 
 from .blocks import BlockLayout
+from .byte_facts import block_byte_facts
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
@@ -168,6 +170,9 @@ class WorkerSide:
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        # before the first forward: a 1-token step over a restored prefix would otherwise
+        # be this process's first AMX use, which Linux refuses with SIGILL (cpu_features)
+        request_amx_permission()
         if self.scope.hybrid:
             self._register_groups(kv_caches, num_blocks)
             return
@@ -242,7 +247,8 @@ class WorkerSide:
     def _member_fingerprint(
         self, kv_caches: dict[str, torch.Tensor], names: tuple[str, ...], layout: BlockLayout, role: str
     ) -> str:
-        extra: tuple[tuple[str, str], ...] = (("layers", ";".join(layout.description)),)
+        facts = block_byte_facts(self.vllm_config, names, self.scope.spec.engine.partition(":")[2])
+        extra: tuple[tuple[str, str], ...] = (("layers", ";".join(layout.description)), *facts.as_extra())
         if role != "kv":
             extra += (("member", role),)
         first = kv_caches[names[0]] if names else None
