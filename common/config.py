@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import tomllib
 import types
@@ -304,6 +305,10 @@ class KVPackConfig:
     write_queue_depth: int = 256
     """Bounded write-back queue (objects); when full, stores are dropped and counted."""
     io_threads: int = 2
+    shutdown_flush_s: float = 10.0
+    """Longest a process waits, when it exits (normally, or on SIGINT/SIGTERM), for the
+    stores it accepted to reach every tier; what is still queued then is counted as
+    ``store_dropped{reason="shutdown"}`` and logged."""
     metrics_port: int = 0
     """Serve this process's kvpack_* Prometheus metrics on 127.0.0.1 (0: off).
     Each process (vLLM scheduler, each worker) takes the first free port of
@@ -334,6 +339,8 @@ class KVPackConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(_join(path, name), f"must be > 0, got {value}")
+        if not (math.isfinite(self.shutdown_flush_s) and 0 < self.shutdown_flush_s <= 3600):
+            raise ConfigError(_join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}")
         if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
             raise ConfigError(_join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}")
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):

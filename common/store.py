@@ -38,6 +38,7 @@ from .background import lower_current_thread_priority
 from .budget import WaitBudget
 from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
 from .eviction import make_policy
+from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .metrics import Metrics, Tally
@@ -145,10 +146,25 @@ class _WriteJob:
 class KVStore:
     """See the module docstring."""
 
-    def __init__(self, config: KVPackConfig, tiers: Sequence[Tier], metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: KVPackConfig,
+        tiers: Sequence[Tier],
+        metrics: Metrics | None = None,
+        *,
+        write_back: bool = True,
+        read_only: bool = False,
+    ) -> None:
+        """`write_back`: lower tiers get stores from the write-back queue (the caller
+        returns after the memory copy); False writes every tier before `store`
+        returns, for engines that call it off their forward path and may kill the
+        process without warning (SGLang). `read_only`: a lookup view (vLLM's
+        scheduler side): no write-back threads, `store` refuses."""
         if not tiers:
             raise ValueError("KVStore needs at least one tier")
         self.config = config
+        self.read_only = read_only
+        self.write_back = write_back and not read_only
         self.tiers = tuple(tiers)
         self.metrics = metrics or Metrics()
         from .tiers.memory import MemoryTier
@@ -162,7 +178,7 @@ class KVStore:
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
         # One bounded FIFO per write-back thread; a key always goes to the same one,
         # so two stores of one key reach the lower tiers in the order they were made.
-        workers = config.io_threads if self._lower else 0
+        workers = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
         depth = max(1, config.write_queue_depth // max(1, workers))
         self._queues: list[queue.Queue[_WriteJob | None]] = [queue.Queue(maxsize=depth) for _ in range(workers)]
         self._pending = 0
@@ -174,6 +190,8 @@ class KVStore:
         ]
         for w in self._workers:
             w.start()
+        if self._workers:
+            flush_on_exit(self, config.shutdown_flush_s)
         self.metrics_port: int | None = None
         if config.metrics_port:
             from .config import METRICS_PORT_SPAN
@@ -533,10 +551,10 @@ class KVStore:
         Returns per item: OK when accepted (in memory and/or queued for the lower
         tiers, or written to at least one lower tier when there is no memory
         tier), else the status of the failure."""
-        if self._closed:
+        if self._closed or self.read_only:
             return [TierStatus.UNAVAILABLE] * len(items)
-        if self._memory is None:
-            return self._write_through_many(items, self._lower)
+        if self._memory is None or not self.write_back:
+            return self._write_through_many(items, self.tiers)
         start = time.perf_counter()
         mem = self._memory.put_from(items)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
@@ -661,16 +679,40 @@ class KVStore:
                 self._pending_cv.wait(left)
         return True
 
+    def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
+        """The exit flush (`kvpack.exit_flush`): `flush` within `timeout_s`; what is
+        still queued then is counted (``store_dropped{reason="shutdown"}`` per lower
+        tier) and logged. True when everything reached its tiers."""
+        if self.flush(timeout_s):
+            return True
+        with self._pending_cv:
+            left = self._pending
+        for tier in self._lower:
+            self.metrics.inc("store_dropped", left, tier=tier.name, reason="shutdown")
+        log.warning(
+            "kvpack: %d stores had not reached %s after shutdown_flush_s=%.1f (%s); they are lost",
+            left,
+            [t.name for t in self._lower],
+            timeout_s,
+            reason,
+        )
+        return False
+
     # -- misc ---------------------------------------------------------------------
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         return sum(t.remove_groups(groups) for t in self.tiers)
 
-    def close(self, flush_timeout_s: float = 10.0) -> None:
-        """Drain the write-back queue (bounded), stop the workers, close the tiers."""
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Drain the write-back queue (bounded by `flush_timeout_s`, default the config's
+        ``shutdown_flush_s``; what it cuts off is counted), stop the workers, close the tiers."""
+        if flush_timeout_s is None:
+            flush_timeout_s = self.config.shutdown_flush_s
         if self._closed:
             return
-        self.flush(flush_timeout_s)
+        if self._workers:
+            self.flush_before_exit(flush_timeout_s, "close")
+        forget(self)
         self._closed = True
         for jobs in self._queues:
             try:
