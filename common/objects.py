@@ -321,3 +321,84 @@ def check_payload(header: ObjectHeader, payload: Payload | np.ndarray) -> Reject
     if header.checksum is not None and payload_checksum(payload) != header.checksum:
         return RejectReason.CHECKSUM
     return None
+
+
+# -- the fast path of a load: header bytes predicted from the Expectation -------------
+
+
+class HeaderFastPath:
+    """Header sizes and checks a remote tier needs before it can decode anything.
+
+    - `encoded_len(header)`: bytes of ``header.encode()``, without encoding.
+    - `read_budget(exp)`: bytes to reserve for the header of an object that can
+      match `exp`. Exact for a block (no token ids; room for ``token_count`` ids
+      too, as before). A tail (``exp.token_ids_prefix`` set) stores all its token
+      ids while the reader knows only the prefix it matched, so its header may
+      be up to `MAX_HEADER_BYTES` (the most `ObjectHeader.encode` writes).
+    - `check(raw, n, exp)`: the common case of a load, checked without a full
+      decode. Accepts a staged object only when every header byte is the one
+      `exp` predicts (magic, version, no token ids, token count, payload
+      length, fingerprint, tenant, chunk, member), the byte count `n` is header
+      + payload, and the header's own xxh32 matches; the payload checksum is
+      read from it. Anything else returns None and goes through
+      `decode_header` + `check_header`, which name the exact reason. Never
+      accepts what the full decode would refuse.
+
+    An instance caches encoded strings and fingerprints: make one per batch."""
+
+    __slots__ = ("_fp", "_strs")
+
+    def __init__(self) -> None:
+        self._fp: dict[str, bytes | None] = {}
+        self._strs: dict[str, bytes] = {}
+
+    @staticmethod
+    def encoded_len(header: ObjectHeader) -> int:
+        """Bytes of `header.encode()` (see the layout in the module docstring)."""
+        n = _PREFIX.size + 3 + len(header.tenant.encode()) + len(header.chunk.encode()) + len(header.member.encode()) + _U32.size
+        if header.token_ids is not None:
+            n += _U32.size + 4 * len(header.token_ids)
+        return n
+
+    @staticmethod
+    def read_budget(exp: Expectation) -> int:
+        """Header bytes to reserve when reading an object that can match `exp` (see above)."""
+        n = _PREFIX.size + 3 + len(exp.tenant.encode()) + len(exp.chunk.encode()) + len(exp.member.encode()) + _U32.size
+        tokens = max(exp.token_count or 0, len(exp.token_ids_prefix or ()))
+        if exp.token_ids_prefix is not None or tokens:
+            n += _U32.size + 4 * tokens
+        return n
+
+    def _short(self, s: str) -> bytes:
+        enc = self._strs.get(s)
+        if enc is None:
+            raw = s.encode()
+            enc = bytes((len(raw),)) + raw if len(raw) <= 255 else b"\xff" * 300  # never matches
+            self._strs[s] = enc
+        return enc
+
+    def check(self, raw: memoryview, n: int, exp: Expectation) -> tuple[ObjectHeader, int] | None:
+        """(header, header length) when `raw[:n]` is exactly the object `exp` predicts, else None."""
+        if exp.token_ids_prefix is not None or exp.token_count is None or exp.payload_len is None or n < _PREFIX.size:
+            return None
+        magic, version, hl, flags, tc, plen, csum, fp = _PREFIX.unpack_from(raw, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or flags or tc != exp.token_count or plen != exp.payload_len or n != hl + plen:
+            return None
+        want_fp = self._fp.get(exp.fingerprint, b"")
+        if want_fp == b"":
+            try:
+                want_fp = bytes.fromhex(exp.fingerprint)
+            except ValueError:
+                want_fp = None
+            if want_fp is not None and want_fp.hex() != exp.fingerprint:
+                want_fp = None  # decode_header would compare the lower-case hex
+            self._fp[exp.fingerprint] = want_fp
+        if fp != want_fp:
+            return None
+        tail = self._short(exp.tenant) + self._short(exp.chunk) + self._short(exp.member)
+        body_end = hl - _U32.size
+        if body_end != _PREFIX.size + len(tail) or raw[_PREFIX.size : body_end].tobytes() != tail:
+            return None
+        if xxhash.xxh32_intdigest(raw[:body_end]) != _U32.unpack_from(raw, body_end)[0]:
+            return None
+        return ObjectHeader(exp.fingerprint, exp.tenant, exp.chunk, exp.member, tc, plen, csum), hl

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpack.objects import ObjectHeader, decode_header
+from kvpack.objects import HeaderFastPath, ObjectHeader, decode_header
 from kvpack.tiers import mooncake as mc
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.mooncake import MooncakeTier
+from kvpack.tiers.mooncake.puts import DIRECT_MIN_BYTES
 
 from mooncake_helpers import FP, TOKENS, expect, item, key, payload
 
@@ -32,23 +33,23 @@ def test_fast_header_check_accepts_exactly_what_the_full_decode_accepts() -> Non
     body = bytes(range(64))
     h = ObjectHeader(FP, k.tenant, k.chunk, k.member, TOKENS, len(body), 1234)
     raw = _staged(h, body)
-    hit = mc._FastHeaders().check(raw, raw.nbytes, expect(k, payload_len=len(body)))
+    hit = HeaderFastPath().check(raw, raw.nbytes, expect(k, payload_len=len(body)))
     assert hit is not None and hit[0] == decode_header(raw) and hit[1] == len(h.encode())
     # Anything that differs falls back to the full decode (None), which names the reason.
     for exp in (expect(key("fast-2"), payload_len=64), expect(k, payload_len=63), expect(k, token_count=TOKENS + 1, payload_len=64),
                 expect(k, payload_len=64, token_ids_prefix=(1,)), expect(k, token_count=None, payload_len=64)):
-        assert mc._FastHeaders().check(raw, raw.nbytes, exp) is None
-    assert mc._FastHeaders().check(raw, raw.nbytes - 1, expect(k, payload_len=64)) is None
+        assert HeaderFastPath().check(raw, raw.nbytes, exp) is None
+    assert HeaderFastPath().check(raw, raw.nbytes - 1, expect(k, payload_len=64)) is None
     damaged = np.frombuffer(raw, dtype=np.uint8).copy()
     damaged[30] ^= 1  # inside the checksum field: only the header's own xxh32 can tell
-    assert mc._FastHeaders().check(memoryview(damaged), raw.nbytes, expect(k, payload_len=64)) is None
+    assert HeaderFastPath().check(memoryview(damaged), raw.nbytes, expect(k, payload_len=64)) is None
     upper = expect(k, payload_len=64).__class__(FP.upper(), k.tenant, k.chunk, k.member, TOKENS, 64)
-    assert mc._FastHeaders().check(raw, raw.nbytes, upper) is None
+    assert HeaderFastPath().check(raw, raw.nbytes, upper) is None
 
 
 def test_direct_multi_region_put_round_trip(tier: MooncakeTier) -> None:
     """Large payloads go straight from the caller's regions (K and V halves here)."""
-    n = mc._DIRECT_MIN_BYTES
+    n = DIRECT_MIN_BYTES
     keys = [key(f"direct-{i}") for i in range(3)]
     datas = [payload(900 + i, 2 * n) for i in range(3)]
     items = []

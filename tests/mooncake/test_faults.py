@@ -11,7 +11,8 @@ import pytest
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
-from kvpack.tiers.mooncake_runner import BreakerState, Job
+from kvpack.tiers.mooncake import BreakerState
+from kvpack.tiers.mooncake.runner import Job
 
 from mooncake_helpers import expect, item, key, payload
 
@@ -138,18 +139,18 @@ def test_calls_queued_behind_stuck_calls_open_the_breaker(mooncake_cluster) -> N
         assert tier.put_from([item(k, payload(3, 4096)) for k in keys]) == [TierStatus.OK] * 3
 
         def stuck(job: Job[int], slot, i: int) -> None:  # type: ignore[no-untyped-def]
-            tier._call(lambda s: release.wait(30), default=None)
+            tier.connection.call(lambda s: release.wait(30), default=None)
             job.publish(i, [0], [0])
 
         for _ in range(2):
-            assert tier._runner.submit(Job(1, 1, stuck))
-        assert _wait(lambda: tier._runner.busy == 2 and tier._gate.oldest_call_s() > TIMEOUT_MS / 1000, 5)
+            assert tier.runner.submit(Job(1, 1, stuck))
+        assert _wait(lambda: tier.runner.busy == 2 and tier.connection.gate.oldest_call_s() > TIMEOUT_MS / 1000, 5)
         assert tier.breaker.state is BreakerState.CLOSED
-        timeouts = tier.counters["timeouts"]
+        timeouts = tier.events.timeouts
 
         answers, took = _timed(lambda: [tier.contains(keys) for _ in range(6)])
         assert answers == [[False] * 3] * 6
-        assert tier.counters["timeouts"] == timeouts + 1, "each queued call waited its whole bound"
+        assert tier.events.timeouts == timeouts + 1, "each queued call waited its whole bound"
         assert tier.breaker.state is BreakerState.OPEN
         assert took <= BOUND_S, f"six lookups took {took:.2f}s behind stuck calls"
     finally:

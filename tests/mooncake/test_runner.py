@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from kvpack.tiers.mooncake_runner import Job, JobState, Lane, LaneRunner, Slot
+from kvpack.tiers.mooncake.runner import Job, JobState, Lane, LaneRunner, Slot
 
 
 def _runner(workers: int = 2, lane_bytes: int = 1 << 16) -> LaneRunner:

@@ -70,7 +70,7 @@ def test_tenant_without_mooncake_support_fails_at_start(monkeypatch: pytest.Monk
     class OldReplicateConfig:
         pass
 
-    monkeypatch.setattr(mc, "load_mooncake", lambda: (OldStore, OldReplicateConfig))
+    monkeypatch.setattr(mc.connection, "load_mooncake", lambda: (OldStore, OldReplicateConfig))
     with pytest.raises(ConfigError, match="mooncake.tenant_id.*no tenant support"):
         mc.MooncakeTier(MooncakeTierConfig(enabled=True, master_server_address="127.0.0.1:1", tenant_id="tenant-a"))
     assert mc.supports_tenants(OldStore) is False

@@ -1,4 +1,4 @@
-"""Bounded execution of blocking Mooncake calls: worker lanes, a staging ring, abandonment, circuit breaker.
+"""Bounded execution of blocking Mooncake calls: worker lanes, a staging ring, abandonment.
 
 Mooncake's client calls block for seconds when the master or a segment holder
 is gone (about 4.3 s each with the master dead), and a call cannot be
@@ -34,9 +34,9 @@ caller waits with a deadline:
   buffers happen only while the job is not abandoned, under a counter the
   caller waits on, so a late transfer can never write into memory the caller
   has taken back.
-- `CircuitBreaker`: after a stall or a connection-level failure the tier
-  stops calling Mooncake for `backoff_s`; a background probe closes it again
-  when the master answers (the engine never waits on a dead master).
+
+What a stall means for later calls (the circuit breaker) is decided by the
+caller, `kvpack.tiers.mooncake.connection.Connection.run`.
 """
 
 from __future__ import annotations
@@ -458,64 +458,3 @@ class LaneRunner:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)
-
-
-class BreakerState(enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-
-
-class CircuitBreaker:
-    """Stops calls for `backoff_s` after a failure; `record_success` closes it.
-
-    While open, `allow()` is False: callers answer UNAVAILABLE without
-    touching Mooncake. `due_for_probe()` tells the tier's prober when the
-    back-off has elapsed, so recovery is detected off the engine's path."""
-
-    def __init__(self, backoff_s: float) -> None:
-        self.backoff_s = backoff_s
-        self._lock = threading.Lock()
-        self._state = BreakerState.CLOSED
-        self._opened_at = 0.0
-        self.trips = 0
-        self.last_reason = ""
-
-    @property
-    def state(self) -> BreakerState:
-        with self._lock:
-            return self._state
-
-    def allow(self) -> bool:
-        with self._lock:
-            return self._state is BreakerState.CLOSED
-
-    def record_failure(self, reason: str) -> None:
-        with self._lock:
-            was_open = self._state is BreakerState.OPEN
-            self._state = BreakerState.OPEN
-            self._opened_at = time.monotonic()
-            self.last_reason = reason
-            if not was_open:
-                self.trips += 1
-        if not was_open:
-            log.warning(
-                "kvpack: Mooncake tier unavailable (%s); not calling it for %.1fs, engines recompute meanwhile",
-                reason,
-                self.backoff_s,
-            )
-
-    def record_success(self) -> None:
-        with self._lock:
-            was_open = self._state is BreakerState.OPEN
-            self._state = BreakerState.CLOSED
-        if was_open:
-            log.warning("kvpack: Mooncake tier is available again")
-
-    def due_for_probe(self) -> bool:
-        with self._lock:
-            return self._state is BreakerState.OPEN and time.monotonic() - self._opened_at >= self.backoff_s
-
-    def rearm(self) -> None:
-        """A probe failed: stay open for another back-off period."""
-        with self._lock:
-            self._opened_at = time.monotonic()
