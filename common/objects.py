@@ -364,9 +364,10 @@ class HeaderFastPath:
     def read_budget(exp: Expectation) -> int:
         """Header bytes to reserve when reading an object that can match `exp` (see above)."""
         n = _PREFIX.size + 3 + len(exp.tenant.encode()) + len(exp.chunk.encode()) + len(exp.member.encode()) + _U32.size
-        tokens = max(exp.token_count or 0, len(exp.token_ids_prefix or ()))
-        if exp.token_ids_prefix is not None or tokens:
-            n += _U32.size + 4 * tokens
+        if exp.token_ids_prefix is not None:
+            return max(n + _U32.size + 4 * len(exp.token_ids_prefix), MAX_HEADER_BYTES)
+        if exp.token_count:
+            n += _U32.size + 4 * exp.token_count
         return n
 
     def _short(self, s: str) -> bytes:

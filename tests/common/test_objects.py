@@ -7,7 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpack.objects import (
+    MAX_HEADER_BYTES,
     Expectation,
+    HeaderFastPath,
     ObjectHeader,
     ObjectRejected,
     RejectReason,
@@ -35,6 +37,24 @@ headers = st.builds(
 @given(headers)
 def test_header_round_trip(header: ObjectHeader) -> None:
     assert decode_header(header.encode()) == header
+    assert HeaderFastPath.encoded_len(header) == len(header.encode())
+
+
+@given(headers)
+def test_read_budget_holds_every_header_that_can_match(header: ObjectHeader) -> None:
+    """Regression (issue 12 item 4): a tail is read knowing only a prefix of its token ids."""
+    h = header
+    if h.token_ids is None:
+        exp = Expectation(h.fingerprint, h.tenant, h.chunk, h.member, h.token_count, h.payload_len)
+    else:
+        exp = Expectation(h.fingerprint, h.tenant, h.chunk, h.member, None, h.payload_len, token_ids_prefix=h.token_ids[:1])
+    assert len(h.encode()) <= HeaderFastPath.read_budget(exp)
+
+
+def test_read_budget_of_a_tail_is_the_largest_header() -> None:
+    longest = ObjectHeader(FP, "t", "c" * 64, "kv", 16000, 1, 0, tuple(range(16000)))
+    exp = Expectation(FP, "t", "c" * 64, "kv", None, 1, token_ids_prefix=(0,))
+    assert len(longest.encode()) <= HeaderFastPath.read_budget(exp) == MAX_HEADER_BYTES
 
 
 def _header(**kw: object) -> ObjectHeader:
