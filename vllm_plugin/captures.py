@@ -1,17 +1,29 @@
-"""Captures: saving chunks in the step that completes them, for engines that free blocks early.
+"""Save as computed: every chunk is stored in the step whose forward pass computed it.
 
-vLLM's hybrid allocator releases a sliding-window block once the window has
-moved past it, and Mamba state blocks between boundaries, while the request
-is still running; by `request_finished` they are gone. For such engines the
-scheduler side tracks each request's block table from the scheduler output
-and, in every step, turns the chunks that step completes into a capture job
-(`TransferJob.capture`): the worker copies those blocks in the same step's
-``wait_for_save``, before vLLM can hand them to another request.
+This is kvpack's one save path on vLLM. The scheduler side tracks each
+request's block table from the scheduler output and, in every step, turns
+what that step computes into a capture job (`TransferJob.capture`): the
+worker copies those blocks out in the same step's ``wait_for_save``, right
+after the forward, and stores them in the background. So:
 
-Only accepted tokens count: draft tokens scheduled for verification may be
+- a prefix computed by one request is a hit for the next request with that
+  prefix while the first is still decoding (no wait for it to finish);
+- nothing waits for a later engine step: an offline ``LLM.generate()`` that
+  returns, a script that ends, has every computed block copied already (the
+  store's exit flush then writes it to disk, `kvpack.exit_flush`);
+- blocks vLLM frees early (sliding window, Mamba state) are copied before
+  they can be reused.
+
+What a step stores: the full chunks it completes; the prompt's partial last
+block as a tail object with its token ids, in the step that computes the
+prompt's last token; and, in a step that may end the request by length
+(``max_tokens``), the computed part of the last block as a tail. Only
+accepted tokens count: draft tokens scheduled for verification may be
 rejected, so a chunk is complete when ``computed + scheduled - drafts``
-covers it. Chunks that were never computed by this request (vLLM's own
-prefix-cache hits) or that kvpack loaded are not captured.
+covers it. Chunks this request did not compute (vLLM's own prefix-cache
+hits, chunks kvpack loaded) are not stored again. Mamba hybrids store
+partial tails only with the state vLLM hands over at finish
+(`SchedulerSide.register_finished_partial_tail`), so no tail here.
 """
 
 from __future__ import annotations
@@ -19,10 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from collections.abc import Callable
+
 from kvpack.keys import ChunkHash, chunk_hashes
 
 from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
 from .settings import RequestScope
+
+TailPlacer = Callable[[RequestScope, "ChunkHash | None", tuple[int, ...]], "tuple[str, bool]"]
+"""(request scope, parent chunk, tail token ids) -> (tail chunk, already stored): `KVStore.place_tail`."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -39,13 +56,17 @@ class _Running:
     hashes: list[ChunkHash] = field(default_factory=list)
     next_chunk: int = 0
     """Chunks before this one are stored (loaded from kvpack) or captured."""
+    tail_end: int = 0
+    """Token count of the last tail stored for this request (0: none yet)."""
 
 
 class CaptureTracker:
     """Per-request capture state; `step` turns one scheduler output into capture jobs."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, place_tail: TailPlacer | None = None) -> None:
+        """`place_tail`: where a tail goes (None: tails are not stored here)."""
         self.block_size = block_size
+        self.place_tail = place_tail
         self._running: dict[str, _Running] = {}
 
     def __bool__(self) -> bool:
@@ -61,6 +82,7 @@ class CaptureTracker:
         run = self._running.get(req_id)
         if run is not None:
             run.next_chunk = 0
+            run.tail_end = 0
 
     def forget(self, req_id: str) -> int | None:
         """Stop tracking `req_id` (finished): the chunks it had stored or captured, None
@@ -94,22 +116,57 @@ class CaptureTracker:
 
     def _capture(self, req_id: str, run: _Running, computed: int, out: SchedulerOutput) -> list[TransferJob]:
         bs = self.block_size
+        request = run.request
         scheduled = int(out.num_scheduled_tokens.get(req_id, 0))
         drafts = len((getattr(out, "scheduled_spec_decode_tokens", None) or {}).get(req_id, ()))
-        done = min(computed + scheduled - drafts, len(run.request.all_token_ids))
+        done = min(computed + scheduled - drafts, len(request.all_token_ids))
         end = done // bs
         start = max(run.next_chunk, computed // bs)  # earlier chunks were never computed here
-        if end <= start or not run.block_ids:
+        tail_at = self._tail_end(request, done, drafts)
+        if not run.block_ids or (end <= start and not tail_at):
             run.next_chunk = max(run.next_chunk, end)
             return []
-        if len(run.hashes) < end:
+        need = max(end, tail_at // bs)  # full chunks: a tail's parent is chunk tail_at // bs - 1
+        if len(run.hashes) < need:
             parent = run.hashes[-1] if run.hashes else run.scope.seed
-            tokens = list(run.request.all_token_ids[len(run.hashes) * bs : end * bs])
+            tokens = list(request.all_token_ids[len(run.hashes) * bs : need * bs])
             run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
         refs = []
         for i in range(start, end):
             ids = tuple(block_at(group_blocks, i) for group_blocks in run.block_ids)
             if any(b != NO_BLOCK for b in ids):
                 refs.append(BlockRef(run.hashes[i], ids, bs))
-        run.next_chunk = end
+        run.next_chunk = max(run.next_chunk, end)
+        if tail_at:
+            tail = self._tail_ref(run, tail_at)
+            if tail is not None:
+                refs.append(tail)
         return [TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True)] if refs else []
+
+    def _tail_end(self, request: Request, done: int, drafts: int) -> int:
+        """Tokens covered by a tail this step should store (0: none): the prompt's, in the
+        step that computes its last token, or everything computed, in a step that may
+        end the request by length."""
+        if self.place_tail is None or done % self.block_size == 0:
+            return 0
+        prompt = int(request.num_prompt_tokens)
+        if done == prompt:
+            return done
+        max_tokens = getattr(request, "max_tokens", None)
+        if done > prompt and max_tokens is not None and int(request.num_output_tokens) + 1 + drafts >= int(max_tokens):
+            return done
+        return 0
+
+    def _tail_ref(self, run: _Running, end: int) -> BlockRef | None:
+        """The tail object of tokens ``c * bs .. end`` (c = end // bs), unless stored already."""
+        assert self.place_tail is not None
+        if end <= run.tail_end:
+            return None
+        c = end // self.block_size
+        ids = tuple(block_at(group_blocks, c) for group_blocks in run.block_ids)
+        if all(b == NO_BLOCK for b in ids):
+            return None
+        tail_ids = tuple(int(t) for t in run.request.all_token_ids[c * self.block_size : end])
+        chunk, stored = self.place_tail(run.scope, run.hashes[c - 1] if c else run.scope.seed, tail_ids)
+        run.tail_end = end
+        return None if stored else BlockRef(chunk, ids, len(tail_ids), tail_ids)

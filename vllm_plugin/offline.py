@@ -1,10 +1,11 @@
-"""Helpers for offline `vllm.LLM` use.
+"""Helpers for tests and benchmarks that drive offline `vllm.LLM` engines.
 
-kvpack saves a request's KV when it finishes; the copy runs in the engine's
-next step (the blocks stay allocated until then). vLLM's engine-core process
-(the default mode) keeps stepping on its own, but an in-process engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) only steps inside ``generate``: call
-`drain(llm)` before dropping such an engine so its last requests are stored.
+Users need none of this: kvpack saves every block in the step that computes
+it and flushes its stores before the process exits (`kvpack.exit_flush`), so
+a script that calls ``generate()`` and ends leaves its KV on disk. `drain`
+exists for tests that need a deterministic point *inside* one process (for
+example, "everything of run 1 is on every tier" before run 2 starts in the
+same process); `shutdown` lets one process run several engine lifetimes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 
 def drain(llm: Any, timeout_s: float = 30.0, settle_s: float = 1.0) -> bool:
-    """Step an in-process engine until kvpack's pending saves ran, then flush the stores.
+    """Step an in-process engine until kvpack's pending saves ran, then flush the stores
+    (a test's deterministic point; users never need it).
 
     Returns True when everything reached every tier within `timeout_s`. In
     multi-process mode the engine core steps (and saves) by itself and its
@@ -34,7 +36,7 @@ def drain(llm: Any, timeout_s: float = 30.0, settle_s: float = 1.0) -> bool:
         ok = True
         for conn in live_connectors():
             if conn.worker is not None:
-                ok &= conn.worker.flush(max(0.0, deadline - time.monotonic()))
+                ok &= conn.worker.flush_before_exit(max(0.0, deadline - time.monotonic()), "drain")
         return ok and time.monotonic() < deadline
     time.sleep(min(settle_s, timeout_s))
     return True

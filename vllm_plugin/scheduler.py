@@ -107,7 +107,8 @@ class SchedulerSide:
         self.can_save = can_save
         self.index = ReportedMemoryIndex()
         tiers: list[Tier] = [self.index] if config.memory.enabled else []
-        self.store = KVStore(config, tiers + build_tiers(config, include_memory=False))
+        # a lookup view: the workers write, this process only reads (no write-back threads)
+        self.store = KVStore(config, tiers + build_tiers(config, include_memory=False), read_only=True)
         self.members = scope.member_specs()
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()
@@ -118,10 +119,11 @@ class SchedulerSide:
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
         self._failed: set[str] = set()
-        self._captures = CaptureTracker(scope.block_size)
-        """Requests whose chunks are captured as they complete (engines that free blocks early)."""
-        self._partial_tails: dict[str, list[PartialTail]] = {}
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
+        tails = self._place_tail if config.tail_reuse and not self._state_groups else None
+        self._captures = CaptureTracker(scope.block_size, tails)
+        """Every cacheable request, saved in the steps that compute it (`captures`)."""
+        self._partial_tails: dict[str, list[PartialTail]] = {}
         self._budget = WaitBudget(config.io_timeout_ms / 1000.0)
         """What this scheduler step's lookups and save planning may wait on remote tiers
         in all (renewed in `build_connector_meta`, once per step)."""
@@ -191,6 +193,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.can_load:
+            if self.can_save:
+                rs = self._scope_of(request)
+                if rs is not None:
+                    self._captures.track(request, rs, 0)
             return 0, False
         if request.request_id in self._load_issued:
             # vLLM asks again only after the load failed (bad object, tier error, timeout: the
@@ -199,7 +205,7 @@ class SchedulerSide:
             # would loop forever on a refused object: recompute instead.
             return 0, False
         plan = self.plan(request)
-        if self.can_save and self.scope.frees_blocks_early and plan.scope is not None:
+        if self.can_save and plan.scope is not None:
             self._captures.track(request, plan.scope, plan.hit_chunks)
         if plan.matched <= num_computed_tokens:
             return 0, False
@@ -241,7 +247,7 @@ class SchedulerSide:
         if scheduler_output is not None and self._captures:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
-                self._count("capture_blocks", len(job.blocks))
+                self._count("save_blocks", len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
@@ -288,102 +294,58 @@ class SchedulerSide:
     def _finish(
         self, request: Request, block_ids: Sequence[Sequence[int]], partial_tails: list[PartialTail] | None
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request. Every chunk and tail it computed was saved in the step that
+        computed it (`captures`); only a Mamba state handed over at finish is saved here."""
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
-        captured_chunks = self._captures.forget(req_id)
+        self._captures.forget(req_id)
         self._pending_loads.pop(req_id, None)
-        refresh = req_id in self._failed  # overwrite what could not be loaded
         self._failed.discard(req_id)
         self._load_issued.discard(req_id)
         self._bad_tenants_logged.discard(req_id)
-        if not self.can_save:
+        if not self.can_save or not partial_tails:
             return False, None
         rs = plan.scope if plan is not None else self._scope_of(request)
         if rs is None:
             return False, None
-        bs = self.scope.block_size
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
         if n <= 0:
             return False, None
-        groups = [list(ids) for ids in block_ids]
         tokens = list(request.all_token_ids[:n])
-        hashes = chunk_hashes(tokens, bs, parent=rs.seed)
-        # chained keys: the plan's hit chunks are a prefix of these, already stored; so are captures
-        known = min(plan.hit_chunks, len(hashes)) if plan is not None else 0
-        captured = range(0)
-        if captured_chunks is not None and not refresh:
-            captured = range(known, min(captured_chunks, len(hashes)))
-        refs: list[BlockRef] = []
-        if refresh:
-            refs.extend(BlockRef(chunk, self._save_blocks(groups, i), bs) for i, chunk in enumerate(hashes))
-        else:
-            todo = [i for i in range(known, len(hashes)) if i not in captured]
-            presence = self.store.contains_members(
-                rs.tenant, self.scope.fingerprint, [hashes[i] for i in todo], self.scope.all_members, self._budget
-            )
-            for i, present in zip(todo, presence):
-                ids = self._save_blocks(groups, i, present)
-                if any(b != NO_BLOCK for b in ids):
-                    refs.append(BlockRef(hashes[i], ids, bs))
-        tail = self._tail_ref(rs, tokens, hashes, groups, partial_tails, refresh)
-        if tail is not None:
-            refs.append(tail)
-        refs = [r for r in refs if r.blocks]
-        if not refs:
+        hashes = chunk_hashes(tokens, self.scope.block_size, parent=rs.seed)
+        tail = self._state_tail_ref(rs, tokens, hashes, [list(ids) for ids in block_ids], partial_tails)
+        if tail is None:
             return False, None
-        self._pending_saves.append(TransferJob(req_id, rs.tenant, tuple(refs)))
+        self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
         self._saving.add(req_id)
-        self._count("save_blocks", len(refs))
+        self._count("save_blocks", 1)
         return True, None
 
-    def _save_blocks(
-        self, groups: list[list[int]], chunk: int, present: dict[str, bool] | None = None
-    ) -> tuple[int, ...]:
-        """Per group, the block to save chunk `chunk` from: NO_BLOCK where vLLM holds none any
-        more, where every rank's member is already stored, and for Mamba state, which only
-        captures (taken while the state is that chunk's) and partial tails may store."""
-        out: list[int] = []
-        for g, ids in enumerate(groups):
-            members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
-            stored = present is not None and all(present.get(m, False) for m in members)
-            out.append(NO_BLOCK if stored or g in self._state_groups else block_at(ids, chunk))
-        return tuple(out)
+    def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
+        """Where the tail `tail_ids` after `parent` goes, and whether it is stored already."""
+        return self.store.place_tail(rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget)
 
-    def _tail_ref(
+    def _state_tail_ref(
         self,
         rs: RequestScope,
         tokens: list[int],
         hashes: list[ChunkHash],
         groups: list[list[int]],
-        partial_tails: list[PartialTail] | None,
-        refresh: bool,
+        partial_tails: list[PartialTail],
     ) -> BlockRef | None:
-        """The tail object to save: the computed part of the last block with its token ids.
-
-        With Mamba groups the tail ends where vLLM's handed-over state ends; without a
-        handed-over state there is no tail (its state would be unknown)."""
+        """The Mamba state vLLM handed over, as the member of a boundary chunk or of a tail
+        (with the attention groups' blocks of that tail); the tail ends where the state does."""
         bs = self.scope.block_size
-        end = len(tokens)
-        if self._state_groups:
-            if not partial_tails:
-                return None
-            end = partial_tails[0].boundary
-        c, t = divmod(end, bs)
-        if not self.config.tail_reuse or (t == 0 and not partial_tails):
-            return None
-        states = {pt.group: pt.block_id for pt in partial_tails or ()}
-        if t == 0:  # a state at a block boundary is that chunk's member (its other members are saved as a chunk)
+        c, t = divmod(partial_tails[0].boundary, bs)
+        states = {pt.group: pt.block_id for pt in partial_tails}
+        if t == 0:  # a state at a block boundary is that chunk's member (its other members were captured)
             if c == 0 or c > len(hashes):
                 return None
             return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
-        ids = [states.get(g, NO_BLOCK if g in self._state_groups else block_at(blocks, c)) for g, blocks in enumerate(groups)]
-        tail_ids = tuple(int(x) for x in tokens[c * bs : end])
-        chunk, stored = self.store.place_tail(
-            rs.tenant, self.scope.fingerprint, hashes[c - 1] if c else rs.seed, self.scope.all_members, tail_ids, self._budget
-        )
-        if stored and not refresh and not partial_tails:
-            return None
-        return BlockRef(chunk, tuple(ids), t, tail_ids)
+        ids = tuple(states.get(g, NO_BLOCK if g in self._state_groups else block_at(b, c)) for g, b in enumerate(groups))
+        tail_ids = tuple(int(x) for x in tokens[c * bs : c * bs + t])
+        chunk, _ = self._place_tail(rs, hashes[c - 1] if c else rs.seed, tail_ids)
+        return BlockRef(chunk, ids, t, tail_ids)
 
     # -- worker reports ---------------------------------------------------------
 

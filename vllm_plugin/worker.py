@@ -47,6 +47,7 @@ import torch
 from kvpack.background import lower_current_thread_priority
 from kvpack.config import KVPackConfig
 from kvpack.cpu_features import request_amx_permission
+from kvpack.exit_flush import flush_on_exit, forget
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
 from kvpack.keys import GroupKey, StoreKey
@@ -166,6 +167,8 @@ class WorkerSide:
                 self._reported_evicted.append(group.as_str())  # list.append is atomic
 
         self.store.add_evict_listener(on_evict)
+        # saves queued here (not yet handed to the store) must reach it before exit too
+        flush_on_exit(self, config.shutdown_flush_s)
 
     # -- registration -----------------------------------------------------------
 
@@ -527,25 +530,30 @@ class WorkerSide:
             with self._lock:
                 self._reported_stored.extend(stored)
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait (bounded) until queued saves are copied and reached every tier."""
+    def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
+        """Wait (bounded) until queued saves reached the store and every tier; what the
+        bound cuts off is counted and logged (`kvpack.exit_flush` calls this at exit)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._save_q.unfinished_tasks == 0:  # put() counts up, task_done() down
-                break
+        while self._save_q.unfinished_tasks:  # put() counts up, task_done() down
+            if time.monotonic() >= deadline:
+                left = self._save_q.unfinished_tasks
+                self._count("save_dropped_at_exit", left)
+                log.warning("kvpack: %d saves still queued after %.1f s (%s); they are lost", left, timeout_s, reason)
+                return False
             time.sleep(0.005)
-        else:
-            return False
-        return self.store.flush(max(0.0, deadline - time.monotonic()))
+        return self.store.flush_before_exit(max(0.0, deadline - time.monotonic()), reason)
 
     # -- shutdown ---------------------------------------------------------------
 
     def close(self) -> None:
+        """Finish the queued saves and flush the store, within ``shutdown_flush_s`` in all."""
+        deadline = time.monotonic() + self.config.shutdown_flush_s
         self._load_q.put(None)
-        self._save_q.put(None)
+        self._save_q.put(None)  # after every queued save: the save thread stores them first
         for t in self._threads:
-            t.join(timeout=self.config.io_timeout_ms / 1000.0 + 5.0)
-        self.store.close()
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        forget(self)
+        self.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
 
 def _layer_tensors(cache: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

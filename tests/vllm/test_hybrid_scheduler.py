@@ -6,7 +6,8 @@ the real `SchedulerSide` over a real disk store and vLLM-shaped inputs:
 
 - `register_finished_partial_tail` hands over the Mamba state at a partial
   block; the finish save stores it as the tail's state member, next to the
-  attention group's tail block, and vLLM is told to keep the blocks;
+  attention group's tail block, and vLLM is told to keep the blocks (whole
+  chunks are saved by the steps that compute them, never at finish);
 - a lookup needs the state member only at the boundary chunk, and a tail
   whose state covers more tokens than the prompt shares is not used;
 - loads put state into the boundary block only; captures copy every chunk a
@@ -27,6 +28,7 @@ from kvpack.groups import Coverage
 from kvpack.keys import StoreKey, chunk_hashes
 from kvpack.layout import KVLayoutSpec
 from kvpack.objects import ObjectHeader
+from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem
 
 pytest.importorskip("vllm")
@@ -63,7 +65,12 @@ def put(side: SchedulerSide, chunk: str, member: str, token_ids: tuple[int, ...]
         checksum=None,
         token_ids=token_ids,
     )
-    side.store.store([PutItem(StoreKey("default", side.scope.fingerprint, chunk, member), header, memoryview(payload))])
+    # the scheduler's store is a read-only view: objects come from a writer (as from a worker)
+    writer = KVStore.from_config(side.config)
+    try:
+        assert writer.store([PutItem(StoreKey("default", side.scope.fingerprint, chunk, member), header, memoryview(payload))])[0].name == "OK"
+    finally:
+        writer.close()
 
 
 IDS = list(range(100, 164))  # 4 chunks of 16
@@ -77,9 +84,8 @@ def test_partial_tail_state_is_saved_with_the_attention_tail(tmp_path: Path) -> 
     assert delay  # vLLM keeps the blocks until the workers report the save
     (job,) = side.build_connector_meta().saves
     assert not job.capture
-    *chunks, tail = job.blocks
-    # whole chunks: attention only (Mamba state of a chunk is stored only by a capture)
-    assert [r.block_ids for r in chunks] == [(1, NO_BLOCK), (2, NO_BLOCK)]
+    # whole chunks were saved by the steps that computed them (captures): only the state tail here
+    (tail,) = job.blocks
     assert tail.block_ids == (3, 77) and tail.token_ids == tuple(IDS[32:40]) and tail.token_count == 8
 
 
@@ -95,9 +101,9 @@ def test_partial_tail_ends_where_the_state_ends(tmp_path: Path) -> None:
 def test_no_tail_without_a_handed_over_state(tmp_path: Path) -> None:
     side = make_side(tmp_path)
     req = fake_request(IDS[:40], computed=40)
-    side.request_finished(req, ([1, 2, 3], [0, 0, 77]))
-    job = side.build_connector_meta().saves[0]
-    assert all(r.token_ids is None for r in job.blocks)  # the running state's length is unknown
+    delay, _ = side.request_finished(req, ([1, 2, 3], [0, 0, 77]))
+    # the running state's length is unknown: no tail; the chunks were captured as computed
+    assert not delay and side.build_connector_meta().saves == []
 
 
 def test_partial_tail_refused_when_not_kvpack_s_to_store(tmp_path: Path) -> None:

@@ -39,6 +39,9 @@ def fake_request(ids: list[int], req_id: str = "r1", computed: int = 0) -> Any:
     return SimpleNamespace(
         request_id=req_id,
         num_tokens=len(ids),
+        num_prompt_tokens=len(ids),
+        num_output_tokens=0,
+        max_tokens=None,
         all_token_ids=list(ids),
         num_computed_tokens=computed,
         kv_transfer_params=None,
@@ -53,11 +56,28 @@ def kv_config(extra: dict[str, Any] | None, role: str = "kv_both") -> dict[str, 
     return {"kv_connector": "KVPackConnector", "kv_role": role, "kv_connector_extra_config": extra or {}}
 
 
+COMPARE_DTYPE = "float32"
+"""Model dtype of every engine whose output a test compares with a no-cache run.
+
+vLLM's CPU build downcasts an fp32 checkpoint to bf16 unless told; in bf16 a
+continuation from a cached prefix rounds differently from a one-pass prefill
+by up to 0.06 in the first logprob on an Intel Xeon with AMX (tokens equal),
+far less on an AMD EPYC. In fp32 the split point costs 2e-6..8e-6 on both, so
+a comparison in fp32 holds on every CPU of this machine kind."""
+
+LOGPROB_TOL = 1e-4
+"""Largest logprob difference between a kvpack hit and a no-cache run (fp32):
+10x the worst split-point rounding measured (8e-6), far below what loading one
+wrong block does (tokens change)."""
+
+
 def make_llm(model: Path, kv: dict[str, Any] | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+    """An offline engine; fp32 (`COMPARE_DTYPE`) unless the test passes ``dtype``."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(
         model=str(model),
+        dtype=COMPARE_DTYPE,
         kv_cache_memory_bytes=64 << 20,
         max_model_len=2048,
         enforce_eager=True,
@@ -97,7 +117,8 @@ def run(llm: Any, ids: list[int], max_tokens: int = 8, **params: Any) -> Run:
     return Run(tuple(comp.token_ids), lps, int(out.num_cached_tokens or 0))
 
 
-def same_output(a: Run, b: Run, tol: float = 1e-3) -> bool:
+def same_output(a: Run, b: Run, tol: float = LOGPROB_TOL) -> bool:
+    """Greedy tokens equal and every logprob within `tol` (see `LOGPROB_TOL`)."""
     return a.tokens == b.tokens and all(abs(x - y) <= tol for x, y in zip(a.logprobs, b.logprobs))
 
 
@@ -173,3 +194,54 @@ def object_files(store: Path, ids: list[int], tenant: str = "default", seed: str
     files = {p.name.split(".")[0]: p for p in (store / tenant).rglob("*.kvp")}
     blocks = [files[h] for h in hashes if h in files]
     return blocks, files.get(tail_chunk(hashes[-1] if hashes else seed))
+
+
+ENGINE_SCRIPT = r"""
+import json, sys
+spec = json.loads(sys.argv[1])
+exec(spec.get("preamble", ""))
+from vllm_helpers import kv_config, make_llm, run
+llm = make_llm(spec["model"], kv_config(spec["extra"]) if spec["extra"] is not None else None, **spec["engine"])
+out = {}
+for name, ids in spec["prompts"].items():
+    r = run(llm, ids, max_tokens=spec["max_tokens"])
+    out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
+print("RESULT " + json.dumps(out), flush=True)
+# a user's script: it simply ends (no drain, no flush, no shutdown)
+"""
+
+
+def engine_process(
+    model: Path,
+    extra: dict[str, Any] | None,
+    prompts: dict[str, list[int]],
+    log: Path,
+    *,
+    multiprocess: bool = False,
+    preamble: str = "",
+    max_tokens: int = 8,
+    timeout_s: float = 300,
+    **engine: Any,
+) -> dict[str, Run]:
+    """Run `prompts` through a new engine in a new process that then simply ends, as a
+    user's script does (kvpack config `extra`; None: no connector). `preamble` runs first
+    in that process (e.g. to force an attention ISA). Returns each prompt's `Run`."""
+    import json
+    import subprocess
+    import sys
+
+    spec = json.dumps(
+        {"model": str(model), "extra": extra, "prompts": prompts, "preamble": preamble, "max_tokens": max_tokens, "engine": engine}
+    )
+    here = str(Path(__file__).parent)
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, spec], env=env, capture_output=True, text=True, timeout=timeout_s)
+    log.write_text(proc.stdout + proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    data = json.loads(line[len("RESULT ") :])
+    return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
