@@ -6,8 +6,11 @@ code. Every key is checked at construction: an unknown key or a bad value
 raises `ConfigError` naming the dotted field path and what is allowed, so a
 wrong config fails at engine start-up, never mid-run.
 
-Sizes accept ints (bytes) or strings such as ``"8GiB"``. Times carry their
-unit in the field name (``_ms``, ``_s``).
+Sizes accept ints (bytes) or strings such as ``"8GiB"``, whole bytes only
+(`kvpack.sizes`). Times carry their unit in the field name (``_ms``, ``_s``).
+Every number has a stated range (`check_range`): NaN, infinities and absurd
+values (``10**30`` ms) are refused naming the field, and thread counts are
+capped at `MAX_THREADS`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ T = TypeVar("T")
 
 METRICS_PORT_SPAN = 16
 """Ports tried from `metrics_port` on: one per process of an engine."""
+MAX_THREADS = 64
+"""Upper bound of every thread count (`io_threads`, `mooncake.workers`)."""
+MAX_WAIT_MS = 600_000
+"""Upper bound of every timeout in milliseconds (10 minutes)."""
+
+
+def check_range(path: str, value: int | float, lo: int | float, hi: int | float) -> None:
+    """Raise ConfigError naming `path` unless ``lo <= value <= hi`` (NaN is never in range)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path, f"must be a finite number, got {value!r}")
+    if not lo <= value <= hi:
+        shown = repr(value) if abs(value) < 10**18 else f"a number of {int(value).bit_length()} bits"
+        raise ConfigError(path, f"must be between {lo} and {hi}, got {shown}")
 
 
 def _size_field(default: int | str, doc: str = "") -> Any:
@@ -117,7 +133,14 @@ class DiskTierConfig:
 
     def validate(self, path: str) -> None:
         if self.enabled and not self.path:
-            raise ConfigError(f"{path}.path", "must be a directory path when the disk tier is enabled")
+            raise ConfigError(_join(path, "path"), "must be a directory path when the disk tier is enabled")
+        if self.enabled:
+            from .tiers.disk_fs import check_store_path_text
+
+            try:
+                check_store_path_text(self.path)
+            except ValueError as exc:
+                raise ConfigError(_join(path, "path"), str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -200,13 +223,11 @@ class MooncakeTierConfig:
                 raise ConfigError(f"{path}.device_name", "required with protocol 'rdma' (e.g. 'mlx5_0')")
             if not resolved.tenant_id:
                 raise ConfigError(f"{path}.tenant_id", "must not be empty")
-        if self.timeout_ms <= 0:
-            raise ConfigError(f"{path}.timeout_ms", f"must be > 0, got {self.timeout_ms}")
-        if self.backoff_s < 0:
-            raise ConfigError(f"{path}.backoff_s", f"must be >= 0, got {self.backoff_s}")
-        for name in ("replica_num", "setup_retries", "workers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{path}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check_range(f"{path}.timeout_ms", self.timeout_ms, 1, MAX_WAIT_MS)
+        check_range(f"{path}.backoff_s", self.backoff_s, 0, 3600)
+        check_range(f"{path}.replica_num", self.replica_num, 1, 64)
+        check_range(f"{path}.setup_retries", self.setup_retries, 1, 100)
+        check_range(f"{path}.workers", self.workers, 1, MAX_THREADS)
         if self.staging_size < self.workers * (1 << 20):
             raise ConfigError(f"{path}.staging_size", f"must be at least 1MiB per worker, got {self.staging_size}")
 
@@ -266,9 +287,19 @@ def _mooncake_size(value: Any) -> int:
         for suffix, mult in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
                              ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)):
             if s.endswith(suffix):
-                return int(float(s[: -len(suffix)]) * mult)
-        return int(float(s))
+                return _mooncake_number(s[: -len(suffix)], mult, value)
+        return _mooncake_number(s, 1, value)
     raise ValueError(f"expected a size such as '4GB' or an integer, got {value!r}")
+
+
+def _mooncake_number(text: str, mult: int, original: object) -> int:
+    """``float(text) * mult`` rounded down, as Mooncake reads it, but finite and bounded (ValueError)."""
+    from .sizes import MAX_SIZE
+
+    number = float(text)  # ValueError on junk
+    if not math.isfinite(number) or number < 0 or number * mult > MAX_SIZE:
+        raise ValueError(f"size must be between 0 and {MAX_SIZE} bytes, got {str(original)[:40]!r}")
+    return int(number * mult)
 
 
 @dataclass(frozen=True)
@@ -305,6 +336,28 @@ class KVPackConfig:
     write_queue_depth: int = 256
     """Bounded write-back queue (objects); when full, stores are dropped and counted."""
     io_threads: int = 2
+    """Write-back threads (and the tiers' copy/I-O threads): 1 .. `MAX_THREADS`."""
+    trusted_tenants: tuple[str, ...] = ()
+    """Tenant names a request may choose with ``kv_transfer_params["kvpack_tenant"]``
+    (``["*"]``: any valid name). Empty (the default): that parameter is ignored,
+    counted and logged once, and the request's tenant is ``cache_salt``'s own
+    scope or `tenant`. Only list names here behind a front end that sets the
+    parameter itself: any HTTP client of vLLM's OpenAI server can send it."""
+    tenant_signing_key: str = ""
+    """Hex key (16-64 bytes) of a trusted front end: a request's ``kvpack_tenant``
+    is honoured when ``kvpack_tenant_sig`` is `kvpack.keys.tenant_signature`
+    of it under this key. Either this or `trusted_tenants` opts in."""
+    integrity_key: str = ""
+    """Hex key (16-64 bytes) for keyed BLAKE2b over header and payload of every
+    object that leaves the process (disk, Mooncake), checked on every load from
+    them: with it, whoever can write the store folder or the Mooncake cluster
+    but does not hold the key cannot forge an object. Empty: xxh3 checksums
+    (catch damage, not forgery). See `integrity_key_file`."""
+    integrity_key_file: str = ""
+    """A file holding the hex integrity key (instead of `integrity_key` in the engine's JSON)."""
+    metrics_max_tenants: int = 64
+    """Tenants with their own Prometheus label; any further tenant is counted as ``other``
+    (tenants named in this config always keep theirs)."""
     shutdown_flush_s: float = 10.0
     """Longest a process waits, when it exits (normally, or on SIGINT/SIGTERM), for the
     stores it accepted to reach every tier; what is still queued then is counted as
@@ -330,21 +383,50 @@ class KVPackConfig:
                 validate_tenant(tenant)
             except ValueError as exc:
                 raise ConfigError(_join(path, f"eviction.tenant_quotas.{tenant}"), str(exc)) from None
-        positive = {
-            "prefix_match_unit": self.prefix_match_unit,
-            "io_timeout_ms": self.io_timeout_ms,
-            "write_queue_depth": self.write_queue_depth,
-            "io_threads": self.io_threads,
+        ranges: dict[str, tuple[int | float, int, int]] = {
+            "prefix_match_unit": (self.prefix_match_unit, 1, 1 << 20),
+            "io_timeout_ms": (self.io_timeout_ms, 1, MAX_WAIT_MS),
+            "write_queue_depth": (self.write_queue_depth, 1, 1 << 20),
+            "io_threads": (self.io_threads, 1, MAX_THREADS),
+            "metrics_max_tenants": (self.metrics_max_tenants, 1, 10_000),
         }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(_join(path, name), f"must be > 0, got {value}")
+        for name, (value, lo, hi) in ranges.items():
+            check_range(_join(path, name), value, lo, hi)
+        for i, tenant in enumerate(self.trusted_tenants):
+            if tenant == "*":
+                continue
+            try:
+                validate_tenant(tenant)
+            except ValueError as exc:
+                raise ConfigError(_join(path, f"trusted_tenants[{i}]"), str(exc)) from None
+        if self.tenant_signing_key:
+            _hex_key(_join(path, "tenant_signing_key"), self.tenant_signing_key, 16, 64)
+        if self.integrity_key and self.integrity_key_file:
+            raise ConfigError(_join(path, "integrity_key_file"), "set integrity_key or integrity_key_file, not both")
+        self.integrity_key_bytes(path)
         if not (math.isfinite(self.shutdown_flush_s) and 0 < self.shutdown_flush_s <= 3600):
             raise ConfigError(_join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}")
         if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
             raise ConfigError(_join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}")
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):
             raise ConfigError(_join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled")
+
+    def signing_key_bytes(self) -> bytes:
+        """The tenant signing key (b"" when none is configured)."""
+        return bytes.fromhex(self.tenant_signing_key) if self.tenant_signing_key else b""
+
+    def integrity_key_bytes(self, path: str = "") -> bytes | None:
+        """The integrity key (`integrity_key` or the file's), None when off; ConfigError naming the field."""
+        if self.integrity_key:
+            return _hex_key(_join(path, "integrity_key"), self.integrity_key, 16, 64)
+        if not self.integrity_key_file:
+            return None
+        where = _join(path, "integrity_key_file")
+        try:
+            text = Path(self.integrity_key_file).read_text()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(where, f"cannot read {self.integrity_key_file!r}: {exc}") from None
+        return _hex_key(where, text.strip(), 16, 64)
 
     # -- construction -------------------------------------------------------
 
@@ -381,6 +463,17 @@ class KVPackConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict that `from_dict` accepts back."""
         return _to_plain(self)
+
+
+def _hex_key(path: str, text: str, min_bytes: int, max_bytes: int) -> bytes:
+    """`text` as the bytes of a hex key of `min_bytes`..`max_bytes`; ConfigError naming `path` (never the key)."""
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(path, "must be a hex string") from None
+    if not min_bytes <= len(key) <= max_bytes:
+        raise ConfigError(path, f"must be {min_bytes}-{max_bytes} bytes ({2 * min_bytes}-{2 * max_bytes} hex digits), got {len(key)}")
+    return key
 
 
 def _join(prefix: str, name: str) -> str:
@@ -425,6 +518,15 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
         if value not in allowed:
             raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
         return tp(value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:  # pragma: no cover - programming error
+            raise ConfigError(path, f"unsupported config type {tp!r}")
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__}")
+        if len(value) > 10_000:
+            raise ConfigError(path, f"at most 10000 entries, got {len(value)}")
+        return tuple(_coerce(args[0], v, f"{path}[{i}]", is_size) for i, v in enumerate(value))
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         if not isinstance(value, Mapping):
@@ -454,7 +556,13 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(path, "number too large") from None
+        if not math.isfinite(number):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
@@ -469,4 +577,6 @@ def _to_plain(value: Any) -> Any:
         return value.value
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
     return value

@@ -15,6 +15,7 @@ model with another layout can never hit them.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ ChunkHash = NewType("ChunkHash", str)
 """Hex digest (64 lowercase hex chars for kvpack's own chain; engine-given
 hashes such as SGLang's page keys are accepted as they are)."""
 
-_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_MEMBER_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}(@[0-9]{1,4}(of[0-9]{1,4})?)?$")
-_CHUNK_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# Matched with `fullmatch` only: `$` would also match before a final newline.
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MEMBER_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(@[0-9]{1,4}(of[0-9]{1,4})?)?")
+_CHUNK_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def validate_tenant(tenant: str) -> str:
@@ -40,7 +42,7 @@ def validate_tenant(tenant: str) -> str:
     digit. This rules out path traversal (``..``, ``/``), empty names, control
     bytes and unbounded lengths on every tier.
     """
-    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant) or ".." in tenant:
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant) or ".." in tenant:
         raise ValueError(
             f"invalid tenant name {tenant!r}: use 1-64 characters of letters, digits, '.', '_', '-', "
             "starting with a letter or digit, no '..'"
@@ -50,13 +52,13 @@ def validate_tenant(tenant: str) -> str:
 
 def validate_member(member: str) -> str:
     """Return `member` if it is a valid member name (``kv``, ``draft``, ``kv@0of2``...)."""
-    if not isinstance(member, str) or not _MEMBER_RE.match(member):
+    if not isinstance(member, str) or not _MEMBER_RE.fullmatch(member):
         raise ValueError(f"invalid member name {member!r}")
     return member
 
 
 def validate_chunk_hash(chunk: str) -> str:
-    if not isinstance(chunk, str) or not _CHUNK_RE.match(chunk):
+    if not isinstance(chunk, str) or not _CHUNK_RE.fullmatch(chunk):
         raise ValueError(f"invalid chunk hash {chunk!r}: expected 1-128 characters of [A-Za-z0-9_-]")
     return chunk
 
@@ -166,3 +168,22 @@ class GroupKey:
 
     def as_str(self) -> str:
         return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"
+
+
+TENANT_SIGNATURE_CONTEXT = b"kvpack-tenant\x00"
+
+
+def tenant_signature(key: bytes, tenant: str) -> str:
+    """Hex HMAC-SHA256 of `tenant` under `key` (domain-separated).
+
+    What a trusted front end sends as ``kvpack_tenant_sig`` beside
+    ``kvpack_tenant`` when kvpack is configured with ``tenant_signing_key``:
+    a client that does not hold the key cannot name a tenant."""
+    return hmac.new(key, TENANT_SIGNATURE_CONTEXT + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def tenant_signature_ok(key: bytes, tenant: str, signature: object) -> bool:
+    """True when `signature` is `tenant_signature(key, tenant)` (constant-time compare)."""
+    if not isinstance(signature, str) or not key:
+        return False
+    return hmac.compare_digest(tenant_signature(key, tenant), signature.strip().lower())

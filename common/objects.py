@@ -62,6 +62,10 @@ class RejectReason(enum.Enum):
     """A tail object's token ids differ from the ones the lookup matched."""
     LENGTH = "length"
     CHECKSUM = "checksum"
+    INTEGRITY = "integrity"
+    """With an integrity key: the keyed MAC over header and payload does not match (forged, or another key)."""
+    UNSAFE_FILE = "unsafe_file"
+    """A symlink, FIFO, device or folder where a store's own object file belongs: never opened, never followed."""
 
 
 class ObjectRejected(Exception):

@@ -1,0 +1,296 @@
+"""File-system primitives of the disk tier: never follow, never open, never
+delete anything kvpack did not put in its own store folder.
+
+- The store root is checked once (`open_store_root`): not ``/`` or a top-level
+  system folder, nothing under ``/proc``, ``/sys`` or ``/dev``, no NUL byte,
+  no overlong name, a directory (not a file, not under one). A new or empty
+  folder is marked with `MARKER` (format `STORE_FORMAT`); a non-empty folder
+  without the marker, or with another format, is refused. Errors are
+  `ConfigError`s naming ``disk.path``.
+- Everything inside is reached from the root's directory fd: `open_beneath`
+  uses ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has
+  it, else a walk of ``openat(O_NOFOLLOW)`` one component at a time, so a
+  folder or file replaced by a symlink is refused (`UnsafeEntry`), never
+  followed. `open_regular` adds ``O_NONBLOCK`` and an ``fstat``: a FIFO or a
+  device at an object path is refused without blocking.
+- Temporary files have a random name (`temp_name`) and are created with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW``; `is_temp_name` matches only that pattern,
+  so a sweep can never take another program's ``*.tmp.*`` file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import secrets
+import stat
+import struct
+
+from ..errors import ConfigError
+
+MARKER = ".kvpack-store"
+STORE_FORMAT = 1
+"""Version of the folder layout (``tenant/fingerprint/cc/chunk.member.kvp``)."""
+MARKER_TEXT = f"kvpack store\nformat {STORE_FORMAT}\n"
+MAX_PATH_BYTES = 4095
+MAX_NAME_BYTES = 255
+FORBIDDEN_UNDER = ("/proc", "/sys", "/dev")
+"""Pseudo file systems: nothing there is a store folder."""
+_TEMP_RE = re.compile(r"\.[A-Za-z0-9_-]{1,128}\.[a-z0-9_@]{1,48}\.kvp\.[0-9a-f]{16}\.tmp")
+
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (unified syscall table)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeEntry(OSError):
+    """A symlink, or something that is not a regular file/folder, where kvpack expects its own entry."""
+
+
+# -- the root ------------------------------------------------------------------
+
+
+def check_store_path_text(path: str) -> None:
+    """Static checks of a configured store path (no file-system access); ValueError."""
+    if "\x00" in path:
+        raise ValueError("must not contain a NUL byte")
+    raw = os.fsencode(path)
+    if len(raw) > MAX_PATH_BYTES:
+        raise ValueError(f"is {len(raw)} bytes long; the limit is {MAX_PATH_BYTES}")
+    long = next((p for p in raw.split(b"/") if len(p) > MAX_NAME_BYTES), None)
+    if long is not None:
+        raise ValueError(f"has a component of {len(long)} bytes; the limit is {MAX_NAME_BYTES}")
+
+
+def _check_resolved(real: str) -> None:
+    if real == "/" or real.count("/") == 1:
+        raise ValueError(f"resolves to {real!r}: a top-level system folder is never a store folder")
+    for top in FORBIDDEN_UNDER:
+        if real == top or real.startswith(top + "/"):
+            raise ValueError(f"resolves to {real!r}, under {top}")
+
+
+def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
+    """Check, create or adopt the store folder; returns (resolved path, directory fd).
+
+    Raises ConfigError naming `field` for any folder kvpack must not use."""
+    try:
+        check_store_path_text(path)
+        real = os.path.realpath(os.path.expanduser(path))
+        check_store_path_text(real)
+        _check_resolved(real)
+    except ValueError as exc:
+        raise ConfigError(field, f"{path[:200]!r} {exc}") from None
+    try:
+        if os.path.lexists(real) and not os.path.isdir(real):
+            raise ConfigError(field, f"{real!r} exists and is not a folder")
+        os.makedirs(real, mode=0o700, exist_ok=True)
+        fd = os.open(real, _DIR_FLAGS)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ConfigError(field, f"cannot use {path[:200]!r} as the store folder: {exc}") from None
+    try:
+        _adopt(fd, real, field)
+    except BaseException:
+        os.close(fd)
+        raise
+    return real, fd
+
+
+def _adopt(fd: int, real: str, field: str) -> None:
+    """Mark an empty folder; accept a marked one of this format; refuse anything else."""
+    try:
+        mfd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except FileNotFoundError:
+        entries = os.listdir(fd)
+        if entries:
+            shown = ", ".join(sorted(entries)[:3])
+            raise ConfigError(
+                field,
+                f"{real!r} is not empty ({len(entries)} entries: {shown}...) and has no {MARKER} marker: "
+                "kvpack only uses a new or empty folder, or one it marked itself",
+            ) from None
+        _write_marker(fd)
+        return
+    except OSError as exc:
+        raise ConfigError(field, f"{real}/{MARKER} is not a kvpack marker file: {exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(mfd).st_mode):
+            raise ConfigError(field, f"{real}/{MARKER} is not a regular file")
+        text = os.read(mfd, 4096).decode(errors="replace")
+    finally:
+        os.close(mfd)
+    if text != MARKER_TEXT:
+        raise ConfigError(field, f"{real} holds a kvpack store of another format ({text.strip()!r}; this kvpack writes format {STORE_FORMAT})")
+
+
+def _write_marker(fd: int) -> None:
+    tmp = f".{MARKER}.{secrets.token_hex(8)}"
+    mfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+    try:
+        os.write(mfd, MARKER_TEXT.encode())
+    finally:
+        os.close(mfd)
+    os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
+
+
+def root_removed(fd: int) -> bool:
+    """True when the folder `fd` refers to was deleted (its link count is 0)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
+
+
+# -- opening beneath the root ----------------------------------------------------
+
+
+def _load_openat2():  # type: ignore[no-untyped-def]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+    fn.restype = ctypes.c_long
+    return fn
+
+
+_syscall = _load_openat2()
+_use_openat2 = _syscall is not None
+
+
+def _openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int:
+    mode = mode if flags & os.O_CREAT else 0  # openat2 refuses a mode without O_CREAT (EINVAL)
+    how = struct.pack("QQQ", flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    fd = _syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(rel), how, ctypes.c_size_t(len(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), rel)
+    return int(fd)
+
+
+def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0o600) -> int:
+    """``openat(root_fd, rel)`` without following any symlink on the way (UnsafeEntry) and
+    without leaving the root; `rel` is a relative path of validated names."""
+    global _use_openat2
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    if _use_openat2:
+        try:
+            return _openat2(root_fd, rel, flags, mode)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.EPERM):  # an old kernel, or seccomp: walk instead
+                _use_openat2 = False
+            elif exc.errno in (errno.ELOOP, errno.EXDEV):
+                raise UnsafeEntry(errno.ELOOP, "symlink refused", rel) from None
+            else:
+                raise
+    return _open_walk(root_fd, rel, flags, mode)
+
+
+def _open_walk(root_fd: int, rel: str, flags: int, mode: int) -> int:
+    """The portable `open_beneath`: one ``O_NOFOLLOW`` openat per component."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafeEntry(errno.EINVAL, "not a plain relative path", rel)
+    dfd = root_fd
+    try:
+        for part in parts[:-1]:
+            nfd = _open_subdir(dfd, part, rel)
+            if dfd != root_fd:
+                os.close(dfd)
+            dfd = nfd
+        try:
+            return os.open(parts[-1], flags, mode, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeEntry(errno.ELOOP, "symlink refused", rel) from None
+            raise
+    finally:
+        if dfd != root_fd:
+            os.close(dfd)
+
+
+def open_dir(root_fd: int, rel: str) -> int:
+    """A directory fd of `rel` beneath the root (UnsafeEntry for a symlink)."""
+    return open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def open_regular(root_fd: int, rel: str) -> int:
+    """A read-only fd of the regular file `rel`; UnsafeEntry for anything else.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once; the ``fstat`` then refuses it."""
+    fd = open_beneath(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeEntry(errno.EINVAL, "not a regular file", rel)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dirs(root_fd: int, rel: str) -> None:
+    """Create the folders of `rel` beneath the root (0o700), refusing symlinks on the way."""
+    dfd = root_fd
+    try:
+        for part in rel.split("/"):
+            try:
+                os.mkdir(part, 0o700, dir_fd=dfd)
+            except FileExistsError:
+                pass
+            nfd = _open_subdir(dfd, part, rel)
+            if dfd != root_fd:
+                os.close(dfd)
+            dfd = nfd
+    finally:
+        if dfd != root_fd:
+            os.close(dfd)
+
+
+def _open_subdir(dfd: int, part: str, rel: str) -> int:
+    """``openat(dfd, part, O_DIRECTORY | O_NOFOLLOW)``; a symlink (ELOOP, or ENOTDIR on
+    Linux, which checks O_DIRECTORY first) raises UnsafeEntry."""
+    try:
+        return os.open(part, _DIR_FLAGS, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _is_link(dfd, part)):
+            raise UnsafeEntry(errno.ELOOP, "symlink refused", rel) from None
+        raise
+
+
+def _is_link(dfd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def temp_name(final: str) -> str:
+    """A fresh, unguessable temporary name for the file `final` (same folder)."""
+    return f".{final}.{secrets.token_hex(8)}.tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    """Does `name` have exactly kvpack's temporary-file pattern (`temp_name`)?"""
+    return _TEMP_RE.fullmatch(name) is not None
+
+
+def create_temp(dir_fd: int, final: str) -> tuple[int, str]:
+    """Create a new temporary file for `final` in `dir_fd` (O_EXCL, never an existing entry)."""
+    name = temp_name(final)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    return fd, name
+
+
+def lstat_regular(dir_fd: int, name: str) -> os.stat_result | None:
+    """The stat of `name` in `dir_fd` when it is a regular file (never following a link), else None."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
