@@ -4,15 +4,30 @@ The server runs the SGLang venv's own Python with this folder's ``cpu_site/`` on
 PYTHONPATH (a test-only ``sitecustomize``: a stub ``sgl_kernel``, stand-ins for
 missing imports, two patches to SGLang internals; see that folder). It listens on
 127.0.0.1 on a free port, in its own process group, and is stopped by its PID
-(SIGTERM, then SIGKILL to that group) whatever happens in the test. Every wait is
-bounded; a server that dies or never gets healthy raises `ServerError` carrying
-the tail of its log.
+(SIGTERM, then SIGKILL to that group) whatever happens in the test.
+
+Every wait is bounded, and each bound follows the machine (`Limits`): start-up
+gets `START_TIMEOUT_S` (a cold start compiles SGLang's imports and JIT-builds
+kvpack's copy kernel: about 30-60 s on 2 cores), and the later steps get their
+base limit times how much slower than `REFERENCE_START_S` the start-up was
+(at most `MAX_SLOWDOWN`). A failure raises `ServerError` naming the step that
+failed or ran out of time, how long it ran against its limit, the server's
+last log line and any timeout the log reports, then the log tail.
+
+SGLang's own warm-up request is skipped (``--skip-server-warmup``; it would be
+one more request with its own read timeout on a cold start). What SGLang 0.5.23
+still does after start-up is a ``/freeze_gc`` call with a fixed 10 s read
+timeout; when it fails the log says ``post-warmup freeze_gc failed``, which is
+only a warning. A server that exits before it is healthy with a timeout or a
+taken port in its log (a cold or busy machine) is started once more, with its
+first log kept; any other early exit fails at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,17 +37,43 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpack.inspect_store import summarize
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 LOG_TAIL_CHARS = 6000
+START_TIMEOUT_S = 300.0  # launch until /health answers 200, cold start included
+REFERENCE_START_S = 45.0  # a cold start on this project's 2-core CI machine kind (measured 40-60 s)
+MAX_SLOWDOWN = 4.0
+START_ATTEMPTS = 2
+# an early exit with one of these in its log is a slow or busy machine, worth one more start
+TRANSIENT_START_FAILURES = re.compile(r"[Tt]imed out|TimeoutError|[Aa]ddress already in use")
+_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] ")
 
 
 class ServerError(RuntimeError):
-    """The server failed to start, died, or answered badly; the message ends with its log tail."""
+    """The server failed to start, died, or answered badly in one named step; the message ends with its log tail."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Seconds each step of the test may take, at the speed of a machine that started the server in
+    `REFERENCE_START_S`; `scaled` stretches them for a slower one."""
+
+    generate_s: float = 60.0
+    backup_s: float = 30.0  # SGLang's asynchronous L3 backup reaching kvpack's disk store
+    flush_s: float = 30.0
+    slowdown: float = 1.0
+
+    def scaled(self, start_s: float) -> "Limits":
+        slowdown = min(MAX_SLOWDOWN, max(1.0, start_s / REFERENCE_START_S))
+        return Limits(self.generate_s * slowdown, self.backup_s * slowdown, self.flush_s * slowdown, slowdown)
 
 
 def free_port() -> int:
@@ -78,6 +119,9 @@ class CpuServer:
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    started: float = field(default_factory=time.monotonic)
+    limits: Limits = field(default_factory=Limits)
+    start_s: float = 0.0  # seconds from launch to healthy
 
     @property
     def url(self) -> str:
@@ -90,57 +134,85 @@ class CpuServer:
             return f"(no server log: {exc})"
         return text[-LOG_TAIL_CHARS:]
 
-    def error(self, message: str) -> ServerError:
-        return ServerError(f"{message}\n--- server log tail ({self.log_path}) ---\n{self.log_tail()}")
+    def log_findings(self) -> str:
+        """The last thing the server logged, and every timeout its log reports (one line each)."""
+        lines = self.log_tail().splitlines()
+        stamped = [line for line in lines if _LOG_LINE.match(line)]
+        timeouts = [line for line in lines if TRANSIENT_START_FAILURES.search(line)]
+        found = [f"last server log line: {(stamped or lines or ['(empty)'])[-1][:300]}"]
+        found += [f"server log reports: {line[:300]}" for line in dict.fromkeys(timeouts)]
+        return "\n".join(found)
 
-    def post(self, path: str, body: dict[str, object], timeout_s: float) -> tuple[int, str]:
+    def error(
+        self, step: str, message: str, *, began: float | None = None, limit_s: float | None = None
+    ) -> ServerError:
+        """A `ServerError` for `step`: what happened, how long the step ran against its limit, the log."""
+        timing = ""
+        if began is not None:
+            timing = f" after {time.monotonic() - began:.0f} s" + (f" (limit {limit_s:.0f} s)" if limit_s else "")
+        where = f"{self.log_findings()}\n--- server log tail ({self.log_path}) ---\n{self.log_tail()}"
+        return ServerError(f"step '{step}': {message}{timing}\n{where}")
+
+    def post(self, step: str, path: str, body: dict[str, object], timeout_s: float) -> tuple[int, str]:
         """POST JSON; returns (HTTP status, body text). A dead server or a timeout raises `ServerError`."""
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
         )
+        began = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
+        except TimeoutError as exc:
+            raise self.error(step, f"POST {path} ran out of time", began=began, limit_s=timeout_s) from exc
         except OSError as exc:
-            raise self.error(f"POST {path} failed: {exc!r} (server exit code {self.process.poll()})") from exc
+            exit_code = self.process.poll()
+            raise self.error(step, f"POST {path} failed: {exc!r} (server exit code {exit_code})", began=began) from exc
 
     def generate(
-        self, input_ids: list[int], sampling_params: dict[str, object], *, return_logprob: bool = False, timeout_s: float = 60
+        self, step: str, input_ids: list[int], sampling_params: dict[str, object], *, return_logprob: bool = False
     ) -> dict[str, object]:
         """``/generate`` on token ids; the response JSON (``text``, ``output_ids``, ``meta_info``)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
-        status, text = self.post("/generate", body, timeout_s)
+        status, text = self.post(step, "/generate", body, self.limits.generate_s)
         if status != 200:
-            raise self.error(f"/generate answered {status}: {text[:500]}")
+            raise self.error(step, f"/generate answered {status}: {text[:500]}")
         return json.loads(text)
 
-    def flush_cache(self, timeout_s: float = 30) -> None:
+    def flush_cache(self, step: str = "/flush_cache") -> None:
         """``/flush_cache`` (device tree and host pool), retried while the scheduler is not yet idle."""
-        deadline = time.monotonic() + timeout_s
+        began = time.monotonic()
+        deadline = began + self.limits.flush_s
         while True:
-            status, text = self.post("/flush_cache", {}, timeout_s=10)
+            status, text = self.post(step, "/flush_cache", {}, timeout_s=max(1.0, deadline - time.monotonic()))
             if status == 200:
                 return
             if time.monotonic() > deadline:
-                raise self.error(f"/flush_cache kept answering {status}: {text[:300]}")
+                answer = f"/flush_cache kept answering {status}: {text[:300]}"
+                raise self.error(step, answer, began=began, limit_s=self.limits.flush_s)
             time.sleep(0.5)
 
     def wait_healthy(self, timeout_s: float) -> None:
-        """Poll ``/health`` until 200; fail early if the process exits."""
-        deadline = time.monotonic() + timeout_s
+        """Poll ``/health`` until 200; fail early if the process exits. Sets `start_s` and `limits`."""
+        step = "start-up (launch until /health answers 200)"
+        deadline = self.started + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise self.error(f"server exited with code {self.process.returncode} before it was healthy")
+                err = self.error(step, f"server exited with code {self.process.returncode} before it was healthy",
+                                 began=self.started, limit_s=timeout_s)  # fmt: skip
+                err.retryable = bool(TRANSIENT_START_FAILURES.search(self.log_tail()))
+                raise err
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
+                        self.start_s = time.monotonic() - self.started
+                        self.limits = self.limits.scaled(self.start_s)
                         return
             except OSError:
-                pass
+                pass  # not listening yet, or /health's one-token check still running
             time.sleep(1)
-        raise self.error(f"server not healthy after {timeout_s:.0f} s")
+        raise self.error(step, "server not healthy", began=self.started, limit_s=timeout_s)
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM the server's PID, wait, then SIGKILL its process group (its own session)."""
@@ -157,11 +229,7 @@ class CpuServer:
         self.process.wait(timeout=10)
 
 
-@contextmanager
-def running_cpu_server(
-    model: Path, extra_config: dict[str, object], log_path: Path, *, page_size: int, start_timeout_s: float = 150
-) -> Iterator[CpuServer]:
-    """A healthy CPU SGLang server on a free 127.0.0.1 port, stopped on exit (also on failure)."""
+def _launch(model: Path, extra_config: dict[str, object], log_path: Path, page_size: int) -> CpuServer:
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -173,9 +241,42 @@ def running_cpu_server(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    server = CpuServer(process, port, log_path)
+    return CpuServer(process, port, log_path)
+
+
+@contextmanager
+def running_cpu_server(
+    model: Path,
+    extra_config: dict[str, object],
+    log_path: Path,
+    *,
+    page_size: int,
+    start_timeout_s: float = START_TIMEOUT_S,
+    attempts: int = START_ATTEMPTS,
+) -> Iterator[CpuServer]:
+    """A healthy CPU SGLang server on a free 127.0.0.1 port, stopped on exit (also on failure).
+
+    An attempt that exits early for a transient reason (`ServerError.retryable`)
+    keeps its log as ``<log>.attempt<N>`` and is followed by one more start."""
+    for attempt in range(1, attempts + 1):
+        server = _launch(model, extra_config, log_path, page_size)
+        try:
+            server.wait_healthy(start_timeout_s)
+        except ServerError as exc:
+            server.stop()
+            if not exc.retryable or attempt == attempts:
+                if attempt > 1:
+                    raise ServerError(f"start attempt {attempt} of {attempts}: {exc}") from exc
+                raise
+            kept = log_path.with_name(f"{log_path.name}.attempt{attempt}")
+            log_path.replace(kept)
+            print(f"SGLang server start attempt {attempt} exited early; trying again (its log: {kept})\n{exc}")
+            continue
+        except BaseException:
+            server.stop()
+            raise
+        break
     try:
-        server.wait_healthy(start_timeout_s)
         yield server
     finally:
         server.stop()

@@ -29,17 +29,23 @@ PYTHONPATH of the server subprocess only; no installed file is edited):
   ``sgl_kernel.kvcacheio`` only on CUDA/ROCm).
 
 If the server cannot start, the test fails with the server's log tail; it is
-never skipped for that. About 30 s on 2 cores. Deselect with ``-m "not slow"``.
+never skipped for that. Each step's time limit follows the machine, and a
+failure names the step that ran out of time (see ``sglang_cpu_server``). About
+50 s on 2 cores. Deselect with ``-m "not slow"``.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import sglang_cpu_server
 from sglang_cpu_server import CpuServer, ServerError, running_cpu_server, wait_for_stored_pages
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(300)]
+# above the sum of every step's longest limit, so a slow step fails with its own name, not pytest's timeout
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
 PAGE_SIZE = 16
 PROMPT_TOKENS = 600  # above SGLang's default L3 prefetch threshold (256 tokens)
@@ -64,13 +70,15 @@ def kvpack_extra_config(store: Path) -> dict[str, object]:
 
 def first_and_repeated_answer(server: CpuServer, store: Path) -> tuple[dict[str, object], dict[str, object]]:
     """The answer to `PROMPT`, then to `PROMPT` again after its pages reached kvpack and the cache was flushed."""
-    first = server.generate(PROMPT, GREEDY, return_logprob=True)
+    first = server.generate("first /generate", PROMPT, GREEDY, return_logprob=True)
     full_pages = PROMPT_TOKENS // PAGE_SIZE
-    stored = wait_for_stored_pages(store, TENANT, "kv", full_pages)
+    began, limit_s = time.monotonic(), server.limits.backup_s
+    stored = wait_for_stored_pages(store, TENANT, "kv", full_pages, timeout_s=limit_s)
     if stored < full_pages:
-        raise server.error(f"kvpack holds {stored} of the prompt's {full_pages} pages 30 s after the first answer")
+        step = "L3 backup of the first answer's pages to kvpack"
+        raise server.error(step, f"kvpack holds {stored} of {full_pages} pages", began=began, limit_s=limit_s)
     server.flush_cache()
-    return first, server.generate(PROMPT, GREEDY, return_logprob=True)
+    return first, server.generate("repeated /generate after /flush_cache", PROMPT, GREEDY, return_logprob=True)
 
 
 def max_logprob_drift(first: dict[str, object], second: dict[str, object]) -> float:
@@ -80,6 +88,7 @@ def max_logprob_drift(first: dict[str, object], second: dict[str, object]) -> fl
     return max(abs(x[0] - y[0]) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_repeated_prompt_is_served_from_kvpack_after_flush(tiny_llama: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
     log = tmp_path / "server.log"
@@ -98,3 +107,33 @@ def test_repeated_prompt_is_served_from_kvpack_after_flush(tiny_llama: Path, tmp
     drift = max_logprob_drift(first, second)
     assert drift <= LOGPROB_TOLERANCE, f"output logprobs differ by up to {drift}"
     print(f"storage-served tokens: {details['storage']} of {PROMPT_TOKENS}; same greedy answer {first['text']!r}; logprob drift {drift}")
+    print(f"server start-up {server.start_s:.0f} s, step limits x{server.limits.slowdown:.1f}")
+
+
+def test_early_exit_with_a_timeout_is_retried_once_then_names_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 12: on a cold start the server exited with code 3 before it was healthy, and the failure
+    # did not say which step ran out of time. A stand-in server that logs what SGLang logs, then exits 3.
+    line = "[2026-12-01 10:00:00] ReadTimeout: Read timed out. (read timeout=10)"
+    argv = [sys.executable, "-c", f"print({line!r}); raise SystemExit(3)"]
+    monkeypatch.setattr(sglang_cpu_server, "server_argv", lambda *args: argv)
+    log = tmp_path / "server.log"
+    with pytest.raises(ServerError) as failed:
+        with running_cpu_server(tmp_path, {}, log, page_size=PAGE_SIZE, start_timeout_s=60):
+            pass
+    message = str(failed.value)
+    assert message.startswith("start attempt 2 of 2: step 'start-up (launch until /health answers 200)': "), message
+    assert "exited with code 3 before it was healthy after" in message and "(limit 60 s)" in message
+    assert f"server log reports: {line}" in message
+    assert (tmp_path / "server.log.attempt1").read_text().strip() == line
+
+
+def test_early_exit_without_a_timeout_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = [sys.executable, "-c", "print('ModuleNotFoundError: no module named x'); raise SystemExit(1)"]
+    monkeypatch.setattr(sglang_cpu_server, "server_argv", lambda *args: argv)
+    with pytest.raises(ServerError, match=r"^step 'start-up .*exited with code 1") as failed:
+        with running_cpu_server(tmp_path, {}, tmp_path / "server.log", page_size=PAGE_SIZE, start_timeout_s=60):
+            pass
+    assert "last server log line: ModuleNotFoundError" in str(failed.value)
+    assert not (tmp_path / "server.log.attempt1").exists()
