@@ -113,7 +113,8 @@ def _adopt(fd: int, real: str, field: str) -> None:
             raise ConfigError(
                 field,
                 f"{real!r} is not empty ({len(entries)} entries: {shown}...) and has no {MARKER} marker: "
-                "kvpack only uses a new or empty folder, or one it marked itself",
+                "kvpack only uses a new or empty folder, or one it marked itself (a kvpack store written "
+                "before store markers is a cache: delete it, or point disk.path at a new folder)",
             ) from None
         _write_marker(fd)
         return
