@@ -21,17 +21,17 @@ FORBIDDEN = ("vllm", "sglang", "kvpack.vllm_plugin", "kvpack.sglang_plugin", "kv
 MAX_LINES = 600
 
 
-def _module_of(path: Path, core: Path) -> str:
+def _module_of(path: Path, folder: Path, package: str) -> str:
     """`common/tiers/disk.py` -> `kvpack.tiers.disk` (a package's `__init__.py` -> the package)."""
-    parts = list(path.relative_to(core).with_suffix("").parts)
+    parts = list(path.relative_to(folder).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(["kvpack", *parts])
+    return ".".join([package, *parts])
 
 
-def _imported(path: Path, core: Path = CORE) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) for every import in the file, at any depth."""
-    module = _module_of(path, core)
+def _imported(path: Path, folder: Path = CORE, top: str = "kvpack") -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) for every import in the file at any depth; `folder` is `top`'s source."""
+    module = _module_of(path, folder, top)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -54,8 +54,8 @@ def _imported(path: Path, core: Path = CORE) -> Iterator[tuple[int, str]]:
                 yield node.lineno, node.args[0].value
 
 
-def _is_forbidden(name: str) -> bool:
-    return any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN)
+def _is_forbidden(name: str, forbidden: tuple[str, ...] = FORBIDDEN) -> bool:
+    return any(name == bad or name.startswith(bad + ".") for bad in forbidden)
 
 
 def test_resolver_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
@@ -81,6 +81,18 @@ def test_core_imports_no_engine_adapter_or_tool() -> None:
                 offenders.setdefault(f"{path.relative_to(ROOT)}:{line}", name)
     listing = "\n".join(f"{where}: {name}" for where, name in offenders.items())
     assert not offenders, "the core (common/) must not import these:\n" + listing
+
+
+def test_adapters_import_no_tool() -> None:
+    # the shipped adapters are product too: bench, soak and demo are never on their import path
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for folder in ("vllm_plugin", "sglang_plugin")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, name in _imported(path, ROOT / folder, f"kvpack.{folder}")
+        if _is_forbidden(name, ("kvpack.tools",))
+    ]
+    assert not offenders, "an adapter imports an operator tool:\n" + "\n".join(dict.fromkeys(offenders))
 
 
 def test_no_module_over_600_lines() -> None:
