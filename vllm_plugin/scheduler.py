@@ -134,7 +134,7 @@ class SchedulerSide:
         if not cacheable(request):
             return None
         try:
-            return request_scope(request, self.config.tenant)
+            return request_scope(request, self.config, lambda _asked: self._count("untrusted_tenant"))
         except BadTenant as exc:
             if request.request_id not in self._bad_tenants_logged:
                 self._bad_tenants_logged.add(request.request_id)

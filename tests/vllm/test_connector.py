@@ -61,7 +61,7 @@ def stored(tiny_llama: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[
     """Engine 1: every prompt but Q and F once (misses, stored), T as tenant alice."""
     from kvpack.vllm_plugin.offline import drain
 
-    llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store_dir)}}))
+    llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store_dir)}, "trusted_tenants": ["alice", "bob"]}))
     try:
         out = {}
         for name in ("P", "C", "W", "D", "CT"):
@@ -75,7 +75,7 @@ def stored(tiny_llama: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[
 
 @pytest.fixture(scope="module")
 def engine2(tiny_llama: Path, store_dir: Path, stored: dict[str, Run]):  # type: ignore[no-untyped-def]
-    llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store_dir)}, "prefix_match_unit": UNIT}))
+    llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store_dir)}, "prefix_match_unit": UNIT, "trusted_tenants": ["alice", "bob"]}))
     yield llm
     close_llm(llm)
 

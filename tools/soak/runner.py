@@ -203,6 +203,8 @@ class Soak:
             "io_timeout_ms": cfg.io_timeout_ms,
             "write_queue_depth": cfg.write_queue_depth,
             "metrics_port": self.metrics_port,
+            # the soak's client is its own trusted front end: it names tenants (and sends bad names on purpose)
+            "trusted_tenants": ["*"],
             "memory": {"capacity": cfg.memory_capacity},
             "disk": {"path": str(self.disk_root), "capacity": cfg.disk_capacity},
         }
