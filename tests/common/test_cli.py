@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import chunk_id, make_item
+from fixtures.builders import chunk_id, make_item
 
 from kvpack.cli import BENCHES, RUNNERS, main
 from kvpack.config import EvictionPolicyName

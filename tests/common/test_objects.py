@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fixtures import builders
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,9 +59,9 @@ def test_read_budget_of_a_tail_is_the_largest_header() -> None:
 
 
 def _header(**kw: object) -> ObjectHeader:
-    base = dict(fingerprint=FP, tenant="t", chunk="c" * 64, member="kv", token_count=16, payload_len=4, checksum=payload_checksum(b"abcd"))
+    base = dict(fingerprint=FP, token_count=16, payload_len=4, checksum=payload_checksum(b"abcd"))
     base.update(kw)
-    return ObjectHeader(**base)  # type: ignore[arg-type]
+    return builders.header("t", "c" * 64, "kv", **base)  # type: ignore[arg-type]
 
 
 @given(st.data())

@@ -4,26 +4,47 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
+from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
+from fixtures.tiers import BrokenTier, SlowTier
 
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
 from kvpack.objects import Expectation, RejectReason
 from kvpack.store import tail_chunk
-from kvpack.tiers.base import PutItem, Tier, TierUsage
+from kvpack.tiers.base import PutItem
 
 KV = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
 DRAFT = MemberSpec("draft", MEMBER_FP, MemberRole.DRAFT)
 
 
-def make_store(tmp_path: Path, **overrides: object) -> KVStore:
-    data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "64MiB"}}
-    data.update(overrides)
-    return KVStore.from_config(KVPackConfig.from_dict(data))
+@pytest.fixture
+def keep() -> Iterator[Callable[[KVStore], KVStore]]:
+    """`keep(store)` returns `store` and closes it after the test, also when the test fails."""
+    opened: list[KVStore] = []
+
+    def register(store: KVStore) -> KVStore:
+        opened.append(store)
+        return store
+
+    yield register
+    for store in reversed(opened):
+        store.close()
+
+
+@pytest.fixture
+def make_store(keep: Callable[[KVStore], KVStore]) -> Callable[..., KVStore]:
+    """`make_store(tmp_path, **overrides)`: memory + disk under `tmp_path`, closed after the test."""
+
+    def make(tmp_path: Path, **overrides: object) -> KVStore:
+        data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "64MiB"}}
+        data.update(overrides)
+        return keep(KVStore.from_config(KVPackConfig.from_dict(data)))
+
+    return make
 
 
 def put_chunks(store: KVStore, tenant: str, n: int, members: Sequence[str] = ("kv",), start: int = 0) -> None:
@@ -32,7 +53,7 @@ def put_chunks(store: KVStore, tenant: str, n: int, members: Sequence[str] = ("k
     assert store.flush(10)
 
 
-def test_full_hit_needs_every_member(tmp_path: Path) -> None:
+def test_full_hit_needs_every_member(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     put_chunks(store, "t", 4, ("kv", "draft"))
     put_chunks(store, "t", 2, ("kv",), start=4)  # target only: draft missing for chunks 4, 5
@@ -45,7 +66,7 @@ def test_full_hit_needs_every_member(tmp_path: Path) -> None:
     assert store.metrics.value("full_hits") == 0  # a partial lookup is never counted as full
 
 
-def test_target_only_policy_reports_target_prefix_and_counts_partial(tmp_path: Path) -> None:
+def test_target_only_policy_reports_target_prefix_and_counts_partial(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path, draft_policy="target_only")
     put_chunks(store, "t", 2, ("kv", "draft"))
     put_chunks(store, "t", 2, ("kv",), start=2)
@@ -56,7 +77,7 @@ def test_target_only_policy_reports_target_prefix_and_counts_partial(tmp_path: P
     assert store.metrics.value("partial_hits", missing_member="draft") == 2
 
 
-def test_no_draft_member_means_no_extra_cost(tmp_path: Path) -> None:
+def test_no_draft_member_means_no_extra_cost(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     put_chunks(store, "t", 3)
     res = store.lookup("t", GROUP_FP, [chunk_id(i) for i in range(3)], [KV], 16)
@@ -65,7 +86,7 @@ def test_no_draft_member_means_no_extra_cost(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("tiers", [("memory",), ("disk",), ("memory", "disk")])
-def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...]) -> None:
+def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...], make_store: Callable[..., KVStore]) -> None:
     store = make_store(
         tmp_path, memory={"enabled": "memory" in tiers}, disk={"enabled": "disk" in tiers, "path": str(tmp_path / "d")}
     )
@@ -80,7 +101,7 @@ def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...]) ->
     assert not res[0].ok
 
 
-def test_load_read_through_and_promotion(tmp_path: Path) -> None:
+def test_load_read_through_and_promotion(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     item, payload = make_item("t", chunk_id(1), checksum=False)
     store.store([item])
@@ -93,7 +114,7 @@ def test_load_read_through_and_promotion(tmp_path: Path) -> None:
     assert store.metrics.value("loaded_bytes", tier="disk") == 1024
 
 
-def test_corrupt_disk_object_is_refused_and_counted(tmp_path: Path) -> None:
+def test_corrupt_disk_object_is_refused_and_counted(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path, memory={"enabled": False})
     item, _ = make_item("t", chunk_id(1), checksum=False)
     store.store([item])
@@ -114,7 +135,7 @@ def test_corrupt_disk_object_is_refused_and_counted(tmp_path: Path) -> None:
     assert store.load([LoadItem(item.key, memoryview(np.empty(1024, np.uint8)), expect(item))])[0].ok
 
 
-def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path) -> None:
+def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     parent = chunk_id(9)
     tail_tokens = tuple(range(100, 140))  # 40 computed tokens of a partial block
@@ -129,7 +150,7 @@ def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path) -> None:
     assert store.find_tail("t", GROUP_FP, chunk_id(8), query, [KV], 1) is None
 
 
-def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path) -> None:
+def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     chunk = tail_chunk(None)
     first, _ = make_item("t", chunk, token_ids=tuple(range(20)), token_count=20, checksum=False)
@@ -144,7 +165,7 @@ def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path) -> 
     assert res.status is TierStatus.REJECTED and res.reason is RejectReason.TOKENS
 
 
-def test_tail_needs_draft_member_under_recompute(tmp_path: Path) -> None:
+def test_tail_needs_draft_member_under_recompute(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     chunk = tail_chunk(None)
     store.store([make_item("t", chunk, "kv", token_ids=(1, 2, 3, 4), token_count=4, checksum=False)[0]])
@@ -155,47 +176,7 @@ def test_tail_needs_draft_member_under_recompute(tmp_path: Path) -> None:
     assert match is not None and match.members == ("kv", "draft")
 
 
-class SlowTier(Tier):
-    """A real disk tier behind an artificial delay: fault injection for back-pressure
-    (`delay_s` per put) and for a remote tier that answers lookups slowly
-    (`lookup_delay_s` per `contains` / `peek_headers`, `remote=True`)."""
-
-    name = "slow"
-
-    def __init__(
-        self, inner: Tier, delay_s: float, gate: threading.Event | None = None, lookup_delay_s: float = 0.0, remote: bool = False
-    ) -> None:
-        self.inner, self.delay_s, self.gate = inner, delay_s, gate
-        self.lookup_delay_s, self.remote = lookup_delay_s, remote
-        self.lookup_calls = 0
-
-    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
-        self.lookup_calls += 1
-        time.sleep(self.lookup_delay_s)
-        return self.inner.contains(keys)
-
-    def get_into(self, keys, dsts, expected, verify_checksum):  # type: ignore[no-untyped-def]
-        return self.inner.get_into(keys, dsts, expected, verify_checksum)
-
-    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        if self.gate is not None:
-            self.gate.wait(10)
-        time.sleep(self.delay_s)
-        return self.inner.put_from(items)
-
-    def peek_headers(self, keys):  # type: ignore[no-untyped-def]
-        self.lookup_calls += 1
-        time.sleep(self.lookup_delay_s)
-        return self.inner.peek_headers(keys)
-
-    def remove_groups(self, groups):  # type: ignore[no-untyped-def]
-        return self.inner.remove_groups(groups)
-
-    def usage(self) -> TierUsage:
-        return self.inner.usage()
-
-
-def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path) -> None:
+def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """A remote tier that answers every call just inside its own bound would still stall an
     engine step by the sum of its calls. Once the step's budget is spent, lookups skip it
     (fewer hits, counted, never a longer step); the next step asks it again. Local tiers
@@ -208,7 +189,7 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path) -> None:
 
     remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, lookup_delay_s=0.2, remote=True)
     memory = MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False)
-    store = KVStore(KVPackConfig(), [memory, remote])
+    store = keep(KVStore(KVPackConfig(), [memory, remote]))
     items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(4)]
     assert remote.inner.put_from(items[:3]) == [TierStatus.OK] * 3  # chunks 0-2 only remote
     assert memory.put_from(items[3:]) == [TierStatus.OK]  # chunk 3 only local
@@ -234,7 +215,7 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path) -> None:
     assert match is not None and match.tokens == 3
 
 
-def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path) -> None:
+def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """Tail lookups run on the engine's scheduler thread: all slots and members of a
     parent are peeked in one batched call per tier, not one call per slot and member."""
     from kvpack.config import EvictionPolicyName
@@ -242,7 +223,7 @@ def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path) -> None
     from kvpack.tiers.disk import DiskTier
 
     remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, remote=True)
-    store = KVStore(KVPackConfig(), [remote])
+    store = keep(KVStore(KVPackConfig(), [remote]))
     for slot, ids in enumerate([(1, 2, 3), (1, 2, 9, 9)]):
         for member in ("kv", "draft"):
             item, _ = make_item("t", tail_chunk(chunk_id(0), slot), member, checksum=False, token_ids=ids, token_count=len(ids))
@@ -255,7 +236,7 @@ def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path) -> None
     assert remote.lookup_calls == 2
 
 
-def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
+def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     from kvpack.config import EvictionPolicyName
     from kvpack.eviction import make_policy
     from kvpack.tiers.disk import DiskTier
@@ -264,7 +245,7 @@ def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path) -> No
     cfg = KVPackConfig.from_dict({"write_queue_depth": 4, "io_threads": 1})
     gate = threading.Event()
     slow = SlowTier(DiskTier(tmp_path, 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, gate)
-    store = KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), slow])
+    store = keep(KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), slow]))
     items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(20)]
     start = time.perf_counter()
     statuses = store.store(items)
@@ -277,26 +258,13 @@ def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path) -> No
     assert store.flush(10)
 
 
-class BrokenTier(SlowTier):
-    name = "broken"
-
-    def contains(self, keys):  # type: ignore[no-untyped-def]
-        raise OSError("device gone")
-
-    def get_into(self, keys, dsts, expected, verify_checksum):  # type: ignore[no-untyped-def]
-        raise OSError("device gone")
-
-    def put_from(self, items):  # type: ignore[no-untyped-def]
-        raise OSError("device gone")
-
-
-def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path) -> None:
+def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     from kvpack.config import EvictionPolicyName
     from kvpack.eviction import make_policy
     from kvpack.tiers.memory import MemoryTier
 
     cfg = KVPackConfig.from_dict({})
-    store = KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), BrokenTier(None, 0)])  # type: ignore[arg-type]
+    store = keep(KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), BrokenTier(None, 0)]))  # type: ignore[arg-type]
     item, payload = make_item("t", chunk_id(1), checksum=False)
     assert store.store([item]) == [TierStatus.OK]
     assert store.flush(5)
@@ -308,13 +276,13 @@ def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path) -> None:
     store.close()
 
 
-def test_closed_store_refuses_stores(tmp_path: Path) -> None:
+def test_closed_store_refuses_stores(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path)
     store.close()
     assert store.store([make_item("t", chunk_id(1))[0]]) == [TierStatus.UNAVAILABLE]
 
 
-def test_metrics_served_on_first_free_port(tmp_path: Path) -> None:
+def test_metrics_served_on_first_free_port(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     import socket
     import urllib.request
 
@@ -331,7 +299,7 @@ def test_metrics_served_on_first_free_port(tmp_path: Path) -> None:
     store.close()
 
 
-def test_regression_writeback_keeps_per_key_order(tmp_path: Path) -> None:
+def test_regression_writeback_keeps_per_key_order(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     # Found by test_tail_overwritten...: with several write-back threads, an older
     # store of a key could reach disk after a newer one and win.
     store = make_store(tmp_path, io_threads=4)
@@ -345,7 +313,7 @@ def test_regression_writeback_keeps_per_key_order(tmp_path: Path) -> None:
     assert np.array_equal(dst, versions[-1][1])
 
 
-def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path) -> None:
+def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     # Found by the demo and the soak: one tail per parent meant requests that share a
     # prefix overwrote each other's tail, and a repeated prompt lost its n-1 hit.
     store = make_store(tmp_path)
@@ -366,7 +334,7 @@ def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path
     assert not stored and chunk == store.find_tail("t", GROUP_FP, parent, list(tails[0]), [KV], 1).chunk  # type: ignore[union-attr]
 
 
-def test_evictions_are_counted_per_tenant(tmp_path: Path) -> None:
+def test_evictions_are_counted_per_tenant(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
     store = make_store(tmp_path, memory={"capacity": "4KiB"}, disk={"enabled": False})
     for i in range(6):  # 6 KiB into a 4 KiB tier, one store at a time: two groups must go
         put_chunks(store, "acme", 1, start=i)
@@ -375,11 +343,11 @@ def test_evictions_are_counted_per_tenant(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("memory", [True, False])
-def test_batches_on_two_copy_threads_store_and_load_bit_exact(tmp_path: Path, memory: bool) -> None:
+def test_batches_on_two_copy_threads_store_and_load_bit_exact(tmp_path: Path, memory: bool, keep: Callable[[KVStore], KVStore]) -> None:
     """A store built with copy_threads=2 (the SGLang backend's setting): one batch of
     multi-region objects big enough to be split, through memory+disk or disk alone."""
     data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "256MiB", "enabled": memory}}
-    store = KVStore.from_config(KVPackConfig.from_dict(data), copy_threads=2)
+    store = keep(KVStore.from_config(KVPackConfig.from_dict(data), copy_threads=2))
     made = [make_item("t", chunk_id(i), seed=i, nbytes=1 << 20, checksum=False) for i in range(10)]
     items = [PutItem(it.key, it.header, (memoryview(p[:1000]), memoryview(p[1000:]))) for it, p in made]
     assert store.store(items) == [TierStatus.OK] * 10

@@ -4,9 +4,10 @@ tenant B never see an entry only tenant A stored, on any tier."""
 from __future__ import annotations
 
 import tempfile
+from contextlib import closing
 
 import numpy as np
-from helpers import GROUP_FP, MEMBER_FP, chunk_id, make_item
+from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,8 +25,8 @@ KV = MemberSpec("kv", MEMBER_FP)
     capacity=st.sampled_from(["4KiB", "64MiB"]),
 )
 def test_lookups_only_see_own_entries(writes: list[tuple[str, int]], tiers: tuple[str, ...], capacity: str) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        store = KVStore.from_config(
+    with tempfile.TemporaryDirectory() as d, closing(
+        KVStore.from_config(
             KVPackConfig.from_dict(
                 {
                     "memory": {"enabled": "memory" in tiers, "capacity": capacity},
@@ -33,6 +34,7 @@ def test_lookups_only_see_own_entries(writes: list[tuple[str, int]], tiers: tupl
                 }
             )
         )
+    ) as store:
         written: dict[str, set[int]] = {t: set() for t in TENANTS}
         for tenant, i in writes:
             item, _ = make_item(tenant, chunk_id(i), seed=i, checksum=False)
@@ -51,4 +53,3 @@ def test_lookups_only_see_own_entries(writes: list[tuple[str, int]], tiers: tupl
                 if res.ok:
                     assert i in written[tenant]
                     assert res.header is not None and res.header.tenant == tenant
-        store.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import chunk_id, expect, make_item
+from fixtures.builders import chunk_id, expect, make_item
 
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy

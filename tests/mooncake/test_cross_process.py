@@ -14,17 +14,17 @@ from fixtures.mooncake import client_env
 
 pytestmark = pytest.mark.mooncake
 
-HERE = Path(__file__).parent
+TESTS = Path(__file__).parent.parent
 
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    sys.path.insert(0, {here!r})
+    sys.path.insert(0, {tests!r})
     import numpy as np
     from kvpack.config import KVPackConfig
     from kvpack.store import KVStore, LoadItem
     from kvpack.tiers.base import TierStatus
-    from mooncake_helpers import expect, item, key, payload
+    from fixtures.builders import expect_key, item, key, payload
 
     cfg = KVPackConfig.from_dict(json.loads(sys.argv[2]))
     store = KVStore.from_config(cfg)
@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
         assert store.metrics.value("stored_objects", tier="mooncake") == len(keys), store.metrics.snapshot()
     else:
         dsts = [np.zeros_like(d) for d in datas]
-        res = store.load([LoadItem(k, memoryview(x), expect(k)) for k, x in zip(keys, dsts)])
+        res = store.load([LoadItem(k, memoryview(x), expect_key(k)) for k, x in zip(keys, dsts)])
         assert all(r.ok for r in res), [(r.status, r.reason, r.detail) for r in res]
         assert all(np.array_equal(a, b) for a, b in zip(dsts, datas)), "payload differs"
         assert store.metrics.value("loaded_bytes", tier="mooncake") == sum(d.nbytes for d in datas)
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
 
 def _run(phase: str, cfg: dict, tmp_path: Path) -> str:  # type: ignore[type-arg]
     script = tmp_path / "xp.py"
-    script.write_text(SCRIPT.format(here=str(HERE)))
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
     proc = subprocess.run(
         [sys.executable, str(script), phase, json.dumps(cfg)],
         capture_output=True,
@@ -74,7 +74,7 @@ def test_store_in_one_process_load_in_another(mooncake_cluster, tmp_path: Path) 
 def test_second_process_sees_nothing_after_removal(mooncake_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The load phase really reads the cluster: with the objects gone it fails."""
     from kvpack.tiers.mooncake import MooncakeTier
-    from mooncake_helpers import key
+    from fixtures.builders import key
 
     cfg = mooncake_cluster.kvpack_config().to_dict()
     _run("store", cfg, tmp_path)

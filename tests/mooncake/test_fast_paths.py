@@ -11,7 +11,7 @@ from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.mooncake import MooncakeTier
 from kvpack.tiers.mooncake.puts import DIRECT_MIN_BYTES
 
-from mooncake_helpers import FP, TOKENS, expect, item, key, payload
+from fixtures.builders import MEMBER_FP, TOKENS, expect_key, header, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
@@ -31,19 +31,19 @@ def _staged(h: ObjectHeader, body: bytes) -> memoryview:
 def test_fast_header_check_accepts_exactly_what_the_full_decode_accepts() -> None:
     k = key("fast-1")
     body = bytes(range(64))
-    h = ObjectHeader(FP, k.tenant, k.chunk, k.member, TOKENS, len(body), 1234)
+    h = header(k.tenant, k.chunk, k.member, payload_len=len(body), checksum=1234)
     raw = _staged(h, body)
-    hit = HeaderFastPath().check(raw, raw.nbytes, expect(k, payload_len=len(body)))
+    hit = HeaderFastPath().check(raw, raw.nbytes, expect_key(k, payload_len=len(body)))
     assert hit is not None and hit[0] == decode_header(raw) and hit[1] == len(h.encode())
     # Anything that differs falls back to the full decode (None), which names the reason.
-    for exp in (expect(key("fast-2"), payload_len=64), expect(k, payload_len=63), expect(k, token_count=TOKENS + 1, payload_len=64),
-                expect(k, payload_len=64, token_ids_prefix=(1,)), expect(k, token_count=None, payload_len=64)):
+    for exp in (expect_key(key("fast-2"), payload_len=64), expect_key(k, payload_len=63), expect_key(k, token_count=TOKENS + 1, payload_len=64),
+                expect_key(k, payload_len=64, token_ids_prefix=(1,)), expect_key(k, token_count=None, payload_len=64)):
         assert HeaderFastPath().check(raw, raw.nbytes, exp) is None
-    assert HeaderFastPath().check(raw, raw.nbytes - 1, expect(k, payload_len=64)) is None
+    assert HeaderFastPath().check(raw, raw.nbytes - 1, expect_key(k, payload_len=64)) is None
     damaged = np.frombuffer(raw, dtype=np.uint8).copy()
     damaged[30] ^= 1  # inside the checksum field: only the header's own xxh32 can tell
-    assert HeaderFastPath().check(memoryview(damaged), raw.nbytes, expect(k, payload_len=64)) is None
-    upper = expect(k, payload_len=64).__class__(FP.upper(), k.tenant, k.chunk, k.member, TOKENS, 64)
+    assert HeaderFastPath().check(memoryview(damaged), raw.nbytes, expect_key(k, payload_len=64)) is None
+    upper = expect_key(k, payload_len=64).__class__(MEMBER_FP.upper(), k.tenant, k.chunk, k.member, TOKENS, 64)
     assert HeaderFastPath().check(raw, raw.nbytes, upper) is None
 
 
@@ -59,7 +59,7 @@ def test_direct_multi_region_put_round_trip(tier: MooncakeTier) -> None:
     assert tier.put_from(items) == [TierStatus.OK] * 3
     dsts = [np.zeros(2 * n, dtype=np.uint8) for _ in keys]
     parts = [(memoryview(d[: n // 2]), memoryview(d[n // 2 :])) for d in dsts]
-    res = tier.get_into(keys, parts, [expect(k, payload_len=2 * n) for k in keys], True)
+    res = tier.get_into(keys, parts, [expect_key(k, payload_len=2 * n) for k in keys], True)
     assert all(r.ok for r in res), res
     assert all(np.array_equal(a, b) for a, b in zip(dsts, datas))
 
@@ -71,7 +71,7 @@ def test_mixed_batch_over_many_steps(tier: MooncakeTier) -> None:
     datas = [payload(2000 + i, s) for i, s in enumerate(sizes)]
     assert tier.put_from([item(k, d) for k, d in zip(keys, datas)]) == [TierStatus.OK] * len(keys)
     dsts = [np.zeros(s, dtype=np.uint8) for s in sizes]
-    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect(k, payload_len=s) for k, s in zip(keys, sizes)], True)
+    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k, payload_len=s) for k, s in zip(keys, sizes)], True)
     assert all(r.ok for r in res)
     assert all(np.array_equal(a, b) for a, b in zip(dsts, datas))
 

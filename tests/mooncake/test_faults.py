@@ -14,7 +14,7 @@ from kvpack.tiers.mooncake import MooncakeTier, TierState
 from kvpack.tiers.mooncake import BreakerState
 from kvpack.tiers.mooncake.runner import Job
 
-from mooncake_helpers import expect, item, key, payload
+from fixtures.builders import expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
@@ -60,7 +60,7 @@ def test_master_killed_mid_run_then_restarted(mooncake_cluster_factory) -> None:
             i += 1
             try:
                 _, d1 = _timed(lambda: tier.contains(keys))
-                res, d2 = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect(keys[0])], True))
+                res, d2 = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect_key(keys[0])], True))
                 st, d3 = _timed(lambda: tier.put_from([item(key(f"loop-{i}"), data)]))
                 durations.extend([d1, d2, d3])
                 statuses.extend([res[0].status, st[0]])
@@ -82,7 +82,7 @@ def test_master_killed_mid_run_then_restarted(mooncake_cluster_factory) -> None:
     assert set(statuses) & {TierStatus.UNAVAILABLE, TierStatus.TIMEOUT}
     # While down: answers are immediate and named, never data.
     dst = np.full(data.nbytes, 0xEE, dtype=np.uint8)
-    (res,), took = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect(keys[0])], True))
+    (res,), took = _timed(lambda: tier.get_into(keys[:1], [memoryview(dst)], [expect_key(keys[0])], True))
     assert res.status in (TierStatus.UNAVAILABLE, TierStatus.TIMEOUT) and took <= BOUND_S
     assert (dst == 0xEE).all()
 
@@ -91,7 +91,7 @@ def test_master_killed_mid_run_then_restarted(mooncake_cluster_factory) -> None:
     fresh = [key(f"after-{i}") for i in range(3)]
     assert _wait(lambda: tier.put_from([item(k, data) for k in fresh]) == [TierStatus.OK] * 3, 10)
     dsts = [np.zeros(data.nbytes, dtype=np.uint8) for _ in fresh]
-    res = tier.get_into(fresh, [memoryview(d) for d in dsts], [expect(k) for k in fresh], True)
+    res = tier.get_into(fresh, [memoryview(d) for d in dsts], [expect_key(k) for k in fresh], True)
     assert all(r.ok for r in res) and all(np.array_equal(d, data) for d in dsts)
     _, took = _timed(tier.close)
     assert took < 10
@@ -108,7 +108,7 @@ def test_holder_killed_loads_fail_cleanly(mooncake_cluster_factory) -> None:  # 
         cluster.kill_holder()
         for _ in range(3):
             dsts = [np.full(d.nbytes, 0xEE, dtype=np.uint8) for d in datas]
-            res, took = _timed(lambda: tier.get_into(keys, [memoryview(d) for d in dsts], [expect(k) for k in keys], True))
+            res, took = _timed(lambda: tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k) for k in keys], True))
             assert took <= BOUND_S
             assert all(not r.ok for r in res), [r.status for r in res]
             assert {r.status for r in res} <= {TierStatus.ERROR, TierStatus.MISS, TierStatus.UNAVAILABLE, TierStatus.TIMEOUT}
@@ -203,7 +203,7 @@ def test_full_store_reports_no_space_counted(mooncake_cluster_factory) -> None: 
 
 
 def test_corrupted_object_through_kvstore_is_rejected_and_counted(mooncake_cluster) -> None:  # type: ignore[no-untyped-def]
-    from mooncake_helpers import raw_client, raw_put
+    from fixtures.mooncake import raw_client, raw_put
 
     k = key("kvstore-corrupt")
     data = payload(6, 4096)
@@ -218,7 +218,7 @@ def test_corrupted_object_through_kvstore_is_rejected_and_counted(mooncake_clust
     try:
         assert store.tiers[0].wait_ready(15)  # type: ignore[attr-defined]
         dst = np.zeros(4096, dtype=np.uint8)
-        (res,) = store.load([LoadItem(k, memoryview(dst), expect(k))])
+        (res,) = store.load([LoadItem(k, memoryview(dst), expect_key(k))])
         assert res.status is TierStatus.REJECTED
         assert store.metrics.value("rejected_objects", tier="mooncake", reason="checksum") == 1
     finally:

@@ -14,18 +14,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpack import KVStore, LoadItem, MemberRole, MemberSpec, StoreKey
-from kvpack.objects import Expectation
+from kvpack import KVStore, LoadItem, MemberRole, MemberSpec
 from kvpack.store import tail_chunk
 from kvpack.tiers.base import TierStatus
 
-from mooncake_helpers import FP, item, payload
+from fixtures.builders import GROUP_FP, MEMBER_FP, expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
 BLOCK_TOKENS = 128
 BLOCK_BYTES = 128 << 10
-KV = MemberSpec("kv", FP, MemberRole.TARGET)
+KV = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +37,7 @@ def test_regression_tail_from_mooncake_is_read_in_one_call(mooncake_cluster, cap
     chunk = tail_chunk(parent)
     ids = tuple(range(1000, 1000 + stored))
     data = payload(77 + stored + used, BLOCK_BYTES)
-    k = StoreKey("default", FP, chunk, "kv")
+    k = key(chunk)
     writer = KVStore.from_config(mooncake_cluster.kvpack_config())
     try:
         assert writer.tiers[0].wait_ready(15)
@@ -51,11 +50,11 @@ def test_regression_tail_from_mooncake_is_read_in_one_call(mooncake_cluster, cap
     try:
         assert reader.tiers[0].wait_ready(15)
         prompt = list(ids[:used]) + [7] * (stored - used)  # shares `used` tokens with the stored tail
-        match = reader.find_tail("default", FP, parent, prompt, [KV], match_unit=1)
+        match = reader.find_tail("default", GROUP_FP, parent, prompt, [KV], match_unit=1)
         assert match is not None and match.tokens == used and match.stored_tokens == stored
         capfd.readouterr()
         # What the vLLM worker asks for: any token count, the reused prefix of the tail's ids.
-        exp = Expectation(FP, "default", chunk, "kv", None, data.nbytes, token_ids_prefix=match.token_ids[:used])
+        exp = expect_key(k, None, payload_len=data.nbytes, token_ids_prefix=match.token_ids[:used])
         dst = np.zeros_like(data)
         res = reader.load([LoadItem(k, memoryview(dst), exp)])[0]
         assert res.ok, (res.status, res.reason, res.detail)

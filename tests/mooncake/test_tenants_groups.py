@@ -10,7 +10,7 @@ import pytest
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
 
-from mooncake_helpers import expect, item, key, payload
+from fixtures.builders import expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
@@ -32,10 +32,10 @@ def test_tenant_entries_are_invisible_to_other_tenants(mooncake_cluster_mt) -> N
         assert a.put_from([item(k, da)]) == [TierStatus.OK]
         assert b.contains([k]) == [False]
         dst = np.zeros(4096, dtype=np.uint8)
-        assert b.get_into([k], [memoryview(dst)], [expect(k)], True)[0].status is TierStatus.MISS
+        assert b.get_into([k], [memoryview(dst)], [expect_key(k)], True)[0].status is TierStatus.MISS
         assert b.put_from([item(k, db)]) == [TierStatus.OK]
-        assert a.get_into([k], [memoryview(dst)], [expect(k)], True)[0].ok and np.array_equal(dst, da)
-        assert b.get_into([k], [memoryview(dst)], [expect(k)], True)[0].ok and np.array_equal(dst, db)
+        assert a.get_into([k], [memoryview(dst)], [expect_key(k)], True)[0].ok and np.array_equal(dst, da)
+        assert b.get_into([k], [memoryview(dst)], [expect_key(k)], True)[0].ok and np.array_equal(dst, db)
         assert a.remove_groups([k.group]) == 1
         assert b.contains([k]) == [True]
     finally:

@@ -9,7 +9,8 @@ from kvpack.objects import RejectReason
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
 
-from mooncake_helpers import FP, expect, item, key, payload, raw_client, raw_put
+from fixtures.builders import GROUP_FP, expect_key, item, key, payload
+from fixtures.mooncake import raw_client, raw_put
 
 pytestmark = pytest.mark.mooncake
 
@@ -36,7 +37,7 @@ def test_round_trip_bit_exact(tier: MooncakeTier, nbytes: int) -> None:
     assert tier.put_from([item(k, d) for k, d in zip(keys, datas)]) == [TierStatus.OK] * 3
     assert tier.contains(keys + [key("never-stored")]) == [True, True, True, False]
     dsts = [np.full(nbytes, 0xEE, dtype=np.uint8) for _ in keys]
-    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect(k, payload_len=nbytes) for k in keys], True)
+    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k, payload_len=nbytes) for k in keys], True)
     assert [r.status for r in res] == [TierStatus.OK] * 3
     for got, want in zip(dsts, datas):
         assert np.array_equal(got, want)
@@ -48,14 +49,14 @@ def test_batch_larger_than_one_step(tier: MooncakeTier) -> None:
     datas = [payload(100 + i, 4 << 20) for i in range(10)]
     assert tier.put_from([item(k, d) for k, d in zip(keys, datas)]) == [TierStatus.OK] * 10
     dsts = [np.zeros(4 << 20, dtype=np.uint8) for _ in keys]
-    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect(k) for k in keys], False)
+    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k) for k in keys], False)
     assert all(r.ok for r in res), [r.status for r in res]
     assert all(np.array_equal(a, b) for a, b in zip(dsts, datas))
 
 
 def test_miss_is_miss_not_empty_data(tier: MooncakeTier) -> None:
     dst = np.full(64, 0xEE, dtype=np.uint8)
-    (res,) = tier.get_into([key("absent")], [memoryview(dst)], [expect(key("absent"))], True)
+    (res,) = tier.get_into([key("absent")], [memoryview(dst)], [expect_key(key("absent"))], True)
     assert res.status is TierStatus.MISS
     assert (dst == 0xEE).all()
 
@@ -63,14 +64,14 @@ def test_miss_is_miss_not_empty_data(tier: MooncakeTier) -> None:
 def test_wrong_destination_size_is_rejected(tier: MooncakeTier) -> None:
     k = key("size")
     tier.put_from([item(k, payload(1, 1000))])
-    (res,) = tier.get_into([k], [memoryview(np.zeros(999, dtype=np.uint8))], [expect(k)], True)
+    (res,) = tier.get_into([k], [memoryview(np.zeros(999, dtype=np.uint8))], [expect_key(k)], True)
     assert (res.status, res.reason) == (TierStatus.REJECTED, RejectReason.LENGTH)
 
 
 def test_expectation_mismatch_is_rejected(tier: MooncakeTier) -> None:
     k = key("tokens")
     tier.put_from([item(k, payload(2, 256))])
-    (res,) = tier.get_into([k], [memoryview(np.zeros(256, dtype=np.uint8))], [expect(k, token_count=TOKENS_OTHER)], True)
+    (res,) = tier.get_into([k], [memoryview(np.zeros(256, dtype=np.uint8))], [expect_key(k, token_count=TOKENS_OTHER)], True)
     assert (res.status, res.reason) == (TierStatus.REJECTED, RejectReason.TOKEN_COUNT)
 
 
@@ -106,12 +107,12 @@ def test_corrupted_object_is_rejected_then_overwritten(tier: MooncakeTier, raw, 
         blob = b"\x00"
     assert raw_put(raw, k.as_str(), blob) == 0
     dst = np.zeros(8192, dtype=np.uint8)
-    (res,) = tier.get_into([k], [memoryview(dst)], [expect(k)], True)
+    (res,) = tier.get_into([k], [memoryview(dst)], [expect_key(k)], True)
     assert res.status is TierStatus.REJECTED
     assert res.reason is reason
     # A put of the same key now overwrites the refused object (upsert), and it loads.
     assert tier.put_from([item(k, data)]) == [TierStatus.OK]
-    (res,) = tier.get_into([k], [memoryview(dst)], [expect(k)], True)
+    (res,) = tier.get_into([k], [memoryview(dst)], [expect_key(k)], True)
     assert res.ok and np.array_equal(dst, data)
 
 
@@ -122,8 +123,8 @@ def test_checksum_is_skipped_only_when_not_asked(tier: MooncakeTier, raw) -> Non
     bad[-1] ^= 1
     raw_put(raw, k.as_str(), bytes(bad))
     dst = np.zeros(4096, dtype=np.uint8)
-    assert tier.get_into([k], [memoryview(dst)], [expect(k)], True)[0].reason is RejectReason.CHECKSUM
-    assert tier.get_into([k], [memoryview(dst)], [expect(k)], False)[0].ok  # headers only, as asked
+    assert tier.get_into([k], [memoryview(dst)], [expect_key(k)], True)[0].reason is RejectReason.CHECKSUM
+    assert tier.get_into([k], [memoryview(dst)], [expect_key(k)], False)[0].ok  # headers only, as asked
 
 
 def test_tail_objects_are_overwritten(tier: MooncakeTier) -> None:
@@ -135,7 +136,7 @@ def test_tail_objects_are_overwritten(tier: MooncakeTier) -> None:
     (header,) = tier.peek_headers([k])
     assert header is not None and header.token_ids == tuple(range(100, 170))
     dst = np.zeros(2048, dtype=np.uint8)
-    (res,) = tier.get_into([k], [memoryview(dst)], [expect(k, token_count=None, token_ids_prefix=tuple(range(100, 170)))], True)
+    (res,) = tier.get_into([k], [memoryview(dst)], [expect_key(k, token_count=None, token_ids_prefix=tuple(range(100, 170)))], True)
     assert res.ok and np.array_equal(dst, second)
 
 
@@ -152,7 +153,7 @@ def test_peek_long_header(tier: MooncakeTier) -> None:
 def test_remove_groups_removes_every_member(tier: MooncakeTier) -> None:
     a, b, c = key("rm", "kv"), key("rm", "draft"), key("rm2", "kv")
     tier.put_from([item(x, payload(13, 100)) for x in (a, b, c)])
-    tier.get_into([a], [memoryview(np.zeros(100, dtype=np.uint8))], [expect(a)], False)  # leases it
+    tier.get_into([a], [memoryview(np.zeros(100, dtype=np.uint8))], [expect_key(a)], False)  # leases it
     assert tier.remove_groups([a.group]) == 2
     assert tier.contains([a, b, c]) == [False, False, True]
 
@@ -160,4 +161,4 @@ def test_remove_groups_removes_every_member(tier: MooncakeTier) -> None:
 def test_state_and_usage(tier: MooncakeTier) -> None:
     assert tier.state == TierState.READY and tier.available
     assert tier.usage().capacity_bytes == 0  # a pure client contributes no segment
-    assert FP in key("x").as_str()
+    assert GROUP_FP in key("x").as_str()
