@@ -54,13 +54,22 @@ from typing import TYPE_CHECKING, Any
 from kvpack.budget import WaitBudget
 from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage, tail_usable
-from kvpack.keys import ChunkHash, chunk_hashes
+from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
 from kvpack.store import KVStore, build_tiers
 from kvpack.tiers.base import Tier
 
 from .captures import CaptureTracker
 from .index import ReportedMemoryIndex
-from .metadata import NO_BLOCK, NULL_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob, block_at
+from .metadata import (
+    NO_BLOCK,
+    NULL_BLOCK,
+    BlockRef,
+    KVPackConnectorMetadata,
+    KVPackWorkerMetadata,
+    StoredObject,
+    TransferJob,
+    block_at,
+)
 from .settings import BadTenant, RequestScope, Scope, cacheable, request_scope
 
 if TYPE_CHECKING:
@@ -247,11 +256,30 @@ class SchedulerSide:
         if scheduler_output is not None and self._captures:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
+                self._expect_in_memory(job)
                 self._count("save_blocks", len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
         return meta
+
+    def _expect_in_memory(self, job: TransferJob) -> None:
+        """Count what `job` saves as in the workers' memory now, not when their report comes
+        (the same step's saves land before any later load: `WorkerSide` orders them). A
+        save that fails costs a counted load miss and a recompute, never a wrong load."""
+        if not self.config.memory.enabled:
+            return
+        expected = []
+        for ref in job.blocks:
+            for g, block in enumerate(ref.block_ids):
+                if block == NO_BLOCK:
+                    continue
+                members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
+                expected += [
+                    StoredObject(StoreKey(job.tenant, self.scope.fingerprint, ref.chunk, m).as_str(), ref.token_count, 0, ref.token_ids)
+                    for m in members
+                ]
+        self.index.apply(expected, ())
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]

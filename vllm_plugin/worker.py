@@ -55,7 +55,7 @@ from kvpack.layout import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader
 from kvpack.ops import region_copier
 from kvpack.store import KVStore, LoadItem
-from kvpack.tiers.base import PutItem
+from kvpack.tiers.base import PutItem, TierStatus
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
@@ -106,6 +106,8 @@ class _Slot:
 class _LoadTask:
     job: TransferJob
     started: float
+    after_saves: int = 0
+    """Saves queued before this load (a load may read what they store: it waits for them)."""
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed_blocks: set[int] = field(default_factory=set)
@@ -152,6 +154,9 @@ class WorkerSide:
         self._stats: dict[str, float] = {}
         self._idle_step = False
         self._step_loads: list[_LoadTask] = []
+        self._saves_cv = threading.Condition()
+        self._saves_queued = 0
+        self._saves_done = 0
         self._load_q: queue.Queue[_LoadTask | None] = queue.Queue()
         self._save_q: queue.Queue[tuple[TransferJob, list[PutItem] | None] | None] = queue.Queue()
         self._threads = [
@@ -280,7 +285,7 @@ class WorkerSide:
         if not self.slots:
             return
         for job in meta.loads:
-            task = _LoadTask(job, time.monotonic())
+            task = _LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
             with self._lock:
                 self._loads[job.req_id] = task
             self._step_loads.append(task)
@@ -293,6 +298,8 @@ class WorkerSide:
         if not self.slots:
             return
         for job in meta.saves:
+            with self._saves_cv:
+                self._saves_queued += 1
             if job.capture:
                 try:
                     self._save_q.put((job, self._gather(job)))
@@ -396,7 +403,21 @@ class WorkerSide:
             ),
         )
 
+    def _wait_for_earlier_saves(self, task: _LoadTask) -> None:
+        """Wait (within the load's `io_timeout_ms`) until the saves queued before this load
+        reached the store: the scheduler counts a chunk as stored once it asked a worker
+        to save it, so a request can hit a prefix another request computed a step ago."""
+        deadline = task.started + self.config.io_timeout_ms / 1000.0
+        with self._saves_cv:
+            while self._saves_done < task.after_saves:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._count("load_waits_for_saves_timed_out")
+                    return
+                self._saves_cv.wait(left)
+
     def _run_load(self, task: _LoadTask) -> None:
+        self._wait_for_earlier_saves(task)
         job = task.job
         n = len(job.blocks)
         restore_draft = keep_draft_on_load()
@@ -425,6 +446,9 @@ class WorkerSide:
                 pos += 1
         ok = [i for i in range(n) if good[i]]
         failed = {b for i in range(n) if not good[i] for b in job.blocks[i].blocks}
+        gone = sum(1 for r in results if r.status is TierStatus.MISS)
+        if gone:  # the scheduler's lookup found these: evicted (or never landed) before the load
+            self._count("missing_at_load", gone)
         with self._lock:
             if task.cancelled:
                 return
@@ -461,6 +485,9 @@ class WorkerSide:
                 if not job.capture:
                     with self._lock:
                         self._done_sending.add(job.req_id)
+                with self._saves_cv:
+                    self._saves_done += 1
+                    self._saves_cv.notify_all()
                 self._save_q.task_done()
 
     def _scatter(

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_helpers import prompt
+from vllm_helpers import LOGPROB_TOL, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -26,17 +26,15 @@ COLD = prompt(42, 301)
 
 CHILD = r"""
 import json, sys
-from vllm_helpers import close_llm, kv_config, make_llm, run
-from kvpack.vllm_plugin.offline import drain
+from vllm_helpers import kv_config, make_llm, run
 spec = json.loads(sys.argv[1])
 llm = make_llm(spec["model"], kv_config(spec["extra"]))
 out = {}
 for name, ids in spec["prompts"].items():
     r = run(llm, ids)
     out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
-out["drained"] = drain(llm)
-close_llm(llm)
 print("RESULT " + json.dumps(out), flush=True)
+# the script simply ends, as a user's does: kvpack writes what it accepted before exit
 """
 
 
@@ -62,9 +60,9 @@ def test_second_engine_hits_the_first_engines_mooncake_entries(mooncake_cluster,
     }
     extra = {"memory": {"enabled": False}, "disk": {"enabled": False}, "mooncake": mc}
     first = _engine(tiny_llama, extra, {"P": P}, tmp_path / "engine1.log")
-    assert first["P"]["cached"] == 0 and first["drained"]
+    assert first["P"]["cached"] == 0
     second = _engine(tiny_llama, extra, {"P": P, "COLD": COLD}, tmp_path / "engine2.log")
     assert second["P"]["cached"] == len(P) - 1  # 2 blocks + 44 of the 45-token tail, from Mooncake
     assert second["P"]["tokens"] == first["P"]["tokens"]
-    assert all(abs(a - b) <= 1e-3 for a, b in zip(second["P"]["logprobs"], first["P"]["logprobs"]))
+    assert all(abs(a - b) <= LOGPROB_TOL for a, b in zip(second["P"]["logprobs"], first["P"]["logprobs"]))
     assert second["COLD"]["cached"] == 0  # negative control
