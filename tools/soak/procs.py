@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpack.tiers.mooncake import mooncake_binaries
+from kvpack.tools.local_mooncake import mooncake_binaries
 
 HOST = "127.0.0.1"
 

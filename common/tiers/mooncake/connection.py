@@ -61,22 +61,6 @@ def load_mooncake() -> tuple[type, type]:
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def mooncake_binaries() -> tuple[str, str] | None:
-    """Paths of (mooncake_master, mooncake_client) shipped in the installed
-    Mooncake package, or None (used to start a local cluster: tests, soak, examples)."""
-    try:
-        import mooncake  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    from pathlib import Path
-
-    pkg = Path(mooncake.__file__).parent
-    master, client = pkg / "mooncake_master", pkg / "mooncake_client"
-    if not (master.is_file() and client.is_file()):
-        return None
-    return str(master), str(client)
-
-
 def supports_tenants(store_cls: type) -> bool:
     """Whether ``setup`` of this Mooncake build accepts ``tenant_id``."""
     doc = getattr(getattr(store_cls, "setup", None), "__doc__", None) or ""
