@@ -41,6 +41,7 @@ from .eviction import make_policy
 from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
+from .integrity import IntegrityKey, check_loaded, seal_items
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
@@ -166,7 +167,10 @@ class KVStore:
         self.read_only = read_only
         self.write_back = write_back and not read_only
         self.tiers = tuple(tiers)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics.for_config(config)
+        ikey = config.integrity_key_bytes()
+        self._integrity = IntegrityKey(ikey) if ikey else None
+        """Opt-in keyed MAC (`kvpack.integrity`): seals every store to a lower tier, checks every load."""
         from .tiers.memory import MemoryTier
 
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
@@ -212,9 +216,11 @@ class KVStore:
         *,
         copy_threads: int = 1,
         region_copier: Callable[[], RegionCopier | None] | None = None,
+        write_back: bool = True,
     ) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
-        return cls(config, build_tiers(config, copy_threads=copy_threads, region_copier=region_copier), metrics)
+        tiers = build_tiers(config, copy_threads=copy_threads, region_copier=region_copier)
+        return cls(config, tiers, metrics, write_back=write_back)
 
     def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
         """Call `listener(tier_name, group, nbytes)` for every group a bounded tier
@@ -535,9 +541,13 @@ class KVStore:
     def _safe_get(self, tier: Tier, items: Sequence[LoadItem]) -> list[GetResult]:
         try:
             verify = self._verify(tier)
-            out = tier.get_into([i.key for i in items], [i.dst for i in items], [i.expected for i in items], verify)
+            keyed = self._integrity is not None  # the MAC replaces the tier's own xxh3 check
+            dsts = [i.dst for i in items]
+            out = tier.get_into([i.key for i in items], dsts, [i.expected for i in items], verify and not keyed)
             if len(out) != len(items):
                 raise RuntimeError(f"{tier.name}.get_into returned {len(out)} results for {len(items)}")
+            if self._integrity is not None:
+                out = check_loaded(self._integrity, dsts, out, tier is not self._memory, verify)
             return out
         except Exception as exc:
             log.warning("kvpack: %s.get_into failed: %s", tier.name, exc)
@@ -620,6 +630,8 @@ class KVStore:
         several it is computed once here and shared."""
         if not items:
             return []
+        if self._integrity is not None:
+            items = seal_items(self._integrity, items)
         if len(tiers) > 1:
             items = [
                 replace(it, header=replace(it.header, checksum=payload_checksum(it.payload))) if it.header.checksum is None else it

@@ -104,8 +104,11 @@ class KVPackStorage(HiCacheStorage):
         load_extension()
         # SGLang's CPU attention may use AMX tiles first in a short step over restored pages
         request_amx_permission()
+        # write-through: SGLang calls batch_set from its own backup thread (never its forward
+        # path) and takes True as stored, and at shutdown it SIGKILLs the scheduler process
+        # (kill_process_tree), so nothing may be left queued once True is returned
         self.store = KVStore.from_config(
-            self.config, copy_threads=max(1, self.config.io_threads), region_copier=region_copier
+            self.config, copy_threads=max(1, self.config.io_threads), region_copier=region_copier, write_back=False
         )
         self.metrics = self.store.metrics
         self.mem_pool_host: Any = None
