@@ -9,6 +9,12 @@ hooks.
 Every silent failure this project exists to stop has a counter here:
 partial hits by missing member, rejected objects by reason, stores dropped by
 reason, tier errors by status, and evictions by tenant.
+
+Label sets are bounded: the ``tenant`` label takes the tenants named in the
+config plus the first `max_tenants` other tenants seen; every later tenant is
+counted as `OTHER_TENANT` (20,000 ``cache_salt`` values must not become
+20,000 series). A tenant keeps the label it was first given, so every series
+stays monotonic.
 """
 
 from __future__ import annotations
@@ -16,10 +22,18 @@ from __future__ import annotations
 import enum
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from .config import KVPackConfig
+
+OTHER_TENANT = "other"
+"""The ``tenant`` label of every tenant beyond `Metrics.max_tenants`."""
+DEFAULT_MAX_TENANTS = 64
 
 
 class Kind(enum.Enum):
@@ -64,7 +78,13 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     """Thread-safe counters/histograms named in `SPECS` (prefix ``kvpack_``)."""
 
-    def __init__(self, namespace: str = "kvpack") -> None:
+    def __init__(
+        self, namespace: str = "kvpack", max_tenants: int = DEFAULT_MAX_TENANTS, named_tenants: Iterable[str] = ()
+    ) -> None:
+        """`max_tenants`: tenants beyond `named_tenants` with a label of their own (see the module docstring)."""
+        self.max_tenants = max_tenants
+        self._named = frozenset(named_tenants)
+        self._seen: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
         self._specs = {s.name: s for s in SPECS}
         self._prom: dict[str, Counter | Histogram] = {}
@@ -80,10 +100,32 @@ class Metrics:
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
         self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
 
-    def _labels(self, name: str, labels: dict[str, str]) -> tuple[str, ...]:
+    @classmethod
+    def for_config(cls, config: KVPackConfig) -> Metrics:
+        """Metrics whose tenant labels are bounded as `config` says (its tenants always named)."""
+        named = {config.tenant, *config.eviction.tenant_quotas, *(t for t in config.trusted_tenants if t != "*")}
+        return cls(max_tenants=config.metrics_max_tenants, named_tenants=named)
+
+    def tenant_label(self, tenant: str, register: bool = True) -> str:
+        """The ``tenant`` label `tenant` is counted under (`OTHER_TENANT` beyond the bound)."""
+        if tenant in self._named or tenant in self._seen:
+            return tenant
+        if not register:
+            return OTHER_TENANT
+        with self._lock:
+            if tenant in self._seen:
+                return tenant
+            if len(self._seen) < self.max_tenants:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER_TENANT
+
+    def _labels(self, name: str, labels: dict[str, str], register: bool = True) -> tuple[str, ...]:
         spec = self._specs[name]
         if set(labels) != set(spec.labels):
             raise ValueError(f"metric {name} takes labels {spec.labels}, got {tuple(labels)}")
+        if "tenant" in labels:
+            labels = {**labels, "tenant": self.tenant_label(str(labels["tenant"]), register)}
         return tuple(str(labels[k]) for k in spec.labels)
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
@@ -106,6 +148,8 @@ class Metrics:
     def value(self, name: str, **labels: str) -> float:
         """Sum of a counter over every label set matching the given labels."""
         spec = self._specs[name]
+        if "tenant" in labels:
+            labels = {**labels, "tenant": self.tenant_label(str(labels["tenant"]), register=False)}
         idx = {k: spec.labels.index(k) for k in labels}
         with self._lock:
             return sum(

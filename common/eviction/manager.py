@@ -12,7 +12,10 @@ Invariants (checked by property tests):
   share `quotas[U]` (bytes); a requester with a share that it exceeds evicts
   its own groups before anyone else's. Tenants without a configured share
   compete for the unreserved space in plain policy order (no tenant is held
-  to a share of zero, which would let it keep only one group).
+  to a share of zero, which would let it keep only one group);
+- per-tenant state exists only while the tenant stores something: a tenant
+  whose last group is released leaves no entry behind (20,000 one-off
+  tenants from ``cache_salt`` values cost nothing once evicted).
 
 Not thread-safe: the owning tier calls it under its own lock.
 """
@@ -77,6 +80,10 @@ class CapacityManager:
 
     def groups(self) -> Iterable[Hashable]:
         return list(self._groups)
+
+    def tenants(self) -> list[str]:
+        """Tenants with at least one resident group."""
+        return list(self._tenant_used)
 
     # -- mutation ------------------------------------------------------------
 
@@ -222,7 +229,11 @@ class CapacityManager:
             remove(group)
             size = usage.nbytes
             freed += size
-            tenant_used[usage.tenant] = tenant_used.get(usage.tenant, 0) - size
+            left = tenant_used.get(usage.tenant, 0) - size
+            if left > 0:
+                tenant_used[usage.tenant] = left
+            else:
+                tenant_used.pop(usage.tenant, None)
             out.append(usage.members)
         self.used -= freed
         return out

@@ -16,7 +16,10 @@ proceed in parallel, and an object is visible only once fully copied.
 
 Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
 pinned on CUDA hosts, one free list per slot size), so a store never pays a
-page fault per 4 KiB. A slot of an evicted or overwritten object is reused only
+page fault per 4 KiB. Memory bound: the arena never holds more than
+``capacity + 2 * slab`` bytes, slab = capacity / 8 clamped to 4 KiB .. 64 MiB
+(`kvpack.tiers.arena.slab_for_capacity`), however many distinct object sizes
+are stored; a store the arena cannot place within it is dropped (NO_SPACE). A slot of an evicted or overwritten object is reused only
 once nothing else holds it (a reader mid-copy, or a borrowed view in the
 write-back queue); the arena checks, so slots are neither reused early nor lost.
 """
@@ -32,7 +35,7 @@ import numpy as np
 from ..eviction import CapacityManager, EvictionPolicy
 from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload, RejectReason, check_header, check_payload, payload_parts
-from .arena import SlabArena
+from .arena import SlabArena, slab_for_capacity
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .parallel import CopyPair, IOThreads, RegionCopier
 
@@ -87,7 +90,8 @@ class MemoryTier(Tier):
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[str, set[StoreKey]] = {}  # by group id (`_gid`)
         self._capacity = CapacityManager(capacity, policy, quotas)
-        self._arena = SlabArena(pin=_cuda_available() if pin is None else pin)
+        slab, limit = slab_for_capacity(capacity)
+        self._arena = SlabArena(pin=_cuda_available() if pin is None else pin, slab_bytes=slab, limit_bytes=limit)
         self._io = IOThreads(copy_threads, name="kvpack-memcopy", region_copier=region_copier)
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None
@@ -226,6 +230,10 @@ class MemoryTier(Tier):
                         continue
                     size = sizes[i]
                     slot = slots[i] = alloc(size)
+                    if slot is None:  # no room within the arena's bound: drop the store (and its group, all or nothing)
+                        self._drop_groups_locked([groups[i]])
+                        statuses[i] = TierStatus.NO_SPACE
+                        continue
                     ps = parts[i]
                     if len(ps) == 1:
                         add_pair((slot, ps[0]))
