@@ -348,7 +348,7 @@ class KVPackConfig:
     is honoured when ``kvpack_tenant_sig`` is `kvpack.keys.tenant_signature`
     of it under this key. Either this or `trusted_tenants` opts in."""
     integrity_key: str = ""
-    """Hex key (16-64 bytes) for keyed BLAKE2b over header and payload of every
+    """Hex key (16-64 bytes) for a keyed MAC (HMAC-SHA256) over header and payload of every
     object that leaves the process (disk, Mooncake), checked on every load from
     them: with it, whoever can write the store folder or the Mooncake cluster
     but does not hold the key cannot forge an object. Empty: xxh3 checksums

@@ -3,9 +3,11 @@
 xxh3 payload checksums catch damage, not forgery: whoever can write the store
 folder or the Mooncake cluster can recompute them. With
 `KVPackConfig.integrity_key` set, the header's u64 checksum field holds a
-keyed MAC instead: BLAKE2b (digest 8 bytes, the key, personalisation
-`PERSON`) over the encoded header with its checksum field zeroed, then the
-payload regions in order. Every field a reader relies on (fingerprint,
+keyed MAC instead: HMAC-SHA256 under the key, truncated to 8 bytes, over
+`CONTEXT`, the encoded header with its checksum field zeroed, then the
+payload regions in order. (HMAC-SHA256 rather than keyed BLAKE2b: OpenSSL's
+SHA-256 uses the CPUs' SHA extensions, 1.26 vs 0.92 GB/s on this machine's
+Xeon, measured in one run.) Every field a reader relies on (fingerprint,
 tenant, chunk, member, token count and ids, payload length) and every payload
 byte is covered, so an object forged or altered without the key, or written
 under another key, fails `IntegrityKey.verify` (a forgery succeeds with
@@ -23,14 +25,14 @@ refuse the other's objects, counted, never loads them.
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 from collections.abc import Sequence
 from dataclasses import replace
 
 from .objects import ObjectHeader, Payload, RejectReason, payload_parts
 from .tiers.base import GetResult, PutItem, TierStatus
 
-PERSON = b"kvpack-object-1"
+CONTEXT = b"kvpack-object-mac-1\x00"
 DIGEST_BYTES = 8
 
 
@@ -46,11 +48,11 @@ class IntegrityKey:
 
     def mac(self, header: ObjectHeader, payload: Payload) -> int:
         """The keyed digest of `header` (checksum field ignored) and `payload`, as a u64."""
-        h = hashlib.blake2b(key=self._key, digest_size=DIGEST_BYTES, person=PERSON)
+        h = hmac.new(self._key, CONTEXT, "sha256")
         h.update(replace(header, checksum=0).encode())
         for part in payload_parts(payload):
             h.update(part)
-        return int.from_bytes(h.digest(), "little")
+        return int.from_bytes(h.digest()[:DIGEST_BYTES], "little")
 
     def seal(self, header: ObjectHeader, payload: Payload) -> ObjectHeader:
         """`header` with its checksum field set to the MAC."""

@@ -5,6 +5,11 @@ memory tier put/get vs `np.copyto` into a warm buffer (memcpy), and disk tier
 put/get vs plain `write`+`rename` / `readinto` of the same bytes in the same
 folder. Gets from disk are served by the page cache in both columns, so the
 ratio isolates kvpack's own cost (header, checks, index, checksum).
+
+The keyed columns repeat the disk put/get with an integrity key
+(`kvpack.integrity`, as `KVStore` does with ``integrity_key`` set: a keyed
+HMAC-SHA256 sealed into each header on put, checked on get instead of xxh3)
+and give their ratio to the unkeyed disk path of the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
+from kvpack.integrity import IntegrityKey, check_loaded, seal_items
 from kvpack.keys import StoreKey
 from kvpack.layout import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum
@@ -52,6 +58,25 @@ def _tier_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], verif
     results = tier.get_into(keys, views, exps, verify)
     assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
     get_s = best_seconds(lambda: tier.get_into(keys, views, exps, verify), repeats)
+    return gbps(total, put_s), gbps(total, get_s)
+
+
+def _keyed_disk_rates(
+    tier: Tier, items: list[PutItem], exps: list[Expectation], repeats: int
+) -> tuple[float, float]:
+    """Disk put/get the way `KVStore` runs them with an integrity key: seal, put; get unverified, check the MAC."""
+    key = IntegrityKey(bytes(range(32)))
+    total = sum(i.payload.nbytes for i in items)
+    dsts = [memoryview(np.empty(i.payload.nbytes, np.uint8)) for i in items]
+    keys = [i.key for i in items]
+
+    def get() -> None:
+        got = check_loaded(key, dsts, tier.get_into(keys, dsts, exps, False), True, True)
+        assert all(r.ok for r in got)
+
+    put_s = best_seconds(lambda: tier.put_from(seal_items(key, items)), repeats)
+    get()
+    get_s = best_seconds(get, repeats)
     return gbps(total, put_s), gbps(total, get_s)
 
 
@@ -103,6 +128,8 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
         raw_w, raw_r = _raw_file_rates(folder / f"raw-{label}", payloads, repeats)
         disk = DiskTier(folder / f"kv-{label}", size * count * 4, make_policy(EvictionPolicyName.LRU))
         disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
+        keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4, make_policy(EvictionPolicyName.LRU))
+        keyed_put, keyed_get = _keyed_disk_rates(keyed, items, exps, repeats)
         rows.append(
             {
                 "size": label,
@@ -113,9 +140,25 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
                 "raw_read": raw_r,
                 "disk_put": disk_put,
                 "disk_get": disk_get,
+                "keyed_put": keyed_put,
+                "keyed_get": keyed_get,
             }
         )
     return rows
+
+
+def format_keyed_table(rows: list[dict[str, float | str]]) -> str:
+    lines = [
+        "| size | disk put GB/s | keyed put GB/s (x unkeyed) | disk get GB/s (xxh3 verified) | keyed get GB/s (x unkeyed) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = {k: v for k, v in r.items() if isinstance(v, float)}
+        lines.append(
+            f"| {r['size']} | {f['disk_put']:.2f} | {f['keyed_put']:.2f} ({f['keyed_put'] / f['disk_put']:.2f}x) "
+            f"| {f['disk_get']:.2f} | {f['keyed_get']:.2f} ({f['keyed_get'] / f['disk_get']:.2f}x) |"
+        )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, float | str]]) -> str:
@@ -151,4 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvpack bench tiers on {hardware()}; disk folder on {folder.parent}")
     print("memory gets skip the payload checksum (checksum=boundary); disk gets verify it.")
     print(format_table(rows))
+    print()
+    print("integrity key (HMAC-SHA256 over header and payload) vs the unkeyed disk path:")
+    print(format_keyed_table(rows))
     return 0
