@@ -103,23 +103,33 @@ def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
 
 
 def _adopt(fd: int, real: str, field: str) -> None:
-    """Mark an empty folder; accept a marked one of this format; refuse anything else."""
-    try:
-        mfd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    except FileNotFoundError:
-        entries = os.listdir(fd)
-        if entries:
-            shown = ", ".join(sorted(entries)[:3])
-            raise ConfigError(
-                field,
-                f"{real!r} is not empty ({len(entries)} entries: {shown}...) and has no {MARKER} marker: "
-                "kvpack only uses a new or empty folder, or one it marked itself (a kvpack store written "
-                "before store markers is a cache: delete it, or point disk.path at a new folder)",
-            ) from None
-        _write_marker(fd)
-        return
-    except OSError as exc:
-        raise ConfigError(field, f"{real}/{MARKER} is not a kvpack marker file: {exc}") from None
+    """Mark an empty folder; accept a marked one of this format; refuse anything else.
+
+    Several processes may start on one new folder at once: a marker another one
+    is writing (its temporary, or the marker appearing meanwhile) is not "other
+    content", and writing the marker is idempotent (temporary + rename)."""
+    for _attempt in range(3):
+        try:
+            mfd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            break
+        except FileNotFoundError:
+            entries = [e for e in os.listdir(fd) if not e.startswith(MARKER + ".")]
+            if MARKER in entries:
+                continue  # written by another process meanwhile: read it
+            if entries:
+                shown = ", ".join(sorted(entries)[:3])
+                raise ConfigError(
+                    field,
+                    f"{real!r} is not empty ({len(entries)} entries: {shown}...) and has no {MARKER} marker: "
+                    "kvpack only uses a new or empty folder, or one it marked itself (a kvpack store written "
+                    "before store markers is a cache: delete it, or point disk.path at a new folder)",
+                ) from None
+            _write_marker(fd)
+            return
+        except OSError as exc:
+            raise ConfigError(field, f"{real}/{MARKER} is not a kvpack marker file: {exc}") from None
+    else:  # pragma: no cover - the marker came and went three times
+        raise ConfigError(field, f"{real}/{MARKER} keeps changing")
     try:
         if not stat.S_ISREG(os.fstat(mfd).st_mode):
             raise ConfigError(field, f"{real}/{MARKER} is not a regular file")
@@ -131,7 +141,7 @@ def _adopt(fd: int, real: str, field: str) -> None:
 
 
 def _write_marker(fd: int) -> None:
-    tmp = f".{MARKER}.{secrets.token_hex(8)}"
+    tmp = f"{MARKER}.{secrets.token_hex(8)}.tmp"
     mfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
     try:
         os.write(mfd, MARKER_TEXT.encode())

@@ -319,3 +319,25 @@ def test_folders_of_a_tenant_with_nothing_stored_are_removed(tmp_path: Path) -> 
 def test_walk_fallback_refuses_symlinks_like_openat2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_fs(), "_use_openat2", False)
     test_tenant_folder_replaced_by_a_symlink_is_never_followed(tmp_path)
+
+
+def test_processes_starting_on_one_new_folder_at_once_all_adopt_it(tmp_path: Path) -> None:
+    root = tmp_path / "new"
+    errors: list[Exception] = []
+    barrier = threading.Barrier(8)
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            for _ in range(20):
+                _disk(root).close()
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(p.name for p in root.iterdir()) == [MARKER]
