@@ -386,6 +386,8 @@ class DiskTier(Tier):
                 elif not indexed:  # evicted while it was written (a later item, a concurrent put)
                     if self._unlink_key(key):
                         self.counters.count_removed("evicted_while_written")
+                    if _rel_leaf(key) not in self._leaf_objects:
+                        _remove_empty_folders(self._root_fd, key)
                     statuses[i] = TierStatus.NO_SPACE
         return statuses
 

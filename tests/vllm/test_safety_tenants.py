@@ -64,8 +64,10 @@ def test_listed_tenants_are_honoured_and_others_ignored() -> None:
     assert request_scope(_request("bob"), config).tenant == "default"
     star = KVPackConfig.from_dict({"trusted_tenants": ["*"]})
     assert request_scope(_request("bob"), star).tenant == "bob"
-    with pytest.raises(BadTenant):
-        request_scope(_request("../bob"), star)  # trusted, so validated: refused as before
+    for bad in ("../bob", 12345, ["bob"], ""):
+        with pytest.raises(BadTenant):
+            request_scope(_request(bad), star)  # trusted, so validated: refused as before
+    assert request_scope(_request(12345), config).tenant == "default"  # not listed: ignored
 
 
 def test_signed_tenants_are_honoured_only_with_the_right_signature() -> None:

@@ -308,6 +308,7 @@ def security_probes(soak: Soak) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(bomb)
     soak.send("bomb-disk", t_disk, disk_prompt)
+    notes.append(_planted_entries(soak, fp, disk_prompt, n))
     mc_prompt = soak.workload.extra["bomb-mooncake"]
     t_mc = f"bomb-mc-{n}"
     keys = [f"kvpack/{t_mc}/{fp}/{c}/kv" for c in chunk_hashes(mc_prompt, bs)]
@@ -315,6 +316,27 @@ def security_probes(soak: Soak) -> str:
     soak.send("bomb-mooncake", t_mc, mc_prompt)
     notes.append(f"pickle planted on disk ({len(keys)} objects) and in Mooncake ({mc.get('planted', mc)})")
     return "; ".join(notes)
+
+
+def _planted_entries(soak: Soak, fp: str, prompt: tuple[int, ...], n: int) -> str:
+    """Issue 15: a FIFO at an object path and a tenant folder symlinked out of the store.
+
+    The requests must complete (a FIFO never blocks a lookup or load) and nothing
+    may be written where the symlink points (kvpack never follows it)."""
+    from kvpack.keys import chunk_hashes
+
+    chunks = chunk_hashes(prompt, soak.cfg.block_size)
+    t_fifo = f"fifo-{n}"
+    path = soak.disk_root / t_fifo / fp / chunks[0][:2] / f"{chunks[0]}.kv.kvp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    fifo = soak.send("planted-fifo", t_fifo, prompt)
+    outside = soak.work / f"outside-{n}"
+    outside.mkdir(exist_ok=True)
+    os.symlink(outside, soak.disk_root / f"link-{n}")
+    link = soak.send("planted-symlink", f"link-{n}", prompt)
+    written = sum(1 for p in outside.rglob("*") if p.is_file())
+    return f"FIFO at an object path: {fifo.status}; symlinked tenant folder: {link.status}, {written} files written outside"
 
 
 # -- the schedule ----------------------------------------------------------------------

@@ -523,6 +523,8 @@ class Soak:
         if not self.disk_root.is_dir():
             return None
         for entry in self.disk_root.iterdir():
+            if entry.name == ".kvpack-store":  # the store folder's own marker
+                continue
             try:
                 validate_tenant(entry.name)
             except ValueError:
