@@ -56,7 +56,8 @@ from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes
 from .layout import KVLayoutSpec
 from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, RejectReason
-from .store import KVStore, LoadItem, TailMatch, tail_chunk
+from .store import KVStore, LoadItem
+from .tails import TailMatch, tail_chunk
 from .tiers.base import GetResult, PutItem, TierStatus
 
 __version__ = "0.1.0"

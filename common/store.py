@@ -24,28 +24,26 @@ Thread-safe. Construct with `KVStore.from_config`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .background import lower_current_thread_priority
 from .budget import WaitBudget
-from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
-from .eviction import make_policy
+from .config import ChecksumPolicy, KVPackConfig
 from .exit_flush import flush_on_exit, forget
-from .groups import GroupLookup, MemberRole, MemberSpec, resolve_lookup
+from .groups import GroupLookup, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .integrity import IntegrityKey, check_loaded, seal_items
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
+from .tails import TailMatch, TailSlots
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.factory import build_tiers
 from .tiers.parallel import RegionCopier
+from .writeback import WriteBack
 
 log = logging.getLogger("kvpack")
 
@@ -64,84 +62,6 @@ class LoadItem:
     key: StoreKey
     dst: Payload
     expected: Expectation
-
-
-@dataclass(frozen=True, slots=True)
-class TailMatch:
-    """A usable stored tail: `tokens` leading tokens of it match the new prompt.
-
-    `token_ids` are the tail's stored ids (what a load must find again)."""
-
-    chunk: str
-    tokens: int
-    stored_tokens: int
-    token_ids: tuple[int, ...]
-    members: tuple[str, ...]
-
-
-def build_tiers(
-    config: KVPackConfig,
-    *,
-    include_memory: bool = True,
-    copy_threads: int = 1,
-    region_copier: Callable[[], RegionCopier | None] | None = None,
-) -> list[Tier]:
-    """The tiers `config` enables, fastest first: memory, disk, Mooncake.
-
-    `include_memory=False` leaves out the host-memory tier, for a process that
-    sees another process's memory through an index (vLLM's scheduler side).
-    `copy_threads` (>= 1, the calling thread included) spreads one batch's
-    memory copies and disk file I/O over that many threads; 1 keeps every
-    call on its caller's thread (an engine that saves off its forward path on
-    a small machine wants that). `region_copier` hands the memory tier a native
-    copy (`kvpack.ops.region_copier`) once one is loaded."""
-    tiers: list[Tier] = []
-    quotas = config.eviction.tenant_quotas
-    if config.memory.enabled and include_memory:
-        from .tiers.memory import MemoryTier
-
-        tiers.append(
-            MemoryTier(
-                config.memory.capacity,
-                make_policy(config.eviction.policy),
-                quotas,
-                copy_threads=copy_threads,
-                region_copier=region_copier,
-            )
-        )
-    if config.disk.enabled:
-        from .tiers.disk import DiskTier
-
-        tiers.append(
-            DiskTier(
-                config.disk.path,
-                config.disk.capacity,
-                make_policy(config.eviction.policy),
-                quotas,
-                config.disk.fsync,
-                io_threads=copy_threads,
-            )
-        )
-    if config.mooncake.enabled:
-        from .tiers.mooncake import MooncakeTier
-
-        tiers.append(MooncakeTier(config.mooncake))
-    return tiers
-
-
-TAIL_SLOTS = 4
-"""Tails kept per parent block: distinct continuations of one prefix."""
-
-
-def tail_chunk(parent: str | None, slot: int = 0) -> str:
-    """Chunk id of tail slot `slot` after `parent` (None: sequence start)."""
-    return f"{parent or 'root'}-tail" + (str(slot) if slot else "")
-
-
-@dataclass
-class _WriteJob:
-    item: PutItem
-    tiers: tuple[Tier, ...]
 
 
 class KVStore:
@@ -180,22 +100,12 @@ class KVStore:
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
-        # One bounded FIFO per write-back thread; a key always goes to the same one,
-        # so two stores of one key reach the lower tiers in the order they were made.
-        workers = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
-        depth = max(1, config.write_queue_depth // max(1, workers))
-        self._queues: list[queue.Queue[_WriteJob | None]] = [queue.Queue(maxsize=depth) for _ in range(workers)]
-        self._pending = 0
-        self._pending_cv = threading.Condition()
+        threads = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
+        self._writeback = WriteBack(threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower))
         self._closed = False
-        self._workers = [
-            threading.Thread(target=self._write_loop, args=(q,), name=f"kvpack-writeback-{i}", daemon=True)
-            for i, q in enumerate(self._queues)
-        ]
-        for w in self._workers:
-            w.start()
-        if self._workers:
+        if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
+        self.tails = TailSlots(config, self.metrics, self.peek_headers)
         self.metrics_port: int | None = None
         if config.metrics_port:
             from .config import METRICS_PORT_SPAN
@@ -352,7 +262,7 @@ class KVStore:
                 self.config.draft_policy.value,
             )
 
-    # -- tails --------------------------------------------------------------------
+    # -- tails (`kvpack.tails`) ----------------------------------------------------
 
     def find_tail(
         self,
@@ -364,70 +274,8 @@ class KVStore:
         match_unit: int,
         budget: WaitBudget | None = None,
     ) -> TailMatch | None:
-        """The stored tail after `parent` sharing the longest prefix with `tokens`.
-
-        Looks at every tail slot of `parent` (`TAIL_SLOTS`). Every required member
-        must hold a tail with the same token ids (a draft member may be absent
-        under target_only: then only target members load, counted as partial).
-        Returns None when fewer than `match_unit` tokens match."""
-        if not self.config.tail_reuse or len(tokens) == 0:
-            return None
-        query = np.asarray(tokens, dtype=np.int64)
-        best: TailMatch | None = None
-        missing_draft: set[str] = set()
-        slots = self._tail_slot_headers(tenant, fingerprint, parent, [m.name for m in members], budget)
-        for chunk, found in slots:
-            headers = dict(zip((m.name for m in members), found))
-            match = self._match_tail_slot(chunk, headers, query, members, match_unit, missing_draft)
-            if match is not None and (best is None or match.tokens > best.tokens):
-                best = match
-        if best is None or len(best.members) < len(members):
-            for name in missing_draft:  # a tail whose draft state is missing: never silent
-                self.metrics.inc("partial_hits", tenant=tenant, missing_member=name)
-        return best
-
-    def _tail_slot_headers(
-        self, tenant: str, fingerprint: str, parent: str | None, members: Sequence[str], budget: WaitBudget | None
-    ) -> list[tuple[str, list[ObjectHeader | None]]]:
-        """For each tail slot of `parent`: (its chunk, the header of each member, in
-        `members` order). One batched `peek_headers` per tier for all of them."""
-        chunks = [tail_chunk(parent, slot) for slot in range(TAIL_SLOTS)]
-        headers = self.peek_headers([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
-        n = len(members)
-        return [(c, headers[i * n : (i + 1) * n]) for i, c in enumerate(chunks)]
-
-    def _match_tail_slot(
-        self,
-        chunk: str,
-        headers: dict[str, ObjectHeader | None],
-        query: np.ndarray,
-        members: Sequence[MemberSpec],
-        match_unit: int,
-        missing_draft: set[str],
-    ) -> TailMatch | None:
-        targets = [m for m in members if m.role is not MemberRole.DRAFT]
-        ref = headers[targets[0].name] if targets else None
-        if ref is None or ref.token_ids is None:
-            return None
-        names: list[str] = []
-        for m in members:
-            h = headers[m.name]
-            if h is None or h.token_ids != ref.token_ids:
-                if m.role is not MemberRole.DRAFT:
-                    return None
-                missing_draft.add(m.name)
-                if self.config.draft_policy is not DraftPolicy.TARGET_ONLY:
-                    return None
-                continue
-            names.append(m.name)
-        stored = np.asarray(ref.token_ids, dtype=np.int64)
-        n = min(len(stored), len(query))
-        mismatch = np.nonzero(stored[:n] != query[:n])[0]
-        common = int(mismatch[0]) if mismatch.size else n
-        common -= common % match_unit
-        if common <= 0:
-            return None
-        return TailMatch(chunk, common, len(stored), ref.token_ids, tuple(names))
+        """The stored tail after `parent` sharing the longest prefix with `tokens` (`TailSlots.find`)."""
+        return self.tails.find(tenant, fingerprint, parent, tokens, members, match_unit, budget)
 
     def place_tail(
         self,
@@ -438,28 +286,8 @@ class KVStore:
         token_ids: Sequence[int],
         budget: WaitBudget | None = None,
     ) -> tuple[str, bool]:
-        """Where to store the tail `token_ids` after `parent`: (chunk, already stored).
-
-        Several continuations of one parent block keep separate tails (up to
-        `TAIL_SLOTS`), so concurrent requests sharing a prefix do not overwrite
-        each other's tail. Choice, in order: a slot already holding exactly
-        these tokens in every member (nothing to write); a slot whose tail this
-        one extends; an empty slot; else a slot picked by the tokens' hash."""
-        ids = tuple(int(t) for t in token_ids)
-        extends: str | None = None
-        empty: str | None = None
-        for chunk, headers in self._tail_slot_headers(tenant, fingerprint, parent, members, budget):
-            stored = headers[0].token_ids if headers[0] is not None else None
-            if stored is None:
-                empty = empty or chunk
-            elif stored == ids and all(h is not None and h.token_ids == ids for h in headers):
-                return chunk, True
-            elif extends is None and ids[: len(stored)] == stored:
-                extends = chunk
-        if extends or empty:
-            return extends or empty, False  # type: ignore[return-value]
-        slot = int.from_bytes(hashlib.blake2b(np.asarray(ids, dtype="<u4").tobytes(), digest_size=4).digest(), "little")
-        return tail_chunk(parent, slot % TAIL_SLOTS), False
+        """Where to store the tail `token_ids` after `parent`: (chunk, already stored) (`TailSlots.place`)."""
+        return self.tails.place(tenant, fingerprint, parent, members, token_ids, budget)
 
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
         """The header of each key from the fastest tier holding it (None: none does).
@@ -564,7 +392,7 @@ class KVStore:
         if self._closed or self.read_only:
             return [TierStatus.UNAVAILABLE] * len(items)
         if self._memory is None or not self.write_back:
-            return self._write_through_many(items, self.tiers)
+            return self._write_through(items, self.tiers)
         start = time.perf_counter()
         mem = self._memory.put_from(items)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
@@ -606,22 +434,13 @@ class KVStore:
                 statuses[i] = TierStatus.OK
 
     def _enqueue(self, item: PutItem) -> bool:
-        with self._pending_cv:
-            self._pending += 1
-        try:
-            self._queues[hash(item.key) % len(self._queues)].put_nowait(_WriteJob(item, self._lower))
+        if self._writeback.enqueue(item):
             return True
-        except queue.Full:
-            self._done_one()
-            for tier in self._lower:
-                self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
-            return False
+        for tier in self._lower:
+            self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
+        return False
 
-    def _write_through(self, item: PutItem, tiers: Sequence[Tier]) -> TierStatus:
-        """Write one object to `tiers` now; OK if at least one took it. Never raises."""
-        return self._write_through_many([item], tiers)[0]
-
-    def _write_through_many(self, items: Sequence[PutItem], tiers: Sequence[Tier]) -> list[TierStatus]:
+    def _write_through(self, items: Sequence[PutItem], tiers: Sequence[Tier]) -> list[TierStatus]:
         """Write a batch to `tiers` now, one `put_from` per tier; per item OK if at
         least one tier took it. Never raises.
 
@@ -663,33 +482,9 @@ class KVStore:
         self._count_evictions()
         return [b or TierStatus.ERROR for b in best]
 
-    def _done_one(self) -> None:
-        with self._pending_cv:
-            self._pending -= 1
-            if self._pending == 0:
-                self._pending_cv.notify_all()
-
-    def _write_loop(self, jobs: queue.Queue[_WriteJob | None]) -> None:
-        lower_current_thread_priority()
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            try:
-                self._write_through(job.item, job.tiers)
-            finally:
-                self._done_one()
-
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (bounded) until every queued store reached its tiers. True if drained."""
-        deadline = time.monotonic() + timeout_s
-        with self._pending_cv:
-            while self._pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pending_cv.wait(left)
-        return True
+        return self._writeback.flush(timeout_s)
 
     def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
         """The exit flush (`kvpack.exit_flush`): `flush` within `timeout_s`; what is
@@ -697,8 +492,7 @@ class KVStore:
         tier) and logged. True when everything reached its tiers."""
         if self.flush(timeout_s):
             return True
-        with self._pending_cv:
-            left = self._pending
+        left = self._writeback.pending
         for tier in self._lower:
             self.metrics.inc("store_dropped", left, tier=tier.name, reason="shutdown")
         log.warning(
@@ -722,17 +516,11 @@ class KVStore:
             flush_timeout_s = self.config.shutdown_flush_s
         if self._closed:
             return
-        if self._workers:
+        if self._writeback:
             self.flush_before_exit(flush_timeout_s, "close")
         forget(self)
         self._closed = True
-        for jobs in self._queues:
-            try:
-                jobs.put(None, timeout=1.0)
-            except queue.Full:
-                pass
-        for w in self._workers:
-            w.join(timeout=2.0)
+        self._writeback.close()
         self.metrics.stop_serving()
         for tier in self.tiers:
             try:

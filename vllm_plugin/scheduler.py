@@ -55,7 +55,8 @@ from kvpack.budget import WaitBudget
 from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage, tail_usable
 from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
-from kvpack.store import KVStore, build_tiers
+from kvpack.store import KVStore
+from kvpack.tiers.factory import build_tiers
 from kvpack.tiers.base import Tier
 
 from .captures import CaptureTracker

@@ -286,7 +286,7 @@ def test_a_fifo_at_an_object_path_never_blocks_load_or_peek(tmp_path: Path) -> N
 
 def test_fifo_tail_lookup_through_the_store_returns(tmp_path: Path) -> None:
     from kvpack.groups import MemberRole, MemberSpec
-    from kvpack.store import tail_chunk
+    from kvpack.tails import tail_chunk
 
     config = KVPackConfig(memory=MemoryTierConfig(enabled=False), disk=DiskTierConfig(path=str(tmp_path / "s")))
     store = KVStore.from_config(config)

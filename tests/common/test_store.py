@@ -14,7 +14,7 @@ from fixtures.tiers import BrokenTier, SlowTier
 
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
 from kvpack.objects import Expectation, RejectReason
-from kvpack.store import tail_chunk
+from kvpack.tails import tail_chunk
 from kvpack.tiers.base import PutItem
 
 KV = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)

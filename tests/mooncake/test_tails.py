@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvpack import KVStore, LoadItem, MemberRole, MemberSpec
-from kvpack.store import tail_chunk
+from kvpack.tails import tail_chunk
 from kvpack.tiers.base import TierStatus
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, expect_key, item, key, payload

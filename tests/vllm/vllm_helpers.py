@@ -188,7 +188,7 @@ def swap_payload(path: Path, donor: Path) -> None:
 def object_files(store: Path, ids: list[int], tenant: str = "default", seed: str | None = None) -> tuple[list[Path], Path | None]:
     """The files of `ids`' full blocks (in order) and of its tail object, if stored."""
     from kvpack.keys import chunk_hashes
-    from kvpack.store import tail_chunk
+    from kvpack.tails import tail_chunk
 
     hashes = chunk_hashes(ids, BLOCK, parent=seed)  # type: ignore[arg-type]
     files = {p.name.split(".")[0]: p for p in (store / tenant).rglob("*.kvp")}

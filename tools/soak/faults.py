@@ -215,7 +215,7 @@ def mooncake_edit(soak: Soak, corrupt: list[str] = (), plant: list[tuple[str, by
 def corrupt_objects(soak: Soak) -> str:
     """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again."""
     from kvpack.keys import chunk_hashes
-    from kvpack.store import tail_chunk
+    from kvpack.tails import tail_chunk
 
     n = soak.cycle_index
     tenant = f"canary-{n}"

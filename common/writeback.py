@@ -1,0 +1,99 @@
+"""Write-back: stores reach the lower tiers (disk, Mooncake) from background threads.
+
+The caller (`KVStore.store`) returns once the memory tier holds a copy; each
+object is queued here and written by one of `threads` threads. Invariants:
+
+- Bounded: each thread's FIFO holds at most ``depth // threads`` objects; a
+  full queue refuses (`enqueue` returns False) rather than blocking the
+  engine, and the caller counts the drop (back-pressure).
+- Ordered per key: a key always goes to the same thread, so two stores of
+  one key reach the tiers in the order they were made.
+- Counted: `pending` is every object accepted and not yet written (queued or
+  being written); `flush` waits, bounded, until it is 0.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .background import lower_current_thread_priority
+from .tiers.base import PutItem
+
+
+class WriteBack:
+    """See the module docstring. `write(item)` runs on the threads and must not raise."""
+
+    def __init__(self, threads: int, depth: int, write: Callable[[PutItem], object]) -> None:
+        self._write = write
+        per_thread = max(1, depth // max(1, threads))
+        self._queues: list[queue.Queue[PutItem | None]] = [queue.Queue(maxsize=per_thread) for _ in range(threads)]
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(q,), name=f"kvpack-writeback-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def __bool__(self) -> bool:
+        """True when there are threads (a store with no lower tier, or read-only, has none)."""
+        return bool(self._threads)
+
+    @property
+    def pending(self) -> int:
+        """Objects accepted and not yet written."""
+        with self._cv:
+            return self._pending
+
+    def enqueue(self, item: PutItem) -> bool:
+        """Queue `item` for the lower tiers; False (nothing queued) when its queue is full."""
+        with self._cv:
+            self._pending += 1
+        try:
+            self._queues[hash(item.key) % len(self._queues)].put_nowait(item)
+            return True
+        except queue.Full:
+            self._done_one()
+            return False
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until every accepted object was written. True if so."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, join_s: float = 2.0) -> None:
+        """Stop the threads after what is queued (callers flush first)."""
+        for jobs in self._queues:
+            try:
+                jobs.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+        for t in self._threads:
+            t.join(timeout=join_s)
+
+    def _done_one(self) -> None:
+        with self._cv:
+            self._pending -= 1
+            if self._pending == 0:
+                self._cv.notify_all()
+
+    def _loop(self, jobs: queue.Queue[PutItem | None]) -> None:
+        lower_current_thread_priority()
+        while True:
+            item = jobs.get()
+            if item is None:
+                return
+            try:
+                self._write(item)
+            finally:
+                self._done_one()
