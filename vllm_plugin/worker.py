@@ -2,35 +2,35 @@
 
 Per step vLLM binds a `KVPackConnectorMetadata`. `start_load_kv` hands its
 load jobs to a background thread (read from the store into staging rows, then
-scatter into the blocks); `wait_for_save` hands its save jobs to another
-(gather the finished request's blocks, then `KVStore.store`, which copies into
-host memory and queues disk/Mooncake writes). Nothing waits on storage in the
-forward; `get_finished` reports completed jobs, failed blocks are reported
-through `get_block_ids_with_load_errors` so vLLM recomputes them.
+scatter into the blocks). `wait_for_save` runs right after the step's forward:
+it copies out the blocks that step computed (`TransferJob.capture`, the one
+save path: see `captures`) and hands them to a save thread, which puts them
+into the store (memory copy; disk and Mooncake through the write-back queue).
+Nothing waits on storage in the forward; `get_finished` reports completed
+jobs, failed blocks go out through `get_block_ids_with_load_errors` so vLLM
+recomputes them. What this worker copies is fixed at registration
+(`registration.WorkerLayout`).
 
-Draft KV (speculative decoding; `Scope.draft_placement`): PACKED copies the
-draft layers into each ``kv`` object after the target's, so the two cannot be
-separated; SIDECAR stores them as a second object per block, member ``draft``
-(own layout fingerprint over the draft layers), in the same group. A load
-marked ``with_draft=False`` (target_only policy, the draft member was
+Draft KV (speculative decoding): PACKED objects hold the draft layers after
+the target's; SIDECAR stores them as the ``draft`` member of the same group.
+A load marked ``with_draft=False`` (target_only policy, the draft member was
 missing) restores the target member and zeroes those blocks' draft layers:
 the drafter never recomputes KV for tokens it was not scheduled, so the
 request runs with empty draft state there (a counted partial hit). Saves run
 once per step (in `wait_for_save`, which vLLM defers until the drafter ran),
 however often the drafter's layers call `save_kv_layer`.
 
-Hybrid models (several KV cache groups): each group is a member of its own
-(``kv``, ``kv_g1``...), copied from that group's layers at that group's
-block ids (`BlockRef.block_ids`). Blocks vLLM frees before the request ends
-(sliding window, Mamba) arrive as `TransferJob.capture` saves: they are
-copied out in the same step's ``wait_for_save``, before vLLM can reuse
-them, and stored in the background.
+Ordering: a load waits (bounded) for the saves queued before it, because
+the scheduler counts a chunk as stored as soon as it asked for its save, so
+a request can hit a prefix that another request computed one step earlier.
 
 Every wait is bounded by ``io_timeout_ms``: a load still running after it is
 cancelled (its blocks are reported as load errors and will never be written
 by the late thread), so a hung tier can never hold a request forever. In a
 step without a forward (the engine is only waiting for loads) the worker
 waits, bounded, for this step's loads so they finish within the same step.
+Before the process exits, queued saves reach the store and the store its
+tiers (`flush_before_exit`, bounded by ``shutdown_flush_s``).
 """
 
 from __future__ import annotations
@@ -48,19 +48,16 @@ from kvpack.background import lower_current_thread_priority
 from kvpack.config import KVPackConfig
 from kvpack.cpu_features import request_amx_permission
 from kvpack.exit_flush import flush_on_exit, forget
-from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
 from kvpack.keys import GroupKey, StoreKey
-from kvpack.layout import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader
 from kvpack.ops import region_copier
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem, TierStatus
 
-from .blocks import BlockLayout
-from .byte_facts import block_byte_facts
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
-from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
+from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
+from .settings import Scope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,19 +86,6 @@ def keep_draft_on_load() -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """One member this worker writes: its layers' layout and which group's block ids address it."""
-
-    member: str
-    fingerprint: str
-    layout: BlockLayout
-    group: int
-    """Index into `BlockRef.block_ids`."""
-    draft: bool = False
-    """The sidecar draft member (loaded only for `BlockRef.with_draft` chunks)."""
-
-
 @dataclass
 class _LoadTask:
     job: TransferJob
@@ -117,31 +101,13 @@ class WorkerSide:
     def __init__(self, vllm_config: VllmConfig, config: KVPackConfig, scope: Scope, store: KVStore | None = None) -> None:
         self.config = config
         self.scope = scope
-        parallel = vllm_config.parallel_config
-        self.tp_rank = _tp_rank()
-        self.pp_rank = _pp_rank()
-        world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-        self.rank = self.pp_rank * int(parallel.tensor_parallel_size) + self.tp_rank
-        self.world = world
-        self.member = member_name(self.rank, world)
         self.vllm_config = vllm_config
-        self.draft_member = member_name(self.rank, world, DRAFT_MEMBER) if scope.draft_placement is DraftPlacement.SIDECAR else None
-        self.slots: list[_Slot] = []
-        """Every member this rank writes (group 0's ``kv`` first)."""
+        self.position = RankPosition.of_this_process(vllm_config)
         # stores copy into the memory tier with kvpack's native region copy once the ops
         # extension is loaded (the first block gather loads it), else with numpy
         self.store = store or KVStore.from_config(config, region_copier=region_copier)
-        self.layout: BlockLayout | None = None
-        """Layers of the ``kv`` object (PACKED: target then draft layers)."""
-        self.target_layout: BlockLayout | None = None
-        """Target layers only; its rows are the leading `target_bytes` of a ``kv`` row."""
-        self.draft_layout: BlockLayout | None = None
-        """Draft layers only (PACKED: the trailing bytes of a ``kv`` row; SIDECAR: the ``draft`` object)."""
-        self.fingerprint = ""
-        self.draft_fingerprint = ""
-        self.slot_bytes = 0
-        self.target_bytes = 0
-        self.draft_bytes = 0
+        self.layout: WorkerLayout | None = None
+        """What this worker copies; fixed by `register_kv_caches` (None before)."""
         self._lock = threading.Lock()
         self._loads: dict[str, _LoadTask] = {}
         self._done_recving: set[str] = set()
@@ -178,103 +144,12 @@ class WorkerSide:
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Fix this worker's `WorkerLayout` (raises LayoutError at start-up for a cache kvpack
+        cannot copy)."""
         # before the first forward: a 1-token step over a restored prefix would otherwise
         # be this process's first AMX use, which Linux refuses with SIGILL (cpu_features)
         request_amx_permission()
-        if self.scope.hybrid:
-            self._register_groups(kv_caches, num_blocks)
-            return
-        placement = self.scope.draft_placement
-        target, draft = split_draft_layers(self.vllm_config, tuple(kv_caches))
-        if placement is DraftPlacement.SIDECAR and not draft:
-            raise LayoutError(
-                "kvpack: draft_placement 'sidecar' needs the drafter's KV layers, but none of the registered "
-                f"layers {sorted(kv_caches)} is one (expected 'draft_model.*', or a layer index at or past the "
-                "target's layer count); use draft_placement 'packed'"
-            )
-        if placement is DraftPlacement.PACKED and not draft:
-            log.warning("kvpack: no drafter KV layer told apart; every registered layer is packed into each object")
-
-        def layout(names: tuple[str, ...]) -> BlockLayout:
-            return BlockLayout.from_tensors([kv_caches[n] for n in names], num_blocks)
-
-        kv_names = target + draft if placement is DraftPlacement.PACKED else target
-        self.layout = layout(kv_names)
-        self.slot_bytes = self.layout.slot_bytes
-        self.fingerprint = self._member_fingerprint(kv_caches, kv_names, self.layout, "kv")
-        self.target_layout = layout(target) if kv_names != target else self.layout
-        self.target_bytes = self.target_layout.slot_bytes
-        self.slots = [_Slot(self.member, self.fingerprint, self.layout, 0)]
-        if draft:
-            self.draft_layout = layout(draft)
-            self.draft_bytes = self.draft_layout.slot_bytes
-            if placement is DraftPlacement.SIDECAR:
-                assert self.draft_member is not None
-                self.draft_fingerprint = self._member_fingerprint(kv_caches, draft, self.draft_layout, DRAFT_MEMBER)
-                self.slots.append(_Slot(self.draft_member, self.draft_fingerprint, self.draft_layout, 0, draft=True))
-        log.info(
-            "kvpack: %d KV layers registered (%d draft, %s), %d blocks, %d bytes per object, member %s%s",
-            len(kv_caches),
-            len(draft),
-            placement.value,
-            num_blocks,
-            self.slot_bytes,
-            self.member,
-            f" + {self.draft_member} ({self.draft_bytes} bytes)" if self.draft_member else "",
-        )
-
-    def _register_groups(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Hybrid model: one member per KV cache group, over that group's layers (a drafter's
-        layers are packed into the group vLLM put them in)."""
-        for group in self.scope.groups:
-            names = tuple(n for n in kv_caches if n in group.layer_names)
-            if not names:
-                continue  # this rank holds no layer of the group (pipeline parallel)
-            tensors = [t for n in names for t in _layer_tensors(kv_caches[n])]
-            layout = BlockLayout.from_tensors(tensors, num_blocks)
-            member = member_name(self.rank, self.world, group.member_base)
-            fingerprint = self._member_fingerprint(kv_caches, names, layout, group.member_base)
-            self.slots.append(_Slot(member, fingerprint, layout, group.index))
-            log.info(
-                "kvpack: KV cache group %d (%s, %s coverage): %d layers, %d bytes per object, member %s",
-                group.index,
-                group.kind,
-                group.coverage.value,
-                len(names),
-                layout.slot_bytes,
-                member,
-            )
-        unknown = set(kv_caches) - {n for g in self.scope.groups for n in g.layer_names}
-        if unknown:
-            raise LayoutError(f"kvpack: KV layers {sorted(unknown)} belong to no KV cache group")
-        first = self.slots[0]
-        self.layout = self.target_layout = first.layout
-        self.member, self.fingerprint, self.slot_bytes = first.member, first.fingerprint, first.layout.slot_bytes
-        self.target_bytes = self.slot_bytes
-
-    def _member_fingerprint(
-        self, kv_caches: dict[str, torch.Tensor], names: tuple[str, ...], layout: BlockLayout, role: str
-    ) -> str:
-        facts = block_byte_facts(self.vllm_config, names, self.scope.spec.engine.partition(":")[2])
-        extra: tuple[tuple[str, str], ...] = (("layers", ";".join(layout.description)), *facts.as_extra())
-        if role != "kv":
-            extra += (("member", role),)
-        first = kv_caches[names[0]] if names else None
-        spec = KVLayoutSpec(
-            engine=self.scope.spec.engine,
-            model=self.scope.spec.model,
-            dtype=self.scope.spec.dtype,
-            chunk_tokens=self.scope.block_size,
-            tp_size=self.scope.spec.tp_size,
-            pp_size=self.scope.spec.pp_size,
-            tp_rank=self.tp_rank,
-            pp_rank=self.pp_rank,
-            layer_names=names,
-            layer_shape=tuple(first.shape[1:]) if isinstance(first, torch.Tensor) else (),
-            extra=extra,
-        )
-        assert spec.group_fingerprint == self.scope.fingerprint
-        return spec.member_fingerprint
+        self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
 
     # -- per step ---------------------------------------------------------------
 
@@ -282,7 +157,7 @@ class WorkerSide:
         """Queue this step's loads (called from start_load_kv)."""
         self._idle_step = not has_forward
         self._step_loads = []
-        if not self.slots:
+        if self.layout is None:
             return
         for job in meta.loads:
             task = _LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
@@ -295,7 +170,7 @@ class WorkerSide:
         """Queue this step's saves (called from wait_for_save: once per step, after every forward).
 
         Capture jobs are copied out here, before vLLM can free their blocks."""
-        if not self.slots:
+        if self.layout is None:
             return
         for job in meta.saves:
             with self._saves_cv:
@@ -372,8 +247,8 @@ class WorkerSide:
 
     # -- background work --------------------------------------------------------
 
-    def _key(self, tenant: str, chunk: str, member: str | None = None) -> StoreKey:
-        return StoreKey(tenant, self.scope.fingerprint, chunk, member or self.member)
+    def _key(self, tenant: str, chunk: str, member: str) -> StoreKey:
+        return StoreKey(tenant, self.scope.fingerprint, chunk, member)
 
     def _load_loop(self) -> None:
         while True:
@@ -421,9 +296,11 @@ class WorkerSide:
         job = task.job
         n = len(job.blocks)
         restore_draft = keep_draft_on_load()
-        plans: list[tuple[_Slot, list[int], torch.Tensor]] = []
+        layout = self.layout
+        assert layout is not None  # loads are queued only after registration
+        plans: list[tuple[MemberLayout, list[int], torch.Tensor]] = []
         items: list[LoadItem] = []
-        for slot in self.slots:
+        for slot in layout.members:
             wanted = [
                 i
                 for i, ref in enumerate(job.blocks)
@@ -459,7 +336,7 @@ class WorkerSide:
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
         self._count("loaded_bytes", sum(int(staging.shape[1]) for _, wanted, staging in plans for i in wanted if good[i]))
-        if self.draft_layout is not None:
+        if layout.draft is not None:
             drafted = sum(1 for i in ok if job.blocks[i].with_draft) if restore_draft else 0
             self._count("loaded_draft_blocks", drafted)
             if len(ok) > drafted:
@@ -491,9 +368,11 @@ class WorkerSide:
                 self._save_q.task_done()
 
     def _scatter(
-        self, job: TransferJob, good: list[bool], plans: list[tuple[_Slot, list[int], torch.Tensor]], restore_draft: bool
+        self, job: TransferJob, good: list[bool], plans: list[tuple[MemberLayout, list[int], torch.Tensor]], restore_draft: bool
     ) -> None:
         """Loaded rows -> blocks, member by member (called under the lock, never after a cancel)."""
+        layout = self.layout
+        assert layout is not None
         packed_target_only = self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
         for slot, wanted, staging in plans:
             sel = [j for j, i in enumerate(wanted) if good[i]]
@@ -502,22 +381,22 @@ class WorkerSide:
             ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
             rows = staging[sel] if len(sel) < len(wanted) else staging
             if packed_target_only and slot.group == 0 and not slot.draft:
-                assert self.target_layout is not None
-                self.target_layout.scatter(ids, rows[:, : self.target_bytes].contiguous())
+                layout.target.scatter(ids, rows[:, : layout.target.slot_bytes].contiguous())
             else:
                 slot.layout.scatter(ids, rows)
-        if self.draft_member is None or self.draft_layout is None:
+        if layout.draft_member is None or layout.draft is None:
             return
         # target_only: chunks loaded without their draft member get empty draft state
         empty = [ref.block_ids[0] for ref, ok in zip(job.blocks, good) if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK]
         if empty:
-            self.draft_layout.scatter(empty, torch.zeros((len(empty), self.draft_bytes), dtype=torch.uint8))
+            layout.draft.scatter(empty, torch.zeros((len(empty), layout.draft.slot_bytes), dtype=torch.uint8))
 
     def _gather(self, job: TransferJob) -> list[PutItem]:
         """Copy the job's blocks into fresh staging rows: one `PutItem` per chunk and member.
 
         Sidecar draft members come first, so a chunk's ``kv`` never lands without them."""
-        slots = [s for s in self.slots if not s.draft or keep_draft_on_save()]
+        assert self.layout is not None
+        slots = [s for s in self.layout.members if not s.draft or keep_draft_on_save()]
         slots.sort(key=lambda s: not s.draft)
         items: list[PutItem] = []
         for slot in slots:
@@ -583,29 +462,6 @@ class WorkerSide:
         self.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
 
-def _layer_tensors(cache: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """A layer's cache tensors (attention: one; Mamba: its conv and SSM state tensors)."""
-    return list(cache) if isinstance(cache, (list, tuple)) else [cache]
-
-
 def _tokens_used(ref: BlockRef) -> int:
     """Tokens a loaded block contributes: a whole block, or a tail's matched prefix."""
     return ref.token_count if ref.token_ids is None else len(ref.token_ids)
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
-
-
-def _pp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
-    except Exception:
-        return 0
