@@ -362,6 +362,10 @@ class KVPackConfig:
     """Longest a process waits, when it exits (normally, or on SIGINT/SIGTERM), for the
     stores it accepted to reach every tier; what is still queued then is counted as
     ``store_dropped{reason="shutdown"}`` and logged."""
+    pd_wait_ms: int = 2000
+    """Prefill/decode handoff (vLLM ``do_remote_prefill``): longest a decode instance's load
+    waits for the prefill instance's objects to land in a shared tier; then it loads what
+    is there and recomputes the rest (counted)."""
     metrics_port: int = 0
     """Serve this process's kvpack_* Prometheus metrics on 127.0.0.1 (0: off).
     Each process (vLLM scheduler, each worker) takes the first free port of
@@ -406,6 +410,7 @@ class KVPackConfig:
         self.integrity_key_bytes(path)
         if not (math.isfinite(self.shutdown_flush_s) and 0 < self.shutdown_flush_s <= 3600):
             raise ConfigError(_join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}")
+        check_range(_join(path, "pd_wait_ms"), self.pd_wait_ms, 0, MAX_WAIT_MS)
         if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
             raise ConfigError(_join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}")
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):

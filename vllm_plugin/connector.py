@@ -93,6 +93,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(
                 self.kvpack_config, self.scope, can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer
             )
+            _warn_if_killed_before_flush(vllm_config, self.kvpack_config.shutdown_flush_s)
         else:
             self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
@@ -205,3 +206,21 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> bool:
         assert self.scheduler is not None
         return self.scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+
+
+def _warn_if_killed_before_flush(vllm_config: VllmConfig, flush_s: float) -> None:
+    """vLLM's multi-process engine SIGKILLs its engine core and workers `shutdown_timeout`
+    seconds after SIGTERM (the OpenAI server's default is 0: at once), before kvpack's exit
+    flush can write what is still queued. Say so once, at start-up, with the fix."""
+    from vllm import envs
+
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        return  # in-process: kvpack's exit flush runs in this very process
+    grace = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
+    if grace < flush_s:
+        log.warning(
+            "kvpack: vLLM stops this engine %d s after SIGTERM/Ctrl-C (--shutdown-timeout); stores still queued "
+            "then are lost. Start vLLM with --shutdown-timeout %d to let kvpack write them (shutdown_flush_s).",
+            grace,
+            int(flush_s + 0.999),
+        )
