@@ -1,9 +1,10 @@
 """The `kvpack` command: inspect a store, run benchmarks, the demo, the soak suite.
 
     kvpack inspect DIR [--json]
-    kvpack bench {tiers,copy,vllm,mooncake,sglang,spec} [ARGS...]
+    kvpack bench {tiers,copy,vllm,mooncake,sglang,spec,serve} [ARGS...]
     kvpack demo [ARGS...]
     kvpack soak [ARGS...]
+    kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
     kvpack config [FILE]        # print the effective config (defaults filled in)
 
 Subcommands import their module only when run, so `kvpack inspect` works
@@ -29,8 +30,9 @@ BENCHES = {
     "mooncake": "kvpack.tools.bench.mooncake_bench",
     "sglang": "kvpack.tools.bench.sglang_bench",
     "spec": "kvpack.tools.bench.spec_bench",
+    "serve": "kvpack.tools.bench.serve_bench",
 }
-RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak"}
+RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak", "proxy": "kvpack.tools.proxy"}
 
 
 def _run_module(module: str, argv: list[str]) -> int:

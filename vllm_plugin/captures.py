@@ -58,6 +58,8 @@ class _Running:
     """Chunks before this one are stored (loaded from kvpack) or captured."""
     tail_end: int = 0
     """Token count of the last tail stored for this request (0: none yet)."""
+    prompt_tail: str | None = None
+    """Chunk id of the prompt's partial-block tail once placed (a prefill/decode handoff names it)."""
 
 
 class CaptureTracker:
@@ -84,11 +86,9 @@ class CaptureTracker:
             run.next_chunk = 0
             run.tail_end = 0
 
-    def forget(self, req_id: str) -> int | None:
-        """Stop tracking `req_id` (finished): the chunks it had stored or captured, None
-        when it was not tracked."""
-        run = self._running.pop(req_id, None)
-        return run.next_chunk if run is not None else None
+    def forget(self, req_id: str) -> _Running | None:
+        """Stop tracking `req_id` (finished); its state, None when it was not tracked."""
+        return self._running.pop(req_id, None)
 
     def step(self, out: SchedulerOutput) -> list[TransferJob]:
         """Capture jobs for every chunk this step completes (one job per request at most)."""
@@ -169,4 +169,6 @@ class CaptureTracker:
         tail_ids = tuple(int(t) for t in run.request.all_token_ids[c * self.block_size : end])
         chunk, stored = self.place_tail(run.scope, run.hashes[c - 1] if c else run.scope.seed, tail_ids)
         run.tail_end = end
+        if end == int(run.request.num_prompt_tokens):
+            run.prompt_tail = chunk
         return None if stored else BlockRef(chunk, ids, len(tail_ids), tail_ids)

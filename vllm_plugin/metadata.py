@@ -64,9 +64,12 @@ class TransferJob:
     tenant: str
     blocks: tuple[BlockRef, ...]
     capture: bool = False
-    """A save of blocks vLLM may free before the request ends (sliding window,
-    Mamba): copied out in this step's ``wait_for_save``, stored in the
-    background, never reported as the request's finished send."""
+    """A save of blocks this step computed (`captures`): copied out in this step's
+    ``wait_for_save``, stored in the background, never reported as the request's
+    finished send."""
+    handoff_wait_s: float = 0.0
+    """A load of a prefill instance's prompt (`handoff`): its objects may still be
+    landing in the shared tier; wait at most this long for them, then load what is there."""
 
 
 @dataclass

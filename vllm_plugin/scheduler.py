@@ -1,4 +1,4 @@
-"""Scheduler side: what to load for a new request, what to save for a finished one.
+"""Scheduler side: what to load for a new request, what to save in each step.
 
 Lookup (`get_num_new_matched_tokens`): one batched `KVStore.lookup` over the
 chained keys of every full block of the request, then the stored tail after
@@ -9,10 +9,20 @@ compute at least one token, so a prompt stored whole hits n - 1 tokens.
 Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS while a
 worker thread restores it).
 
-Save (`request_finished`): every computed token (prompt and generated, never
-beyond `num_computed_tokens`): full blocks not stored yet, plus the last
-partial block as a tail object carrying its token ids. The request's blocks
-stay allocated (delayed free) until the workers report the copy done.
+Save (`build_connector_meta`, every step; see `captures`): the chunks the
+step computes, the prompt's partial tail in the step that finishes the
+prompt, the tail of a request that may end by length; the workers copy them
+right after that step's forward. The scheduler counts them as in the
+workers' memory at once (`_expect_in_memory`), so the next request with the
+same prefix hits while the first still decodes. `request_finished` saves
+nothing (but a Mamba state vLLM hands over) and never delays a free.
+
+Prefill/decode disaggregation (`handoff`): a request with vLLM's
+``do_remote_decode`` gets, at finish, the ``kv_transfer_params`` of a
+`Handoff`; a request carrying one (``do_remote_prefill``) is loaded from
+what the prefill instance saved, the worker waiting at most ``pd_wait_ms``
+for objects still landing. A handoff of another layout or tenant is refused
+with an error and the request is served as any other.
 
 Draft KV (speculative decoding): packed into the ``kv`` objects, or, as a
 sidecar, a ``draft`` member (role DRAFT) of every chunk's group. Lookups
@@ -27,9 +37,8 @@ it (`Scope.member_specs`): full attention in every chunk, a sliding window
 in the chunks it still sees at the boundary, Mamba state at the boundary.
 Loads copy each group's blocks that vLLM allocated (a freed sliding-window
 block is skipped; Mamba state goes into the boundary block only). Because
-vLLM frees sliding-window and Mamba blocks while a request runs, their
-chunks are saved as they complete (`TransferJob.capture`: the worker copies
-them in the same step), and Mamba's state at a partial block is saved when
+vLLM frees sliding-window and Mamba blocks while a request runs, saving as
+computed is what makes them storable at all, and Mamba's state at a partial block is saved when
 vLLM hands it over (`register_finished_partial_tail`); the state of a tail
 is usable only for a prompt that contains the whole tail.
 
@@ -40,8 +49,8 @@ Every store call here runs on vLLM's scheduler thread, between two engine
 steps. Besides each remote call's own bound, one `WaitBudget`
 (`io_timeout_ms`) bounds all of a step's remote waits together: once spent,
 the rest of the step's lookups see only local tiers (fewer hits, never a
-longer step) and save planning assumes the remote tiers hold nothing (at
-worst an object is written again).
+longer step) and tail placement assumes the remote tiers hold nothing (at
+worst a tail is written again).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from kvpack.tiers.factory import build_tiers
 from kvpack.tiers.base import Tier
 
 from .captures import CaptureTracker
+from .handoff import Handoff, HandoffError, wants_remote_decode
 from .index import ReportedMemoryIndex
 from .metadata import (
     NO_BLOCK,
@@ -97,6 +107,9 @@ class LoadPlan:
     full_chunks: int = 0
     """Leading hit chunks with every member; chunks `full_chunks..hit_chunks` lack
     the sidecar draft (target_only) and load the target member only."""
+    handoff: bool = False
+    """A prefill instance's prompt (`handoff`): loaded with a bounded wait for objects
+    still landing, not found by a lookup."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,8 @@ class SchedulerSide:
         self._saving: set[str] = set()
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
+        self._handoff_errors: set[str] = set()
+        """Handoff refusals already logged (each distinct reason once)."""
         self._failed: set[str] = set()
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
         tails = self._place_tail if config.tail_reuse and not self._state_groups else None
@@ -163,7 +178,8 @@ class SchedulerSide:
         elif request.request_id in self._failed:  # a load failed once: recompute, never retry
             plan = LoadPlan(n, rs, (), 0, 0, None)
         else:
-            plan = self._lookup(request, rs, n)
+            handoff = self._handoff_of(request, rs)
+            plan = self._handoff_plan(request, rs, n, handoff) if handoff else self._lookup(request, rs, n)
         self._plans[request.request_id] = plan
         return plan
 
@@ -200,6 +216,40 @@ class SchedulerSide:
                 tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
                 self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
         return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k))
+
+    def _handoff_of(self, request: Request, rs: RequestScope) -> Handoff | None:
+        """The prefill instance's handoff in `request`'s params, if it is one for this engine's
+        layout and the request's tenant; a mismatch is refused here, logged as an error
+        and counted (the request is then served as any other)."""
+        try:
+            handoff = Handoff.from_params(getattr(request, "kv_transfer_params", None))
+            if handoff is not None:
+                handoff.check(self.scope.fingerprint, rs.tenant)
+            return handoff
+        except HandoffError as exc:
+            self._count("pd_refused")
+            if str(exc) not in self._handoff_errors:
+                self._handoff_errors.add(str(exc))
+                log.error("kvpack: prefill/decode handoff refused (request %s): %s", request.request_id, exc)
+            return None
+
+    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff) -> LoadPlan:
+        """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at most)."""
+        bs = self.scope.block_size
+        tokens = list(request.all_token_ids[:n])
+        hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
+        full = min(handoff.tokens // bs, len(hashes))
+        matched = min(handoff.tokens, n - 1)
+        tail: BlockRef | None = None
+        if matched > full * bs:
+            if handoff.tail_chunk is None or not self.config.tail_reuse:
+                matched = full * bs
+            else:
+                used = tuple(tokens[full * bs : matched])
+                tail = BlockRef(handoff.tail_chunk, (), handoff.tokens - full * bs, used)
+                self.store.metrics.inc("tail_hit_tokens", len(used), tenant=rs.tenant)
+        self._count("pd_handoffs")
+        return LoadPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.can_load:
@@ -240,7 +290,10 @@ class SchedulerSide:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
                 refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft))
-        self._pending_loads[request.request_id] = TransferJob(request.request_id, plan.scope.tenant, tuple(refs))
+        wait_s = self.config.pd_wait_ms / 1000.0 if plan.handoff else 0.0
+        self._pending_loads[request.request_id] = TransferJob(
+            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s
+        )
         self._load_issued.add(request.request_id)
         self._count("hit_tokens", num_external_tokens)
         self._count("load_requests")
@@ -327,11 +380,17 @@ class SchedulerSide:
         computed it (`captures`); only a Mamba state handed over at finish is saved here."""
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
-        self._captures.forget(req_id)
+        run = self._captures.forget(req_id)
         self._pending_loads.pop(req_id, None)
         self._failed.discard(req_id)
         self._load_issued.discard(req_id)
         self._bad_tenants_logged.discard(req_id)
+        if self.can_save and run is not None and wants_remote_decode(getattr(request, "kv_transfer_params", None)):
+            # a prefill instance: tell the decode instance what it saved (blocks captured as computed)
+            computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+            handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail)
+            self._count("pd_handoffs_sent")
+            return False, handoff.to_params()
         if not self.can_save or not partial_tails:
             return False, None
         rs = plan.scope if plan is not None else self._scope_of(request)

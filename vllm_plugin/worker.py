@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpack.vllm")
 
+IDLE_STEP_PAUSE_S = 0.02
+"""Longest a step with no forward waits for a load started in an earlier step (it returns
+as soon as that load is done); bounds the engine's spin while loads are in flight."""
+
 
 def keep_draft_on_save() -> bool:
     """Whether saves write the sidecar ``draft`` member. Always True.
@@ -191,6 +195,14 @@ class WorkerSide:
             deadline = time.monotonic() + timeout
             for task in self._step_loads:
                 task.done.wait(max(0.0, deadline - time.monotonic()))
+        elif self._idle_step:
+            # nothing to compute, only earlier loads in flight (a handoff waiting for its
+            # objects): pause briefly instead of letting the engine spin through empty steps,
+            # which on a small machine starves the very prefill instance it waits for
+            with self._lock:
+                inflight = next((t for t in self._loads.values() if not t.done.is_set()), None)
+            if inflight is not None:
+                inflight.done.wait(IDLE_STEP_PAUSE_S)
         self._step_loads = []
         now = time.monotonic()
         with self._lock:
@@ -203,7 +215,7 @@ class WorkerSide:
                         if task.failed_blocks:
                             self._failed_loads.append(req_id)
                             self._failed_recving.add(req_id)
-                elif now - task.started > timeout:
+                elif now - task.started > timeout + task.job.handoff_wait_s:
                     task.cancelled = True  # the load thread will not write these blocks any more
                     del self._loads[req_id]
                     self._done_recving.add(req_id)
@@ -291,6 +303,32 @@ class WorkerSide:
                     return
                 self._saves_cv.wait(left)
 
+    def _wait_for_handoff(self, task: _LoadTask, items: list[LoadItem]) -> None:
+        """A prefill instance's objects may still be landing: poll the shared tiers until
+        every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
+        deadline = task.started + task.job.handoff_wait_s
+        keys = [it.key for it in items]
+        missing = keys
+        while missing and not task.cancelled:
+            found = self.store.contains(missing)
+            missing = [k for k, ok in zip(missing, found) if not ok]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        waited = time.monotonic() - task.started
+        self._count("pd_wait_seconds", waited)
+        self.store.metrics.observe("handoff_wait_seconds", waited, tenant=task.job.tenant)
+        self.store.metrics.inc("handoff_loads", tenant=task.job.tenant)
+        if missing:
+            self._count("pd_missing_objects", len(missing))
+            self.store.metrics.inc("handoff_missing", len(missing), tenant=task.job.tenant)
+            log.warning(
+                "kvpack: %d of %d objects of %s had not landed after pd_wait_ms; vLLM recomputes from the first",
+                len(missing),
+                len(keys),
+                task.job.req_id,
+            )
+
     def _run_load(self, task: _LoadTask) -> None:
         self._wait_for_earlier_saves(task)
         job = task.job
@@ -313,6 +351,8 @@ class WorkerSide:
                 for j, i in enumerate(wanted)
             ]
             plans.append((slot, wanted, staging))
+        if job.handoff_wait_s > 0:
+            self._wait_for_handoff(task, items)
         start = time.perf_counter()
         results = self.store.load(items)
         good = [True] * n

@@ -9,18 +9,22 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_helpers import close_llm, kv_config, make_llm, object_files, prompt, run, same_output
+from vllm_helpers import (
+    close_llm,
+    kv_config,
+    make_llm,
+    object_files,
+    post_completion,
+    prompt,
+    run,
+    same_output,
+    serve_openai,
+    stop_server,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -56,51 +60,8 @@ def test_multiprocess_hit_served_from_worker_memory(tiny_llama: Path, monkeypatc
         close_llm(llm)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
 def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    cfg = kv_config({"disk": {"path": str(store)}})
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
-        "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--dtype", "float32",
-        "--kv-transfer-config", json.dumps(cfg),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise AssertionError(f"server not ready in time; see {log}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return serve_openai(model, kv_config({"disk": {"path": str(store)}}), log)
 
 
 def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, tmp_path: Path) -> None:
@@ -109,17 +70,17 @@ def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, tmp_path: Pat
     body = {"model": str(tiny_llama), "prompt": ids, "max_tokens": 8, "temperature": 0}
     proc, port = _serve(tiny_llama, store, log)
     try:
-        first = _post(port, body)
+        first = post_completion(port, body)
     finally:
-        _stop(proc)  # Ctrl-C right after the answer: kvpack flushes before the server exits
+        stop_server(proc)  # Ctrl-C right after the answer: kvpack flushes before the server exits
     blocks, tail = object_files(store, ids)
     assert len(blocks) == 2 and tail is not None
     proc, port = _serve(tiny_llama, store, log)
     try:
-        second = _post(port, body)
-        cold = _post(port, {**body, "prompt": prompt(22, 301)})  # negative control
+        second = post_completion(port, body)
+        cold = post_completion(port, {**body, "prompt": prompt(22, 301)})  # negative control
     finally:
-        _stop(proc)
+        stop_server(proc)
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens") == len(ids) - 1

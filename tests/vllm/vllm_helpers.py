@@ -245,3 +245,96 @@ def engine_process(
     assert proc.returncode == 0 and line is not None, f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
     data = json.loads(line[len("RESULT ") :])
     return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
+
+
+# -- OpenAI servers (vLLM's default multi-process mode) ------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_openai(model: Path, kv: dict[str, Any] | None, log: Path, *args: str, ready_s: float = 240):  # type: ignore[no-untyped-def]
+    """Start vLLM's OpenAI server on 127.0.0.1 (fp32, eager, vLLM prefix caching off) with
+    kv-transfer-config `kv` (None: no connector); wait until it is healthy. Returns
+    (process, port); the process leads a session of its own (`stop_server`)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
+        "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--dtype", COMPARE_DTYPE,
+        *args,
+    ]  # fmt: skip
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc, port
+        except OSError:
+            time.sleep(1)
+    stop_server(proc)
+    raise AssertionError(f"server not ready in {ready_s} s; see {log}")
+
+
+def stop_server(proc: Any) -> None:
+    """Ctrl-C (SIGINT) as a user stops a server; SIGKILL of its session after 60 s."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def post_completion(port: int, body: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def cached_tokens(response: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a completion (0 when absent)."""
+    return int(((response.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def scrape_kvpack(base_port: int, name: str, span: int = 16) -> float:
+    """Sum of Prometheus samples `name` (e.g. ``kvpack_loaded_tokens_total``) over every
+    kvpack process serving metrics on ``base_port .. base_port + span - 1`` (config
+    ``metrics_port``: each process of an engine takes the next free port)."""
+    import urllib.request
+
+    total = 0.0
+    for port in range(base_port, base_port + span):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total

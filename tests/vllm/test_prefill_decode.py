@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation through the store: a handoff, not a race.
+
+Two real vLLM OpenAI servers share one store (a disk folder; or a Mooncake
+cluster on 127.0.0.1): a prefill instance (``kv_producer``) and a decode
+instance (``kv_consumer``), with `kvpack proxy` in front, as a user runs
+them. Every prompt sent to the proxy is answered by the decode instance
+with n - 1 prompt tokens loaded from the store (``cached_tokens``) and the
+greedy text of a single-instance no-cache run. Before the handoff protocol
+a request sent right after the producer answered missed (the producer's save
+had not landed, and nothing told the consumer to wait).
+
+A decode request whose prefill instance never stored anything waits at most
+``pd_wait_ms`` and recomputes (same text); a handoff from another layout is
+refused at once with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from vllm_helpers import (
+    BLOCK,
+    cached_tokens,
+    close_llm,
+    free_port,
+    kv_config,
+    make_llm,
+    post_completion,
+    prompt,
+    scrape_kvpack,
+    serve_openai,
+    stop_server,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = {"A": prompt(71, 700), "B": prompt(72, 300), "C": prompt(73, 257)}
+LATE = prompt(75, 500)
+"""Sent to the decode instance before the prefill instance has computed it."""
+MAX_TOKENS = 12
+PD_WAIT_MS = 3000
+
+
+def _baseline_texts(model: Path) -> dict[str, str]:
+    from vllm import SamplingParams
+
+    llm = make_llm(model)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        prompts = {**PROMPTS, "LATE": LATE}
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
+        return {name: out.outputs[0].text for name, out in zip(prompts, outs)}
+    finally:
+        close_llm(llm)
+
+
+def _handoff_for(sample: dict, ids: list[int]) -> dict:
+    """The handoff a prefill instance answers for `ids` (layout and tenant as in `sample`;
+    its tail goes to the first tail slot after its last whole block)."""
+    from kvpack.keys import chunk_hashes
+    from kvpack.tails import tail_chunk
+
+    hashes = chunk_hashes(ids, BLOCK)
+    tail = tail_chunk(hashes[-1] if hashes else None) if len(ids) % BLOCK else None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvpack": {**sample["kvpack"], "tokens": len(ids), "tail_chunk": tail},
+    }
+
+
+def _proxy(prefill: int, decode: int, log: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvpack.cli", "proxy", "--prefill", f"http://127.0.0.1:{prefill}",
+           "--decode", f"http://127.0.0.1:{decode}", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            post_completion(port, {}, timeout_s=1)
+        except OSError as exc:
+            if "refused" not in str(exc).lower():
+                return proc, port  # answering (an HTTP error from upstream is an answer)
+            time.sleep(0.2)
+        else:
+            return proc, port
+    proc.kill()
+    raise AssertionError(f"proxy not ready; see {log}")
+
+
+@pytest.fixture(params=["disk", "mooncake"])
+def shared_tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict:
+    if request.param == "disk":
+        return {"disk": {"path": str(tmp_path / "kv")}}
+    cluster = request.getfixturevalue("mooncake_cluster")
+    mc = {
+        "enabled": True,
+        "master_server_address": cluster.master_address,
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+        "local_buffer_size": "16MiB",
+        "staging_size": "64MiB",
+        "timeout_ms": 3000,
+    }
+    return {"disk": {"enabled": False}, "mooncake": mc}
+
+
+def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv(
+    tiny_llama: Path, tmp_path: Path, shared_tier: dict
+) -> None:
+    baseline = _baseline_texts(tiny_llama)
+    common = {**shared_tier, "memory": {"capacity": "256MiB"}}
+    producer, p_port = serve_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log")
+    consumer = proxy = None
+    try:
+        metrics = free_port()
+        consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+        consumer, d_port = serve_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
+        proxy, port = _proxy(p_port, d_port, tmp_path / "proxy.log")
+
+        def loaded() -> float:  # tokens the decode instance's kvpack restored
+            return scrape_kvpack(metrics, "kvpack_loaded_tokens_total")
+
+        def handoffs() -> float:  # decode loads that came through a handoff
+            return scrape_kvpack(metrics, "kvpack_handoff_loads_total")
+
+        for name, ids in PROMPTS.items():
+            before, via = loaded(), handoffs()
+            out = post_completion(port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+            assert loaded() - before == len(ids) - 1, name
+            assert handoffs() - via == 1, name
+            # vLLM reports the prefill side's own cache hits here (none: every prompt is new to it)
+            assert cached_tokens(out) == 0
+            assert out["choices"][0]["text"] == baseline[name], name
+
+        handoff = post_completion(p_port, {"model": str(tiny_llama), "prompt": PROMPTS["B"], "max_tokens": 1,
+                                           "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]  # fmt: skip
+        assert handoff["do_remote_prefill"] and handoff["kvpack"]["tokens"] == len(PROMPTS["B"])
+        # the race made certain: the decode request is in before the prefill instance starts;
+        # the handoff makes it wait for the objects (bounded) instead of missing them
+        early = _handoff_for(handoff, LATE)  # what the prefill instance is about to answer
+        before = loaded()
+        with ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(post_completion, d_port, {"model": str(tiny_llama), "prompt": LATE, "max_tokens": MAX_TOKENS,
+                                                            "temperature": 0, "kv_transfer_params": early})  # fmt: skip
+            time.sleep(0.5)  # not to pass: to make sure the decode side asks first (the worst order)
+            produced = post_completion(p_port, {"model": str(tiny_llama), "prompt": LATE, "max_tokens": 1,
+                                                "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+            out = decoded.result(timeout=120)
+        assert produced["kv_transfer_params"]["kvpack"] == early["kvpack"]
+        assert loaded() - before == len(LATE) - 1
+        assert out["choices"][0]["text"] == baseline["LATE"]
+
+        # the prefill instance never stored this prompt: the decode instance waits (bounded), recomputes
+
+        unstored = prompt(74, 300)
+        before = loaded()
+        start = time.monotonic()
+        out = post_completion(d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "kv_transfer_params": handoff})  # fmt: skip
+        assert time.monotonic() - start < PD_WAIT_MS / 1000 + 30
+        assert loaded() == before  # nothing of it was there to load
+        alone = post_completion(d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert out["choices"][0]["text"] == alone["choices"][0]["text"]
+
+        # a handoff from another layout is refused at once, with an error that names it
+        forged = json.loads(json.dumps(handoff))
+        forged["kvpack"]["fingerprint"] = "0" * 32
+        out = post_completion(d_port, {"model": str(tiny_llama), "prompt": PROMPTS["B"], "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "kv_transfer_params": forged})  # fmt: skip
+        assert out["choices"][0]["text"] == baseline["B"]
+    finally:
+        for proc in (proxy, consumer, producer):
+            if proc is not None:
+                stop_server(proc)
+    log = (tmp_path / "decode.log").read_text(errors="replace")
+    assert "prefill/decode handoff refused" in log and "0" * 32 in log
+    assert os.path.getsize(tmp_path / "prefill.log") > 0

@@ -1,0 +1,161 @@
+"""`kvpack proxy`: a minimal prefill/decode proxy in front of two vLLM OpenAI servers.
+
+    kvpack proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+It speaks vLLM's disaggregation protocol (the one vLLM's own proxies use), so
+the two instances only need kvpack with one shared tier (disk or Mooncake):
+
+1. the request goes to the prefill instance with ``max_tokens: 1`` (no
+   streaming) and ``kv_transfer_params: {"do_remote_decode": true}``;
+2. the prefill response's ``kv_transfer_params`` (kvpack's `Handoff`: layout,
+   tenant, token count, tail) go with the original request to the decode
+   instance, which loads the prompt from the store (waiting at most
+   ``pd_wait_ms`` for objects still landing) and generates;
+3. the decode instance's answer (streamed or not) goes back to the client.
+
+``/v1/completions`` and ``/v1/chat/completions`` are proxied this way; other
+GET paths (``/health``, ``/v1/models``) go to the decode instance. Listens on
+127.0.0.1 unless told otherwise. Standard library only; one thread per
+connection; every upstream call has a timeout (``--timeout-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger("kvpack.proxy")
+
+PROXIED = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    prefill: str
+    decode: str
+    timeout_s: float
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill instance's request: one token, no streaming, asking for a remote decode."""
+    out = dict(body, max_tokens=1, stream=False)
+    out.pop("max_completion_tokens", None)
+    out.pop("stream_options", None)
+    params = dict(body.get("kv_transfer_params") or {})
+    params.update(do_remote_decode=True, do_remote_prefill=False)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
+    """The decode instance's request: the client's, with the prefill side's handoff params."""
+    params = prefill_response.get("kv_transfer_params")
+    return dict(body, kv_transfer_params=params) if params else dict(body)
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout_s)
+
+
+def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("proxy: " + fmt, *args)
+
+        def _reply(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            try:
+                with urllib.request.urlopen(up.decode + self.path, timeout=up.timeout_s) as resp:
+                    self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
+            except urllib.error.HTTPError as exc:
+                self._reply(exc.code, exc.read())
+            except OSError as exc:
+                self._reply(502, json.dumps({"error": f"decode instance: {exc}"}).encode())
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path not in PROXIED:
+                self._reply(404, json.dumps({"error": f"kvpack proxy serves {list(PROXIED)}"}).encode())
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+            except ValueError as exc:
+                self._reply(400, json.dumps({"error": f"not JSON: {exc}"}).encode())
+                return
+            try:
+                with _post(up.prefill + self.path, prefill_body(body), up.timeout_s) as resp:
+                    handoff = json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                self._reply(exc.code, exc.read())
+                return
+            except OSError as exc:
+                self._reply(502, json.dumps({"error": f"prefill instance: {exc}"}).encode())
+                return
+            try:
+                resp = _post(up.decode + self.path, decode_body(body, handoff), up.timeout_s)
+            except urllib.error.HTTPError as exc:
+                self._reply(exc.code, exc.read())
+                return
+            except OSError as exc:
+                self._reply(502, json.dumps({"error": f"decode instance: {exc}"}).encode())
+                return
+            with resp:
+                if not body.get("stream"):
+                    self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
+                    return
+                self.send_response(resp.status)
+                self.send_header("Content-Type", resp.headers.get("Content-Type", "text/event-stream"))
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while chunk := resp.read1(65536):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+    return Handler
+
+
+def serve(up: Upstreams, host: str, port: int) -> ThreadingHTTPServer:
+    """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one."""
+    server = ThreadingHTTPServer((host, port), make_handler(up))
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpack proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", required=True, help="base URL of the prefill instance (kv_producer)")
+    parser.add_argument("--decode", required=True, help="base URL of the decode instance (kv_consumer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="bound of each upstream call")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    server = serve(Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s), args.host, args.port)
+    print(f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, decode {args.decode}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Prefill/decode disaggregation through the store: vLLM's handoff protocol, in kvpack terms.
+
+vLLM's disaggregated serving (its proxies, its NIXL and Mooncake connectors)
+works like this: the proxy sends a prompt to the prefill instance with
+``kv_transfer_params: {"do_remote_decode": true}`` and ``max_tokens: 1``; the
+prefill side's ``request_finished`` returns the ``kv_transfer_params`` for the
+decode side, which vLLM puts in the response; the proxy sends the request with
+those params to the decode instance, whose connector sees
+``do_remote_prefill`` and loads asynchronously before the request runs.
+
+kvpack speaks it over a shared tier (disk, Mooncake). The prefill instance
+saves every block in the step that computes it, so when its one token comes
+back the objects are written or in flight; it answers with a `Handoff`: the
+layout group's fingerprint, the tenant, how many prompt tokens it computed
+and where its partial-block tail went. The decode instance checks that the
+fingerprint and tenant are its own (a mismatch is refused at once, with an
+error naming both; it then recomputes), and loads every chunk, waiting at
+most ``pd_wait_ms`` for objects still landing; what is not there by then is
+recomputed (counted), never waited on longer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HANDOFF_KEY = "kvpack"
+"""Key of kvpack's handoff inside ``kv_transfer_params``."""
+
+
+class HandoffError(ValueError):
+    """Handoff params that are malformed, or that name another layout or tenant."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What a decode instance needs to load a prefill instance's prompt from the store."""
+
+    fingerprint: str
+    """The prefill instance's layout group fingerprint (must equal the decode side's)."""
+    tenant: str
+    tokens: int
+    """Prompt tokens the prefill instance computed (and saved)."""
+    tail_chunk: str | None
+    """Chunk id of the saved partial-block tail (None: the prompt ends on a block boundary)."""
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the prefill instance returns for the decode instance."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            HANDOFF_KEY: {"fingerprint": self.fingerprint, "tenant": self.tenant, "tokens": self.tokens, "tail_chunk": self.tail_chunk},
+        }
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> Handoff | None:
+        """The handoff in a decode request's params (None: not a kvpack handoff).
+        Raises HandoffError for a malformed one."""
+        if not params or not params.get("do_remote_prefill") or HANDOFF_KEY not in params:
+            return None
+        raw = params[HANDOFF_KEY]
+        if not isinstance(raw, Mapping):
+            raise HandoffError(f"kv_transfer_params[{HANDOFF_KEY!r}] must be an object, got {type(raw).__name__}")
+        fingerprint, tenant, tokens, tail = raw.get("fingerprint"), raw.get("tenant"), raw.get("tokens"), raw.get("tail_chunk")
+        if not isinstance(fingerprint, str) or not isinstance(tenant, str):
+            raise HandoffError("kvpack handoff needs string 'fingerprint' and 'tenant'")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise HandoffError(f"kvpack handoff 'tokens' must be an integer >= 0, got {tokens!r}")
+        if tail is not None and not isinstance(tail, str):
+            raise HandoffError(f"kvpack handoff 'tail_chunk' must be a string or null, got {tail!r}")
+        return cls(fingerprint, tenant, tokens, tail)
+
+    def check(self, fingerprint: str, tenant: str) -> None:
+        """Raise HandoffError unless this handoff is for `fingerprint` and `tenant`."""
+        if self.fingerprint != fingerprint:
+            raise HandoffError(
+                f"the prefill instance stores layout {self.fingerprint}, this decode instance reads {fingerprint}: "
+                "model, dtype, block size, parallel sizes and kvpack's format must match on both sides"
+            )
+        if self.tenant != tenant:
+            raise HandoffError(f"the prefill instance stored tenant {self.tenant!r}, this request is tenant {tenant!r}")
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """True for a prefill request of a disaggregated pair (vLLM's ``do_remote_decode``)."""
+    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
