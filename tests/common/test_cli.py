@@ -13,7 +13,7 @@ from fixtures.builders import chunk_id, make_item
 from kvpack.cli import BENCHES, RUNNERS, main
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
-from kvpack.store import tail_chunk
+from kvpack.tails import tail_chunk
 from kvpack.tiers.disk import DiskTier
 
 
@@ -74,3 +74,25 @@ def test_every_help_prints_usage_and_exits_0(argv: list[str], capsys: pytest.Cap
 def test_bench_without_a_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["bench"]) == 2
     assert "NAME" in capsys.readouterr().err
+
+
+def test_bench_serve_table_ratios_and_targets() -> None:
+    # the table and target code of `kvpack bench serve`, on made-up rows (no server, no vLLM)
+    from kvpack.tools.bench.serve_bench import RowName, Row, repeatable_tokens, report, targets
+
+    assert repeatable_tokens([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4], [7]]) == 3 + 3 + 0
+    rows = [
+        Row(RowName.NO_CACHE, 1.0, 1.2, 12, 12, 12288, 0, 0, 4608),
+        Row(RowName.VLLM_PC, 0.8, 1.0, 12, 12, 12288, 1536, 0, 4608, ttft_repeats_median_s=0.4),
+        Row(RowName.KVPACK, 0.3, 0.5, 12, 12, 12288, 0, 4352, 4608, ttft_repeats_median_s=0.1),
+        Row(RowName.KVPACK_PC, 0.5, 0.6, 12, 12, 12288, 1536, 2816, 4608),
+        Row(RowName.RESTART, 0.25, 0.3, 12, 12, 12288, 0, 12160, 12276, objects_on_disk=96),
+    ]
+    met = {t.what: (round(t.measured, 3), t.met) for t in targets(rows)}
+    assert met[f"{RowName.KVPACK}: first-lifetime reuse / repeated prefix tokens"] == (0.944, True)
+    assert met[f"{RowName.KVPACK}: median TTFT x vLLM prefix caching"] == (0.375, True)
+    assert met[f"{RowName.KVPACK_PC}: median TTFT x vLLM prefix caching"] == (0.625, False)
+    assert met[f"{RowName.RESTART}: median TTFT x no cache"] == (0.25, True)
+    table = report(rows)
+    assert "| kvpack | 0.300 | 0.500 | 0.300 | 0.375 | 0.100, 0.250 | 0 | 4352 | 4352 of 4608 (0.94) | 12 of 12 | 0 |" in table
+    assert "(96 objects on disk)" in table

@@ -1,0 +1,670 @@
+"""`kvpack bench serve`: the real vLLM OpenAI server under vLLM's own benchmark client.
+
+What is measured: time to first token (median and p90, from the client's
+streamed responses) and prompt tokens reused, for shared-prefix traffic on a
+server whose KV cache is smaller than the workload's working set, in five rows
+measured one after another in ONE run, each on a freshly started server:
+
+1. no cache: no connector, ``--no-enable-prefix-caching``;
+2. vLLM prefix caching: no connector, ``--enable-prefix-caching``;
+3. kvpack: the kvpack connector (memory tier + a disk store in a temp dir),
+   vLLM prefix caching off, so every reused token is kvpack's;
+4. kvpack + vLLM prefix caching: both (a store of its own, also empty at start);
+5. kvpack after a restart: row 3's server stopped with SIGINT, a new server on
+   the same disk store, the same traffic again.
+
+How: each server is ``python -m vllm.entrypoints.openai.api_server`` on
+127.0.0.1 (the ``vllm`` console command is broken in the CPU build) in vLLM's
+default multi-process mode, with ``--kv-cache-memory-bytes`` set to
+`--kv-cache-fraction` (default 0.5) of the working set: the distinct prefix
+tokens plus, per concurrent request, its suffix and output (what an engine must
+hold to serve every repeat from its own cache), never below what the concurrent
+requests need. After /health answers, two warm-up requests of random token ids
+(sharing no prefix with the traffic) are sent, then the client runs in a child
+process: ``vllm.benchmarks.serve`` (``add_cli_args`` + ``main``), dataset
+``prefix_repetition`` (random prefixes and suffixes from the tokenizer alone,
+``num_prompts // num_prefixes`` prompts per prefix, shuffled), temperature 0,
+``--ignore-eos``, its own ready check and warm-ups off. Reuse is the increase
+of the server's ``vllm:prompt_tokens_by_source`` counter over the client's run:
+``local_cache_hit`` is vLLM's prefix cache, ``external_kv_transfer`` the
+connector's (kvpack). "Repeatable" is, per request, the longest common token
+prefix with any earlier request of the run (tokenized as the server does),
+summed: what an unbounded prefix cache could reuse in a first lifetime. For the
+restart row every prompt was computed by the previous lifetime, so its bound
+is the prompt tokens less one per request. Half of the short workload's
+requests are first occurrences that no cache can help, so the table also gives
+the median TTFT of the repeats alone (requests sharing at least one block with
+an earlier one; the client returns per-request TTFTs in request order).
+
+Servers are stopped by PID with SIGINT (then SIGKILL of their process group
+after a bound), never by name. Every request loop is bounded in count and
+time. Prints a table with ratios and the issue's targets next to the measured
+values; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpack.tools.bench.timing import hardware, write_report
+
+HOST = "127.0.0.1"
+DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
+BLOCK_SIZE = 128
+"""vLLM's default KV block size on CPU (the server is started with it)."""
+STOP_TIMEOUT_S = 60.0
+"""Bound on a SIGINT shutdown (kvpack's own flush bound is 10 s) before SIGKILL."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shared-prefix traffic for vLLM's ``prefix_repetition`` dataset."""
+
+    name: str
+    num_prefixes: int
+    prefix_len: int
+    suffix_len: int
+    num_prompts: int
+    concurrency: int
+    output_len: int
+
+    @property
+    def requests(self) -> int:
+        """Requests the dataset makes: ``num_prompts // num_prefixes`` per prefix."""
+        return self.num_prefixes * (self.num_prompts // self.num_prefixes)
+
+    @property
+    def request_tokens(self) -> int:
+        return self.prefix_len + self.suffix_len + self.output_len
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for a request, and 1.3x the prompt: the server refuses a text prompt longer
+        than max_model_len times the longest token's characters (5 here; words are
+        separated by spaces the tokens do not hold)."""
+        return math.ceil(1.3 * (self.prefix_len + self.suffix_len)) + self.output_len + 64
+
+    def working_set_tokens(self) -> int:
+        """Distinct prefix tokens plus, per concurrent request, its suffix and output."""
+        return self.num_prefixes * self.prefix_len + self.concurrency * (self.suffix_len + self.output_len)
+
+
+WORKLOADS: dict[str, Workload] = {
+    # prefixes repeated about twice (the issue's burst; 16 // 6 = 2 prompts per prefix)
+    "short": Workload("short", num_prefixes=6, prefix_len=768, suffix_len=256, num_prompts=16, concurrency=2, output_len=32),
+    "long": Workload("long", num_prefixes=8, prefix_len=1536, suffix_len=256, num_prompts=48, concurrency=2, output_len=32),
+}
+
+
+class RowName:
+    NO_CACHE = "no cache"
+    VLLM_PC = "vLLM prefix caching"
+    KVPACK = "kvpack"
+    KVPACK_PC = "kvpack + vLLM prefix caching"
+    RESTART = "kvpack after SIGINT restart"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One server lifetime under the client: TTFT and where its prompt tokens came from."""
+
+    name: str
+    ttft_median_s: float
+    ttft_p90_s: float
+    completed: int
+    requests: int
+    prompt_tokens: int
+    reused_vllm: int
+    """``vllm:prompt_tokens_by_source{source="local_cache_hit"}`` over the run (vLLM's prefix cache)."""
+    reused_connector: int
+    """``...{source="external_kv_transfer"}`` over the run (kvpack)."""
+    repeatable: int
+    """Upper bound on reusable tokens for this row (see the module docstring)."""
+    preemptions: int = 0
+    objects_on_disk: int | None = None
+    """kvpack objects in the store when this server started (the restart row)."""
+    ttft_repeats_median_s: float = float("nan")
+    """Median TTFT over the requests whose prefix an earlier request of the run computed."""
+    failed: str = ""
+    """Why the row has no numbers (the server or the client failed), else empty."""
+
+    @property
+    def reused(self) -> int:
+        return self.reused_vllm + self.reused_connector
+
+    @property
+    def reuse_fraction(self) -> float:
+        return self.reused / self.repeatable if self.repeatable > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    target: str
+    measured: float
+    limit: float
+    at_least: bool
+
+    @property
+    def met(self) -> bool:
+        if math.isnan(self.measured):
+            return False
+        return self.measured >= self.limit if self.at_least else self.measured <= self.limit
+
+
+@dataclass
+class Server:
+    """One ``vllm.entrypoints.openai.api_server`` process, its own session and log."""
+
+    model: str
+    port: int
+    log: Path
+    prefix_caching: bool
+    kvpack: dict[str, Any] | None
+    kv_cache_bytes: int
+    max_model_len: int
+    shutdown_timeout_s: int | None = None
+    """vLLM's ``--shutdown-timeout`` (None: vLLM's default, 0, which kills the engine at once on SIGINT)."""
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", HOST, "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--block-size", str(BLOCK_SIZE),
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--enforce-eager", "--seed", "0",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if self.shutdown_timeout_s is not None:
+            cmd += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
+        if self.kvpack is not None:
+            ktc = {"kv_connector": "KVPackConnector", "kv_role": "kv_both", "kv_connector_extra_config": self.kvpack}
+            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        return cmd
+
+    def start(self, timeout_s: float) -> None:
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP=HOST, TOKENIZERS_PARALLELISM="false")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default multi-process mode, as users run it
+        with open(self.log, "ab") as f:
+            f.write(f"\n=== kvpack bench serve: {shlex.join(self.command())}\n".encode())
+            f.flush()
+            self.popen = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"the vLLM server exited during start-up (rc {self.popen.returncode}):\n{self.log_tail()}")
+                if _http("GET", self.port, "/health", timeout=2)[0] == 200:
+                    return
+                time.sleep(1.0)
+        except BaseException:  # Ctrl-C while it starts: it is in its own session, so stop it here
+            self.stop()
+            raise
+        self.stop()
+        raise RuntimeError(f"the vLLM server was not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGINT to the server's PID; SIGKILL its process group if it or a child is left after `timeout_s`."""
+        if self.popen is None:
+            return
+        pgid = self.popen.pid  # start_new_session: the server leads its own group
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        while time.monotonic() < deadline and _group_alive(pgid):  # the engine core may still be flushing
+            time.sleep(0.5)
+        if _group_alive(pgid):
+            with open(self.log, "ab") as f:
+                f.write(f"\n=== kvpack bench serve: SIGKILL to process group {pgid} after {timeout_s:.0f}s\n".encode())
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.popen.poll() is None:
+            self.popen.wait(10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _http(method: str, port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        conn.close()
+        return resp.status, text
+    except OSError:
+        return 0, ""
+
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+
+
+def parse_counters(text: str, name: str, label: str | None = None) -> dict[str, float]:
+    """Sum a Prometheus counter's samples over every other label, keyed by `label`'s value ("" when None)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m["name"] not in (name, name + "_total"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+        key = labels.get(label, "") if label else ""
+        out[key] = out.get(key, 0.0) + float(m["value"])
+    return out
+
+
+@dataclass(frozen=True)
+class Counters:
+    local_cache_hit: float
+    external: float
+    computed: float
+    preemptions: float
+
+    @classmethod
+    def read(cls, port: int) -> Counters:
+        status, text = _http("GET", port, "/metrics")
+        if status != 200:
+            raise RuntimeError(f"GET /metrics answered {status}")
+        by_source = parse_counters(text, "vllm:prompt_tokens_by_source", "source")
+        pre = parse_counters(text, "vllm:num_preemptions").get("", 0.0)
+        return cls(by_source.get("local_cache_hit", 0.0), by_source.get("external_kv_transfer", 0.0),
+                   by_source.get("local_compute", 0.0), pre)
+
+    @classmethod
+    def settled(cls, port: int, timeout_s: float = 10.0) -> Counters:
+        """The counters once two reads a second apart agree (the server records them as outputs arrive)."""
+        last = cls.read(port)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            now = cls.read(port)
+            if now == last:
+                return now
+            last = now
+        return last
+
+
+def _warm_up(port: int, model: str, w: Workload, seed: int, count: int = 2) -> None:
+    """`count` requests of random words (no prefix shared with the traffic); each bounded in time."""
+    from kvpack.tools.tinymodel import VOCAB_WORDS
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        # token ids, not text: the server bounds a text prompt by characters (5 per token)
+        ids = [rng.randrange(3, VOCAB_WORDS) for _ in range(w.prefix_len + w.suffix_len)]
+        body = {"model": model, "prompt": ids, "max_tokens": w.output_len, "temperature": 0}
+        status, text = _http("POST", port, "/v1/completions", body, timeout=300)
+        if status != 200:
+            raise RuntimeError(f"warm-up request answered {status}: {text[:300]}")
+
+
+def _client_argv(model: str, port: int, w: Workload, seed: int) -> list[str]:
+    """Arguments for vLLM's benchmark client (``vllm bench serve``'s own parser)."""
+    return [
+        "--backend", "openai", "--host", HOST, "--port", str(port), "--model", model, "--tokenizer", model,
+        "--dataset-name", "prefix_repetition", "--num-prompts", str(w.num_prompts),
+        "--prefix-repetition-num-prefixes", str(w.num_prefixes),
+        "--prefix-repetition-prefix-len", str(w.prefix_len),
+        "--prefix-repetition-suffix-len", str(w.suffix_len),
+        "--prefix-repetition-output-len", str(w.output_len),
+        "--max-concurrency", str(w.concurrency), "--temperature", "0", "--ignore-eos",
+        "--num-warmups", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm",
+        "--percentile-metrics", "ttft", "--metric-percentiles", "50,90", "--seed", str(seed),
+    ]
+
+
+def _client_args(argv: list[str]) -> argparse.Namespace:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+_CLIENT = (
+    "import sys; from kvpack.tools.bench.serve_bench import _client_args; "
+    "from vllm.benchmarks.serve import main; main(_client_args(sys.argv[1:]))"
+)
+"""The client runs in a child process: a hung server cannot hang the bench (the
+client's own session timeout is 6 hours, and it does not always end on cancellation)."""
+
+
+def common_prefixes(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, its longest common prefix with any earlier prompt (at most len - 1:
+    an engine always computes a prompt's last token)."""
+    out = []
+    for i, ids in enumerate(prompts):
+        best = 0
+        for prev in prompts[:i]:
+            n = 0
+            for a, b in zip(ids, prev):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        out.append(min(best, len(ids) - 1))
+    return out
+
+
+def repeatable_tokens(prompts: list[list[int]]) -> int:
+    """Tokens an unbounded prefix cache could reuse in a first lifetime: `common_prefixes` summed."""
+    return sum(common_prefixes(prompts))
+
+
+def _traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
+    """The client's prompts in its order, as the server tokenizes them (same seed, same sampler)."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.tokenizers import get_tokenizer
+
+    args = _client_args(_client_argv(model, 0, w, seed))
+    random.seed(seed)
+    tok = get_tokenizer(model)
+    return [list(tok(r.prompt).input_ids) for r in get_samples(args, tok)]
+
+
+def _run_client(model: str, port: int, w: Workload, seed: int, timeout_s: float, out_dir: Path, log: Path) -> dict[str, Any]:
+    """vLLM's benchmark client against the server, in a child process bounded by `timeout_s`
+    (then SIGINT, then SIGKILL, by PID); its per-request results come back as its JSON file."""
+    name = f"client-{port}.json"
+    argv = _client_argv(model, port, w, seed) + [
+        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name,
+    ]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-c", _CLIENT, *argv], stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout_s)
+        except BaseException as exc:  # over time, or Ctrl-C: end the client (SIGINT, then SIGKILL), by PID
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            raise RuntimeError(f"vLLM's benchmark client did not finish within {timeout_s:.0f}s (log {log})") from None
+    if rc != 0:
+        raise RuntimeError(f"vLLM's benchmark client exited with {rc} (log {log})")
+    return dict(json.loads((out_dir / name).read_text()))
+
+
+def _percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class Bench:
+    model: str
+    workload: Workload
+    kv_cache_bytes: int
+    root: Path
+    seed: int
+    start_timeout_s: float
+    client_timeout_s: float
+    repeatable: int
+    prompt_tokens_bound: int
+    repeats: list[bool]
+    """Per request, in the client's order: shares at least one block with an earlier one."""
+    shutdown_timeout_s: int | None = None
+
+    def row(self, name: str, prefix_caching: bool, kvpack: dict[str, Any] | None, first_lifetime: bool = True) -> Row:
+        objects = None
+        if kvpack is not None and not first_lifetime:
+            from kvpack.inspect_store import summarize
+
+            objects = sum(t.objects for t in summarize(Path(kvpack["disk"]["path"])).tenants.values())
+        log = self.root / f"server-{name.replace(' ', '_').replace('+', 'and')}.log"
+        server = Server(self.model, _free_port(), log, prefix_caching, kvpack, self.kv_cache_bytes,
+                        self.workload.max_model_len, self.shutdown_timeout_s)
+        print(f"[serve bench] {name}: starting the server (log {log})", flush=True)
+        server.start(self.start_timeout_s)
+        try:
+            _warm_up(server.port, self.model, self.workload, seed=1000 + self.seed)
+            before = Counters.settled(server.port)
+            result = _run_client(self.model, server.port, self.workload, self.seed, self.client_timeout_s,
+                                 self.root, log.with_name(log.stem + ".client.log"))
+            after = Counters.settled(server.port)
+        except BaseException:
+            print(server.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+        errors = [e for e in result.get("errors", []) if e]
+        if errors:
+            print(f"[serve bench] {name}: {len(errors)} failed requests, first: {errors[0][:300]}", file=sys.stderr)
+        if not result.get("completed"):
+            raise RuntimeError(f"no request completed ({len(errors)} failed: {errors[0][:120] if errors else '?'})")
+        ttfts = [t for t, e in zip(result.get("ttfts", []), result.get("errors", [])) if not e]
+        # the client returns its outputs in request order (asyncio.gather); a restart repeats everything
+        mask = self.repeats if first_lifetime else [True] * len(self.repeats)
+        again = [t for t, e, r in zip(result.get("ttfts", []), result.get("errors", []), mask) if not e and r]
+        return Row(
+            name=name,
+            ttft_median_s=statistics.median(ttfts) if ttfts else float("nan"),
+            ttft_p90_s=_percentile(ttfts, 90),
+            completed=int(result.get("completed", 0)),
+            requests=len(result.get("ttfts", [])),
+            prompt_tokens=int(result.get("total_input_tokens", 0)),
+            reused_vllm=int(after.local_cache_hit - before.local_cache_hit),
+            reused_connector=int(after.external - before.external),
+            repeatable=self.repeatable if first_lifetime else self.prompt_tokens_bound,
+            preemptions=int(after.preemptions - before.preemptions),
+            objects_on_disk=objects,
+            ttft_repeats_median_s=statistics.median(again) if again else float("nan"),
+        )
+
+
+def kv_cache_blocks(w: Workload, fraction: float) -> int:
+    """Blocks for the engine: `fraction` of the working set, never below the concurrent requests' need."""
+    need = max(w.concurrency * math.ceil(w.request_tokens / BLOCK_SIZE), math.ceil(w.max_model_len / BLOCK_SIZE))
+    return max(need, math.ceil(w.working_set_tokens() * fraction / BLOCK_SIZE))
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    elem = 4 if "32" in dtype else 2
+    return int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * int(head_dim) * 2 * elem
+
+
+def targets(rows: list[Row]) -> list[Target]:
+    """The issue's targets (issue 13), as ratios in this run."""
+    by = {r.name: r for r in rows}
+    out: list[Target] = []
+
+    def ttft(name: str) -> float:
+        return by[name].ttft_median_s if name in by else float("nan")
+
+    for name in (RowName.KVPACK, RowName.KVPACK_PC):
+        if name in by:
+            out.append(Target(f"{name}: first-lifetime reuse / repeated prefix tokens", ">= 0.9",
+                              by[name].reuse_fraction, 0.9, True))
+    for name in (RowName.KVPACK, RowName.KVPACK_PC):
+        if name in by and RowName.VLLM_PC in by:
+            out.append(Target(f"{name}: median TTFT x vLLM prefix caching", "<= 0.5",
+                              ttft(name) / ttft(RowName.VLLM_PC), 0.5, False))
+    if RowName.RESTART in by and RowName.NO_CACHE in by:
+        out.append(Target(f"{RowName.RESTART}: median TTFT x no cache", "<= 0.3",
+                          ttft(RowName.RESTART) / ttft(RowName.NO_CACHE), 0.3, False))
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b > 0 and not math.isnan(a) and not math.isnan(b) else "-"
+
+
+def report(rows: list[Row]) -> str:
+    """Markdown: one line per row with ratios vs no cache and vs vLLM prefix caching, then the targets."""
+    by = {r.name: r for r in rows}
+    base = by[RowName.NO_CACHE].ttft_median_s if RowName.NO_CACHE in by else float("nan")
+    pc = by[RowName.VLLM_PC].ttft_median_s if RowName.VLLM_PC in by else float("nan")
+    pc_again = by[RowName.VLLM_PC].ttft_repeats_median_s if RowName.VLLM_PC in by else float("nan")
+    lines = [
+        "| row | TTFT median (s) | TTFT p90 (s) | median x no cache | median x vLLM PC | "
+        "repeats only: median (s), x vLLM PC | "
+        "reused: vLLM cache | reused: connector | reused / repeatable | requests ok | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r.name if r.objects_on_disk is None else f"{r.name} ({r.objects_on_disk} objects on disk)"
+        if r.failed:
+            lines.append(f"| {name} | failed: {r.failed} | | | | | | | | 0 of {r.requests} | |")
+            continue
+        lines.append(
+            f"| {name} | {r.ttft_median_s:.3f} | {r.ttft_p90_s:.3f} | {_ratio(r.ttft_median_s, base)} | "
+            f"{_ratio(r.ttft_median_s, pc)} | {r.ttft_repeats_median_s:.3f}, {_ratio(r.ttft_repeats_median_s, pc_again)} | "
+            f"{r.reused_vllm} | {r.reused_connector} | "
+            f"{r.reused} of {r.repeatable} ({r.reuse_fraction:.2f}) | {r.completed} of {r.requests} | {r.preemptions} |"
+        )
+    lines += ["", "| target | wanted | measured | status |", "|---|---|---|---|"]
+    for t in targets(rows):
+        status = "no data" if math.isnan(t.measured) else "met" if t.met else "not met"
+        lines.append(f"| {t.what} | {t.target} | {t.measured:.3f} | {status} |")
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvpack bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="short")
+    p.add_argument("--model", default="", help="model directory (default: build the bench Llama in --model-dir)")
+    p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--output-len", type=int, default=0, help="output tokens per request (default: the workload's)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="engine KV cache as a fraction of the working set")
+    p.add_argument("--store-dir", default="", help="root for the kvpack stores and server logs (default: a temp dir, removed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--client-timeout-s", type=float, default=0.0,
+                   help="bound on one client run (default: 10 s per request, at least 180 s)")
+    p.add_argument("--shutdown-timeout", type=int, default=None,
+                   help="pass vLLM's --shutdown-timeout to every server (default: vLLM's own, 0: the engine is "
+                   "killed at once on SIGINT; kvpack warns at start-up and examples/vllm/server.sh passes 10)")
+    p.add_argument("--io-timeout-ms", type=int, default=0, help="kvpack io_timeout_ms (default: kvpack's default)")
+    p.add_argument("--out", default="", help="write a markdown results file here")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> tuple[list[Row], str]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", HOST)
+    from kvpack.tools.tinymodel import build_bench_llama
+
+    model = Path(args.model) if args.model else build_bench_llama(args.model_dir)
+    w = WORKLOADS[args.workload]
+    if args.output_len:
+        w = Workload(w.name, w.num_prefixes, w.prefix_len, w.suffix_len, w.num_prompts, w.concurrency, args.output_len)
+    blocks = kv_cache_blocks(w, args.kv_cache_fraction)
+    per_token = _kv_bytes_per_token(model)
+    kv_bytes = blocks * BLOCK_SIZE * per_token
+    prompts = _traffic(str(model), w, args.seed)
+    shared = common_prefixes(prompts)
+    repeatable = sum(shared)
+    bound = sum(len(p) - 1 for p in prompts)
+    root = Path(args.store_dir or tempfile.mkdtemp(prefix="kvpack-serve-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    setup = (
+        f"Workload `{w.name}`: {w.num_prefixes} prefixes of {w.prefix_len} tokens, suffixes of {w.suffix_len}, "
+        f"--num-prompts {w.num_prompts} ({len(prompts)} requests: {w.num_prompts // w.num_prefixes} per prefix), "
+        f"{w.output_len} output tokens, concurrency {w.concurrency}; {sum(map(len, prompts))} prompt tokens, "
+        f"{repeatable} repeatable. Engine KV cache {blocks} blocks of {BLOCK_SIZE} = {blocks * BLOCK_SIZE} tokens "
+        f"({kv_bytes / 2**20:.1f} MiB) for a working set of {w.working_set_tokens()} tokens "
+        f"({w.working_set_tokens() * per_token / 2**20:.1f} MiB). Model {model.name} ({per_token} KV bytes/token)."
+    )
+    print(f"[serve bench] {setup}", flush=True)
+    client_timeout = args.client_timeout_s or max(180.0, 10.0 * len(prompts))
+    bench = Bench(str(model), w, kv_bytes, root, args.seed, args.start_timeout_s, client_timeout, repeatable, bound,
+                  [n >= BLOCK_SIZE for n in shared], args.shutdown_timeout)
+
+    def kv(store: str) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"memory": {"capacity": "1GiB"}, "disk": {"path": str(root / store)}}
+        if args.io_timeout_ms:
+            cfg["io_timeout_ms"] = args.io_timeout_ms
+        return cfg
+
+    plan: list[tuple[str, bool, dict[str, Any] | None, bool]] = [
+        (RowName.NO_CACHE, False, None, True),
+        (RowName.VLLM_PC, True, None, True),
+        (RowName.KVPACK, False, kv("kvpack"), True),
+        (RowName.KVPACK_PC, True, kv("kvpack-pc"), True),
+        (RowName.RESTART, False, kv("kvpack"), False),
+    ]
+    rows: list[Row] = []
+    for name, prefix_caching, cfg, first in plan:
+        try:
+            rows.append(bench.row(name, prefix_caching, cfg, first_lifetime=first))
+        except Exception as exc:  # one row's failure is reported in the table; the others still run
+            print(f"[serve bench] {name} failed: {exc}", file=sys.stderr, flush=True)
+            nan = float("nan")
+            rows.append(Row(name, nan, nan, 0, len(prompts), 0, 0, 0, repeatable, failed=str(exc).splitlines()[0][:200]))
+    if any(r.failed for r in rows):
+        print(f"[serve bench] kept {root} (server logs) because a row failed", file=sys.stderr)
+    elif not args.store_dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows, setup
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    command = "kvpack bench serve " + " ".join(shlex.quote(a) for a in argv)
+    rows, setup = run(args)
+    table = f"{setup}\n\n{report(rows)}"
+    print(f"\n{command}\n{hardware()}\n\n{table}")
+    if args.out:
+        write_report(args.out, "kvpack bench serve: the vLLM OpenAI server under vLLM's benchmark client", command, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
