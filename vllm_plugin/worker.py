@@ -122,6 +122,8 @@ class WorkerSide:
         self._reported_evicted: list[str] = []
         self._failed_loads: list[str] = []
         self._stats: dict[str, float] = {}
+        self._stats_lock = threading.Lock()
+        """Guards `_stats` only, so counting is safe under `_lock` too (it is not reentrant)."""
         self._idle_step = False
         self._step_loads: list[_LoadTask] = []
         self._saves_cv = threading.Condition()
@@ -249,12 +251,12 @@ class WorkerSide:
         return KVPackWorkerMetadata(stored, evicted, failed)
 
     def take_stats(self) -> dict[str, float]:
-        with self._lock:
+        with self._stats_lock:
             stats, self._stats = self._stats, {}
         return stats
 
     def _count(self, name: str, amount: float = 1) -> None:
-        with self._lock:
+        with self._stats_lock:
             self._stats[name] = self._stats.get(name, 0) + amount
 
     # -- background work --------------------------------------------------------
