@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.background import lower_current_thread_priority
 from kvpack.config import KVPackConfig
 from kvpack.cpu_features import request_amx_permission
 from kvpack.exit_flush import flush_on_exit, forget
@@ -389,7 +388,8 @@ class WorkerSide:
             log.warning("kvpack: %d of %d blocks of %s could not be loaded; vLLM recomputes them", len(failed), n, job.req_id)
 
     def _save_loop(self) -> None:
-        lower_current_thread_priority()  # saves must not slow the engine's next steps
+        # normal priority: later loads wait for these saves (a memory-tier copy each; the
+        # disk and Mooncake writes run on the store's write-back threads, at lower priority)
         while True:
             entry = self._save_q.get()
             if entry is None:
