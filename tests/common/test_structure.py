@@ -105,3 +105,13 @@ def test_no_module_over_600_lines() -> None:
     over = {name: n for name, n in sizes.items() if n > MAX_LINES}
     listing = ", ".join(f"{name} ({n})" for name, n in sorted(over.items()))
     assert not over, f"modules over {MAX_LINES} lines: {listing}"
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    # tests/ has no __init__.py files: pytest imports each test module by its basename, and a
+    # second module of the same name stops the whole suite's collection ("import file mismatch")
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a basename: {clashes}"
