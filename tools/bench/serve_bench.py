@@ -45,33 +45,25 @@ values; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import random
-import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
 from kvpack.tools.bench.timing import hardware, write_report
 
-HOST = "127.0.0.1"
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
-BLOCK_SIZE = 128
-"""vLLM's default KV block size on CPU (the server is started with it)."""
-STOP_TIMEOUT_S = 60.0
-"""Bound on a SIGINT shutdown (kvpack's own flush bound is 10 s) before SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -170,165 +162,6 @@ class Target:
         return self.measured >= self.limit if self.at_least else self.measured <= self.limit
 
 
-@dataclass
-class Server:
-    """One ``vllm.entrypoints.openai.api_server`` process, its own session and log."""
-
-    model: str
-    port: int
-    log: Path
-    prefix_caching: bool
-    kvpack: dict[str, Any] | None
-    kv_cache_bytes: int
-    max_model_len: int
-    shutdown_timeout_s: int | None = None
-    """vLLM's ``--shutdown-timeout`` (None: vLLM's default, 0, which kills the engine at once on SIGINT)."""
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    def command(self) -> list[str]:
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", HOST, "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len), "--block-size", str(BLOCK_SIZE),
-            "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--enforce-eager", "--seed", "0",
-            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
-        ]
-        if self.shutdown_timeout_s is not None:
-            cmd += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
-        if self.kvpack is not None:
-            ktc = {"kv_connector": "KVPackConnector", "kv_role": "kv_both", "kv_connector_extra_config": self.kvpack}
-            cmd += ["--kv-transfer-config", json.dumps(ktc)]
-        return cmd
-
-    def start(self, timeout_s: float) -> None:
-        env = dict(os.environ)
-        env.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP=HOST, TOKENIZERS_PARALLELISM="false")
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default multi-process mode, as users run it
-        with open(self.log, "ab") as f:
-            f.write(f"\n=== kvpack bench serve: {shlex.join(self.command())}\n".encode())
-            f.flush()
-            self.popen = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                if self.popen.poll() is not None:
-                    raise RuntimeError(f"the vLLM server exited during start-up (rc {self.popen.returncode}):\n{self.log_tail()}")
-                if _http("GET", self.port, "/health", timeout=2)[0] == 200:
-                    return
-                time.sleep(1.0)
-        except BaseException:  # Ctrl-C while it starts: it is in its own session, so stop it here
-            self.stop()
-            raise
-        self.stop()
-        raise RuntimeError(f"the vLLM server was not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGINT to the server's PID; SIGKILL its process group if it or a child is left after `timeout_s`."""
-        if self.popen is None:
-            return
-        pgid = self.popen.pid  # start_new_session: the server leads its own group
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGINT)
-        deadline = time.monotonic() + timeout_s
-        try:
-            self.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        while time.monotonic() < deadline and _group_alive(pgid):  # the engine core may still be flushing
-            time.sleep(0.5)
-        if _group_alive(pgid):
-            with open(self.log, "ab") as f:
-                f.write(f"\n=== kvpack bench serve: SIGKILL to process group {pgid} after {timeout_s:.0f}s\n".encode())
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.popen.poll() is None:
-            self.popen.wait(10)
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _http(method: str, port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> tuple[int, str]:
-    try:
-        conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-        data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-        resp = conn.getresponse()
-        text = resp.read().decode(errors="replace")
-        conn.close()
-        return resp.status, text
-    except OSError:
-        return 0, ""
-
-
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-
-
-def parse_counters(text: str, name: str, label: str | None = None) -> dict[str, float]:
-    """Sum a Prometheus counter's samples over every other label, keyed by `label`'s value ("" when None)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or m["name"] not in (name, name + "_total"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        key = labels.get(label, "") if label else ""
-        out[key] = out.get(key, 0.0) + float(m["value"])
-    return out
-
-
-@dataclass(frozen=True)
-class Counters:
-    local_cache_hit: float
-    external: float
-    computed: float
-    preemptions: float
-
-    @classmethod
-    def read(cls, port: int) -> Counters:
-        status, text = _http("GET", port, "/metrics")
-        if status != 200:
-            raise RuntimeError(f"GET /metrics answered {status}")
-        by_source = parse_counters(text, "vllm:prompt_tokens_by_source", "source")
-        pre = parse_counters(text, "vllm:num_preemptions").get("", 0.0)
-        return cls(by_source.get("local_cache_hit", 0.0), by_source.get("external_kv_transfer", 0.0),
-                   by_source.get("local_compute", 0.0), pre)
-
-    @classmethod
-    def settled(cls, port: int, timeout_s: float = 10.0) -> Counters:
-        """The counters once two reads a second apart agree (the server records them as outputs arrive)."""
-        last = cls.read(port)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(1.0)
-            now = cls.read(port)
-            if now == last:
-                return now
-            last = now
-        return last
-
-
 def _warm_up(port: int, model: str, w: Workload, seed: int, count: int = 2) -> None:
     """`count` requests of random words (no prefix shared with the traffic); each bounded in time."""
     from kvpack.tools.tinymodel import VOCAB_WORDS
@@ -338,7 +171,7 @@ def _warm_up(port: int, model: str, w: Workload, seed: int, count: int = 2) -> N
         # token ids, not text: the server bounds a text prompt by characters (5 per token)
         ids = [rng.randrange(3, VOCAB_WORDS) for _ in range(w.prefix_len + w.suffix_len)]
         body = {"model": model, "prompt": ids, "max_tokens": w.output_len, "temperature": 0}
-        status, text = _http("POST", port, "/v1/completions", body, timeout=300)
+        status, text = http_call("POST", port, "/v1/completions", body, timeout=300)
         if status != 200:
             raise RuntimeError(f"warm-up request answered {status}: {text[:300]}")
 
@@ -466,7 +299,7 @@ class Bench:
 
             objects = sum(t.objects for t in summarize(Path(kvpack["disk"]["path"])).tenants.values())
         log = self.root / f"server-{name.replace(' ', '_').replace('+', 'and')}.log"
-        server = Server(self.model, _free_port(), log, prefix_caching, kvpack, self.kv_cache_bytes,
+        server = Server(self.model, free_port(), log, prefix_caching, kvpack, self.kv_cache_bytes,
                         self.workload.max_model_len, self.shutdown_timeout_s)
         print(f"[serve bench] {name}: starting the server (log {log})", flush=True)
         server.start(self.start_timeout_s)
