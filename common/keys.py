@@ -169,6 +169,14 @@ class GroupKey:
     def as_str(self) -> str:
         return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"
 
+    @classmethod
+    def parse(cls, text: str) -> GroupKey:
+        """Inverse of `as_str`; raises ValueError for anything else (each field validated)."""
+        parts = text.split("/")
+        if len(parts) != 4 or parts[0] != "kvpack":
+            raise ValueError(f"not a kvpack group key: {text[:200]!r}")
+        return StoreKey(parts[1], parts[2], parts[3], "kv").group
+
 
 TENANT_SIGNATURE_CONTEXT = b"kvpack-tenant\x00"
 

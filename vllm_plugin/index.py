@@ -43,10 +43,10 @@ class ReportedMemoryIndex(Tier):
         with self._lock:
             for group_str in evicted:
                 try:
-                    _, tenant, fp, chunk = group_str.split("/")
+                    group = GroupKey.parse(group_str)
                 except ValueError:
                     continue
-                for key in self._by_group.pop(GroupKey(tenant, fp, chunk), set()):
+                for key in self._by_group.pop(group, set()):
                     self._headers.pop(key, None)
             for obj in stored:
                 key = StoreKey.parse(obj.key)

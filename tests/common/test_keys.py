@@ -97,3 +97,13 @@ def test_store_key_string_round_trip() -> None:
 def test_token_ids_must_fit_u32() -> None:
     with pytest.raises(ValueError):
         chain_hash(None, [2**32])
+
+
+def test_group_key_parse_is_the_inverse_of_as_str_and_refuses_anything_else() -> None:
+    from kvpack.keys import GroupKey, StoreKey
+
+    group = StoreKey("alice", "f" * 32, "c" * 64, "kv").group
+    assert GroupKey.parse(group.as_str()) == group
+    for bad in ("x/alice/" + "f" * 32 + "/c", "kvpack/alice/" + "f" * 32, "kvpack/../" + "f" * 32 + "/c", "kvpack/alice\n/f/c"):
+        with pytest.raises(ValueError):
+            GroupKey.parse(bad)

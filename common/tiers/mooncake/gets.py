@@ -47,7 +47,7 @@ PEEK_BYTES = 4096
 """Bytes read per key by a header peek's first round (a longer header gets a second)."""
 RETRY_EXTRA_BYTES = 64 << 10
 """An object at most this much over its budget is read again at its exact size."""
-INTEGRITY_REASONS = frozenset(
+OVERWRITE_REASONS = frozenset(
     {
         # The key names tenant, layout, chunk and member: an object under it that
         # disagrees, or is damaged, is garbage, and the next put replaces it.
@@ -63,6 +63,9 @@ INTEGRITY_REASONS = frozenset(
         RejectReason.CHECKSUM,
     }
 )
+"""Refusals after which the next put of that key overwrites (upserts) what Mooncake holds.
+Wider than `kvpack.store.INTEGRITY_REASONS` (damaged bytes, whose group the store removes):
+under a content-addressed key, anything that disagrees with the key is garbage to replace."""
 
 
 class Gets:
@@ -173,7 +176,7 @@ class Gets:
         timeout_ms = self._conn.config.timeout_ms
         out = [r if r is not None else GetResult(TierStatus.TIMEOUT, detail=f"no answer within {timeout_ms} ms") for r in results]
         for key, res in zip(names, out):
-            if res.status is TierStatus.REJECTED and res.reason in INTEGRITY_REASONS:
+            if res.status is TierStatus.REJECTED and res.reason in OVERWRITE_REASONS:
                 self._overwrite.mark(key)
         return out
 
