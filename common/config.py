@@ -322,6 +322,11 @@ class KVPackConfig:
 
     tenant: str = "default"
     """Tenant of requests that name none."""
+    model_id: str = ""
+    """The model's cache identity, named by the operator (``"llama-3.1-8b@v2"``): stores of
+    engines with the same `model_id` share entries whatever their paths. Empty (the
+    default): a digest of the checkpoint's config and weight headers (`kvpack.model_identity`).
+    Only set it for checkpoints you know hold the same weights."""
     tail_reuse: bool = True
     """Store and reuse the computed tail of a request's last, partial block."""
     prefix_match_unit: int = 1
@@ -382,6 +387,13 @@ class KVPackConfig:
             validate_tenant(self.tenant)
         except ValueError as exc:
             raise ConfigError(_join(path, "tenant"), str(exc)) from None
+        if self.model_id:
+            from .model_identity import validate_model_id
+
+            try:
+                validate_model_id(self.model_id)
+            except ValueError as exc:
+                raise ConfigError(_join(path, "model_id"), str(exc)) from None
         for tenant in self.eviction.tenant_quotas:
             try:
                 validate_tenant(tenant)

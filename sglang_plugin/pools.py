@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from ..groups import MemberRole, MemberSpec
 from ..keys import validate_member
 from ..layout import KVLayoutSpec
+from ..model_identity import model_identity
 from ..objects import Payload
 
 DRAFT_POOLS = frozenset({"draft", "draft_indexer", "draft_swa"})
@@ -83,11 +85,33 @@ def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int)
         return validate_member(f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}")
 
 
+def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
+    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.model_identity`).
+
+    SGLang gives the served model name (by default the model path), tagged
+    ``<name>-<storage_format_tag>`` when the host pool has a page format of its own.
+    A local checkpoint directory is digested; a tagged one is the directory's digest
+    plus ``|format=<tag>`` (the tag still splits the cache); `model_id` replaces the
+    digest, never the tag; anything else is the name as given."""
+    name = str(model_name or "")
+    base, tag = name, ""
+    if name and not Path(name).is_dir():
+        cut = name.rfind("-")
+        while cut > 0:
+            if Path(name[:cut]).is_dir():
+                base, tag = name[:cut], name[cut + 1 :]
+                break
+            cut = name.rfind("-", 0, cut)
+    ident = model_identity(base, model_id=model_id).value
+    return f"{ident}|format={tag}" if tag else ident
+
+
 @dataclass(frozen=True)
 class ParallelInfo:
     """What of SGLang's HiCacheStorageConfig decides keys and writers."""
 
     model: str
+    """The model's cache identity (`sglang_model_identity`), not its path."""
     tp_rank: int
     tp_size: int
     pp_rank: int

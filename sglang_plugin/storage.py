@@ -26,7 +26,8 @@ draft policy (``target_only`` reports the target's prefix; SGLang then clamps
 the hit to what the draft pool actually loads).
 
 Keys: ``StoreKey(tenant, group fingerprint, page hash, member)``. The group
-fingerprint covers engine + host layout, model, dtype, page size and TP/PP
+fingerprint covers engine + host layout, the model's identity (a digest of the
+checkpoint, `sglang_model_identity`, not its path), dtype, page size and TP/PP
 sizes; each object's header carries its member's full layout fingerprint
 (rank, pool geometry), so a page from another layout is a counted miss, never
 a load. MLA (replicated) pools are keyed by DCP shard and written only by the
@@ -59,7 +60,7 @@ from ..ops import load_extension, region_copier
 from ..store import KVStore, LoadItem
 from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
-from .pools import ParallelInfo, PoolBinding, pool_name
+from .pools import ParallelInfo, PoolBinding, pool_name, sglang_model_identity
 
 try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
     from sglang.srt.mem_cache.hicache_storage import (
@@ -86,7 +87,7 @@ class KVPackStorage(HiCacheStorage):
         self.config, self.engine_config = split_extra_config(getattr(storage_config, "extra_config", None))
         self.storage_config = storage_config
         self.par = ParallelInfo(
-            model=str(storage_config.model_name or ""),
+            model=sglang_model_identity(storage_config.model_name, self.config.model_id),
             tp_rank=int(storage_config.tp_rank),
             tp_size=int(storage_config.tp_size),
             pp_rank=int(storage_config.pp_rank),

@@ -7,7 +7,8 @@ fingerprints and member names independently.
 
 - config: ``kv_connector_extra_config`` -> `KVPackConfig` (strict; a bad key
   fails engine start-up naming the field).
-- scope: the group fingerprint (engine, model + draft model and its placement,
+- scope: the group fingerprint (engine, model identity + draft model identity
+  and its placement (`kvpack.model_identity`: what the checkpoint is, not its path),
   dtype, block size, TP/PP sizes, KV cache groups) and the member names
   (``kv``, or ``kv@<rank>of<world>``; plus ``draft``/``draft@<rank>of<world>``
   when the draft KV is a sidecar).
@@ -37,6 +38,7 @@ from kvpack.errors import ConfigError
 from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
 from kvpack.keys import ChunkHash, seed_hash, tenant_signature_ok, validate_tenant
 from kvpack.layout import KVLayoutSpec
+from kvpack.model_identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -193,13 +195,28 @@ class Scope:
 
 
 def draft_identity(vllm_config: VllmConfig) -> str:
-    """The speculative config's draft, as it affects the KV layer set ("" when none)."""
+    """The speculative config's draft, as it affects the KV layer set ("" when none):
+    ``<method>:<identity>``, the draft checkpoint's `model_identity` (a digest of what
+    is on disk, not its path; ``model_id`` names the target only)."""
     spec = vllm_config.speculative_config
     if spec is None or not getattr(spec, "num_speculative_tokens", None):
         return ""
     method = str(getattr(spec, "method", "") or "")
     model = str(getattr(spec, "model", "") or "")
+    if model and has_draft_kv(vllm_config):  # n-gram, suffix...: no checkpoint of their own
+        draft_cfg = getattr(spec, "draft_model_config", None)
+        model = model_identity(model, revision=getattr(draft_cfg, "revision", None)).value
     return f"{method}:{model}"
+
+
+def target_identity(vllm_config: VllmConfig, config: KVPackConfig) -> str:
+    """The target model's cache identity: `KVPackConfig.model_id`, else a digest of the
+    checkpoint at ``model_config.model`` (so a copy at another path is a hit and other
+    weights at the same path a miss), else the hub name with its revision."""
+    model_cfg = vllm_config.model_config
+    return model_identity(
+        str(model_cfg.model), model_id=config.model_id, revision=getattr(model_cfg, "revision", None)
+    ).value
 
 
 def member_name(rank: int, world: int, base: str = "kv") -> str:
@@ -292,7 +309,7 @@ def make_scope(
     model_cfg = vllm_config.model_config
     draft = draft_identity(vllm_config)
     placement = resolve_draft_placement(vllm_config, config)
-    model = str(model_cfg.model)
+    model = target_identity(vllm_config, config)
     if draft:
         model += f"|draft={draft}"
     if placement is not DraftPlacement.NONE:

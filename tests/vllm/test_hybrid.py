@@ -68,11 +68,12 @@ def baseline(swa_model: Path) -> dict[str, Run]:
 @pytest.fixture(scope="module")
 def stored(swa_model: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[str, Run]:
     """Engine 1 stores P, L, X, Y; then X's window members of block 1 are deleted."""
+    from kvpack.model_identity import model_identity
     from kvpack.vllm_plugin import live_connectors
 
     llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}), dtype="float32")
     try:
-        scopes = [c.scope for c in live_connectors() if str(swa_model) in c.scope.spec.model]
+        scopes = [c.scope for c in live_connectors() if model_identity(swa_model).value in c.scope.spec.model]
         assert scopes and all(len(s.groups) == 4 for s in scopes)  # the hybrid allocator is on
         out = {name: run(llm, ALL[name]) for name in ("P", "L", "X", "Y")}
     finally:
