@@ -31,6 +31,7 @@ BENCHES = {
     "sglang": "kvpack.tools.bench.sglang_bench",
     "spec": "kvpack.tools.bench.spec_bench",
     "serve": "kvpack.tools.bench.serve_bench",
+    "pd": "kvpack.tools.bench.pd_bench",
 }
 RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak", "proxy": "kvpack.tools.proxy"}
 

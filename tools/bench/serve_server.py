@@ -42,6 +42,8 @@ class Server:
     max_model_len: int
     shutdown_timeout_s: int | None = None
     """vLLM's ``--shutdown-timeout`` (None: vLLM's default, 0, which kills the engine at once on SIGINT)."""
+    kv_role: str = "kv_both"
+    """The connector's ``kv_role`` (``kv_producer`` / ``kv_consumer`` for prefill/decode)."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def command(self) -> list[str]:
@@ -55,7 +57,7 @@ class Server:
         if self.shutdown_timeout_s is not None:
             cmd += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
         if self.kvpack is not None:
-            ktc = {"kv_connector": "KVPackConnector", "kv_role": "kv_both", "kv_connector_extra_config": self.kvpack}
+            ktc = {"kv_connector": "KVPackConnector", "kv_role": self.kv_role, "kv_connector_extra_config": self.kvpack}
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
         return cmd
 
