@@ -15,9 +15,10 @@ and owns the policies that must hold on every tier:
   nothing to queue from, so the lower tiers are written synchronously from the
   caller's buffers (no copy); the adapters call `store` off the forward path,
   and every tier bounds its own calls.
-- tails: the computed tail of a partial block is stored with its token ids
-  under `tail_chunk(parent)`; `find_tail` returns the longest common prefix
-  with a new prompt, rounded down to the match unit.
+- tails (`store.tails`, `kvpack.tails.TailSlots`): the computed tail of a
+  partial block is stored with its token ids under `tail_chunk(parent)`;
+  `tails.find` returns the longest common prefix with a new prompt, rounded
+  down to the match unit, `tails.place` where a new tail goes.
 
 Thread-safe. Construct with `KVStore.from_config`.
 """
@@ -39,7 +40,7 @@ from .keys import GroupKey, StoreKey
 from .integrity import IntegrityKey, check_loaded, seal_items
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
-from .tails import TailMatch, TailSlots
+from .tails import TailSlots
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.factory import build_tiers
 from .tiers.parallel import RegionCopier
@@ -261,33 +262,6 @@ class KVStore:
                 sorted(result.missing),
                 self.config.draft_policy.value,
             )
-
-    # -- tails (`kvpack.tails`) ----------------------------------------------------
-
-    def find_tail(
-        self,
-        tenant: str,
-        fingerprint: str,
-        parent: str | None,
-        tokens: Sequence[int] | np.ndarray,
-        members: Sequence[MemberSpec],
-        match_unit: int,
-        budget: WaitBudget | None = None,
-    ) -> TailMatch | None:
-        """The stored tail after `parent` sharing the longest prefix with `tokens` (`TailSlots.find`)."""
-        return self.tails.find(tenant, fingerprint, parent, tokens, members, match_unit, budget)
-
-    def place_tail(
-        self,
-        tenant: str,
-        fingerprint: str,
-        parent: str | None,
-        members: Sequence[str],
-        token_ids: Sequence[int],
-        budget: WaitBudget | None = None,
-    ) -> tuple[str, bool]:
-        """Where to store the tail `token_ids` after `parent`: (chunk, already stored) (`TailSlots.place`)."""
-        return self.tails.place(tenant, fingerprint, parent, members, token_ids, budget)
 
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
         """The header of each key from the fastest tier holding it (None: none does).

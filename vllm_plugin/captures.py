@@ -39,7 +39,7 @@ from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
 from .settings import RequestScope
 
 TailPlacer = Callable[[RequestScope, "ChunkHash | None", tuple[int, ...]], "tuple[str, bool]"]
-"""(request scope, parent chunk, tail token ids) -> (tail chunk, already stored): `KVStore.place_tail`."""
+"""(request scope, parent chunk, tail token ids) -> (tail chunk, already stored): `TailSlots.place`."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

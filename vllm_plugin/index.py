@@ -5,7 +5,7 @@ workers elsewhere, so the scheduler cannot ask the workers' memory tiers
 directly. Workers report every object they put into memory and every group
 their memory evicts (`KVPackWorkerMetadata`); this `Tier` answers `contains`
 and `peek_headers` from those reports, so `KVStore.lookup` and
-`KVStore.find_tail` see memory like any other tier. It never holds payloads:
+`KVStore.tails` see memory like any other tier. It never holds payloads:
 `get_into` answers MISS (loads run on the workers, which hold the data).
 
 A stale entry (evicted after the report was sent) costs one failed load,

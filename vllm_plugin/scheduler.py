@@ -2,7 +2,7 @@
 
 Lookup (`get_num_new_matched_tokens`): one batched `KVStore.lookup` over the
 chained keys of every full block of the request, then the stored tail after
-the last hit block (`KVStore.find_tail`): the longest common prefix with it,
+the last hit block (`KVStore.tails.find`): the longest common prefix with it,
 rounded down to `prefix_match_unit`. The count may end inside a block: the
 partial block is loaded whole and vLLM computes the rest into it. vLLM must
 compute at least one token, so a prompt stored whole hits n - 1 tokens.
@@ -196,7 +196,7 @@ class SchedulerSide:
         if self.config.tail_reuse and k * bs < n - 1:
             parent = hashes[k - 1] if k else rs.seed
             rest = tokens[k * bs : min(n - 1, (k + 1) * bs)]
-            tm = self.store.find_tail(
+            tm = self.store.tails.find(
                 rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit, self._budget
             )
             if tm is not None and not tail_usable(self.members, tm.members, tm.tokens, tm.stored_tokens):
@@ -411,7 +411,7 @@ class SchedulerSide:
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
         """Where the tail `tail_ids` after `parent` goes, and whether it is stored already."""
-        return self.store.place_tail(rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget)
+        return self.store.tails.place(rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget)
 
     def _state_tail_ref(
         self,

@@ -297,7 +297,7 @@ def test_fifo_tail_lookup_through_the_store_returns(tmp_path: Path) -> None:
     path.parent.mkdir(parents=True)
     os.mkfifo(path)
     members = [MemberSpec("kv", MemberRole.TARGET)]
-    found = _within(5, lambda: store.find_tail("t", GROUP_FP, None, [1, 2, 3], members, 1))
+    found = _within(5, lambda: store.tails.find("t", GROUP_FP, None, [1, 2, 3], members, 1))
     assert found is None
     store.close()
 

@@ -142,12 +142,12 @@ def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path, make_store: 
     item, _ = make_item("t", tail_chunk(parent), "kv", token_ids=tail_tokens, token_count=40, checksum=False)
     store.store([item])
     query = list(range(100, 123)) + [7, 7, 7]  # shares 23 tokens
-    match = store.find_tail("t", GROUP_FP, parent, query, [KV], match_unit=1)
+    match = store.tails.find("t", GROUP_FP, parent, query, [KV], match_unit=1)
     assert match is not None and match.tokens == 23 and match.stored_tokens == 40
-    assert store.find_tail("t", GROUP_FP, parent, query, [KV], match_unit=8).tokens == 16  # type: ignore[union-attr]
-    assert store.find_tail("t", GROUP_FP, parent, [1, 2, 3], [KV], 1) is None
-    assert store.find_tail("other", GROUP_FP, parent, query, [KV], 1) is None
-    assert store.find_tail("t", GROUP_FP, chunk_id(8), query, [KV], 1) is None
+    assert store.tails.find("t", GROUP_FP, parent, query, [KV], match_unit=8).tokens == 16  # type: ignore[union-attr]
+    assert store.tails.find("t", GROUP_FP, parent, [1, 2, 3], [KV], 1) is None
+    assert store.tails.find("other", GROUP_FP, parent, query, [KV], 1) is None
+    assert store.tails.find("t", GROUP_FP, chunk_id(8), query, [KV], 1) is None
 
 
 def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
@@ -155,7 +155,7 @@ def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path, mak
     chunk = tail_chunk(None)
     first, _ = make_item("t", chunk, token_ids=tuple(range(20)), token_count=20, checksum=False)
     store.store([first])
-    match = store.find_tail("t", GROUP_FP, None, list(range(20)), [KV], 1)
+    match = store.tails.find("t", GROUP_FP, None, list(range(20)), [KV], 1)
     assert match is not None
     second, _ = make_item("t", chunk, seed=5, token_ids=tuple(range(50, 70)), token_count=20, checksum=False)
     store.store([second])
@@ -169,10 +169,10 @@ def test_tail_needs_draft_member_under_recompute(tmp_path: Path, make_store: Cal
     store = make_store(tmp_path)
     chunk = tail_chunk(None)
     store.store([make_item("t", chunk, "kv", token_ids=(1, 2, 3, 4), token_count=4, checksum=False)[0]])
-    assert store.find_tail("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1) is None
+    assert store.tails.find("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1) is None
     assert store.metrics.value("partial_hits", missing_member="draft") == 1
     store.store([make_item("t", chunk, "draft", token_ids=(1, 2, 3, 4), token_count=4, checksum=False)[0]])
-    match = store.find_tail("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1)
+    match = store.tails.find("t", GROUP_FP, None, [1, 2, 3, 4], [KV, DRAFT], 1)
     assert match is not None and match.members == ("kv", "draft")
 
 
@@ -206,12 +206,12 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
     assert remote.lookup_calls <= 3, remote.lookup_calls  # 0.2 s each: the third starts after 0.3 s
     assert store.metrics.value("budget_skips", tier="slow") == 10 - remote.lookup_calls
     assert took < 1.5, f"ten lookups took {took:.2f}s: the budget did not bound them (unbounded: 2.0 s)"
-    assert store.find_tail("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget) is None
+    assert store.tails.find("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget) is None
     assert store.contains([items[3].key], budget) == [True], "local tiers are asked past the budget"
 
     budget.renew()  # the next engine step
     assert store.lookup("t", GROUP_FP, chunks, [KV], 16, budget).hit_chunks == 3
-    match = store.find_tail("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget)
+    match = store.tails.find("t", GROUP_FP, chunk_id(2), [5, 6, 7], [KV], 1, budget)
     assert match is not None and match.tokens == 3
 
 
@@ -228,10 +228,10 @@ def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: C
         for member in ("kv", "draft"):
             item, _ = make_item("t", tail_chunk(chunk_id(0), slot), member, checksum=False, token_ids=ids, token_count=len(ids))
             assert remote.put_from([item]) == [TierStatus.OK]
-    match = store.find_tail("t", GROUP_FP, chunk_id(0), [1, 2, 9, 9, 4], [KV, DRAFT], 1)
+    match = store.tails.find("t", GROUP_FP, chunk_id(0), [1, 2, 9, 9, 4], [KV, DRAFT], 1)
     assert match is not None and match.tokens == 4 and set(match.members) == {"kv", "draft"}
     assert remote.lookup_calls == 1
-    chunk, stored = store.place_tail("t", GROUP_FP, chunk_id(0), ["kv", "draft"], [1, 2, 3])
+    chunk, stored = store.tails.place("t", GROUP_FP, chunk_id(0), ["kv", "draft"], [1, 2, 3])
     assert (chunk, stored) == (tail_chunk(chunk_id(0), 0), True)
     assert remote.lookup_calls == 2
 
@@ -320,18 +320,18 @@ def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path
     parent = chunk_id(3)
     tails = [tuple(range(100, 110)) + (i,) * 5 for i in range(3)]  # share 10 tokens, then diverge
     for i, ids in enumerate(tails):
-        chunk, stored = store.place_tail("t", GROUP_FP, parent, ["kv"], ids)
+        chunk, stored = store.tails.place("t", GROUP_FP, parent, ["kv"], ids)
         assert not stored
         store.store([make_item("t", chunk, token_ids=ids, token_count=len(ids), seed=i, checksum=False)[0]])
     assert store.flush(10)
     for ids in tails:
-        match = store.find_tail("t", GROUP_FP, parent, list(ids), [KV], 1)
+        match = store.tails.find("t", GROUP_FP, parent, list(ids), [KV], 1)
         assert match is not None and match.tokens == len(ids) and match.token_ids == ids
-        assert store.place_tail("t", GROUP_FP, parent, ["kv"], ids)[1]  # already stored: nothing to write
+        assert store.tails.place("t", GROUP_FP, parent, ["kv"], ids)[1]  # already stored: nothing to write
     # a continuation of tail 0 replaces it rather than taking another slot
     longer = tails[0] + (42,)
-    chunk, stored = store.place_tail("t", GROUP_FP, parent, ["kv"], longer)
-    assert not stored and chunk == store.find_tail("t", GROUP_FP, parent, list(tails[0]), [KV], 1).chunk  # type: ignore[union-attr]
+    chunk, stored = store.tails.place("t", GROUP_FP, parent, ["kv"], longer)
+    assert not stored and chunk == store.tails.find("t", GROUP_FP, parent, list(tails[0]), [KV], 1).chunk  # type: ignore[union-attr]
 
 
 def test_evictions_are_counted_per_tenant(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:

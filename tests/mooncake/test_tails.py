@@ -50,7 +50,7 @@ def test_regression_tail_from_mooncake_is_read_in_one_call(mooncake_cluster, cap
     try:
         assert reader.tiers[0].wait_ready(15)
         prompt = list(ids[:used]) + [7] * (stored - used)  # shares `used` tokens with the stored tail
-        match = reader.find_tail("default", GROUP_FP, parent, prompt, [KV], match_unit=1)
+        match = reader.tails.find("default", GROUP_FP, parent, prompt, [KV], match_unit=1)
         assert match is not None and match.tokens == used and match.stored_tokens == stored
         capfd.readouterr()
         # What the vLLM worker asks for: any token count, the reused prefix of the tail's ids.
