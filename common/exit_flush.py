@@ -52,7 +52,7 @@ class _Registry:
     """Stores of this process with write-back work (weakly held), and the hooks that flush them."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal handler may run while this thread holds it
         self._stores: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakKeyDictionary()
         """store -> (pid that made it, its flush bound in seconds)."""
         self._hooked_pid = 0
