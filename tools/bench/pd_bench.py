@@ -46,7 +46,6 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
 import statistics
@@ -60,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.serve_server import HOST, Counters, Server, free_port, http_call
-from kvpack.tools.bench.timing import hardware, write_report
+from kvpack.tools.bench.timing import publish
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 METRICS_SPAN = 16
@@ -530,12 +529,8 @@ def report(r: Result, prompts: int) -> str:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    command = "kvpack bench pd " + " ".join(shlex.quote(a) for a in argv)
     result, setup = run(args)
-    table = f"{setup}\n\n{report(result, args.prompts)}"
-    print(f"\n{command}\n{hardware()}\n\n{table}")
-    if args.out:
-        write_report(args.out, "kvpack bench pd: prefill/decode through the store vs one instance", command, table)
+    publish("pd", argv, "kvpack bench pd: prefill/decode through the store vs one instance", f"{setup}\n\n{report(result, args.prompts)}", args.out)
     return 0
 
 

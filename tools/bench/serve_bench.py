@@ -49,7 +49,6 @@ import json
 import math
 import os
 import random
-import shlex
 import shutil
 import signal
 import statistics
@@ -61,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
-from kvpack.tools.bench.timing import hardware, write_report
+from kvpack.tools.bench.timing import publish
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 
@@ -490,12 +489,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], str]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    command = "kvpack bench serve " + " ".join(shlex.quote(a) for a in argv)
     rows, setup = run(args)
-    table = f"{setup}\n\n{report(rows)}"
-    print(f"\n{command}\n{hardware()}\n\n{table}")
-    if args.out:
-        write_report(args.out, "kvpack bench serve: the vLLM OpenAI server under vLLM's benchmark client", command, table)
+    publish("serve", argv, "kvpack bench serve: the vLLM OpenAI server under vLLM's benchmark client", f"{setup}\n\n{report(rows)}", args.out)
     return 0
 
 

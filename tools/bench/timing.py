@@ -30,6 +30,17 @@ def write_report(path: str, title: str, command: str, table: str) -> None:
     print(f"wrote {path}")
 
 
+def publish(bench: str, argv: list[str], title: str, table: str, out: str) -> None:
+    """Print a server benchmark's result (its exact command, the machine, the table) and,
+    with `out`, write it as a markdown report too."""
+    import shlex
+
+    command = f"kvpack bench {bench} " + " ".join(shlex.quote(a) for a in argv)
+    print(f"\n{command}\n{hardware()}\n\n{table}")
+    if out:
+        write_report(out, title, command, table)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
