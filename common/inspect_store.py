@@ -2,11 +2,15 @@
 
 Used by `kvpack inspect DIR`. It never modifies the folder (unlike opening a
 `DiskTier`, which deletes unreadable files) and never trusts a file: every
-header is decoded and self-checked; files that fail are counted as unreadable.
+header is decoded and self-checked; files that fail are counted as unreadable,
+and so are symlinks, FIFOs and anything else that is not a regular file inside
+the store (opened non-blocking: nothing planted there can hang the command).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,13 +54,31 @@ class StoreSummary:
         }
 
 
+def _read_header_prefix(path: Path, inside: Path) -> bytes:
+    """The header bytes of the regular file `path`, which must lie inside `inside`
+    (no symlinked folder or file followed out of the store); OSError for anything else.
+    ``O_NONBLOCK`` so that a FIFO planted at an object path never blocks the command."""
+    if not path.resolve().is_relative_to(inside):
+        raise OSError(f"{path} resolves outside the store")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            prefix = f.read(HEADER_PREFIX_BYTES)
+            return prefix + f.read(header_length(prefix) - len(prefix))
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def summarize(root: Path) -> StoreSummary:
     summary = StoreSummary(root)
+    inside = root.resolve()
     for path in sorted(root.glob(f"*/*/*/*{SUFFIX}")):
         try:
-            with open(path, "rb") as f:
-                prefix = f.read(HEADER_PREFIX_BYTES)
-                header = decode_header(prefix + f.read(header_length(prefix) - len(prefix)))
+            header = decode_header(_read_header_prefix(path, inside))
         except (OSError, ObjectRejected):
             summary.unreadable.append(path)
             continue

@@ -34,6 +34,33 @@ def test_inspect_reports_per_tenant(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert bad.exists()  # inspect never deletes
 
 
+def test_inspect_neither_hangs_on_a_fifo_nor_follows_a_symlink_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO planted at an object path used to block `kvpack inspect` forever; a tenant
+    folder symlinked to another store was summarised as if it were this one's."""
+    import os
+
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    tier = DiskTier(store, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    tier.put_from([make_item("acme", chunk_id(1))[0]])
+    fifo = tier.path_of(make_item("acme", chunk_id(2))[0].key)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    other = DiskTier(elsewhere, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    other.put_from([make_item("bob", chunk_id(3))[0]])
+    (store / "mallory").symlink_to(elsewhere / "bob")
+    result: list[int] = []
+    import threading
+
+    runner = threading.Thread(target=lambda: result.append(main(["inspect", str(store), "--json"])), daemon=True)
+    runner.start()
+    runner.join(20)
+    assert not runner.is_alive(), "kvpack inspect hung on a FIFO"
+    out = json.loads(capsys.readouterr().out)
+    assert result == [0] and out["tenants"]["acme"]["objects"] == 1
+    assert "bob" not in out["tenants"] and "mallory" not in out["tenants"]
+    assert out["unreadable"] == 2  # the FIFO and the symlinked-in object
+
+
 def test_inspect_missing_dir(tmp_path: Path) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 2
 
