@@ -178,16 +178,17 @@ class WorkerSide:
         if self.layout is None:
             return
         for job in meta.saves:
-            with self._saves_cv:
-                self._saves_queued += 1
+            items: list[PutItem] | None = None
             if job.capture:
                 try:
-                    self._save_q.put((job, self._gather(job)))
+                    items = self._gather(job)
                 except Exception as exc:  # a failed capture is a future miss, never an engine error
                     log.warning("kvpack: capture for %s failed: %s", job.req_id, exc)
                     self._count("save_errors")
-            else:
-                self._save_q.put((job, None))
+                    continue  # nothing queued: no load or exit flush waits for it
+            with self._saves_cv:
+                self._saves_queued += 1
+            self._save_q.put((job, items))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(saves done, loads done, loads failed): a failed load is also a done load."""
@@ -482,13 +483,15 @@ class WorkerSide:
         """Wait (bounded) until queued saves reached the store and every tier; what the
         bound cuts off is counted and logged (`kvpack.exit_flush` calls this at exit)."""
         deadline = time.monotonic() + timeout_s
-        while self._save_q.unfinished_tasks:  # put() counts up, task_done() down
-            if time.monotonic() >= deadline:
-                left = self._save_q.unfinished_tasks
-                self._count("save_dropped_at_exit", left)
-                log.warning("kvpack: %d saves still queued after %.1f s (%s); they are lost", left, timeout_s, reason)
-                return False
-            time.sleep(0.005)
+        with self._saves_cv:
+            while self._saves_done < self._saves_queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lost = self._saves_queued - self._saves_done
+                    self._count("save_dropped_at_exit", lost)
+                    log.warning("kvpack: %d saves still queued after %.1f s (%s); they are lost", lost, timeout_s, reason)
+                    return False
+                self._saves_cv.wait(left)
         return self.store.flush_before_exit(max(0.0, deadline - time.monotonic()), reason)
 
     # -- shutdown ---------------------------------------------------------------
