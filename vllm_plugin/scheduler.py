@@ -138,7 +138,6 @@ class SchedulerSide:
         """Requests whose load was handed to the workers: at most one load attempt each."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
-        self._saving: set[str] = set()
         self._stats: dict[str, float] = {}
         self._bad_tenants_logged: set[str] = set()
         self._handoff_errors: set[str] = set()
@@ -369,7 +368,6 @@ class SchedulerSide:
         if partial_tails and not delay:
             # register_finished_partial_tail promised a report for this request: send an empty job
             self._pending_saves.append(TransferJob(req_id, self.config.tenant, ()))
-            self._saving.add(req_id)
             delay = True
         return delay, params
 
@@ -405,7 +403,6 @@ class SchedulerSide:
         if tail is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
-        self._saving.add(req_id)
         self._count("save_blocks", 1)
         return True, None
 
@@ -438,8 +435,8 @@ class SchedulerSide:
     # -- worker reports ---------------------------------------------------------
 
     def update_connector_output(self, finished_sending: set[str] | None, report: Any) -> None:
-        for req_id in finished_sending or ():
-            self._saving.discard(req_id)
+        """Apply the workers' report (`finished_sending` needs no bookkeeping here: vLLM
+        itself frees a finished request's blocks once its save is reported)."""
         if isinstance(report, KVPackWorkerMetadata):
             self.index.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
