@@ -27,7 +27,6 @@ are per process); it holds weak references, so it never keeps a store alive.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing.util
 import os
@@ -86,7 +85,8 @@ class _Registry:
         return ok
 
     def _install(self) -> None:
-        atexit.register(self.flush_all, "exit")
+        # one hook for both: multiprocessing runs its finalizers from its own atexit handler
+        # in the main process and from its child-exit path (where atexit is skipped)
         multiprocessing.util.Finalize(None, self.flush_all, args=("exit",), exitpriority=100)
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; the exit hooks remain
