@@ -18,11 +18,11 @@ chunks before k.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .config import DraftPolicy
-from .keys import validate_member
+from .keys import StoreKey, validate_member
 
 
 class MemberRole(enum.Enum):
@@ -75,8 +75,8 @@ class MemberSpec:
         validate_member(self.name)
         if self.coverage is Coverage.TRAILING and self.window_chunks < 1:
             raise ValueError(f"member {self.name!r}: a TRAILING member needs window_chunks >= 1")
-        if self.coverage is not Coverage.ALL and self.role is MemberRole.DRAFT:
-            raise ValueError(f"member {self.name!r}: draft members cover every chunk")
+        if self.coverage is Coverage.BOUNDARY and self.role is MemberRole.DRAFT:
+            raise ValueError(f"member {self.name!r}: draft members cover every chunk or a trailing window")
 
     @property
     def trailing_chunks(self) -> int | None:
@@ -99,7 +99,18 @@ class GroupLookup:
         hit_chunks: what the engine may load under the configured draft
             policy (full_chunks, or target_chunks for target_only).
         all_members / target_members: member names, all and non-draft.
-        missing: member name -> chunks within `target_chunks` lacking it.
+        missing: member name -> chunks within `target_chunks` lacking it (a
+            windowed draft member: the chunks of its window at `target_chunks`).
+        restorable: every prefix length k (1..hit_chunks) at which a hit is valid
+            under the policy; with windowed members not every shorter prefix is
+            (a window with a hole), and engines that intersect such sets across
+            ranks need all of them (SGLang's ``restorable_prefix_pages``).
+        member_hits: per member, the chunks it alone would allow: an ALL member
+            its leading run (within the non-draft members' run), a windowed member
+            the last boundary within that policy's run whose window holds it.
+        located: per key of the hit (chunks < hit_chunks, `members_to_load`), the
+            name of the fastest tier that held it at lookup time (`KVStore.lookup`
+            fills it; `KVStore.prepare_load` takes it).
     """
 
     full_chunks: int
@@ -108,6 +119,9 @@ class GroupLookup:
     all_members: tuple[str, ...]
     target_members: tuple[str, ...]
     missing: dict[str, int] = field(default_factory=dict)
+    restorable: tuple[int, ...] = ()
+    member_hits: dict[str, int] = field(default_factory=dict)
+    located: Mapping[StoreKey, str] = field(default_factory=dict)
 
     def members_to_load(self, chunk_index: int) -> tuple[str, ...]:
         """Members to restore for chunk `chunk_index` (< hit_chunks): every member
@@ -128,39 +142,61 @@ def resolve_lookup(
     `presence[i][name]` says whether member `name` of chunk i is stored.
     Members that do not cover every chunk (`Coverage`) move the answer down to
     the longest prefix whose trailing chunks hold them; chunks of the prefix
-    before their window may lack them.
+    before their window may lack them. A windowed draft member (SGLang's
+    ``draft_swa``) bounds `full_chunks` only, like any draft member.
     """
     names = [m.name for m in members]
     target_names = [m.name for m in members if m.role is not MemberRole.DRAFT]
     every = [m.name for m in members if m.trailing_chunks is None]
     every_target = [m.name for m in members if m.trailing_chunks is None and m.role is not MemberRole.DRAFT]
-    windowed = [(m.name, m.trailing_chunks) for m in members if m.trailing_chunks is not None]
-    full = 0
-    while full < len(presence) and all(presence[full].get(n, False) for n in every):
-        full += 1
-    target = 0
-    while target < len(presence) and all(presence[target].get(n, False) for n in every_target):
-        target += 1
-    if windowed:
-        full = _windowed_boundary(presence, windowed, full)
-        target = _windowed_boundary(presence, windowed, target)
+    windows = {m.name: _window_ok(presence, m.name, m.trailing_chunks) for m in members if m.trailing_chunks is not None}
+    target_windows = [windows[m.name] for m in members if m.name in windows and m.role is not MemberRole.DRAFT]
+    full_run = _leading(presence, every)
+    target_run = _leading(presence, every_target)
+    full_ok = _all_ok(list(windows.values()), full_run)
+    target_ok = _all_ok(target_windows, target_run)
+    full = max((k for k in range(1, full_run + 1) if full_ok[k]), default=0)
+    target = max((k for k in range(1, target_run + 1) if target_ok[k]), default=0)
     missing: dict[str, int] = {}
     for i in range(full, target):
         for n in names:
-            if not presence[i].get(n, False):
+            if n not in windows and not presence[i].get(n, False):
                 missing[n] = missing.get(n, 0) + 1
-    for n, _ in windowed:  # present in the window of `target` by construction; not needed before it
-        missing.pop(n, None)
-    hit = target if policy is DraftPolicy.TARGET_ONLY else full
-    return GroupLookup(full, target, hit, tuple(names), tuple(target_names), missing)
+    drafts = {m.name: m.trailing_chunks for m in members if m.name in windows and m.role is MemberRole.DRAFT}
+    for n, window in drafts.items():  # windowed target members hold their window at `target` by construction
+        lacking = sum(1 for i in range(max(0, target - (window or 0)), target) if not presence[i].get(n, False))
+        if target > full and lacking:
+            missing[n] = lacking
+    target_only = policy is DraftPolicy.TARGET_ONLY
+    hit, run, ok = (target, target_run, target_ok) if target_only else (full, full_run, full_ok)
+    member_hits = {n: min(_leading(presence, [n]), target_run) for n in every}
+    for n, w in windows.items():
+        member_hits[n] = max((k for k in range(1, run + 1) if w[k]), default=0)
+    restorable = tuple(k for k in range(1, run + 1) if ok[k])
+    return GroupLookup(full, target, hit, tuple(names), tuple(target_names), missing, restorable, member_hits)
 
 
-def _windowed_boundary(presence: Sequence[dict[str, bool]], windowed: Sequence[tuple[str, int]], limit: int) -> int:
-    """The largest k <= limit whose last chunks hold every windowed member (0 always qualifies)."""
-    for k in range(limit, 0, -1):
-        if all(presence[i].get(n, False) for n, window in windowed for i in range(max(0, k - window), k)):
-            return k
-    return 0
+def _leading(presence: Sequence[dict[str, bool]], names: Sequence[str]) -> int:
+    """Leading chunks that hold every member in `names`."""
+    k = 0
+    while k < len(presence) and all(presence[k].get(n, False) for n in names):
+        k += 1
+    return k
+
+
+def _window_ok(presence: Sequence[dict[str, bool]], name: str, window: int | None) -> list[bool]:
+    """ok[k] (k = 0..len(presence)): chunks max(0, k - window) .. k-1 all hold `name`.
+    One pass with a running count of the chunks lacking it."""
+    w = window or 0
+    lacking = [0]
+    for chunk in presence:
+        lacking.append(lacking[-1] + (not chunk.get(name, False)))
+    return [lacking[k] == lacking[max(0, k - w)] for k in range(len(presence) + 1)]
+
+
+def _all_ok(windows: Sequence[list[bool]], limit: int) -> list[bool]:
+    """ok[k] for k = 0..limit: every window in `windows` holds at boundary k."""
+    return [all(w[k] for w in windows) for k in range(limit + 1)]
 
 
 def tail_usable(members: Sequence[MemberSpec], stored_members: Sequence[str], matched: int, stored_tokens: int) -> bool:

@@ -8,7 +8,8 @@ hooks.
 
 Every silent failure this project exists to stop has a counter here:
 partial hits by missing member, rejected objects by reason, stores dropped by
-reason, tier errors by status, and evictions by tenant.
+reason, tier errors by status, evictions by tenant, and objects evicted between
+a lookup and its load.
 
 Label sets are bounded: the ``tenant`` label takes the tenants named in the
 config plus the first `max_tenants` other tenants seen; every later tenant is
@@ -61,6 +62,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("stored_bytes", "Payload bytes written", ("tenant", "tier")),
     MetricSpec("stored_objects", "Objects written", ("tenant", "tier")),
     MetricSpec("load_failures", "Objects that could not be loaded (the engine recomputes)", ("tenant", "status")),
+    MetricSpec(
+        "evicted_before_load",
+        "Objects a lookup found in a tier that no longer held them at load (evicted in between; another tier or a recompute served them)",
+        ("tenant", "tier"),
+    ),
     MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
     MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
     MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),

@@ -4,17 +4,22 @@ It composes the configured tiers (memory -> disk -> mooncake, fastest first)
 and owns the policies that must hold on every tier:
 
 - lookup: one batched `contains` per tier for every (chunk, member) of a
-  request; the answer is a `GroupLookup` (full / partial by member), counted.
-- load: read-through. Each object comes from the fastest tier that has it
-  and passes every check; a lower-tier hit is promoted into memory. Anything
-  else is a miss with a counted reason, never an exception.
+  request; the answer is a `GroupLookup` (full / partial by member, and the
+  tier holding each key of the hit), counted.
+- load: `prepare_load` -> `complete_load` (`kvpack.lifecycle`): each object
+  from the tier the lookup found it in (pinned there when that is this
+  process's memory), else read-through; `load` is read-through alone. Each
+  object comes from the fastest tier that has it and passes every check; a
+  lower-tier hit is promoted into memory. Anything else is a miss with a
+  counted reason, never an exception.
 - store: the memory tier takes a copy synchronously (a memcpy); every lower
   tier gets the object from a bounded write-back queue served by background
   threads. When the queue is full the store is dropped and counted rather
   than blocking the engine (back-pressure). Without a memory tier there is
   nothing to queue from, so the lower tiers are written synchronously from the
   caller's buffers (no copy); the adapters call `store` off the forward path,
-  and every tier bounds its own calls.
+  and every tier bounds its own calls. `prepare_store` -> `complete_store`
+  de-duplicates (what is stored or being stored is not stored again).
 - tails (`store.tails`, `kvpack.tails.TailSlots`): the computed tail of a
   partial block is stored with its token ids under `tail_chunk(parent)`;
   `tails.find` returns the longest common prefix with a new prompt, rounded
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +43,7 @@ from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .integrity import IntegrityKey, check_loaded, seal_items
+from .lifecycle import LoadPlan, PlanBook, count_gone
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tails import TailSlots
@@ -76,12 +82,15 @@ class KVStore:
         *,
         write_back: bool = True,
         read_only: bool = False,
+        pin_timeout_s: float | None = None,
     ) -> None:
         """`write_back`: lower tiers get stores from the write-back queue (the caller
         returns after the memory copy); False writes every tier before `store`
         returns, for engines that call it off their forward path and may kill the
         process without warning (SGLang). `read_only`: a lookup view (vLLM's
-        scheduler side): no write-back threads, `store` refuses."""
+        scheduler side): no write-back threads, `store` refuses. `pin_timeout_s`:
+        how long a `LoadPlan` pins memory at most (default: twice the longest a
+        load may wait, ``io_timeout_ms + pd_wait_ms``)."""
         if not tiers:
             raise ValueError("KVStore needs at least one tier")
         self.config = config
@@ -96,6 +105,10 @@ class KVStore:
 
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self._lower = tuple(t for t in self.tiers if t is not self._memory)
+        self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
+        if pin_timeout_s is None:
+            pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.pd_wait_ms) / 1000.0)
+        self._plans = PlanBook(pin_timeout_s)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         self._evictions: list[tuple[str, str, int]] = []
         for tier in self.tiers:
@@ -194,16 +207,21 @@ class KVStore:
     def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.
         With a `budget`, remote tiers are skipped once it is spent (see `kvpack.budget`)."""
-        found = [False] * len(keys)
+        return [t is not None for t in self.locate(keys, budget)]
+
+    def locate(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[str | None]:
+        """Per key: the name of the fastest tier holding it (None: none does). As `contains`."""
+        found: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
-            todo = [i for i, f in enumerate(found) if not f]
+            todo = [i for i, f in enumerate(found) if f is None]
             if not todo:
                 break
             if self._over_budget(tier, budget):
                 continue
             answers = self._safe_contains(tier, keys if len(todo) == len(keys) else [keys[i] for i in todo])
             for i, ok in zip(todo, answers):
-                found[i] = ok
+                if ok:
+                    found[i] = tier.name
         return found
 
     def _safe_contains(self, tier: Tier, keys: Sequence[StoreKey]) -> list[bool]:
@@ -238,10 +256,23 @@ class KVStore:
     ) -> GroupLookup:
         """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
 
-        Counts the lookup, hit tokens, full hits and partial hits by missing member."""
+        Counts the lookup, hit tokens, full hits and partial hits by missing member.
+        `GroupLookup.located` says which tier holds each key of the hit."""
         start = time.perf_counter()
-        presence = self.contains_members(tenant, fingerprint, chunks, [m.name for m in members], budget)
+        names = [m.name for m in members]
+        n = len(names)
+        keys = [StoreKey(tenant, fingerprint, c, m) for c in chunks for m in names]
+        where = self.locate(keys, budget)
+        presence = [{m: where[ci * n + mi] is not None for mi, m in enumerate(names)} for ci in range(len(chunks))]
         result = resolve_lookup(presence, members, self.config.draft_policy)
+        column = {m: mi for mi, m in enumerate(names)}
+        located = {
+            keys[j]: where[j]
+            for ci in range(result.hit_chunks)
+            for m in result.members_to_load(ci)
+            if where[j := ci * n + column[m]] is not None
+        }
+        result = replace(result, located=located)
         self._count_lookup(tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
         self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
         return result
@@ -287,52 +318,105 @@ class KVStore:
 
     # -- load ---------------------------------------------------------------------
 
+    def prepare_load(
+        self, what: Sequence[StoreKey] | Mapping[StoreKey, str] | GroupLookup, budget: WaitBudget | None = None
+    ) -> LoadPlan:
+        """Where each object to load is, its memory-tier copies pinned (`kvpack.lifecycle`).
+
+        `what`: keys (located now, one batched `contains` per tier), a lookup's
+        `GroupLookup.located` or the lookup itself, or key -> tier names another
+        process's lookup found (vLLM's scheduler). Pair with `complete_load` or `release`."""
+        for stale in self._plans.sweep():
+            self._unpin(stale)
+        if isinstance(what, GroupLookup):
+            what = what.located
+        if isinstance(what, Mapping):
+            located = {k: t for k, t in what.items() if t in self._by_name}
+        else:
+            keys = list(what)
+            located = {k: t for k, t in zip(keys, self.locate(keys, budget)) if t is not None}
+        return self._plans.open(located, self._memory)
+
+    def complete_load(self, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]:
+        """Restore each item, from the tier `plan` names first (read-through when it names
+        none or that tier lost it), then release the plan's pins. Never raises."""
+        try:
+            return self._load(items, [self._by_name.get(plan.located.get(it.key, "")) for it in items])
+        finally:
+            self.release(plan)
+
+    def release(self, plan: LoadPlan) -> None:
+        """Release `plan`'s pins now (idempotent; `complete_load` calls it)."""
+        if self._plans.close(plan):
+            self._unpin(plan)
+
+    def _unpin(self, plan: LoadPlan) -> None:
+        if plan.pinned and self._memory is not None:
+            self._memory.unpin(plan.pinned)
+
     def load(self, items: Sequence[LoadItem]) -> list[GetResult]:
-        """Restore each item into its `dst`, fastest tier first. Never raises."""
+        """Restore each item into its `dst`, fastest tier first (read-through). Never raises."""
+        return self._load(items, [None] * len(items))
+
+    def _load(self, items: Sequence[LoadItem], first: Sequence[Tier | None]) -> list[GetResult]:
+        """Each item from `first[i]` when set, then read-through from the other tiers."""
         results: list[GetResult | None] = [None] * len(items)
+        for tier in self.tiers:
+            planned = [i for i, t in enumerate(first) if t is tier]
+            if planned:
+                self._load_from(tier, items, planned, results)
+        gone = [i for i, t in enumerate(first) if t is not None and results[i].status is TierStatus.MISS]  # type: ignore[union-attr]
         for tier in self.tiers:
             todo = [i for i, r in enumerate(results) if r is None or not r.ok]
             if not todo:
                 break
-            start = time.perf_counter()
-            got = self._safe_get(tier, [items[i] for i in todo])
-            self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
-            promote: list[PutItem] = []
-            damaged: list[GroupKey] = []
-            loaded: dict[str, int] = {}
-            promoting = tier is not self._memory and self._memory is not None
-            for i, res in zip(todo, got):
-                item = items[i]
-                if res.ok:
-                    results[i] = res
-                    header = res.header
-                    tenant = item.key.tenant
-                    loaded[tenant] = loaded.get(tenant, 0) + (header.payload_len if header is not None else payload_nbytes(item.dst))
-                    if promoting and header is not None:
-                        promote.append(PutItem(item.key, header, item.dst))
-                    continue
-                if res.status is TierStatus.REJECTED:
-                    reason = res.reason.value if res.reason else "unknown"
-                    self.metrics.inc("rejected_objects", tier=tier.name, reason=reason)
-                    log.warning("kvpack: refused %s from %s: %s %s", item.key.as_str(), tier.name, reason, res.detail)
-                    if res.reason in INTEGRITY_REASONS:
-                        damaged.append(item.key.group)
-                elif res.status is not TierStatus.MISS:
-                    self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
-                if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
-                    results[i] = res
-            for tenant, nbytes in loaded.items():
-                self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier.name)
-            if promote and self._memory is not None:
-                self._memory.put_from(promote)
-            if damaged:
-                self._remove_quietly(tier, damaged)
+            todo = [i for i in todo if first[i] is not tier]
+            if todo:
+                self._load_from(tier, items, todo, results)
         self._count_evictions()
+        if gone:
+            count_gone(self.metrics, [items[i].key for i in gone], [first[i].name for i in gone], [results[i] for i in gone])  # type: ignore[union-attr]
         final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
         for item, res in zip(items, final):
             if not res.ok:
                 self.metrics.inc("load_failures", tenant=item.key.tenant, status=res.status.value)
         return final
+
+    def _load_from(self, tier: Tier, items: Sequence[LoadItem], todo: Sequence[int], results: list[GetResult | None]) -> None:
+        """One batched get of `items[todo]` from `tier` into `results` (counted)."""
+        start = time.perf_counter()
+        got = self._safe_get(tier, [items[i] for i in todo])
+        self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
+        promote: list[PutItem] = []
+        damaged: list[GroupKey] = []
+        loaded: dict[str, int] = {}
+        promoting = tier is not self._memory and self._memory is not None
+        for i, res in zip(todo, got):
+            item = items[i]
+            if res.ok:
+                results[i] = res
+                header = res.header
+                tenant = item.key.tenant
+                loaded[tenant] = loaded.get(tenant, 0) + (header.payload_len if header is not None else payload_nbytes(item.dst))
+                if promoting and header is not None:
+                    promote.append(PutItem(item.key, header, item.dst))
+                continue
+            if res.status is TierStatus.REJECTED:
+                reason = res.reason.value if res.reason else "unknown"
+                self.metrics.inc("rejected_objects", tier=tier.name, reason=reason)
+                log.warning("kvpack: refused %s from %s: %s %s", item.key.as_str(), tier.name, reason, res.detail)
+                if res.reason in INTEGRITY_REASONS:
+                    damaged.append(item.key.group)
+            elif res.status is not TierStatus.MISS:
+                self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
+            if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
+                results[i] = res
+        for tenant, nbytes in loaded.items():
+            self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier.name)
+        if promote and self._memory is not None:
+            self._memory.put_from(promote)
+        if damaged:
+            self._remove_quietly(tier, damaged)
 
     def _remove_quietly(self, tier: Tier, groups: Sequence[GroupKey]) -> None:
         try:
@@ -388,6 +472,18 @@ class KVStore:
         tally.flush()
         self._count_evictions()
         return statuses
+
+    def prepare_store(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[StoreKey]:
+        """The keys still to store: on no tier, and not prepared by another caller that
+        has not completed yet (`kvpack.lifecycle`). Pair with `complete_store`."""
+        return self._plans.claim_stores(keys, self.contains(keys, budget))
+
+    def complete_store(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """`store` the prepared items and end their preparation."""
+        try:
+            return self.store(items)
+        finally:
+            self._plans.end_stores([it.key for it in items])
 
     def _queue_stored(self, items: Sequence[PutItem], mem: Sequence[TierStatus], statuses: list[TierStatus]) -> None:
         """Queue every item for the lower tiers: from the memory tier's copy

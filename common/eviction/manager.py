@@ -15,7 +15,12 @@ Invariants (checked by property tests):
   to a share of zero, which would let it keep only one group);
 - per-tenant state exists only while the tenant stores something: a tenant
   whose last group is released leaves no entry behind (20,000 one-off
-  tenants from ``cache_salt`` values cost nothing once evicted).
+  tenants from ``cache_salt`` values cost nothing once evicted);
+- a pinned group (`pin`, a load between its lookup and its copy) is never a
+  victim while its pin holds: pins are counted (each `pin` is matched by one
+  `unpin`) and bounded in time (a pin not released by its deadline no longer
+  protects the group, so a lost load cannot hold memory forever). Pins exist
+  only for resident groups.
 
 Not thread-safe: the owning tier calls it under its own lock.
 """
@@ -23,6 +28,7 @@ Not thread-safe: the owning tier calls it under its own lock.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +66,7 @@ class CapacityManager:
         self._quotas = dict(quotas or {})
         self._groups: dict[Hashable, GroupUsage] = {}
         self._tenant_used: dict[str, int] = {}
+        self._pins: dict[Hashable, list[float]] = {}  # group -> [count, latest deadline (monotonic)]
         self.used = 0
 
     # -- queries -------------------------------------------------------------
@@ -84,6 +91,34 @@ class CapacityManager:
     def tenants(self) -> list[str]:
         """Tenants with at least one resident group."""
         return list(self._tenant_used)
+
+    def pinned(self, group: Hashable, now: float | None = None) -> bool:
+        """True while `group` holds a pin whose deadline has not passed."""
+        pin = self._pins.get(group)
+        return pin is not None and pin[1] > (time.monotonic() if now is None else now)
+
+    # -- pins ----------------------------------------------------------------
+
+    def pin(self, group: Hashable, until: float) -> bool:
+        """Keep resident `group` from eviction until `unpin` or the monotonic time `until`.
+        False (nothing pinned) when the group is not resident."""
+        if group not in self._groups:
+            return False
+        pin = self._pins.get(group)
+        if pin is None:
+            self._pins[group] = [1, until]
+        else:
+            pin[0] += 1
+            pin[1] = max(pin[1], until)
+        return True
+
+    def unpin(self, group: Hashable) -> None:
+        """Release one `pin` of `group` (an unknown or evicted group is ignored)."""
+        pin = self._pins.get(group)
+        if pin is not None:
+            pin[0] -= 1
+            if pin[0] <= 0:
+                del self._pins[group]
 
     # -- mutation ------------------------------------------------------------
 
@@ -128,6 +163,7 @@ class CapacityManager:
         tenant_after = dict(self._tenant_used)
         tenant_after[tenant] = tenant_after.get(tenant, 0) + delta
         chosen: set[Hashable] = set()
+        pins, now = self._pins, time.monotonic() if self._pins else 0.0
 
         def take(candidates: Iterable[Hashable], own_only: bool) -> None:
             nonlocal freed
@@ -136,6 +172,8 @@ class CapacityManager:
                     return
                 if cand in groups or cand in chosen:
                     continue
+                if pins and cand in pins and pins[cand][1] > now:
+                    continue  # pinned by a load in progress
                 usage = self._groups.get(cand)
                 if usage is None:
                     continue
@@ -226,6 +264,7 @@ class CapacityManager:
             if usage is None:
                 out.append({})
                 continue
+            self._pins.pop(group, None)
             remove(group)
             size = usage.nbytes
             freed += size

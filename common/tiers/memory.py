@@ -14,6 +14,10 @@ over `copy_threads` threads (`kvpack.tiers.parallel`), then one pass that
 makes every object visible: concurrent puts and gets of different objects
 proceed in parallel, and an object is visible only once fully copied.
 
+`pin` keeps the groups of objects about to be loaded from eviction until
+`unpin` or a deadline (`kvpack.lifecycle`: prepare_load -> complete_load);
+a store that would need a pinned group's room is dropped (NO_SPACE) instead.
+
 Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
 pinned on CUDA hosts, one free list per slot size), so a store never pays a
 page fault per 4 KiB. Memory bound: the arena never holds more than
@@ -293,6 +297,20 @@ class MemoryTier(Tier):
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         with self._lock:
             return self._drop_groups_locked([_gid(g) for g in groups])
+
+    def pin(self, keys: Sequence[StoreKey], until: float) -> list[bool]:
+        """Per key: stored here, and its group now pinned until `unpin` or the monotonic
+        time `until` (see `CapacityManager.pin`)? Each True needs one `unpin`."""
+        with self._lock:
+            objects, pin = self._objects, self._capacity.pin
+            return [k in objects and pin(_gid(k), until) for k in keys]
+
+    def unpin(self, keys: Sequence[StoreKey]) -> None:
+        """Release the pins `pin` answered True for (one per key)."""
+        with self._lock:
+            unpin = self._capacity.unpin
+            for k in keys:
+                unpin(_gid(k))
 
     def usage(self) -> TierUsage:
         with self._lock:

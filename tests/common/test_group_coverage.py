@@ -56,11 +56,34 @@ def test_draft_partial_hits_still_counted_with_windowed_members() -> None:
     assert r.hit_chunks == 4
 
 
-def test_windowed_members_must_be_target_state() -> None:
+def test_windowed_members_need_a_window_and_draft_state_is_never_boundary_only() -> None:
     with pytest.raises(ValueError):
         MemberSpec("kv_g1", "f", coverage=Coverage.TRAILING, window_chunks=0)
     with pytest.raises(ValueError):
         MemberSpec("draft", "f", MemberRole.DRAFT, coverage=Coverage.BOUNDARY)
+
+
+DRAFT_SWA = MemberSpec("draft_swa", "f", MemberRole.DRAFT, coverage=Coverage.TRAILING, window_chunks=1)
+
+
+@pytest.mark.parametrize("policy", list(DraftPolicy))
+def test_a_windowed_draft_member_bounds_the_full_hit_only(policy: DraftPolicy) -> None:
+    # SGLang's draft_swa: the target's window (kv_g1) holds at 3 and 4, the draft's (window 1) only at 3
+    p = chunks(kv="1111", kv_g1="0111", draft_swa="0010")
+    r = resolve_lookup(p, [KV, SWA, DRAFT_SWA], policy)
+    assert (r.full_chunks, r.target_chunks) == (3, 4)
+    assert r.missing == {"draft_swa": 1}  # chunk 3, the window at the target's boundary, lacks it
+    if policy is DraftPolicy.RECOMPUTE:
+        assert r.hit_chunks == 3 and r.restorable == (3,)
+        assert r.member_hits == {"kv": 4, "kv_g1": 4, "draft_swa": 3}
+    else:
+        assert r.hit_chunks == 4 and r.restorable == (3, 4)
+
+
+def test_restorable_lists_every_valid_boundary_not_only_the_longest() -> None:
+    r = resolve_lookup(chunks(kv="111111", kv_g1="011011"), [KV, SWA], DraftPolicy.RECOMPUTE)
+    assert r.restorable == (3, 6) and r.hit_chunks == 6  # 4 and 5 see a hole in their window
+    assert resolve_lookup(chunks(kv="1111"), [KV], DraftPolicy.RECOMPUTE).restorable == (1, 2, 3, 4)
 
 
 def test_state_tail_only_whole() -> None:
@@ -85,4 +108,8 @@ def _reference(presence: list[dict[str, bool]], window: int) -> int:
 def test_matches_brute_force(bits: list[tuple[bool, bool]], window: int) -> None:
     presence = [{"kv": a, "kv_g1": b} for a, b in bits]
     swa = MemberSpec("kv_g1", "f", coverage=Coverage.TRAILING, window_chunks=window)
-    assert resolve_lookup(presence, [KV, swa], DraftPolicy.RECOMPUTE).hit_chunks == _reference(presence, window)
+    r = resolve_lookup(presence, [KV, swa], DraftPolicy.RECOMPUTE)
+    assert r.hit_chunks == _reference(presence, window)
+    # every valid boundary, as SGLang's own file backend lists them (restorable_prefix_pages)
+    want = [k for k in range(1, len(presence) + 1) if _reference(presence[:k], window) == k]
+    assert list(r.restorable) == want
