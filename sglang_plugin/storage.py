@@ -23,7 +23,14 @@ the last ``len(keys)`` pages before its end (SGLang's sidecar semantics). A
 draft pool missing where the target is stored is a partial hit, counted by
 member name, and not reported as restorable under the default ``recompute``
 draft policy (``target_only`` reports the target's prefix; SGLang then clamps
-the hit to what the draft pool actually loads).
+the hit to what the draft pool actually loads). Every pool is a member of the
+page's group (`Coverage.ALL` or `TRAILING`), so the core's lookup decides all of
+this; the adapter only translates its answer.
+
+Lifecycle (`kvpack.lifecycle`): a lookup remembers where it found each page;
+the get that follows loads each page from that tier first (a page evicted in
+between is counted as ``evicted_before_load``), and a set stores only what
+`KVStore.prepare_store` says is not stored or being stored yet.
 
 Keys: ``StoreKey(tenant, group fingerprint, page hash, member)``. The group
 fingerprint covers engine + host layout, the model's identity (a digest of the
@@ -45,13 +52,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..config import DraftPolicy
-from ..groups import MemberRole
+from ..groups import Coverage, MemberRole, MemberSpec
 from ..keys import StoreKey
 from ..cpu_features import request_amx_permission
 from ..layout import KVLayoutSpec
@@ -78,6 +86,9 @@ log = logging.getLogger("kvpack.sglang")
 
 ADAPTER = "sglang"
 """`tier` label of metrics the adapter itself records (bad arguments, exceptions)."""
+
+MAX_LOCATED = 1 << 16
+"""Page locations remembered between a lookup and its load (each page's key and tier name)."""
 
 
 class KVPackStorage(HiCacheStorage):
@@ -117,6 +128,8 @@ class KVPackStorage(HiCacheStorage):
         self._bindings: dict[str, PoolBinding] = {}
         self._binding_errors: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._located: OrderedDict[StoreKey, str] = OrderedDict()
+        """Page key -> the tier the last lookup found it in (`_remember`), taken by `_get`."""
         self.group_fingerprint = ""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
@@ -234,56 +247,33 @@ class KVPackStorage(HiCacheStorage):
     def _exists(
         self, keys: list[str], all_pages: Sequence[PoolBinding], trailing: Sequence[tuple[PoolBinding, int]]
     ) -> PoolTransferResult:
-        n = len(keys)
-        if n == 0:
+        """One core `KVStore.lookup` over every pool as a member: ALL_PAGES pools cover
+        every page, TRAILING_PAGES pools the last `window` pages before the hit's end
+        (`Coverage.TRAILING`); the core applies the windows and the draft policy."""
+        if not keys or not self._valid_chunks(keys):
             return PoolTransferResult(0, {}, [])
-        if not self._valid_chunks(keys):
-            return PoolTransferResult(0, {}, [])
-        hit_count: dict[str, int] = {}
-        if all_pages:
-            specs = [b.spec for b in all_pages]
-            lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size)
-            presence = None
-            hit = lookup.hit_chunks
-            hit_count["kv"] = lookup.target_chunks
-        else:  # logical KV anchor: sidecars alone decide
-            lookup = None
-            hit = n
-        if trailing:
-            names = [b.member for b, _ in trailing]
-            presence = self.store.contains_members(self.tenant, self.group_fingerprint, keys, names)
-        restorable = list(range(1, hit + 1))
-        target_restorable = restorable
+        pools: dict[str, tuple[PoolBinding, MemberSpec]] = {}
+        for b in all_pages:
+            pools.setdefault(b.member, (b, b.spec))
         for b, window in trailing:
-            ok = [presence[i][b.member] for i in range(n)]  # type: ignore[index]
-            allowed = {p for p in range(1, hit + 1) if all(ok[max(0, p - window) : p])}
-            boundary = max(allowed, default=0)
-            if boundary:
-                hit_count[b.name] = boundary
-            restorable = [p for p in restorable if p in allowed]
-            if b.spec.role is not MemberRole.DRAFT:
-                target_restorable = [p for p in target_restorable if p in allowed]
-        if lookup is not None:
-            for b in all_pages:
-                if b.name != "kv":  # conservative: a pool that lacked pages is known present only to full_chunks
-                    hit_count[b.name] = lookup.full_chunks if b.member in lookup.missing else lookup.target_chunks
-        best_full = max(restorable, default=0)
-        best_target = max(target_restorable, default=0)
-        if best_target > best_full:
-            lost = [b.member for b, _ in trailing if b.spec.role is MemberRole.DRAFT]
-            for member in lost:
-                self.metrics.inc("partial_hits", 1, tenant=self.tenant, missing_member=member)
-            log.info(
-                "kvpack: partial hit: target restorable to page %d, draft state %s only to %d (%s policy)",
-                best_target,
-                lost,
-                best_full,
-                self.config.draft_policy.value,
-            )
-            if self.config.draft_policy is DraftPolicy.TARGET_ONLY:
-                restorable = target_restorable
-        final = max(restorable, default=0)
-        return PoolTransferResult(final, {k: v for k, v in hit_count.items() if v}, restorable)
+            pools.setdefault(b.member, (b, replace(b.spec, coverage=Coverage.TRAILING, window_chunks=window)))
+        specs = [spec for _, spec in pools.values()]
+        lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size)
+        self._remember(lookup.located)
+        hits = {pools[m][0].name: c for m, c in lookup.member_hits.items() if c}
+        return PoolTransferResult(lookup.hit_chunks, hits, list(lookup.restorable))
+
+    def _remember(self, located: Mapping[StoreKey, str]) -> None:
+        """Where a lookup found each page, for the `_get` that follows it (bounded, oldest dropped)."""
+        if not located:
+            return
+        with self._lock:
+            hints = self._located
+            hints.update(located)
+            for key in located:
+                hints.move_to_end(key)
+            while len(hints) > MAX_LOCATED:
+                hints.popitem(last=False)
 
     def _valid_chunks(self, keys: Sequence[str]) -> bool:
         try:
@@ -363,7 +353,8 @@ class KVPackStorage(HiCacheStorage):
             return None
 
     def _get(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        """One `KVStore.load` for the whole batch, straight into the host pool's pages."""
+        """One `KVStore.prepare_load` / `complete_load` for the whole batch, straight into
+        the host pool's pages, each from the tier the lookup found it in."""
         n = len(keys)
         if n == 0:
             return []
@@ -374,13 +365,17 @@ class KVPackStorage(HiCacheStorage):
         payloads = binding.page_payloads(host_indices, n)
         expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
         items = list(map(LoadItem, skeys, payloads, expected))
-        ok = [r.ok for r in self.store.load(items)]
+        with self._lock:  # where the lookup found these pages: a page gone from there is counted
+            hints = {k: t for k in skeys if (t := self._located.pop(k, None)) is not None}
+        plan = self.store.prepare_load(hints)
+        ok = [r.ok for r in self.store.complete_load(plan, items)]
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        """Pages not stored yet go to one `KVStore.store`, read in place from the host pool."""
+        """Pages `KVStore.prepare_store` says are still to store go to one `complete_store`,
+        read in place from the host pool."""
         n = len(keys)
         if n == 0:
             return []
@@ -391,14 +386,14 @@ class KVPackStorage(HiCacheStorage):
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
         payloads = binding.page_payloads(host_indices, n)
-        present = self.store.contains(skeys)
-        todo = [i for i in range(n) if not present[i]]
+        wanted = set(self.store.prepare_store(skeys))
+        todo = [i for i in range(n) if skeys[i] in wanted]
         if len(todo) < n:
             skeys, keys, payloads = [skeys[i] for i in todo], [keys[i] for i in todo], [payloads[i] for i in todo]
         headers = ObjectHeader.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
         items = list(map(PutItem, skeys, headers, payloads))
         ok = [True] * n
-        for i, st in zip(todo, self.store.store(items) if items else []):
+        for i, st in zip(todo, self.store.complete_store(items) if items else []):
             ok[i] = st is TierStatus.OK
         return ok
 
@@ -515,8 +510,6 @@ class _FlatMember:
         self.writes = kv.writes
         self.member = kv.member.replace("kv", "kvflat", 1)
         spec = kv.layout
-        from dataclasses import replace
-
         self.fingerprint = replace(spec, layer_names=("kvflat",), layer_shape=(self.page_bytes,)).member_fingerprint
 
     def expect(self, tenant: str, chunk: str) -> Expectation:
