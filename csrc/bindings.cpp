@@ -24,6 +24,7 @@
 
 #include "block_copy_cpu.h"
 #include "block_copy_geometry.h"
+#include "canonical_copy.h"
 #ifdef KVPACK_WITH_CUDA
 #include "block_copy.h"
 #endif
@@ -93,6 +94,55 @@ void scatter_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::
   copy_cpu(ptr_table, block_ids, src, g, 0);
 }
 
+KvpCanonGeometry unpack_canon(c10::IntArrayRef v) {
+  TORCH_CHECK(v.size() == KVP_CANON_FIELDS, "kvpack: canonical geometry must have ", KVP_CANON_FIELDS,
+              " fields, got ", v.size());
+  KvpCanonGeometry g;
+  g.num_layers = v[0];
+  g.num_kv = v[1];
+  g.block_stride = v[2];
+  g.head_stride = v[3];
+  g.tokens = v[4];
+  g.head_dim = v[5];
+  g.elem_bytes = v[6];
+  for (int k = 0; k < 2; ++k) {
+    const int64_t o = 7 + 6 * k;
+    g.tg[k] = v[o];
+    g.t_inner[k] = v[o + 1];
+    g.t_outer[k] = v[o + 2];
+    g.dg[k] = v[o + 3];
+    g.d_inner[k] = v[o + 4];
+    g.d_outer[k] = v[o + 5];
+  }
+  g.obj_heads = v[19];
+  g.obj_h0 = v[20];
+  g.cache_h0 = v[21];
+  g.n_heads = v[22];
+  g.num_cache_blocks = v[23];
+  return g;
+}
+
+void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                        const at::Tensor& staging, c10::IntArrayRef geometry, bool gather) {
+  (void)tensors;
+  const KvpCanonGeometry g = unpack_canon(geometry);
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
+              "kvpack: canonical copy needs ptr_table, block_ids and staging on the CPU");
+  TORCH_CHECK(ptr_table.scalar_type() == at::kLong && ptr_table.is_contiguous() &&
+                  ptr_table.numel() == g.num_layers * g.num_kv,
+              "kvpack: ptr_table must hold num_layers*num_kv int64 addresses");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.dim() == 1,
+              "kvpack: block_ids must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(staging.scalar_type() == at::kByte && staging.is_contiguous(), "kvpack: staging must be contiguous uint8");
+  const int64_t need = block_ids.numel() * g.num_layers * g.num_kv * g.obj_heads * g.tokens * g.head_dim * g.elem_bytes;
+  TORCH_CHECK(staging.numel() >= need, "kvpack: staging holds ", staging.numel(), " bytes, need ", need);
+  const int rc = kvp_canonical_copy_cpu(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
+                                        block_ids.data_ptr<int64_t>(), block_ids.numel(),
+                                        static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0);
+  TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
+  TORCH_CHECK(rc == KVP_OK, "kvpack: invalid canonical-copy geometry (code ", rc, ")");
+}
+
 void emulate_cuda_copy(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
                        const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, bool gather) {
   (void)tensors;
@@ -156,6 +206,10 @@ TORCH_LIBRARY(kvpack, m) {
       "scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor src, "
       "int[] geometry, int ptr_align, int stream) -> ()");
   m.def("has_cuda() -> bool", &has_cuda);
+  // Canonical objects (canonical_copy.h): gather=true cache -> staging, false the reverse.
+  m.def(
+      "canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
+      "int[] geometry, bool gather) -> ()");
   // Test aid (CPU): block_copy.cu's word-by-word indexing, run on the CPU.
   m.def(
       "emulate_cuda_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
@@ -166,6 +220,7 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("gather_blocks", &gather_cpu);
   m.impl("scatter_blocks", &scatter_cpu);
   m.impl("emulate_cuda_copy", &emulate_cuda_copy);
+  m.impl("canonical_copy", &canonical_copy_cpu);
 }
 
 #ifdef KVPACK_WITH_CUDA

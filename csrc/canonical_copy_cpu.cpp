@@ -1,0 +1,227 @@
+// CPU kernel for canonical KV objects (see canonical_copy.h), serial like
+// block_copy_cpu.cpp: it runs on kvpack's background threads inside the engine.
+//
+// Row-major tiles copy one run of D elements per token (one run per tile when
+// the tokens are dense). Panel tiles are a transpose of dg-element units between
+// [D/dg][tg] (engine, per token group) and [tg][D/dg] (object), in SIMD blocks of
+// 4x4 (4-byte units) or 8x8 (2-byte units) where SSE2 is there.
+#include "canonical_copy.h"
+
+#include <string.h>
+
+#include "block_copy_cpu.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#define KVP_HAVE_SSE2 1
+#endif
+
+namespace {
+
+#ifdef KVP_HAVE_SSE2
+// 4x4 block of 4-byte units: src rows `sr` bytes apart -> dst rows `dr` apart, transposed.
+inline void transpose4_u32(const uint8_t* src, int64_t sr, uint8_t* dst, int64_t dr) {
+  __m128 r0 = _mm_loadu_ps(reinterpret_cast<const float*>(src));
+  __m128 r1 = _mm_loadu_ps(reinterpret_cast<const float*>(src + sr));
+  __m128 r2 = _mm_loadu_ps(reinterpret_cast<const float*>(src + 2 * sr));
+  __m128 r3 = _mm_loadu_ps(reinterpret_cast<const float*>(src + 3 * sr));
+  _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst), r0);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + dr), r1);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + 2 * dr), r2);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + 3 * dr), r3);
+}
+
+// 8x8 block of 2-byte units, the same way.
+inline void transpose8_u16(const uint8_t* src, int64_t sr, uint8_t* dst, int64_t dr) {
+  __m128i a[8], b[8], c[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * sr));
+  for (int k = 0; k < 4; ++k) {
+    b[2 * k] = _mm_unpacklo_epi16(a[2 * k], a[2 * k + 1]);
+    b[2 * k + 1] = _mm_unpackhi_epi16(a[2 * k], a[2 * k + 1]);
+  }
+  c[0] = _mm_unpacklo_epi32(b[0], b[2]);
+  c[1] = _mm_unpackhi_epi32(b[0], b[2]);
+  c[2] = _mm_unpacklo_epi32(b[1], b[3]);
+  c[3] = _mm_unpackhi_epi32(b[1], b[3]);
+  c[4] = _mm_unpacklo_epi32(b[4], b[6]);
+  c[5] = _mm_unpackhi_epi32(b[4], b[6]);
+  c[6] = _mm_unpacklo_epi32(b[5], b[7]);
+  c[7] = _mm_unpackhi_epi32(b[5], b[7]);
+  for (int k = 0; k < 4; ++k) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k) * dr), _mm_unpacklo_epi64(c[k], c[k + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k + 1) * dr), _mm_unpackhi_epi64(c[k], c[k + 4]));
+  }
+}
+
+// Token pairs of 2-byte elements: the cache holds, per dim group, [pairs][dims][2]
+// (two tokens' values of one dim adjacent); the object holds rows of dims. `dims`
+// must be a multiple of 8. Each 8 dims of the two rows <-> 32 cache bytes.
+inline void pairs_u16(uint8_t* c, uint8_t* o0, uint8_t* o1, int64_t dims, bool gather) {
+  for (int64_t k = 0; k < dims; k += 8) {
+    uint8_t* cc = c + k * 4;
+    if (gather) {
+      __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cc));
+      __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cc + 16));
+      x = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(x, 0xD8), 0xD8), 0xD8);
+      y = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(y, 0xD8), 0xD8), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o0 + k * 2), _mm_unpacklo_epi64(x, y));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o1 + k * 2), _mm_unpackhi_epi64(x, y));
+    } else {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o0 + k * 2));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o1 + k * 2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cc), _mm_unpacklo_epi16(a, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cc + 16), _mm_unpackhi_epi16(a, b));
+    }
+  }
+}
+#endif
+
+// Transpose of units (U bytes each) between the cache's [panels][tokens] (dense
+// tokens: token_stride == U) and the object's [tokens][panels]; SIMD blocks of
+// W x W units where available, scalar edges. Returns false if it did nothing.
+template <int U, int W>
+bool transpose_simd(uint8_t* cache, int64_t panel_stride, int64_t token_stride, uint8_t* obj, int64_t obj_row,
+                    int64_t panels, int64_t tokens, bool gather) {
+#ifdef KVP_HAVE_SSE2
+  if (token_stride != U || panels % W != 0 || tokens % W != 0) return false;
+  for (int64_t t = 0; t < tokens; t += W) {
+    for (int64_t p = 0; p < panels; p += W) {
+      uint8_t* c = cache + p * panel_stride + t * U;
+      uint8_t* o = obj + t * obj_row + p * U;
+      if (U == 4) {
+        if (gather) transpose4_u32(c, panel_stride, o, obj_row); else transpose4_u32(o, obj_row, c, panel_stride);
+      } else {
+        if (gather) transpose8_u16(c, panel_stride, o, obj_row); else transpose8_u16(o, obj_row, c, panel_stride);
+      }
+    }
+  }
+  return true;
+#else
+  (void)cache; (void)panel_stride; (void)token_stride; (void)obj; (void)obj_row; (void)panels; (void)tokens; (void)gather;
+  return false;
+#endif
+}
+
+template <typename U>
+void transpose_units(uint8_t* cache, int64_t panel_stride, int64_t token_stride, uint8_t* obj,
+                     int64_t obj_row, int64_t panels, int64_t tokens, bool gather) {
+  constexpr int64_t B = 8;
+  for (int64_t t0 = 0; t0 < tokens; t0 += B) {
+    const int64_t t1 = t0 + B < tokens ? t0 + B : tokens;
+    for (int64_t p0 = 0; p0 < panels; p0 += B) {
+      const int64_t p1 = p0 + B < panels ? p0 + B : panels;
+      for (int64_t t = t0; t < t1; ++t) {
+        U* o = reinterpret_cast<U*>(obj + t * obj_row);
+        for (int64_t p = p0; p < p1; ++p) {
+          U* c = reinterpret_cast<U*>(cache + p * panel_stride + t * token_stride);
+          if (gather) {
+            o[p] = *c;
+          } else {
+            *c = o[p];
+          }
+        }
+      }
+    }
+  }
+}
+
+struct Unit16 {
+  uint64_t a, b;
+};
+
+void copy_tile(uint8_t* cache, uint8_t* obj, const KvpCanonGeometry& g, int s, bool gather) {
+  const int64_t T = g.tokens, D = g.head_dim, E = g.elem_bytes;
+  const int64_t row = D * E;
+  const int64_t tg = g.tg[s], ti = g.t_inner[s], to = g.t_outer[s];
+  const int64_t dg = g.dg[s], di = g.d_inner[s], dout = g.d_outer[s];
+  if (dg == D && di == E) {  // row-major: one run of D elements per token
+    if (tg == T && ti == row) {
+      if (gather) memcpy(obj, cache, (size_t)(T * row)); else memcpy(cache, obj, (size_t)(T * row));
+      return;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      uint8_t* c = cache + (t / tg) * to + (t % tg) * ti;
+      if (gather) memcpy(obj + t * row, c, (size_t)row); else memcpy(c, obj + t * row, (size_t)row);
+    }
+    return;
+  }
+  const int64_t unit = dg * E, panels = D / dg;
+  if (di == E && ti == unit) {  // panels of dg-element units, tokens of a group adjacent
+    for (int64_t t0 = 0; t0 < T; t0 += tg) {
+      uint8_t* c0 = cache + (t0 / tg) * to;
+      uint8_t* o0 = obj + t0 * row;
+      if (unit == 4 && transpose_simd<4, 4>(c0, dout, ti, o0, row, panels, tg, gather)) continue;
+      if (unit == 2 && transpose_simd<2, 8>(c0, dout, ti, o0, row, panels, tg, gather)) continue;
+      switch (unit) {
+        case 1: transpose_units<uint8_t>(c0, dout, ti, o0, row, panels, tg, gather); continue;
+        case 2: transpose_units<uint16_t>(c0, dout, ti, o0, row, panels, tg, gather); continue;
+        case 4: transpose_units<uint32_t>(c0, dout, ti, o0, row, panels, tg, gather); continue;
+        case 8: transpose_units<uint64_t>(c0, dout, ti, o0, row, panels, tg, gather); continue;
+        case 16: transpose_units<Unit16>(c0, dout, ti, o0, row, panels, tg, gather); continue;
+        default:
+          for (int64_t t = 0; t < tg; ++t) {
+            for (int64_t p = 0; p < panels; ++p) {
+              uint8_t* c = c0 + p * dout + t * ti;
+              uint8_t* o = o0 + t * row + p * unit;
+              if (gather) memcpy(o, c, (size_t)unit); else memcpy(c, o, (size_t)unit);
+            }
+          }
+      }
+    }
+    return;
+  }
+#ifdef KVP_HAVE_SSE2
+  if (E == 2 && tg == 2 && ti == 2 && di == 4 && dg % 8 == 0) {  // token pairs (vLLM CPU V under amx)
+    for (int64_t t = 0; t < T; t += 2) {
+      for (int64_t d0 = 0; d0 < D; d0 += dg) {
+        pairs_u16(cache + (t / 2) * to + (d0 / dg) * dout, obj + t * row + d0 * 2, obj + (t + 1) * row + d0 * 2, dg,
+                  gather);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < T; ++t) {  // any other two-level split: element by element
+    uint8_t* ct = cache + (t / tg) * to + (t % tg) * ti;
+    uint8_t* ot = obj + t * row;
+    for (int64_t d = 0; d < D; ++d) {
+      uint8_t* c = ct + (d / dg) * dout + (d % dg) * di;
+      if (gather) memcpy(ot + d * E, c, (size_t)E); else memcpy(c, ot + d * E, (size_t)E);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
+                                      uint8_t* staging, const KvpCanonGeometry* gp, int gather) {
+  const KvpCanonGeometry g = *gp;
+  if (n < 0 || g.num_layers <= 0 || (g.num_kv != 1 && g.num_kv != 2) || g.tokens <= 0 || g.head_dim <= 0 ||
+      g.elem_bytes <= 0 || g.n_heads <= 0 || g.obj_h0 < 0 || g.obj_h0 + g.n_heads > g.obj_heads ||
+      g.cache_h0 < 0) {
+    return KVP_ERR_GEOMETRY;
+  }
+  for (int s = 0; s < g.num_kv; ++s) {
+    if (g.dg[s] <= 0 || g.head_dim % g.dg[s] != 0 || g.tg[s] <= 0 || g.tokens % g.tg[s] != 0) return KVP_ERR_GEOMETRY;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (block_ids[i] < 0 || block_ids[i] >= g.num_cache_blocks) return KVP_ERR_BLOCK_ID;
+  }
+  const int64_t tile = g.tokens * g.head_dim * g.elem_bytes;
+  const int64_t obj_bytes = g.num_layers * g.num_kv * g.obj_heads * tile;
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t* obj_block = staging + i * obj_bytes;
+    for (int64_t l = 0; l < g.num_layers; ++l) {
+      for (int s = 0; s < g.num_kv; ++s) {
+        uint8_t* seg = (uint8_t*)(uintptr_t)ptr_table[l * g.num_kv + s] + block_ids[i] * g.block_stride;
+        uint8_t* obj_seg = obj_block + (l * g.num_kv + s) * g.obj_heads * tile;
+        for (int64_t h = 0; h < g.n_heads; ++h) {
+          copy_tile(seg + (g.cache_h0 + h) * g.head_stride, obj_seg + (g.obj_h0 + h) * tile, g, s, gather != 0);
+        }
+      }
+    }
+  }
+  return KVP_OK;
+}
