@@ -18,6 +18,9 @@ export TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=1
 vllm_venv="$(scripts/venv.sh vllm)" || { echo "could not build the vLLM venv" >&2; exit 1; }
 sglang_venv="$(scripts/venv.sh sglang)" || { echo "could not build the SGLang venv" >&2; exit 1; }
 
+# the SGLang suite's cross-engine test runs a vLLM engine with this venv's python
+export KVPACK_VLLM_PYTHON="$vllm_venv/bin/python"
+
 reports="$(mktemp -d)"
 trap 'rm -rf "$reports"' EXIT
 status=0

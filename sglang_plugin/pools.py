@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -31,11 +32,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import canonical
+from ..errors import LayoutError
 from ..groups import MemberRole, MemberSpec
+from ..heads import HeadRange, HeadSplit
 from ..keys import validate_member
 from ..layout import KVLayoutSpec
 from ..model_identity import model_identity
 from ..objects import Payload
+from ..ops import PagedKV
+from ..ops.canonical import CanonicalGeometry, paged_geometry
+
+CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
+"""MHA host layouts whose KV pool is stored as canonical objects (`kvpack.canonical`)."""
 
 DRAFT_POOLS = frozenset({"draft", "draft_indexer", "draft_swa"})
 """SGLang pools that hold speculative-decoding draft state (sidecars)."""
@@ -104,6 +113,30 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
             cut = name.rfind("-", 0, cut)
     ident = model_identity(base, model_id=model_id).value
     return f"{ident}|format={tag}" if tag else ident
+
+
+def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> CanonicalGeometry | None:
+    """The KV pool as canonical objects, shared with vLLM (`kvpack.canonical`): an MHA pool
+    in a `CANONICAL_HOST_LAYOUTS` layout, unquantized, at TP=1 and PP=1. Anything else
+    (MLA, other pools, TP > 1: the backend is not told the model's KV head count, so a
+    rank's head range is not known for sure) keeps SGLang's own page bytes. None then."""
+    if name != "kv" or par.tp_size != 1 or par.pp_size != 1 or par.is_mla_model or layout_name not in CANONICAL_HOST_LAYOUTS:
+        return None
+    buf = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or buf.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    try:
+        return paged_geometry(PagedKV.from_sglang_host_pool(buf, layout_name, int(getattr(host_pool, "page_size", 1) or 1)))
+    except (LayoutError, ValueError):
+        return None
+
+
+def canonical_group(host_pool: Any, par: ParallelInfo, layout_name: str) -> KVLayoutSpec | None:
+    """The canonical group of the KV pool `host_pool`, or None when it keeps SGLang's bytes."""
+    if canonical_kv("kv", host_pool, par, layout_name) is None:
+        return None
+    dtype = str(getattr(host_pool, "dtype", "unknown"))
+    return canonical.group_spec(par.model, dtype, int(getattr(host_pool, "page_size", 1) or 1))
 
 
 @dataclass(frozen=True)
@@ -182,9 +215,59 @@ class PoolBinding:
             extra=tuple(sorted(extra.items())),
         )
         self.member_fingerprint = self.layout.member_fingerprint
+        self.canonical = canonical_kv(name, host_pool, par, layout_name)
+        """The pool as canonical objects (shared with vLLM); None: SGLang's own page bytes."""
+        if self.canonical is not None:
+            geo = self.canonical
+            group = canonical.group_spec(par.model, dtype, self.page_size)
+            heads = HeadRange(0, geo.heads)
+            split = HeadSplit(geo.heads, geo.head_dim, 1)
+            self.member = split.member(heads)
+            self.page_bytes = geo.object_bytes(geo.heads)
+            self.layout = group
+            self.member_fingerprint = canonical.member_fingerprint(group, split, heads, geo.num_layers)
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
+
+    def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
+        """What to store for each page: in place (`page_payloads`), or canonical objects
+        gathered into fresh rows (the conversion is the copy)."""
+        if self.canonical is None:
+            return self.page_payloads(host_indices, n_pages)
+        staging = torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
+        self.canonical.copy(self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads)
+        rows = staging.numpy()
+        return [memoryview(rows[i]) for i in range(n_pages)]
+
+    def load_buffers(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
+        """Where each page's object is read to, and what to call with the per-page results:
+        in place (nothing to do after), or staging rows scattered into the pages that loaded."""
+        if self.canonical is None:
+            return self.page_payloads(host_indices, n_pages), lambda _ok: None
+        geo = self.canonical
+        ids = self.page_ids(host_indices, n_pages)
+        staging = torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
+        rows = staging.numpy()
+
+        def finish(ok: Sequence[bool]) -> None:
+            sel = [i for i, good in enumerate(ok) if good]
+            if sel:
+                geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
+
+        return [memoryview(rows[i]) for i in range(n_pages)], finish
+
+    def page_ids(self, host_indices: torch.Tensor, n_pages: int) -> list[int]:
+        """The host pool page of each of `n_pages` pages of `host_indices` (each a whole, aligned page)."""
+        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
+            got = None if host_indices is None else int(host_indices.numel())
+            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
+        idx = host_indices.to("cpu", torch.int64).view(n_pages, self.page_size)
+        first = idx[:, 0]
+        expect = first[:, None] + torch.arange(self.page_size, dtype=torch.int64)
+        if bool((first % self.page_size).any()) or not torch.equal(idx, expect):
+            raise ValueError(f"pool {self.name}: host indices are not whole, aligned pages")
+        return (first // self.page_size).tolist()
 
     def regions(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[int], list[int]]:
         """Pointers and sizes of every page's regions (``n_pages * parts`` each).

@@ -68,7 +68,7 @@ from ..ops import load_extension, region_copier
 from ..store import KVStore, LoadItem
 from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
-from .pools import ParallelInfo, PoolBinding, pool_name, sglang_model_identity
+from .pools import ParallelInfo, PoolBinding, canonical_group, pool_name, sglang_model_identity
 
 try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
     from sglang.srt.mem_cache.hicache_storage import (
@@ -152,14 +152,16 @@ class KVPackStorage(HiCacheStorage):
         dtype = str(getattr(mem_pool_host, "dtype", "unknown")).removeprefix("torch.")
         page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
         self._layout_name = layout
-        self.group_fingerprint = KVLayoutSpec(
+        # a KV pool kvpack stores canonically shares its group with vLLM (`kvpack.canonical`)
+        shared = canonical_group(mem_pool_host, self.par, layout) if getattr(mem_pool_host, "kv_buffer", None) is not None else None
+        self.group_fingerprint = (shared or KVLayoutSpec(
             engine=f"sglang:{layout}",
             model=self.par.model,
             dtype=dtype,
             chunk_tokens=page_size,
             tp_size=self.par.tp_size,
             pp_size=self.par.pp_size,
-        ).group_fingerprint
+        )).group_fingerprint
         self.page_size = page_size
         if getattr(mem_pool_host, "kv_buffer", None) is not None:
             self._bind("kv", mem_pool_host)
@@ -362,13 +364,14 @@ class KVPackStorage(HiCacheStorage):
         if skeys is None:
             return [False] * n
         assert binding is not None
-        payloads = binding.page_payloads(host_indices, n)
+        payloads, finish = binding.load_buffers(host_indices, n)
         expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
         items = list(map(LoadItem, skeys, payloads, expected))
         with self._lock:  # where the lookup found these pages: a page gone from there is counted
             hints = {k: t for k in skeys if (t := self._located.pop(k, None)) is not None}
         plan = self.store.prepare_load(hints)
         ok = [r.ok for r in self.store.complete_load(plan, items)]
+        finish(ok)
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
@@ -385,11 +388,12 @@ class KVPackStorage(HiCacheStorage):
         assert binding is not None
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
-        payloads = binding.page_payloads(host_indices, n)
         wanted = set(self.store.prepare_store(skeys))
         todo = [i for i in range(n) if skeys[i] in wanted]
         if len(todo) < n:
-            skeys, keys, payloads = [skeys[i] for i in todo], [keys[i] for i in todo], [payloads[i] for i in todo]
+            skeys, keys = [skeys[i] for i in todo], [keys[i] for i in todo]
+            host_indices = host_indices.reshape(n, -1)[todo].reshape(-1)
+        payloads = binding.store_payloads(host_indices, len(todo)) if todo else []
         headers = ObjectHeader.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
         items = list(map(PutItem, skeys, headers, payloads))
         ok = [True] * n

@@ -49,6 +49,10 @@ class BlockRef:
     token_count: int
     token_ids: tuple[int, ...] | None = None
     with_draft: bool = True
+    tiers: tuple[tuple[str, str], ...] = ()
+    """On load: (member, tier name) where the scheduler's lookup found each member of the
+    chunk. The worker loads from that tier first and counts an object gone from it as
+    ``evicted_before_load`` (`kvpack.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
 
     @property
     def blocks(self) -> set[int]:
@@ -70,6 +74,9 @@ class TransferJob:
     handoff_wait_s: float = 0.0
     """A load of a prefill instance's prompt (`handoff`): its objects may still be
     landing in the shared tier; wait at most this long for them, then load what is there."""
+    source: int = 0
+    """Canonical objects: which head split holds the chunks (index into
+    `HeadSplit.partitions()`; 0 is the engine's own)."""
 
 
 @dataclass

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.canonical import member_fingerprint as canonical_member_fingerprint
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
 from kvpack.layout import KVLayoutSpec
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
+from .canonical import CanonicalBlocks
 from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
@@ -64,11 +66,13 @@ class MemberLayout:
 
     member: str
     fingerprint: str
-    layout: BlockLayout
+    layout: BlockLayout | CanonicalBlocks
     group: int
     """Index into `BlockRef.block_ids` (vLLM's KV cache group)."""
     draft: bool = False
     """The sidecar draft member (loaded only for `BlockRef.with_draft` chunks)."""
+    writes: bool = True
+    """False for a rank whose heads another rank stores (replicated KV heads, MLA)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class WorkerLayout:
     """Everything one worker copies, fixed at registration (group 0's ``kv`` member first)."""
 
     members: tuple[MemberLayout, ...]
-    target: BlockLayout
+    target: BlockLayout | CanonicalBlocks
     """Group 0's target layers only; its rows are the leading `target.slot_bytes` of a ``kv`` row
     (PACKED: the draft layers' bytes follow)."""
     draft: BlockLayout | None = None
@@ -94,6 +98,8 @@ def register_layout(
 ) -> WorkerLayout:
     """The `WorkerLayout` of `kv_caches`. Raises LayoutError (engine start-up) for a cache
     kvpack cannot copy correctly."""
+    if scope.heads is not None:
+        return _register_canonical(vllm_config, scope, position, kv_caches, num_blocks)
     if scope.hybrid:
         return _register_groups(vllm_config, scope, position, kv_caches, num_blocks)
     placement = scope.draft_placement
@@ -137,6 +143,36 @@ def register_layout(
     )
     target_layout = layout(target) if kv_names != target else kv_layout
     return WorkerLayout(tuple(members), target_layout, draft_layout, draft_member)
+
+
+def _register_canonical(
+    vllm_config: VllmConfig, scope: Scope, position: RankPosition, kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> WorkerLayout:
+    """Canonical objects (`vllm_plugin.canonical`): one member, this rank's KV heads."""
+    split = scope.heads
+    assert split is not None
+    own = split.own(position.tp_rank)
+    names = tuple(kv_caches)
+    device = next(iter(kv_caches.values())).device.type
+    isa = block_byte_facts(vllm_config, names, device).cpu_attn_isa
+    blocks = CanonicalBlocks.from_tensors([kv_caches[n] for n in names], num_blocks, split, own, isa)
+    member = split.member(own)
+    fingerprint = canonical_member_fingerprint(scope.spec, split, own, blocks.geometry.num_layers)
+    kv = MemberLayout(member, fingerprint, blocks, 0, writes=split.writes(position.tp_rank))
+    log.info(
+        "kvpack: %d KV layers registered in the canonical layout (%s), %d blocks, heads [%d, %d) of %d, "
+        "%d bytes per object, member %s%s",
+        len(names),
+        isa,
+        num_blocks,
+        own.start,
+        own.stop,
+        split.num_heads,
+        blocks.slot_bytes,
+        member,
+        "" if kv.writes else " (read only: another rank stores these heads)",
+    )
+    return WorkerLayout((kv,), blocks)
 
 
 def _register_groups(

@@ -7,7 +7,10 @@ rounded down to `prefix_match_unit`. The count may end inside a block: the
 partial block is loaded whole and vLLM computes the rest into it. vLLM must
 compute at least one token, so a prompt stored whole hits n - 1 tokens.
 Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS while a
-worker thread restores it).
+worker thread restores it). Each hit block's load names the tier the lookup
+found each member in (`BlockRef.tiers`): this side cannot pin the workers'
+memory, so a worker that lost an object since counts it
+(``evicted_before_load``, `kvpack.lifecycle`) and reads it from another tier.
 
 Save (`build_connector_meta`, every step; see `captures`): the chunks the
 step computes, the prompt's partial tail in the step that finishes the
@@ -62,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpack.budget import WaitBudget
 from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage, tail_usable
+from kvpack.groups import Coverage, MemberSpec, tail_usable
 from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
 from kvpack.store import KVStore
 from kvpack.tiers.factory import build_tiers
@@ -110,6 +113,10 @@ class LoadPlan:
     handoff: bool = False
     """A prefill instance's prompt (`handoff`): loaded with a bounded wait for objects
     still landing, not found by a lookup."""
+    source: int = 0
+    """Canonical objects: the head split that holds the hit (`TransferJob.source`)."""
+    tiers: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Per hit chunk, (member, tier) where the lookup found each member (`BlockRef.tiers`)."""
 
 
 @dataclass(frozen=True)
@@ -178,15 +185,49 @@ class SchedulerSide:
             plan = LoadPlan(n, rs, (), 0, 0, None)
         else:
             handoff = self._handoff_of(request, rs)
-            plan = self._handoff_plan(request, rs, n, handoff) if handoff else self._lookup(request, rs, n)
+            plan = self._handoff_plan(request, rs, n, handoff) if handoff else self._lookup_any(request, rs, n)
         self._plans[request.request_id] = plan
         return plan
 
-    def _lookup(self, request: Request, rs: RequestScope, n: int) -> LoadPlan:
+    def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> LoadPlan:
+        """The lookup under the engine's own members; canonical objects written at another
+        TP size are other head splits (`kvpack.heads`): the first one holding a hit wins."""
+        plan = self._lookup(request, rs, n, self.members)
+        if self.scope.heads is None:
+            return plan
+        if plan.matched == 0:
+            for source, partition in enumerate(self.scope.heads.partitions()[1:], start=1):
+                other = self._lookup(request, rs, n, self.scope.member_specs(partition), source)
+                if other.matched > 0:
+                    self._count("other_split_hits")
+                    plan = other
+                    break
+        self._count_missing_heads(rs, plan)
+        return plan
+
+    def _count_missing_heads(self, rs: RequestScope, plan: LoadPlan) -> None:
+        """A chunk past the hit that holds some of its split's head ranges but not all is a
+        partial hit (``partial_hits{missing_member=<range>}``), never a load of some heads."""
+        assert self.scope.heads is not None
+        k = plan.hit_chunks
+        if k >= len(plan.hashes) or plan.tail is not None:
+            return
+        partition = self.scope.heads.partitions()[plan.source]
+        if len(partition) < 2:
+            return
+        names = [self.scope.heads.member(r) for r in partition]
+        present = self.store.contains_members(rs.tenant, self.scope.fingerprint, [plan.hashes[k]], names, self._budget)[0]
+        lacking = [m for m in names if not present[m]]
+        if lacking and len(lacking) < len(names):
+            for member in lacking:
+                self.store.metrics.inc("partial_hits", tenant=rs.tenant, missing_member=member)
+            log.info("kvpack: partial hit for tenant %s: chunk %d lacks head ranges %s; the hit stops before it", rs.tenant, k, lacking)
+
+    def _lookup(self, request: Request, rs: RequestScope, n: int, members: Sequence[MemberSpec], source: int = 0) -> LoadPlan:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, self.members, bs, self._budget)
+        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, members, bs, self._budget)
         k = result.hit_chunks
         if result.partial:
             self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
@@ -196,9 +237,9 @@ class SchedulerSide:
             parent = hashes[k - 1] if k else rs.seed
             rest = tokens[k * bs : min(n - 1, (k + 1) * bs)]
             tm = self.store.tails.find(
-                rs.tenant, self.scope.fingerprint, parent, rest, self.members, self.config.prefix_match_unit, self._budget
+                rs.tenant, self.scope.fingerprint, parent, rest, members, self.config.prefix_match_unit, self._budget
             )
-            if tm is not None and not tail_usable(self.members, tm.members, tm.tokens, tm.stored_tokens):
+            if tm is not None and not tail_usable(members, tm.members, tm.tokens, tm.stored_tokens):
                 tm = None  # a Mamba state of a longer tail: not the state this prompt needs
             if tm is not None and tm.tokens > 0:
                 with_draft = all(m in tm.members for m in self.scope.draft_members)
@@ -214,7 +255,11 @@ class SchedulerSide:
             else:
                 tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
                 self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
-        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k))
+        found: dict[str, list[tuple[str, str]]] = {}
+        for key, tier in result.located.items():  # the tier of each key of the hit, for the workers' loads
+            found.setdefault(key.chunk, []).append((key.member, tier))
+        tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
+        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), source=source, tiers=tiers)
 
     def _handoff_of(self, request: Request, rs: RequestScope) -> Handoff | None:
         """The prefill instance's handoff in `request`'s params, if it is one for this engine's
@@ -284,14 +329,15 @@ class SchedulerSide:
         for i in range(first, last):
             ids = self._load_blocks(block_ids, i, boundary=i == last - 1)
             if i < plan.hit_chunks:
-                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks))
+                tiers = plan.tiers[i] if i < len(plan.tiers) else ()
+                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers))
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
                 refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft))
         wait_s = self.config.pd_wait_ms / 1000.0 if plan.handoff else 0.0
         self._pending_loads[request.request_id] = TransferJob(
-            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s
+            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, source=plan.source
         )
         self._load_issued.add(request.request_id)
         self._count("hit_tokens", num_external_tokens)

@@ -36,9 +36,14 @@ from typing import TYPE_CHECKING, Any
 from kvpack.config import DraftPlacementMode, KVPackConfig
 from kvpack.errors import ConfigError
 from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
+from kvpack.heads import HeadRange, HeadSplit
 from kvpack.keys import ChunkHash, seed_hash, tenant_signature_ok, validate_tenant
 from kvpack.layout import KVLayoutSpec
 from kvpack.model_identity import model_identity
+
+from kvpack.canonical import group_spec as canonical_group
+
+from .canonical import head_split
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -158,6 +163,9 @@ class Scope:
     """vLLM's KV cache groups (one full-attention group unless the model is hybrid)."""
     world: int = 1
     """TP x PP ranks (each writes its own members)."""
+    heads: HeadSplit | None = None
+    """Canonical objects (`vllm_plugin.canonical`): the KV heads over the TP ranks; members
+    are head ranges (``kv``, ``kv_h0_1``...). None: engine-native objects, one per rank."""
 
     @property
     def fingerprint(self) -> str:
@@ -180,11 +188,18 @@ class Scope:
 
     def group_members(self, group: int) -> tuple[str, ...]:
         """Every rank's member name of KV cache group `group`."""
+        if self.heads is not None:
+            return self.members
         base = self.groups[group].member_base if self.groups else "kv"
         return tuple(member_name(r, self.world, base) for r in range(self.world))
 
-    def member_specs(self) -> list[MemberSpec]:
-        """What a lookup requires: each group's members with its coverage, then sidecar drafts."""
+    def member_specs(self, partition: Sequence[HeadRange] | None = None) -> list[MemberSpec]:
+        """What a lookup requires: each group's members with its coverage, then sidecar drafts.
+        Canonical objects: the members of one head `partition` (default: the ranges this
+        engine writes)."""
+        if self.heads is not None:
+            names = self.members if partition is None else tuple(self.heads.member(r) for r in partition)
+            return [MemberSpec(name, self.fingerprint) for name in names]
         specs: list[MemberSpec] = []
         for g in self.groups or (CacheGroup(0, Coverage.ALL, 0, (), ""),):
             role = MemberRole.TARGET if g.coverage is Coverage.ALL else MemberRole.STATE
@@ -325,6 +340,17 @@ def make_scope(
         model += "|groups=" + ",".join(f"{g.kind}:{g.coverage.value}{g.window_chunks}" for g in groups)
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = str(model_cfg.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
+    split = head_split(vllm_config, hybrid=len(groups) > 1, draft_kv=placement is not DraftPlacement.NONE, device_type=current_platform.device_type)
+    if split is not None:
+        return Scope(
+            spec=canonical_group(model, dtype.replace("torch.", ""), block_size),
+            members=split.written_members(),
+            block_size=block_size,
+            draft=draft,
+            groups=groups,
+            world=world,
+            heads=split,
+        )
     spec = KVLayoutSpec(
         engine=f"vllm:{current_platform.device_type}",
         model=model,

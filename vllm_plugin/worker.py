@@ -44,16 +44,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.canonical import member_fingerprint as canonical_member_fingerprint
 from kvpack.config import KVPackConfig
 from kvpack.cpu_features import request_amx_permission
 from kvpack.exit_flush import flush_on_exit, forget
 from kvpack.groups import DraftPlacement
+from kvpack.heads import HeadRange, sources
 from kvpack.keys import GroupKey, StoreKey
 from kvpack.objects import Expectation, ObjectHeader
-from kvpack.ops import region_copier
+from kvpack.ops import load_extension, region_copier
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem, TierStatus
 
+from .canonical import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
 from .settings import Scope
@@ -154,6 +157,7 @@ class WorkerSide:
         # before the first forward: a 1-token step over a restored prefix would otherwise
         # be this process's first AMX use, which Linux refuses with SIGILL (cpu_features)
         request_amx_permission()
+        load_extension()  # build or load the copy kernels now, not inside the first load's time bound
         self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
 
     # -- per step ---------------------------------------------------------------
@@ -332,13 +336,16 @@ class WorkerSide:
             )
 
     def _run_load(self, task: _LoadTask) -> None:
-        self._wait_for_earlier_saves(task)
+        """`KVStore.prepare_load` with the tiers the scheduler's lookup found each object in
+        (`BlockRef.tiers`; what is still in this worker's memory stays pinned while the load
+        waits for earlier saves), then `complete_load`: an object gone from its tier since
+        the lookup is counted as ``evicted_before_load`` and read from another tier if one has it."""
         job = task.job
         n = len(job.blocks)
         restore_draft = keep_draft_on_load()
         layout = self.layout
         assert layout is not None  # loads are queued only after registration
-        plans: list[tuple[MemberLayout, list[int], torch.Tensor]] = []
+        plans: list[_MemberLoad] = []
         items: list[LoadItem] = []
         for slot in layout.members:
             wanted = [
@@ -346,21 +353,27 @@ class WorkerSide:
                 for i, ref in enumerate(job.blocks)
                 if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or (restore_draft and ref.with_draft))
             ]
-            staging = torch.empty((len(wanted), slot.layout.slot_bytes), dtype=torch.uint8)
-            rows = staging.numpy()
-            items += [
-                self._load_item(job.tenant, job.blocks[i], slot.member, slot.fingerprint, memoryview(rows[j]))
-                for j, i in enumerate(wanted)
-            ]
-            plans.append((slot, wanted, staging))
-        if job.handoff_wait_s > 0:
-            self._wait_for_handoff(task, items)
+            for part in self._member_loads(slot, wanted, job.source):
+                rows = part.staging.numpy()
+                items += [
+                    self._load_item(job.tenant, job.blocks[i], part.member, part.fingerprint, memoryview(rows[j]))
+                    for j, i in enumerate(wanted)
+                ]
+                plans.append(part)
+        plan = self.store.prepare_load({self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers})
+        try:
+            self._wait_for_earlier_saves(task)
+            if job.handoff_wait_s > 0:
+                self._wait_for_handoff(task, items)
+        except BaseException:
+            self.store.release(plan)
+            raise
         start = time.perf_counter()
-        results = self.store.load(items)
+        results = self.store.complete_load(plan, items)
         good = [True] * n
         pos = 0
-        for _, wanted, _ in plans:
-            for i in wanted:  # a chunk is a hit only when every member it copies loaded
+        for part in plans:
+            for i in part.wanted:  # a chunk is a hit only when every member it copies loaded
                 good[i] = good[i] and results[pos].ok
                 pos += 1
         ok = [i for i in range(n) if good[i]]
@@ -377,7 +390,7 @@ class WorkerSide:
         tokens = sum(_tokens_used(job.blocks[i]) for i in ok)
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
-        self._count("loaded_bytes", sum(int(staging.shape[1]) for _, wanted, staging in plans for i in wanted if good[i]))
+        self._count("loaded_bytes", sum(int(p.staging.shape[1]) for p in plans for i in p.wanted if good[i]))
         if layout.draft is not None:
             drafted = sum(1 for i in ok if job.blocks[i].with_draft) if restore_draft else 0
             self._count("loaded_draft_blocks", drafted)
@@ -410,20 +423,38 @@ class WorkerSide:
                     self._saves_cv.notify_all()
                 self._save_q.task_done()
 
-    def _scatter(
-        self, job: TransferJob, good: list[bool], plans: list[tuple[MemberLayout, list[int], torch.Tensor]], restore_draft: bool
-    ) -> None:
+    def _member_loads(self, slot: MemberLayout, wanted: list[int], source: int) -> list[_MemberLoad]:
+        """The objects to read for `slot`'s chunks `wanted`: its own member, or (canonical
+        objects stored at another TP size: `TransferJob.source`) every stored head range
+        that overlaps this rank's heads, each with the part of it this rank keeps."""
+        blocks = slot.layout
+        split = self.scope.heads
+        if split is None or not isinstance(blocks, CanonicalBlocks) or source == 0:
+            staging = torch.empty((len(wanted), blocks.slot_bytes), dtype=torch.uint8)
+            return [_MemberLoad(slot, wanted, staging, slot.member, slot.fingerprint)]
+        out = []
+        for stored, part in sources(blocks.own, split.partitions()[source]):
+            fingerprint = canonical_member_fingerprint(self.scope.spec, split, stored, blocks.geometry.num_layers)
+            staging = torch.empty((len(wanted), blocks.object_bytes(stored)), dtype=torch.uint8)
+            out.append(_MemberLoad(slot, wanted, staging, split.member(stored), fingerprint, (stored, part)))
+        return out
+
+    def _scatter(self, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool) -> None:
         """Loaded rows -> blocks, member by member (called under the lock, never after a cancel)."""
         layout = self.layout
         assert layout is not None
         packed_target_only = self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
-        for slot, wanted, staging in plans:
+        for plan in plans:
+            slot, wanted, staging = plan.slot, plan.wanted, plan.staging
             sel = [j for j, i in enumerate(wanted) if good[i]]
             if not sel:
                 continue
             ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
             rows = staging[sel] if len(sel) < len(wanted) else staging
-            if packed_target_only and slot.group == 0 and not slot.draft:
+            if plan.heads is not None:
+                assert isinstance(slot.layout, CanonicalBlocks)
+                slot.layout.scatter_from(ids, rows, *plan.heads)
+            elif packed_target_only and slot.group == 0 and not slot.draft:
                 layout.target.scatter(ids, rows[:, : layout.target.slot_bytes].contiguous())
             else:
                 slot.layout.scatter(ids, rows)
@@ -439,7 +470,7 @@ class WorkerSide:
 
         Sidecar draft members come first, so a chunk's ``kv`` never lands without them."""
         assert self.layout is not None
-        slots = [s for s in self.layout.members if not s.draft or keep_draft_on_save()]
+        slots = [s for s in self.layout.members if s.writes and (not s.draft or keep_draft_on_save())]
         slots.sort(key=lambda s: not s.draft)
         items: list[PutItem] = []
         for slot in slots:
@@ -505,6 +536,20 @@ class WorkerSide:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         forget(self)
         self.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
+
+
+@dataclass(frozen=True, eq=False)
+class _MemberLoad:
+    """One object per chunk `wanted` of a load, read into `staging` rows: `member` (with
+    `fingerprint`) restores `slot`; `heads` (stored range, the part this rank keeps) when
+    the object is a canonical head range other than this rank's own."""
+
+    slot: MemberLayout
+    wanted: list[int]
+    staging: torch.Tensor
+    member: str
+    fingerprint: str
+    heads: tuple[HeadRange, HeadRange] | None = None
 
 
 def _tokens_used(ref: BlockRef) -> int:

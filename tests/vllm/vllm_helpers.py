@@ -196,21 +196,6 @@ def object_files(store: Path, ids: list[int], tenant: str = "default", seed: str
     return blocks, files.get(tail_chunk(hashes[-1] if hashes else seed))
 
 
-ENGINE_SCRIPT = r"""
-import json, sys
-spec = json.loads(sys.argv[1])
-exec(spec.get("preamble", ""))
-from vllm_helpers import kv_config, make_llm, run
-llm = make_llm(spec["model"], kv_config(spec["extra"]) if spec["extra"] is not None else None, **spec["engine"])
-out = {}
-for name, ids in spec["prompts"].items():
-    r = run(llm, ids, max_tokens=spec["max_tokens"])
-    out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
-print("RESULT " + json.dumps(out), flush=True)
-# a user's script: it simply ends (no drain, no flush, no shutdown)
-"""
-
-
 def engine_process(
     model: Path,
     extra: dict[str, Any] | None,
@@ -239,7 +224,8 @@ def engine_process(
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
     )
-    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, spec], env=env, capture_output=True, text=True, timeout=timeout_s)
+    script = str(Path(here) / "engine_run.py")
+    proc = subprocess.run([sys.executable, script, spec], env=env, capture_output=True, text=True, timeout=timeout_s)
     log.write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"

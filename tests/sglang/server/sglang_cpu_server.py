@@ -97,8 +97,9 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def server_argv(model: Path, port: int, extra_config: dict[str, object], page_size: int) -> list[str]:
-    """``sglang.launch_server`` on the CPU engine with HiCache L3 through the ``dynamic`` backend."""
+def server_argv(model: Path, port: int, extra_config: dict[str, object], page_size: int, dtype: str | None = None) -> list[str]:
+    """``sglang.launch_server`` on the CPU engine with HiCache L3 through the ``dynamic`` backend
+    (`dtype`: SGLang's ``--dtype``; default its own choice, bf16 on the CPU)."""
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model),
@@ -109,7 +110,7 @@ def server_argv(model: Path, port: int, extra_config: dict[str, object], page_si
         "--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend", "direct",
         "--hicache-storage-backend", "dynamic",
         "--hicache-storage-backend-extra-config", json.dumps(extra_config),
-    ]  # fmt: skip
+    ] + ([] if dtype is None else ["--dtype", dtype])  # fmt: skip
 
 
 @dataclass
@@ -229,11 +230,11 @@ class CpuServer:
         self.process.wait(timeout=10)
 
 
-def _launch(model: Path, extra_config: dict[str, object], log_path: Path, page_size: int) -> CpuServer:
+def _launch(model: Path, extra_config: dict[str, object], log_path: Path, page_size: int, dtype: str | None = None) -> CpuServer:
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            server_argv(model, port, extra_config, page_size),
+            server_argv(model, port, extra_config, page_size, dtype),
             cwd=log_path.parent,
             env=server_env(),
             stdin=subprocess.DEVNULL,
@@ -251,6 +252,7 @@ def running_cpu_server(
     log_path: Path,
     *,
     page_size: int,
+    dtype: str | None = None,
     start_timeout_s: float = START_TIMEOUT_S,
     attempts: int = START_ATTEMPTS,
 ) -> Iterator[CpuServer]:
@@ -259,7 +261,7 @@ def running_cpu_server(
     An attempt that exits early for a transient reason (`ServerError.retryable`)
     keeps its log as ``<log>.attempt<N>`` and is followed by one more start."""
     for attempt in range(1, attempts + 1):
-        server = _launch(model, extra_config, log_path, page_size)
+        server = _launch(model, extra_config, log_path, page_size, dtype)
         try:
             server.wait_healthy(start_timeout_s)
         except ServerError as exc:

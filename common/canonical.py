@@ -1,0 +1,39 @@
+"""What a canonical object is, for every engine: its group and member fingerprints.
+
+Canonical objects (`kvpack.ops.canonical` for the bytes, `kvpack.heads` for the head
+ranges) are what a vLLM engine at any TP size, on any CPU type, and an SGLang server
+write and read alike. Their fingerprints therefore say what the bytes are and nothing
+about the writer: the group covers the model's identity (`kvpack.model_identity`: a
+digest of the checkpoint, or the user's ``model_id``), the KV dtype, the tokens per
+chunk and the format version; a member adds its head range, the layer count and the
+head geometry. Engine, TP size, CPU attention ISA and attention backend are absent on
+purpose: the copy converts them away.
+"""
+
+from __future__ import annotations
+
+from .heads import HeadRange, HeadSplit
+from .layout import KVLayoutSpec
+from .ops.canonical import CANONICAL_FORMAT
+
+ENGINE = f"canonical{CANONICAL_FORMAT}"
+"""`KVLayoutSpec.engine` of every canonical group: the same whoever writes it."""
+
+
+def group_spec(model: str, dtype: str, chunk_tokens: int) -> KVLayoutSpec:
+    """The canonical group of a model identity, KV dtype (``float32``, ``bfloat16``...) and chunk size."""
+    return KVLayoutSpec(engine=ENGINE, model=model, dtype=dtype.removeprefix("torch."), chunk_tokens=chunk_tokens)
+
+
+def member_fingerprint(group: KVLayoutSpec, split: HeadSplit, heads: HeadRange, num_layers: int) -> str:
+    """The header fingerprint of the object holding `heads` of `num_layers` layers (a reader
+    computes it for any writer's range)."""
+    spec = KVLayoutSpec(
+        engine=group.engine,
+        model=group.model,
+        dtype=group.dtype,
+        chunk_tokens=group.chunk_tokens,
+        layer_shape=(heads.size, group.chunk_tokens, split.head_dim),
+        extra=(("heads", f"{heads.start}-{heads.stop}of{split.num_heads}"), ("layers", str(num_layers))),
+    )
+    return spec.member_fingerprint

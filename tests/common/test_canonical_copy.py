@@ -1,0 +1,112 @@
+"""Canonical objects (`kvpack.ops.canonical`): the C++ kernel and the torch reference write
+the same bytes for every tile packing, and those bytes are the K/V values in the documented
+order ``[layer][kv][head][token][dim]`` whatever the engine's layout.
+
+The packings are the ones vLLM's CPU ISAs use (`vllm_plugin.packing` finds them at start-up;
+tests/vllm/test_canonical_packing.py checks them against vLLM's own write kernel), plus a
+split no fast path covers (element by element). Each case fills a cache through the
+reference scatter from known K/V, gathers with both backends, and compares with the K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpack.ops import PagedKV, load_extension
+from kvpack.ops.canonical import TilePacking, paged_geometry, vllm_cpu_geometry
+
+L, NB, H, T, D = 3, 12, 4, 32, 64
+IDS = [7, 0, 11, 3]
+
+PACKINGS = {
+    "rows": lambda e: TilePacking.row_major(D * e, D, e, T),
+    "vec-K": lambda e: TilePacking.panels(1, T, D, e),
+    "vec16-K": lambda e: TilePacking.panels(1, 16, D, e),
+    "amx-K": lambda e: TilePacking.panels(2, 16, D, e),
+    "amx-V": lambda e: TilePacking.token_pairs(2, 16, T, e),
+    "panels4": lambda e: TilePacking.panels(4, 8, D, e),
+    "pairs4x32": lambda e: TilePacking.token_pairs(4, 32, T, e),
+}
+
+needs_kernel = pytest.mark.skipif(not load_extension().available, reason="no C++ compiler: the kernel is not built")
+
+
+def kv_values(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[blocks, layers, kv, heads, tokens, dim] distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((NB, L, 2, H, T, D), generator=g).to(dtype)
+
+
+def filled_cpu_cache(dtype: torch.dtype, k: TilePacking, v: TilePacking, values: torch.Tensor):  # type: ignore[no-untyped-def]
+    tensors = [torch.zeros((NB, H, T, 2 * D), dtype=dtype) for _ in range(L)]
+    geo = vllm_cpu_geometry(tensors, k, v)
+    objs = values.contiguous().view(torch.uint8).view(-1)
+    geo.copy(list(range(NB)), objs, gather=False, obj_heads=H, use_kernel=False)
+    return geo
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_name", ["vec-K", "vec16-K", "amx-K", "panels4", "rows"])
+@pytest.mark.parametrize("v_name", ["rows", "amx-V", "pairs4x32"])
+def test_kernel_and_reference_gather_the_kv_values(dtype: torch.dtype, k_name: str, v_name: str) -> None:
+    e = torch.tensor([], dtype=dtype).element_size()
+    values = kv_values(dtype, 1)
+    geo = filled_cpu_cache(dtype, PACKINGS[k_name](e), PACKINGS[v_name](e), values)
+    want = values[IDS].contiguous().view(torch.uint8).view(-1)
+    for kernel in (True, False):
+        out = torch.zeros(len(IDS) * geo.object_bytes(H), dtype=torch.uint8)
+        geo.copy(IDS, out, gather=True, obj_heads=H, use_kernel=kernel)
+        assert torch.equal(out, want), f"kernel={kernel}"
+    # a different packing of the same values is a different cache, but the same objects
+    other = filled_cpu_cache(dtype, PACKINGS["rows"](e), PACKINGS["rows"](e), values)
+    assert not all(torch.equal(a, b) for a, b in zip(geo.tensors, other.tensors)) or (k_name, v_name) == ("rows", "rows")
+
+
+@needs_kernel
+@pytest.mark.parametrize("k_name", ["vec-K", "amx-K", "panels4"])
+@pytest.mark.parametrize("v_name", ["rows", "amx-V"])
+def test_kernel_scatters_a_head_range_where_the_reference_does(k_name: str, v_name: str) -> None:
+    """Heads [1, 3) of a 4-head object into cache heads [0, 2): what a TP=2 rank 0 of a
+    4-head model... here any other head range: the bytes outside it stay untouched."""
+    dtype = torch.bfloat16
+    e = 2
+    src = kv_values(dtype, 2)
+    objs = src[IDS].contiguous().view(torch.uint8).view(-1)
+    caches = []
+    for kernel in (True, False):
+        tensors = [torch.full((NB, 2, T, 2 * D), 7.0, dtype=dtype) for _ in range(L)]
+        geo = vllm_cpu_geometry(tensors, PACKINGS[k_name](e), PACKINGS[v_name](e))
+        geo.copy(IDS, objs, gather=False, obj_heads=H, obj_h0=1, cache_h0=0, n_heads=2, use_kernel=kernel)
+        caches.append(geo)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].tensors, caches[1].tensors))
+    out = torch.zeros(len(IDS) * caches[0].object_bytes(2), dtype=torch.uint8)
+    caches[0].copy(IDS, out, gather=True, obj_heads=2)
+    assert torch.equal(out.view(dtype).view(len(IDS), L, 2, 2, T, D), src[IDS][:, :, :, 1:3])
+    untouched = [b for b in range(NB) if b not in IDS]
+    assert all(bool((t[untouched] == 7.0).all()) for t in caches[0].tensors)
+
+
+@pytest.mark.parametrize("shape_kind", ["nhd", "hnd"])
+def test_token_major_layouts_give_the_same_objects(shape_kind: str) -> None:
+    """vLLM GPU-style ``[2, blocks, T, H, D]`` (NHD) and ``[2, blocks, H, T, D]`` (HND) caches,
+    here on the CPU: row-major tiles at other strides, the same canonical bytes."""
+    values = kv_values(torch.float32, 3)
+    if shape_kind == "nhd":
+        tensors = [values[:, l].permute(1, 0, 3, 2, 4).contiguous() for l in range(L)]  # [2, B, T, H, D]
+    else:
+        tensors = [values[:, l].permute(1, 0, 2, 3, 4).contiguous() for l in range(L)]  # [2, B, H, T, D]
+    geo = paged_geometry(PagedKV.from_layers(tensors, block_size=T))
+    out = torch.zeros(len(IDS) * geo.object_bytes(H), dtype=torch.uint8)
+    geo.copy(IDS, out, gather=True, obj_heads=H)
+    assert torch.equal(out, values[IDS].contiguous().view(torch.uint8).view(-1))
+
+
+def test_a_head_range_outside_the_cache_is_refused() -> None:
+    geo = filled_cpu_cache(torch.float32, PACKINGS["vec-K"](4), PACKINGS["rows"](4), kv_values(torch.float32, 4))
+    out = torch.zeros(geo.object_bytes(H), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not map"):
+        geo.copy([0], out, gather=True, obj_heads=H, obj_h0=2, cache_h0=3, n_heads=2)
+    with pytest.raises(IndexError):
+        geo.copy([NB], out, gather=True, obj_heads=H)

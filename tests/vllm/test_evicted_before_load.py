@@ -1,0 +1,134 @@
+"""An object the scheduler's lookup found and that is gone when the worker loads it.
+
+The scheduler runs apart from the workers (another process in vLLM's default
+mode): it sees their memory through reports (`ReportedMemoryIndex`), cannot pin
+it, and hands the workers the tier each hit object was found in
+(`BlockRef.tiers`). A worker whose memory dropped the object since then counts
+it as ``evicted_before_load{tier="memory"}`` (before, it was only a
+``load_failures{status="miss"}``), reads it from disk when disk has it, and
+otherwise reports the blocks so vLLM recomputes them.
+
+The removal is made deterministic by dropping the objects from the worker's
+memory tier between two requests: memory no longer holds them, the scheduler's
+index still says it does, exactly the state an eviction leaves until the
+worker's next report arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpack.config import KVPackConfig
+from kvpack.keys import GroupKey, chunk_hashes
+from kvpack.layout import KVLayoutSpec
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import BLOCK, Run, close_llm, kv_config, make_llm, metric, prompt, run, same_output  # noqa: E402
+
+from kvpack.groups import Coverage  # noqa: E402
+from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
+from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BS = 16
+CHUNK = "c" * 64
+
+
+def _worker(tmp_path: Path) -> WorkerSide:
+    config = KVPackConfig.from_dict({"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "kv")}})
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
+    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),), world=1)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
+    )
+    worker = WorkerSide(vllm_config, config, scope)  # type: ignore[arg-type]
+    return worker
+
+
+def _finish(worker: WorkerSide, req_id: str) -> set[str]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.get_finished()
+        if req_id in recving:
+            return failed
+        time.sleep(0.01)
+    raise AssertionError(f"load {req_id} never finished")
+
+
+def test_worker_counts_an_object_gone_from_the_tier_the_lookup_named(tmp_path: Path) -> None:
+    worker = _worker(tmp_path)
+    cache = torch.randn((8, 2, BS, 2 * 32))
+    worker.register_kv_caches({"model.layers.0.attn": cache}, 8)
+    try:
+        saved = TransferJob("w", "default", (BlockRef(CHUNK, (3,), BS),), capture=True)
+        worker.queue_saves(KVPackConnectorMetadata(saves=[saved]))
+        assert worker.flush_before_exit(10, "test")  # in memory and on disk
+        want = cache[3].clone()
+        memory = worker.store.tiers[0]
+        assert memory.name == "memory"
+        assert memory.remove_groups([GroupKey("default", worker.scope.fingerprint, CHUNK)]) == 1
+        cache[5].zero_()
+        load = TransferJob("r", "default", (BlockRef(CHUNK, (5,), BS, tiers=(("kv", "memory"),)),))
+        worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
+        assert _finish(worker, "r") == set()
+        assert torch.equal(cache[5], want)  # read from disk instead
+        assert worker.store.metrics.value("evicted_before_load", tier="memory") == 1
+        assert worker.store.metrics.value("load_failures") == 0
+    finally:
+        worker.close()
+
+
+P = prompt(11, 301)  # 2 whole blocks + a 45-token tail
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama: Path) -> Run:
+    llm = make_llm(tiny_llama)
+    try:
+        return run(llm, P)
+    finally:
+        close_llm(llm)
+
+
+def _worker_store():  # type: ignore[no-untyped-def]
+    from kvpack.vllm_plugin import live_connectors
+
+    (conn,) = [c for c in live_connectors() if c.role.name == "WORKER"]
+    return conn.worker
+
+
+@pytest.mark.parametrize("disk", [True, False], ids=["fallback-to-disk", "memory-only"])
+def test_engine_output_is_unchanged_when_memory_lost_a_hit_before_the_load(
+    tiny_llama: Path, tmp_path: Path, baseline: Run, disk: bool
+) -> None:
+    extra = {"memory": {"capacity": "256MiB"}, "disk": {"path": str(tmp_path / "kv")} if disk else {"enabled": False}}
+    llm = make_llm(tiny_llama, kv_config(extra))
+    try:
+        first = run(llm, P)
+        assert first.cached == 0 and same_output(first, baseline)
+        worker = _worker_store()
+        assert worker.flush_before_exit(10, "test")
+        chunks = chunk_hashes(P, BLOCK)
+        removed = worker.store.tiers[0].remove_groups([GroupKey("default", worker.scope.fingerprint, c) for c in chunks])
+        assert removed == len(chunks)  # the two whole blocks' kv objects
+        second = run(llm, P)
+        assert same_output(second, baseline)
+        assert metric("evicted_before_load", tier="memory") == len(chunks)
+        if disk:
+            assert second.cached == len(P) - 1  # every block found on disk instead: still a full hit
+            assert metric("load_failures") == 0
+        else:
+            assert metric("load_failures", status="miss") >= len(chunks)  # recomputed
+    finally:
+        close_llm(llm)
