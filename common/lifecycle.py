@@ -38,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .config import DraftPolicy
+from .groups import GroupLookup
 from .keys import StoreKey
 from .metrics import Metrics, Tally
 from .tiers.base import GetResult
@@ -166,3 +168,23 @@ def count_gone(metrics: Metrics, keys: Sequence[StoreKey], tiers: Sequence[str],
         sorted(set(tiers)),
         recovered,
     )
+
+
+def count_lookup(metrics: Metrics, policy: DraftPolicy, tenant: str, asked_tokens: int, result: GroupLookup, chunk_tokens: int) -> None:
+    """Count one lookup: asked and hit tokens, a full hit, partial hits by missing member
+    (logged: a partial hit is never silent)."""
+    metrics.inc("lookups", tenant=tenant)
+    metrics.inc("lookup_tokens", asked_tokens, tenant=tenant)
+    metrics.inc("hit_tokens", result.hit_chunks * chunk_tokens, tenant=tenant)
+    if result.full_chunks and not result.partial:
+        metrics.inc("full_hits", tenant=tenant)
+    for member, count in result.missing.items():
+        metrics.inc("partial_hits", count, tenant=tenant, missing_member=member)
+    if result.partial:
+        log.info(
+            "kvpack: partial hit for tenant %s: %d chunks have the target but lack %s (%s policy)",
+            tenant,
+            result.target_chunks - result.full_chunks,
+            sorted(result.missing),
+            policy.value,
+        )

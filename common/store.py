@@ -43,7 +43,7 @@ from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
 from .keys import GroupKey, StoreKey
 from .integrity import IntegrityKey, check_loaded, seal_items
-from .lifecycle import LoadPlan, PlanBook, count_gone
+from .lifecycle import LoadPlan, PlanBook, count_gone, count_lookup
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
 from .tails import TailSlots
@@ -253,12 +253,29 @@ class KVStore:
         members: Sequence[MemberSpec],
         chunk_tokens: int,
         budget: WaitBudget | None = None,
+        alternatives: Sequence[Sequence[MemberSpec]] = (),
     ) -> GroupLookup:
         """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
 
-        Counts the lookup, hit tokens, full hits and partial hits by missing member.
+        `alternatives`: other member sets one chunk may be stored as (canonical objects
+        written at another TP size: `kvpack.heads`), tried in order when `members` hold
+        no chunk; the answer's `all_members` says which set it is. Counts one lookup,
+        its hit tokens, full hits and partial hits by missing member (`lifecycle.count_lookup`).
         `GroupLookup.located` says which tier holds each key of the hit."""
         start = time.perf_counter()
+        result = self._find(tenant, fingerprint, chunks, members, budget)
+        for other in alternatives:
+            if result.hit_chunks:
+                break
+            found = self._find(tenant, fingerprint, chunks, other, budget)
+            result = found if found.hit_chunks else result
+        count_lookup(self.metrics, self.config.draft_policy, tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
+        self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
+        return result
+
+    def _find(
+        self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[MemberSpec], budget: WaitBudget | None
+    ) -> GroupLookup:
         names = [m.name for m in members]
         n = len(names)
         keys = [StoreKey(tenant, fingerprint, c, m) for c in chunks for m in names]
@@ -272,27 +289,7 @@ class KVStore:
             for m in result.members_to_load(ci)
             if where[j := ci * n + column[m]] is not None
         }
-        result = replace(result, located=located)
-        self._count_lookup(tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
-        self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
-        return result
-
-    def _count_lookup(self, tenant: str, asked_tokens: int, result: GroupLookup, chunk_tokens: int) -> None:
-        self.metrics.inc("lookups", tenant=tenant)
-        self.metrics.inc("lookup_tokens", asked_tokens, tenant=tenant)
-        self.metrics.inc("hit_tokens", result.hit_chunks * chunk_tokens, tenant=tenant)
-        if result.full_chunks and not result.partial:
-            self.metrics.inc("full_hits", tenant=tenant)
-        for member, count in result.missing.items():
-            self.metrics.inc("partial_hits", count, tenant=tenant, missing_member=member)
-        if result.partial:
-            log.info(
-                "kvpack: partial hit for tenant %s: %d chunks have the target but lack %s (%s policy)",
-                tenant,
-                result.target_chunks - result.full_chunks,
-                sorted(result.missing),
-                self.config.draft_policy.value,
-            )
+        return replace(result, located=located)
 
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
         """The header of each key from the fastest tier holding it (None: none does).

@@ -191,17 +191,15 @@ class SchedulerSide:
 
     def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> LoadPlan:
         """The lookup under the engine's own members; canonical objects written at another
-        TP size are other head splits (`kvpack.heads`): the first one holding a hit wins."""
-        plan = self._lookup(request, rs, n, self.members)
-        if self.scope.heads is None:
-            return plan
-        if plan.matched == 0:
-            for source, partition in enumerate(self.scope.heads.partitions()[1:], start=1):
-                other = self._lookup(request, rs, n, self.scope.member_specs(partition), source)
-                if other.matched > 0:
-                    self._count("other_split_hits")
-                    plan = other
-                    break
+        TP size are other head splits (`kvpack.heads`), tried in the same (one counted)
+        lookup when the own split holds nothing."""
+        heads = self.scope.heads
+        if heads is None:
+            return self._lookup(request, rs, n, self.members)
+        splits = [self.scope.member_specs(p) for p in heads.partitions()]
+        plan = self._lookup(request, rs, n, splits[0], splits[1:])
+        if plan.source:
+            self._count("other_split_hits")
         self._count_missing_heads(rs, plan)
         return plan
 
@@ -223,11 +221,16 @@ class SchedulerSide:
                 self.store.metrics.inc("partial_hits", tenant=rs.tenant, missing_member=member)
             log.info("kvpack: partial hit for tenant %s: chunk %d lacks head ranges %s; the hit stops before it", rs.tenant, k, lacking)
 
-    def _lookup(self, request: Request, rs: RequestScope, n: int, members: Sequence[MemberSpec], source: int = 0) -> LoadPlan:
+    def _lookup(
+        self, request: Request, rs: RequestScope, n: int, members: Sequence[MemberSpec], alternatives: Sequence[Sequence[MemberSpec]] = ()
+    ) -> LoadPlan:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, members, bs, self._budget)
+        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, members, bs, self._budget, alternatives)
+        source = next((i for i, alt in enumerate(alternatives, start=1) if result.all_members == tuple(m.name for m in alt)), 0)
+        if source:
+            members = alternatives[source - 1]
         k = result.hit_chunks
         if result.partial:
             self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)

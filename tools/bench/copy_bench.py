@@ -2,7 +2,9 @@
 
 CPU: the vLLM CPU layout ([num_blocks, kv_heads, block_size, 2*head_size] per layer),
 C++ kernel and torch fallback vs one contiguous ``dst.copy_(src)`` of the same
-number of bytes, all measured in this run. GPU (when CUDA is available): the vLLM
+number of bytes, and the canonical copy (converting vLLM's `vec` and `amx` packings
+to kvpack's engine-neutral layout) vs the engine-native C++ copy, all measured in
+this run. GPU (when CUDA is available): the vLLM
 flash-attention layout ([2, num_blocks, block_size, kv_heads, head_size] per layer)
 gathered into pinned host memory and into device memory, and scattered back, vs a
 pinned D2H/H2D copy and a device-to-device copy of the same bytes.
@@ -76,12 +78,38 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     for b in backends:
         fns[f"cpu gather {b.value}"] = lambda b=b: gather_blocks(kv, ids, staging, backend=b)
         fns[f"cpu scatter {b.value}"] = lambda b=b: scatter_blocks(kv, ids, staging, backend=b)
+    canonical = _canonical_fns(layers, ids, staging, args) if load_extension().available else {}
+    fns.update(canonical)
     best = _interleaved_best(fns, args.repeats)
     base = gbps(nbytes, best.pop("memcpy"))
     base_1t = gbps(nbytes, best.pop("memcpy 1 thread"))
-    rows = [Row(name, gbps(nbytes, t), f"memcpy ({torch.get_num_threads()} threads)", base) for name, t in best.items()]
+    native = {op: best.get(f"cpu {op} cpp") for op in ("gather", "scatter")}
+    rows = [Row(name, gbps(nbytes, t), f"memcpy ({torch.get_num_threads()} threads)", base) for name, t in best.items() if name not in canonical]
     rows += [Row(name, gbps(nbytes, t), "memcpy (1 thread)", base_1t) for name, t in best.items() if "cpp" in name]
+    for name, t in best.items():
+        op = "gather" if "gather" in name else "scatter"
+        if name in canonical and native[op] is not None:
+            rows.append(Row(name, gbps(nbytes, t), f"engine-native {op} (cpp)", gbps(nbytes, native[op])))  # type: ignore[arg-type]
     return rows
+
+
+def _canonical_fns(layers: list[torch.Tensor], ids: list[int], staging: torch.Tensor, args: argparse.Namespace) -> dict[str, Callable[[], object]]:
+    """The canonical copy (`kvpack.ops.canonical`) of the same blocks, under each vLLM CPU
+    packing of this dtype: `vec` (K as [D][T]) and, for bf16, `amx` (K [T/16][D/2][16][2],
+    V [D/16][T/2][16][2]). Same bytes as the engine-native copy, converted while copying."""
+    from kvpack.ops.canonical import TilePacking, vllm_cpu_geometry
+
+    e, t, d = layers[0].element_size(), args.block_tokens, args.head_size
+    packings = {"vec": (TilePacking.panels(1, t, d, e), TilePacking.row_major(d * e, d, e, t))}
+    if e == 2 and t % 16 == 0 and d % 16 == 0:
+        packings["amx"] = (TilePacking.panels(2, 16, d, e), TilePacking.token_pairs(2, 16, t, e))
+    fns: dict[str, Callable[[], object]] = {}
+    for isa, (k, v) in packings.items():
+        geo = vllm_cpu_geometry(layers, k, v)
+        heads = geo.heads
+        fns[f"canonical gather ({isa} packing)"] = lambda g=geo: g.copy(ids, staging, gather=True, obj_heads=heads)
+        fns[f"canonical scatter ({isa} packing)"] = lambda g=geo: g.copy(ids, staging, gather=False, obj_heads=heads)
+    return fns
 
 
 def _interleaved_best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
