@@ -86,14 +86,23 @@ bool transpose_simd(uint8_t* cache, int64_t panel_stride, int64_t token_stride, 
                     int64_t panels, int64_t tokens, bool gather) {
 #ifdef KVP_HAVE_SSE2
   if (token_stride != U || panels % W != 0 || tokens % W != 0) return false;
-  for (int64_t t = 0; t < tokens; t += W) {
+  // The destination's rows are filled one after another (gather: object rows are
+  // tokens; scatter: cache rows are panels), so few of its cache lines are open at a
+  // time (measured: scatter 0.60x -> 0.71x of the engine-native copy).
+  if (gather) {
+    for (int64_t t = 0; t < tokens; t += W) {
+      for (int64_t p = 0; p < panels; p += W) {
+        uint8_t* c = cache + p * panel_stride + t * U;
+        uint8_t* o = obj + t * obj_row + p * U;
+        if (U == 4) transpose4_u32(c, panel_stride, o, obj_row); else transpose8_u16(c, panel_stride, o, obj_row);
+      }
+    }
+  } else {
     for (int64_t p = 0; p < panels; p += W) {
-      uint8_t* c = cache + p * panel_stride + t * U;
-      uint8_t* o = obj + t * obj_row + p * U;
-      if (U == 4) {
-        if (gather) transpose4_u32(c, panel_stride, o, obj_row); else transpose4_u32(o, obj_row, c, panel_stride);
-      } else {
-        if (gather) transpose8_u16(c, panel_stride, o, obj_row); else transpose8_u16(o, obj_row, c, panel_stride);
+      for (int64_t t = 0; t < tokens; t += W) {
+        uint8_t* c = cache + p * panel_stride + t * U;
+        uint8_t* o = obj + t * obj_row + p * U;
+        if (U == 4) transpose4_u32(o, obj_row, c, panel_stride); else transpose8_u16(o, obj_row, c, panel_stride);
       }
     }
   }

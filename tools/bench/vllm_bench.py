@@ -17,7 +17,9 @@ allocator off and keeps every layer's whole history).
 
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; each number is
 the median over `--repeats` distinct prompts after `--warmups` warm-up prompts.
-Prints ratios; asserts nothing about speed.
+Decode speed (no connector, and a kvpack engine whose prompts are hits): per
+prompt, `DECODE_STEPS` more tokens' wall time over a 1-token run of the same
+prompt, median over the timed prompts. Prints ratios; asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from kvpack.tools.bench.timing import write_report
 
 from kvpack.vllm_plugin.offline import drain, shutdown
 
+DECODE_STEPS = 32
+"""Tokens decoded per prompt for the decode-speed rows (after the first one)."""
+
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 
 
@@ -48,6 +53,8 @@ class Result:
     ttft_s: float
     reused_tokens: float
     prompt_tokens: int
+    decode_tps: float = 0.0
+    """Decode tokens/s after the first token (0: not measured in this row)."""
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -111,11 +118,29 @@ def _ttft(llm: Any, prompts: list[list[int]]) -> tuple[float, float]:
     return statistics.median(times), statistics.median(reused)
 
 
+def _decode_rate(llm: Any, prompts: list[list[int]]) -> float:
+    """Median decode tokens/s: `DECODE_STEPS` extra tokens over a 1-token run of each prompt."""
+    from vllm import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0)
+    more = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
+    rates = []
+    for ids in prompts:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], more, use_tqdm=False)
+        rates.append(DECODE_STEPS / max(1e-9, time.perf_counter() - start - first))
+    return statistics.median(rates)
+
+
 def _store_then_hit(
     model: Path, kv: dict[str, Any], max_len: int, warm: list[list[int]], timed: list[list[int]]
-) -> tuple[tuple[float, float], tuple[float, float]]:
+) -> tuple[tuple[float, float], tuple[float, float, float]]:
     """One kvpack engine: (TTFT, reused) of `timed` on a miss (computed and stored), then
-    on a hit of the same prompts from host memory. Saves are drained between passes."""
+    (TTFT, reused, decode tokens/s) on a hit of the same prompts from host memory. Saves
+    are drained between passes (deterministic points for timing, not for correctness)."""
     llm = _engine(model, kv, max_len)
     _ttft(llm, warm)
     drain(llm)
@@ -123,8 +148,9 @@ def _store_then_hit(
     drain(llm)
     hit = _ttft(llm, timed)
     drain(llm)
+    decode = _decode_rate(llm, timed)  # every prompt a hit: decode right after a restored prefix
     shutdown(llm)
-    return miss, hit
+    return miss, (*hit, decode)
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -147,7 +173,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     llm = _engine(model, None, max_len)
     _ttft(llm, warm)
     t, r = _ttft(llm, timed)
-    results.append(Result("no connector", t, r, n))
+    results.append(Result("no connector", t, r, n, _decode_rate(llm, timed)))
     shutdown(llm)
 
     kv = {
@@ -156,7 +182,7 @@ def run(args: argparse.Namespace) -> list[Result]:
         "kv_connector_extra_config": {"disk": {"path": str(kv_dir)}},
     }
     miss, hit = _store_then_hit(model, kv, max_len, warm, timed)
-    results += [Result("kvpack miss (store)", *miss, n), Result("kvpack hit (memory)", *hit, n)]
+    results += [Result("kvpack miss (store)", *miss, n), Result("kvpack hit (memory)", hit[0], hit[1], n, hit[2])]
     if not args.no_disk_hit:
         llm = _engine(model, kv, max_len)
         _ttft(llm, _prompts(3, args.warmups, n))
@@ -166,7 +192,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     if args.hybrid:
         aligned = {**kv, "kv_connector_extra_config": {"disk": {"path": str(root / "aligned")}, "tail_reuse": False}}
         _, hit = _store_then_hit(model, aligned, max_len, warm, timed)
-        results.append(Result("kvpack hit (memory), block-aligned only", *hit, n))
+        results.append(Result("kvpack hit (memory), block-aligned only", hit[0], hit[1], n, hit[2]))
 
     ex = {
         "kv_connector": "ExampleConnector",
@@ -207,6 +233,13 @@ def report(results: list[Result], command: str) -> str:
             f"{r.reused_tokens:.0f} of {r.prompt_tokens} |"
         )
     lines.append("")
+    base_tps = by["no connector"].decode_tps
+    for r in results:
+        if r.decode_tps and r.name != "no connector":
+            lines.append(
+                f"Decode after the first token: {r.name} {r.decode_tps:.1f} tokens/s, no connector {base_tps:.1f} tokens/s "
+                f"({r.decode_tps / base_tps:.3f}x; {DECODE_STEPS} tokens per prompt, median)."
+            )
     lines.append(
         f"Bytes stored per prompt: kvpack {by['_bytes'].ttft_s / 2**20:.1f} MiB (memory + disk copies counted once, "
         f"disk only), ExampleConnector {by['_ex_bytes'].ttft_s / 2**20:.1f} MiB."
