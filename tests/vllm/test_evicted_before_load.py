@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvpack.config import KVPackConfig
 from kvpack.keys import GroupKey, chunk_hashes
-from kvpack.layout import KVLayoutSpec
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import BLOCK, Run, close_llm, kv_config, make_llm, metric, prompt, run, same_output  # noqa: E402
+from vllm_helpers import BLOCK, Run, bare_worker, close_llm, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output  # noqa: E402
 
-from kvpack.groups import Coverage  # noqa: E402
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
 from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -44,16 +40,7 @@ CHUNK = "c" * 64
 
 def _worker(tmp_path: Path) -> WorkerSide:
     config = KVPackConfig.from_dict({"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "kv")}})
-    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
-    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),), world=1)
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=None,
-        compilation_config=SimpleNamespace(static_forward_context={}),
-        cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
-    )
-    worker = WorkerSide(vllm_config, config, scope)  # type: ignore[arg-type]
-    return worker
+    return bare_worker(config, BS)
 
 
 def _finish(worker: WorkerSide, req_id: str) -> set[str]:
@@ -94,11 +81,7 @@ P = prompt(11, 301)  # 2 whole blocks + a 45-token tail
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama: Path) -> Run:
-    llm = make_llm(tiny_llama)
-    try:
-        return run(llm, P)
-    finally:
-        close_llm(llm)
+    return no_cache_run(tiny_llama, P)
 
 
 def _worker_store():  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, Run, close_llm, engine_process, kv_config, make_llm, metric, prompt, run, same_output, stored_files
+from vllm_helpers import BLOCK, Run, close_llm, engine_process, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output, stored_files
 
 pytestmark = pytest.mark.vllm
 
@@ -40,11 +40,7 @@ def members(store: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama: Path) -> Run:
-    llm = make_llm(tiny_llama)
-    try:
-        return run(llm, P)
-    finally:
-        close_llm(llm)
+    return no_cache_run(tiny_llama, P)
 
 
 @pytest.fixture(scope="module")

@@ -12,24 +12,21 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvpack.config import KVPackConfig
-from kvpack.layout import KVLayoutSpec
 from kvpack.store import KVStore
 from kvpack.tiers.factory import build_tiers
 
 pytest.importorskip("vllm")
 
 from fixtures.tiers import SlowTier  # noqa: E402
+from vllm_helpers import bare_worker  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
 from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
-from kvpack.groups import Coverage  # noqa: E402
 
 BS = 16
 
@@ -37,15 +34,7 @@ BS = 16
 def _worker(tmp_path: Path, get_delay_s: float) -> WorkerSide:
     config = KVPackConfig.from_dict({"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}, "io_timeout_ms": 50})
     store = KVStore(config, [SlowTier(build_tiers(config)[0], 0.0, get_delay_s=get_delay_s)])
-    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
-    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),), world=1)
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=None,
-        compilation_config=SimpleNamespace(static_forward_context={}),
-        cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
-    )
-    worker = WorkerSide(vllm_config, config, scope, store=store)  # type: ignore[arg-type]
+    worker = bare_worker(config, BS, store=store)
     worker.register_kv_caches({"model.layers.0.attn": torch.zeros((8, 2, BS, 2 * 32))}, 8)
     return worker
 

@@ -117,6 +117,36 @@ def run(llm: Any, ids: list[int], max_tokens: int = 8, **params: Any) -> Run:
     return Run(tuple(comp.token_ids), lps, int(out.num_cached_tokens or 0))
 
 
+def no_cache_run(model: Path, ids: list[int]) -> Run:
+    """`ids` through a new engine without a connector (the reference a hit must equal)."""
+    llm = make_llm(model)
+    try:
+        return run(llm, ids)
+    finally:
+        close_llm(llm)
+
+
+def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignore[no-untyped-def]
+    """A real `WorkerSide` of a dense one-group engine without vLLM around it (no
+    registration: tests drive its load and save paths directly)."""
+    from types import SimpleNamespace
+
+    from kvpack.groups import Coverage
+    from kvpack.layout import KVLayoutSpec
+    from kvpack.vllm_plugin.settings import CacheGroup, Scope
+    from kvpack.vllm_plugin.worker import WorkerSide
+
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=block_size)
+    scope = Scope(spec=spec, members=("kv",), block_size=block_size, draft="", groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),), world=1)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
+    )
+    return WorkerSide(vllm_config, config, scope, store=store)  # type: ignore[arg-type]
+
+
 def same_output(a: Run, b: Run, tol: float = LOGPROB_TOL) -> bool:
     """Greedy tokens equal and every logprob within `tol` (see `LOGPROB_TOL`)."""
     return a.tokens == b.tokens and all(abs(x - y) <= tol for x, y in zip(a.logprobs, b.logprobs))
