@@ -200,9 +200,8 @@ def _torch_copy(
             dst = objs[:, layer, kv, obj_h0 : obj_h0 + n]
             if gather:
                 dst.copy_(view[index].reshape(len(ids), n, geo.tokens, geo.head_dim).to(dst.device))
-            else:
-                for j, b in enumerate(ids):  # advanced-index assignment into a strided view
-                    view[b].copy_(dst[j].to(view.device).reshape(shape[1:]))
+            else:  # one indexed write through the strided view (repeated ids: unspecified winner)
+                view.index_put_((index,), dst.to(view.device).reshape(shape))
 
 
 def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePacking) -> CanonicalGeometry:
