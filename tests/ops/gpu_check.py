@@ -7,6 +7,8 @@ on a scarce machine reports everything. Checks, on the GPU:
      into device and pinned host staging, whole and partial blocks, misaligned
      staging (1/4/8-byte words), on a side stream; scatter round trips;
   3. CUDA == torch fallback on engine-sized caches (multi-CTA units);
+  4. canonical objects (`kvpack.ops.canonical`, the torch path on CUDA) == the C++
+     kernel's objects of the same bytes on the CPU, NHD and HND, and back;
 then runs the copy benchmark (CPU and GPU sections).
 
     python tests/ops/gpu_check.py [--markdown FILE] [--quick]
@@ -120,6 +122,30 @@ def check_engine_sized(kind: str) -> None:
         assert torch.equal(a.cpu(), b), f"{kind}: partial gathers differ ({first}, {last})"
 
 
+def check_canonical(kind: str) -> None:
+    """Canonical objects from a GPU cache (the torch path on CUDA) == the same cache's bytes
+    copied to the CPU and gathered by the C++ kernel; a scatter back gives the cache again."""
+    from kvpack.ops.canonical import paged_geometry
+
+    nb, t, h, d, layers = 24, 64, 8, 128, 3
+    shape = (2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d)
+    gpu = [torch.empty(shape, dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16) for _ in range(layers)]
+    cpu = [x.cpu() for x in gpu]
+    ids = random.Random(kind).sample(range(nb), 10)
+    g_geo, c_geo = paged_geometry(PagedKV.from_layers(gpu, block_size=t)), paged_geometry(PagedKV.from_layers(cpu, block_size=t))
+    n_bytes = len(ids) * g_geo.object_bytes(h)
+    a, b = torch.empty(n_bytes, dtype=torch.uint8, device="cuda"), torch.empty(n_bytes, dtype=torch.uint8)
+    g_geo.copy(ids, a, gather=True, obj_heads=h)
+    c_geo.copy(ids, b, gather=True, obj_heads=h, use_kernel=True)
+    torch.cuda.synchronize()
+    assert torch.equal(a.cpu(), b), f"canonical/{kind}: GPU and CPU objects differ"
+    back = [torch.zeros_like(x) for x in gpu]
+    paged_geometry(PagedKV.from_layers(back, block_size=t)).copy(ids, a, gather=False, obj_heads=h)
+    torch.cuda.synchronize()
+    same = all(torch.equal(x[:, ids].view(torch.uint8), y[:, ids].view(torch.uint8)) for x, y in zip(back, gpu))  # bytes: random bf16 has NaNs
+    assert same, f"canonical/{kind}: scatter lost bytes"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--markdown", default="", help="append the benchmark section to this file")
@@ -151,6 +177,8 @@ def main(argv: list[str]) -> int:
         checks.run(f"{layout}/side-stream", lambda: check_layout(layout, torch.float16, "pinned", 0, side))
     for kind in ("nhd", "hnd", "block_view"):
         checks.run(f"engine-sized/{kind}", lambda: check_engine_sized(kind))
+    for kind in ("nhd", "hnd"):
+        checks.run(f"canonical/{kind}", lambda: check_canonical(kind))
     print(f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({time.monotonic() - t0:.1f}s)", flush=True)
     for name in checks.failed:
         print(f"  failed: {name}")
