@@ -257,6 +257,39 @@ class PoolBinding:
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
+    def splits(self) -> tuple[tuple[HeadRange, ...], ...]:
+        """Canonical pools: the head splits a writer at any TP size stores (this pool's own,
+        all heads in one object, first: `kvpack.heads.partitions`); () otherwise."""
+        if self.canonical is None:
+            return ()
+        return HeadSplit(self.canonical.heads, self.canonical.head_dim, 1).partitions()
+
+    def split_members(self, split: int) -> list[tuple[HeadRange, str, str]]:
+        """(stored head range, member name, member fingerprint) of each object of split `split`."""
+        geo = self.canonical
+        assert geo is not None
+        heads = HeadSplit(geo.heads, geo.head_dim, 1)
+        group = self.layout
+        return [(r, heads.member(r), canonical.member_fingerprint(group, heads, r, geo.num_layers)) for r in self.splits()[split]]
+
+    def range_load_buffers(
+        self, host_indices: torch.Tensor, n_pages: int, stored: HeadRange
+    ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
+        """`load_buffers` for objects of the head range `stored` (a writer at another TP size):
+        rows of its size, scattered into those heads of the pages that loaded."""
+        geo = self.canonical
+        assert geo is not None
+        ids = self.page_ids(host_indices, n_pages)
+        staging = torch.empty((n_pages, geo.object_bytes(stored.size)), dtype=torch.uint8)
+        rows = staging.numpy()
+
+        def finish(ok: Sequence[bool]) -> None:
+            sel = [i for i, good in enumerate(ok) if good]
+            if sel:
+                geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=stored.size, cache_h0=stored.start)
+
+        return [memoryview(rows[i]) for i in range(n_pages)], finish
+
     def page_ids(self, host_indices: torch.Tensor, n_pages: int) -> list[int]:
         """The host pool page of each of `n_pages` pages of `host_indices` (each a whole, aligned page)."""
         if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:

@@ -260,10 +260,28 @@ class KVPackStorage(HiCacheStorage):
         for b, window in trailing:
             pools.setdefault(b.member, (b, replace(b.spec, coverage=Coverage.TRAILING, window_chunks=window)))
         specs = [spec for _, spec in pools.values()]
-        lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size)
+        alternatives, names = self._other_splits(specs)
+        lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size, alternatives=alternatives)
         self._remember(lookup.located)
-        hits = {pools[m][0].name: c for m, c in lookup.member_hits.items() if c}
-        return PoolTransferResult(lookup.hit_chunks, hits, list(lookup.restorable))
+        hits: dict[str, int] = {}
+        for m, c in lookup.member_hits.items():
+            pool = pools[m][0].name if m in pools else names[m]
+            hits[pool] = min(hits.get(pool, c), c)
+        return PoolTransferResult(lookup.hit_chunks, {p: c for p, c in hits.items() if c}, list(lookup.restorable))
+
+    def _other_splits(self, specs: list[MemberSpec]) -> tuple[list[list[MemberSpec]], dict[str, str]]:
+        """Canonical KV pool: `specs` with the KV member replaced by each other head split's
+        members (objects a writer at another TP size stored: `kvpack.heads`), and the pool
+        each of those members restores."""
+        kv = self._bindings.get("kv")
+        if kv is None or kv.canonical is None:
+            return [], {}
+        out, names = [], {}
+        for split in range(1, len(kv.splits())):
+            members = [MemberSpec(member, fp, MemberRole.TARGET) for _, member, fp in kv.split_members(split)]
+            names.update({m.name: kv.name for m in members})
+            out.append([m for spec in specs for m in (members if spec.name == kv.member else [spec])])
+        return out, names
 
     def _remember(self, located: Mapping[StoreKey, str]) -> None:
         """Where a lookup found each page, for the `_get` that follows it (bounded, oldest dropped)."""
@@ -364,17 +382,50 @@ class KVPackStorage(HiCacheStorage):
         if skeys is None:
             return [False] * n
         assert binding is not None
-        payloads, finish = binding.load_buffers(host_indices, n)
-        expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
-        items = list(map(LoadItem, skeys, payloads, expected))
+        loads = self._page_loads(binding, keys, skeys, host_indices)
+        items = [item for _, part, _ in loads for item in part]
         with self._lock:  # where the lookup found these pages: a page gone from there is counted
-            hints = {k: t for k in skeys if (t := self._located.pop(k, None)) is not None}
+            hints = {it.key: t for it in items if (t := self._located.pop(it.key, None)) is not None}
         plan = self.store.prepare_load(hints)
-        ok = [r.ok for r in self.store.complete_load(plan, items)]
-        finish(ok)
+        results = iter(self.store.complete_load(plan, items))
+        per_object = [[next(results).ok for _ in part] for _, part, _ in loads]
+        ok = [all(col) for col in zip(*per_object)]  # a page is restored only when every object of it loaded
+        for _, _, finish in loads:
+            finish(ok)
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
+
+    def _page_loads(
+        self, binding: PoolBinding, keys: list[str], skeys: list[StoreKey], host_indices: torch.Tensor
+    ) -> list[tuple[str, list[LoadItem], Callable[[Sequence[bool]], None]]]:
+        """Per object of each page (member, its load items, what to call with the pages' results):
+        the pool's own member, or, when the lookup found the KV pages as another TP size's head
+        ranges (`_other_splits`), one object per range."""
+        n = len(keys)
+        split = self._located_split(binding, keys[0]) if binding.canonical is not None else 0
+        if split == 0:
+            payloads, finish = binding.load_buffers(host_indices, n)
+            expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
+            return [(binding.member, list(map(LoadItem, skeys, payloads, expected)), finish)]
+        out = []
+        for stored, member, fingerprint in binding.split_members(split):
+            payloads, finish = binding.range_load_buffers(host_indices, n, stored)
+            rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, keys, member)
+            expected = Expectation.batch(fingerprint, self.tenant, keys, member, binding.page_size, len(payloads[0]) if payloads else 0)
+            out.append((member, list(map(LoadItem, rkeys, payloads, expected)), finish))
+        return out
+
+    def _located_split(self, binding: PoolBinding, key: str) -> int:
+        """Which head split the last lookup found page `key` under (0: the pool's own member)."""
+        with self._lock:
+            if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) in self._located:
+                return 0
+            for split in range(1, len(binding.splits())):
+                member = binding.split_members(split)[0][1]
+                if StoreKey(self.tenant, self.group_fingerprint, key, member) in self._located:
+                    return split
+        return 0
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """Pages `KVStore.prepare_store` says are still to store go to one `complete_store`,
