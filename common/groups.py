@@ -122,6 +122,12 @@ class GroupLookup:
     restorable: tuple[int, ...] = ()
     member_hits: dict[str, int] = field(default_factory=dict)
     located: Mapping[StoreKey, str] = field(default_factory=dict)
+    boundary_missing: tuple[str, ...] = ()
+    """TARGET members (every chunk; the parts of one model's KV: TP shards, KV-head ranges)
+    absent from the chunk right after the target run while another part is there: the
+    group was cut short by one of its parts (evicted, never stored), counted as a partial
+    hit, never loaded. STATE members (an SGLang indexer pool, a hybrid's other groups)
+    only shorten the hit, as their engines expect."""
 
     def members_to_load(self, chunk_index: int) -> tuple[str, ...]:
         """Members to restore for chunk `chunk_index` (< hit_chunks): every member
@@ -173,7 +179,13 @@ def resolve_lookup(
     for n, w in windows.items():
         member_hits[n] = max((k for k in range(1, run + 1) if w[k]), default=0)
     restorable = tuple(k for k in range(1, run + 1) if ok[k])
-    return GroupLookup(full, target, hit, tuple(names), tuple(target_names), missing, restorable, member_hits)
+    cut: tuple[str, ...] = ()
+    parts = [m.name for m in members if m.role is MemberRole.TARGET and m.trailing_chunks is None]
+    if target_run < len(presence) and len(parts) > 1:
+        there = [n for n in parts if presence[target_run].get(n, False)]
+        if there:
+            cut = tuple(n for n in parts if n not in there)
+    return GroupLookup(full, target, hit, tuple(names), tuple(target_names), missing, restorable, member_hits, boundary_missing=cut)
 
 
 def _leading(presence: Sequence[dict[str, bool]], names: Sequence[str]) -> int:

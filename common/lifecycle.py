@@ -180,6 +180,14 @@ def count_lookup(metrics: Metrics, policy: DraftPolicy, tenant: str, asked_token
         metrics.inc("full_hits", tenant=tenant)
     for member, count in result.missing.items():
         metrics.inc("partial_hits", count, tenant=tenant, missing_member=member)
+    for member in result.boundary_missing:
+        metrics.inc("partial_hits", tenant=tenant, missing_member=member)
+    if result.boundary_missing:
+        log.info(
+            "kvpack: partial hit for tenant %s: the chunk after the hit holds part of its group, not %s; the hit stops before it",
+            tenant,
+            list(result.boundary_missing),
+        )
     if result.partial:
         log.info(
             "kvpack: partial hit for tenant %s: %d chunks have the target but lack %s (%s policy)",

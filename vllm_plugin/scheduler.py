@@ -200,26 +200,7 @@ class SchedulerSide:
         plan = self._lookup(request, rs, n, splits[0], splits[1:])
         if plan.source:
             self._count("other_split_hits")
-        self._count_missing_heads(rs, plan)
         return plan
-
-    def _count_missing_heads(self, rs: RequestScope, plan: LoadPlan) -> None:
-        """A chunk past the hit that holds some of its split's head ranges but not all is a
-        partial hit (``partial_hits{missing_member=<range>}``), never a load of some heads."""
-        assert self.scope.heads is not None
-        k = plan.hit_chunks
-        if k >= len(plan.hashes) or plan.tail is not None:
-            return
-        partition = self.scope.heads.partitions()[plan.source]
-        if len(partition) < 2:
-            return
-        names = [self.scope.heads.member(r) for r in partition]
-        present = self.store.contains_members(rs.tenant, self.scope.fingerprint, [plan.hashes[k]], names, self._budget)[0]
-        lacking = [m for m in names if not present[m]]
-        if lacking and len(lacking) < len(names):
-            for member in lacking:
-                self.store.metrics.inc("partial_hits", tenant=rs.tenant, missing_member=member)
-            log.info("kvpack: partial hit for tenant %s: chunk %d lacks head ranges %s; the hit stops before it", rs.tenant, k, lacking)
 
     def _lookup(
         self, request: Request, rs: RequestScope, n: int, members: Sequence[MemberSpec], alternatives: Sequence[Sequence[MemberSpec]] = ()

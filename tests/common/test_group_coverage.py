@@ -113,3 +113,19 @@ def test_matches_brute_force(bits: list[tuple[bool, bool]], window: int) -> None
     # every valid boundary, as SGLang's own file backend lists them (restorable_prefix_pages)
     want = [k for k in range(1, len(presence) + 1) if _reference(presence[:k], window) == k]
     assert list(r.restorable) == want
+
+
+def test_a_group_cut_short_by_one_of_its_parts_names_the_missing_part() -> None:
+    """Two every-chunk target members (TP shards, KV-head ranges): a chunk holding one of
+    them ends the hit and names the other; a chunk holding neither is a plain end."""
+    from kvpack.config import DraftPolicy
+    from kvpack.groups import MemberSpec, resolve_lookup
+
+    members = [MemberSpec("kv_h0_1", "f"), MemberSpec("kv_h1_2", "f")]
+    both, first_only, none = {"kv_h0_1": True, "kv_h1_2": True}, {"kv_h0_1": True}, {}
+    cut = resolve_lookup([both, first_only, both], members, DraftPolicy.RECOMPUTE)
+    assert cut.hit_chunks == 1 and cut.boundary_missing == ("kv_h1_2",)
+    end = resolve_lookup([both, none, both], members, DraftPolicy.RECOMPUTE)
+    assert end.hit_chunks == 1 and end.boundary_missing == ()
+    single = resolve_lookup([both, none], members[:1], DraftPolicy.RECOMPUTE)
+    assert single.boundary_missing == ()
