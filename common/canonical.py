@@ -12,7 +12,9 @@ purpose: the copy converts them away.
 
 from __future__ import annotations
 
-from .heads import HeadRange, HeadSplit
+from dataclasses import dataclass
+
+from .heads import HeadRange, HeadSplit, sources
 from .layout import KVLayoutSpec
 from .ops.canonical import CANONICAL_FORMAT
 
@@ -37,3 +39,25 @@ def member_fingerprint(group: KVLayoutSpec, split: HeadSplit, heads: HeadRange, 
         extra=(("heads", f"{heads.start}-{heads.stop}of{split.num_heads}"), ("layers", str(num_layers))),
     )
     return spec.member_fingerprint
+
+
+@dataclass(frozen=True)
+class StoredRange:
+    """One object a writer of some head split stores, as a reader of its own heads uses it."""
+
+    heads: HeadRange
+    """The heads the object holds."""
+    part: HeadRange
+    """Of those, the heads the reader keeps (inside its own range)."""
+    member: str
+    fingerprint: str
+
+
+def split_sources(group: KVLayoutSpec, split: HeadSplit, own: HeadRange, num_layers: int) -> tuple[tuple[StoredRange, ...], ...]:
+    """Per head split a writer at some TP size stores (`HeadSplit.partitions` order, the
+    reader's own first), the objects overlapping `own`, with their member names and
+    fingerprints: fixed for an engine's lifetime, so computed once at registration."""
+    return tuple(
+        tuple(StoredRange(stored, part, split.member(stored), member_fingerprint(group, split, stored, num_layers)) for stored, part in sources(own, partition))
+        for partition in split.partitions()
+    )

@@ -217,6 +217,9 @@ class PoolBinding:
         self.member_fingerprint = self.layout.member_fingerprint
         self.canonical = canonical_kv(name, host_pool, par, layout_name)
         """The pool as canonical objects (shared with vLLM); None: SGLang's own page bytes."""
+        self.sources: tuple[tuple[canonical.StoredRange, ...], ...] = ()
+        """Canonical pools: per head split a writer at some TP size stores (this pool's own,
+        all heads in one object, first), its objects (`kvpack.canonical.split_sources`)."""
         if self.canonical is not None:
             geo = self.canonical
             group = canonical.group_spec(par.model, dtype, self.page_size)
@@ -226,6 +229,7 @@ class PoolBinding:
             self.page_bytes = geo.object_bytes(geo.heads)
             self.layout = group
             self.member_fingerprint = canonical.member_fingerprint(group, split, heads, geo.num_layers)
+            self.sources = canonical.split_sources(group, split, heads, geo.num_layers)
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
@@ -256,21 +260,6 @@ class PoolBinding:
                 geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
-
-    def splits(self) -> tuple[tuple[HeadRange, ...], ...]:
-        """Canonical pools: the head splits a writer at any TP size stores (this pool's own,
-        all heads in one object, first: `kvpack.heads.partitions`); () otherwise."""
-        if self.canonical is None:
-            return ()
-        return HeadSplit(self.canonical.heads, self.canonical.head_dim, 1).partitions()
-
-    def split_members(self, split: int) -> list[tuple[HeadRange, str, str]]:
-        """(stored head range, member name, member fingerprint) of each object of split `split`."""
-        geo = self.canonical
-        assert geo is not None
-        heads = HeadSplit(geo.heads, geo.head_dim, 1)
-        group = self.layout
-        return [(r, heads.member(r), canonical.member_fingerprint(group, heads, r, geo.num_layers)) for r in self.splits()[split]]
 
     def range_load_buffers(
         self, host_indices: torch.Tensor, n_pages: int, stored: HeadRange

@@ -277,8 +277,8 @@ class KVPackStorage(HiCacheStorage):
         if kv is None or kv.canonical is None:
             return [], {}
         out, names = [], {}
-        for split in range(1, len(kv.splits())):
-            members = [MemberSpec(member, fp, MemberRole.TARGET) for _, member, fp in kv.split_members(split)]
+        for objects in kv.sources[1:]:
+            members = [MemberSpec(obj.member, obj.fingerprint, MemberRole.TARGET) for obj in objects]
             names.update({m.name: kv.name for m in members})
             out.append([m for spec in specs for m in (members if spec.name == kv.member else [spec])])
         return out, names
@@ -409,11 +409,11 @@ class KVPackStorage(HiCacheStorage):
             expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
             return [(binding.member, list(map(LoadItem, skeys, payloads, expected)), finish)]
         out = []
-        for stored, member, fingerprint in binding.split_members(split):
-            payloads, finish = binding.range_load_buffers(host_indices, n, stored)
-            rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, keys, member)
-            expected = Expectation.batch(fingerprint, self.tenant, keys, member, binding.page_size, len(payloads[0]) if payloads else 0)
-            out.append((member, list(map(LoadItem, rkeys, payloads, expected)), finish))
+        for obj in binding.sources[split]:
+            payloads, finish = binding.range_load_buffers(host_indices, n, obj.heads)
+            rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, keys, obj.member)
+            expected = Expectation.batch(obj.fingerprint, self.tenant, keys, obj.member, binding.page_size, len(payloads[0]) if payloads else 0)
+            out.append((obj.member, list(map(LoadItem, rkeys, payloads, expected)), finish))
         return out
 
     def _located_split(self, binding: PoolBinding, key: str) -> int:
@@ -421,9 +421,8 @@ class KVPackStorage(HiCacheStorage):
         with self._lock:
             if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) in self._located:
                 return 0
-            for split in range(1, len(binding.splits())):
-                member = binding.split_members(split)[0][1]
-                if StoreKey(self.tenant, self.group_fingerprint, key, member) in self._located:
+            for split, objects in enumerate(binding.sources[1:], start=1):
+                if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located:
                     return split
         return 0
 

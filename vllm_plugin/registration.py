@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.canonical import StoredRange, split_sources
 from kvpack.canonical import member_fingerprint as canonical_member_fingerprint
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
@@ -73,6 +74,9 @@ class MemberLayout:
     """The sidecar draft member (loaded only for `BlockRef.with_draft` chunks)."""
     writes: bool = True
     """False for a rank whose heads another rank stores (replicated KV heads, MLA)."""
+    sources: tuple[tuple[StoredRange, ...], ...] = ()
+    """Canonical objects: per head split (`TransferJob.source`), the stored objects this
+    rank's heads are read from (`kvpack.canonical.split_sources`); () for native objects."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ def _register_canonical(
     blocks = CanonicalBlocks.from_tensors([kv_caches[n] for n in names], num_blocks, split, own, isa)
     member = split.member(own)
     fingerprint = canonical_member_fingerprint(scope.spec, split, own, blocks.geometry.num_layers)
-    kv = MemberLayout(member, fingerprint, blocks, 0, writes=split.writes(position.tp_rank))
+    sources = split_sources(scope.spec, split, own, blocks.geometry.num_layers)
+    kv = MemberLayout(member, fingerprint, blocks, 0, writes=split.writes(position.tp_rank), sources=sources)
     log.info(
         "kvpack: %d KV layers registered in the canonical layout (%s), %d blocks, heads [%d, %d) of %d, "
         "%d bytes per object, member %s%s",

@@ -140,6 +140,8 @@ class SchedulerSide:
         # a lookup view: the workers write, this process only reads (no write-back threads)
         self.store = KVStore(config, tiers + build_tiers(config, include_memory=False), read_only=True)
         self.members = scope.member_specs()
+        self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
+        """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
@@ -193,11 +195,9 @@ class SchedulerSide:
         """The lookup under the engine's own members; canonical objects written at another
         TP size are other head splits (`kvpack.heads`), tried in the same (one counted)
         lookup when the own split holds nothing."""
-        heads = self.scope.heads
-        if heads is None:
+        if not self._splits:
             return self._lookup(request, rs, n, self.members)
-        splits = [self.scope.member_specs(p) for p in heads.partitions()]
-        plan = self._lookup(request, rs, n, splits[0], splits[1:])
+        plan = self._lookup(request, rs, n, self._splits[0], self._splits[1:])
         if plan.source:
             self._count("other_split_hits")
         return plan

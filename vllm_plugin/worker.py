@@ -44,12 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.canonical import member_fingerprint as canonical_member_fingerprint
 from kvpack.config import KVPackConfig
 from kvpack.cpu_features import request_amx_permission
 from kvpack.exit_flush import flush_on_exit, forget
 from kvpack.groups import DraftPlacement
-from kvpack.heads import HeadRange, sources
+from kvpack.heads import HeadRange
 from kvpack.keys import GroupKey, StoreKey
 from kvpack.objects import Expectation, ObjectHeader
 from kvpack.ops import load_extension, region_copier
@@ -428,15 +427,14 @@ class WorkerSide:
         objects stored at another TP size: `TransferJob.source`) every stored head range
         that overlaps this rank's heads, each with the part of it this rank keeps."""
         blocks = slot.layout
-        split = self.scope.heads
-        if split is None or not isinstance(blocks, CanonicalBlocks) or source == 0:
+        if source == 0 or not slot.sources:
             staging = torch.empty((len(wanted), blocks.slot_bytes), dtype=torch.uint8)
             return [_MemberLoad(slot, wanted, staging, slot.member, slot.fingerprint)]
+        assert isinstance(blocks, CanonicalBlocks)
         out = []
-        for stored, part in sources(blocks.own, split.partitions()[source]):
-            fingerprint = canonical_member_fingerprint(self.scope.spec, split, stored, blocks.geometry.num_layers)
-            staging = torch.empty((len(wanted), blocks.object_bytes(stored)), dtype=torch.uint8)
-            out.append(_MemberLoad(slot, wanted, staging, split.member(stored), fingerprint, (stored, part)))
+        for obj in slot.sources[source]:
+            staging = torch.empty((len(wanted), blocks.object_bytes(obj.heads)), dtype=torch.uint8)
+            out.append(_MemberLoad(slot, wanted, staging, obj.member, obj.fingerprint, (obj.heads, obj.part)))
         return out
 
     def _scatter(self, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool) -> None:

@@ -27,9 +27,10 @@ def store_as_two_ranks(backend, pool, keys: list[str], src: torch.Tensor, skip: 
     binding = backend.binding("kv")
     geo = binding.canonical
     ids = binding.page_ids(src, len(keys))
-    split = next(i for i, p in enumerate(binding.splits()) if len(p) == 2)
+    two_ranks = next(objects for objects in binding.sources if len(objects) == 2)
     items = []
-    for stored, member, fingerprint in binding.split_members(split):
+    for obj in two_ranks:
+        stored, member, fingerprint = obj.heads, obj.member, obj.fingerprint
         rows = torch.empty((len(keys), geo.object_bytes(stored.size)), dtype=torch.uint8)
         geo.copy(ids, rows.view(-1), gather=True, obj_heads=stored.size, cache_h0=stored.start, n_heads=stored.size)
         for i, key in enumerate(keys):
