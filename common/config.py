@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
-from .sizes import parse_size
+from .sizes import parse_mooncake_size, parse_size
 
 T = TypeVar("T")
 
@@ -168,6 +168,11 @@ class MooncakeTierConfig:
     `backoff_s` seconds (circuit breaker), probes in the background and
     recovers by itself. `setup_retries` is Mooncake's
     ``MC_STORE_CLIENT_SETUP_RETRIES`` for one background connect attempt.
+    `connect_wait_ms` bounds how long, after start-up, lookups and transfers
+    wait for the first connect while it is still in progress (a master that
+    cannot be reached is not waited for): vLLM holds the request, not the
+    engine, and asks again next step; SGLang's prefetch thread and the
+    write-back threads wait. 0: never wait (the tier misses until connected).
 
     `config_file` may name a Mooncake JSON config (``MOONCAKE_CONFIG_PATH``
     style keys: local_hostname, metadata_server, global_segment_size,
@@ -192,6 +197,7 @@ class MooncakeTierConfig:
     timeout_ms: int = 200
     backoff_s: float = 5.0
     setup_retries: int = 1
+    connect_wait_ms: int = 5000
     workers: int = 2
     config_file: str = ""
 
@@ -227,6 +233,7 @@ class MooncakeTierConfig:
         check_range(f"{path}.backoff_s", self.backoff_s, 0, 3600)
         check_range(f"{path}.replica_num", self.replica_num, 1, 64)
         check_range(f"{path}.setup_retries", self.setup_retries, 1, 100)
+        check_range(f"{path}.connect_wait_ms", self.connect_wait_ms, 0, MAX_WAIT_MS)
         check_range(f"{path}.workers", self.workers, 1, MAX_THREADS)
         if self.staging_size < self.workers * (1 << 20):
             raise ConfigError(f"{path}.staging_size", f"must be at least 1MiB per worker, got {self.staging_size}")
@@ -261,7 +268,7 @@ class MooncakeTierConfig:
             value = data[key]
             try:
                 if key in ("global_segment_size", "local_buffer_size"):
-                    value = _mooncake_size(value)
+                    value = parse_mooncake_size(value)
                 elif key == "protocol":
                     value = MooncakeProtocol(str(value).strip().lower())
                 elif key == "device_name":
@@ -272,34 +279,6 @@ class MooncakeTierConfig:
                 raise ConfigError(f"{where}:{key}", str(exc)) from None
             updates[key] = value
         return dataclasses.replace(self, **updates, config_file="") if updates else self
-
-
-def _mooncake_size(value: Any) -> int:
-    """A size as Mooncake's config files write it: ints, or "3.125GB"/"512mb" (powers of 1024)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return value
-    if isinstance(value, str):
-        s = value.strip().lower()
-        for suffix, mult in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
-                             ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)):
-            if s.endswith(suffix):
-                return _mooncake_number(s[: -len(suffix)], mult, value)
-        return _mooncake_number(s, 1, value)
-    raise ValueError(f"expected a size such as '4GB' or an integer, got {value!r}")
-
-
-def _mooncake_number(text: str, mult: int, original: object) -> int:
-    """``float(text) * mult`` rounded down, as Mooncake reads it, but finite and bounded (ValueError)."""
-    from .sizes import MAX_SIZE
-
-    number = float(text)  # ValueError on junk
-    if not math.isfinite(number) or number < 0 or number * mult > MAX_SIZE:
-        raise ValueError(f"size must be between 0 and {MAX_SIZE} bytes, got {str(original)[:40]!r}")
-    return int(number * mult)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ stays monotonic.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
@@ -31,6 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 if TYPE_CHECKING:
     from .config import KVPackConfig
+
+log = logging.getLogger("kvpack")
 
 OTHER_TENANT = "other"
 """The ``tenant`` label of every tenant beyond `Metrics.max_tenants`."""
@@ -70,6 +73,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
     MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
     MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),
+    MetricSpec("lookups_held", "Lookups held back (the request waited, not the engine) while a tier made its first connect", ("tenant",)),
     MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
@@ -193,6 +197,17 @@ class Metrics:
             self._server = served[0] if isinstance(served, tuple) else None
             return candidate
         return None
+
+    def serve_configured(self, port: int, span: int) -> int | None:
+        """`serve_prometheus` on ``port .. port + span - 1`` (0: not served), logging where."""
+        if not port:
+            return None
+        served = self.serve_prometheus(port, span)
+        if served is None:
+            log.warning("kvpack: no free metrics port in %d..+%d", port, span - 1)
+        else:
+            log.info("kvpack: metrics on http://127.0.0.1:%d/metrics", served)
+        return served
 
     def stop_serving(self) -> None:
         """Close the HTTP endpoint started by `serve_prometheus`, if any."""

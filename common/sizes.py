@@ -79,3 +79,29 @@ def _bounded(n: int, original: object) -> int:
         shown = original[:24] + "..." if isinstance(original, str) and len(original) > 24 else f"of {n.bit_length()} bits"
         raise ValueError(f"size {shown} is larger than the maximum {MAX_SIZE} bytes (1 EiB)")
     return n
+
+
+def parse_mooncake_size(value: object) -> int:
+    """A size as Mooncake's config files write it: ints, or "3.125GB"/"512mb" (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower()
+        for suffix, mult in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
+                             ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)):
+            if s.endswith(suffix):
+                return _mooncake_number(s[: -len(suffix)], mult, value)
+        return _mooncake_number(s, 1, value)
+    raise ValueError(f"expected a size such as '4GB' or an integer, got {value!r}")
+
+
+def _mooncake_number(text: str, mult: int, original: object) -> int:
+    """``float(text) * mult`` rounded down, as Mooncake reads it, but finite and bounded (ValueError)."""
+    number = float(text)  # ValueError on junk
+    if not math.isfinite(number) or number < 0 or number * mult > MAX_SIZE:
+        raise ValueError(f"size must be between 0 and {MAX_SIZE} bytes, got {str(original)[:40]!r}")
+    return int(number * mult)

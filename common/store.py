@@ -120,15 +120,9 @@ class KVStore:
         if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
         self.tails = TailSlots(config, self.metrics, self.peek_headers)
-        self.metrics_port: int | None = None
-        if config.metrics_port:
-            from .config import METRICS_PORT_SPAN
+        from .config import METRICS_PORT_SPAN
 
-            self.metrics_port = self.metrics.serve_prometheus(config.metrics_port, METRICS_PORT_SPAN)
-            if self.metrics_port is None:
-                log.warning("kvpack: no free metrics port in %d..+%d", config.metrics_port, METRICS_PORT_SPAN - 1)
-            else:
-                log.info("kvpack: metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+        self.metrics_port = self.metrics.serve_configured(config.metrics_port, METRICS_PORT_SPAN)
 
     # -- construction -------------------------------------------------------------
 
@@ -203,6 +197,15 @@ class KVStore:
         found = self.contains([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
         n = len(members)
         return [{m: found[ci * n + mi] for mi, m in enumerate(members)} for ci in range(len(chunks))]
+
+    def warming_up(self) -> bool:
+        """A tier's first connect is in progress (`Tier.warming_up`): a lookup now would
+        miss what it holds. Never blocks: vLLM holds the request, SGLang's prefetch
+        thread calls `wait_warm` (bounded by each tier's own start-up bound)."""
+        return any(t.warming_up() for t in self.tiers)
+
+    def wait_warm(self) -> bool:
+        return all([t.wait_warm() for t in self.tiers if t.warming_up()])
 
     def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.

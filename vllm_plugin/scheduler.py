@@ -148,6 +148,7 @@ class SchedulerSide:
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
         self._stats: dict[str, float] = {}
+        self._held_logged = False
         self._bad_tenants_logged: set[str] = set()
         self._handoff_errors: set[str] = set()
         """Handoff refusals already logged (each distinct reason once)."""
@@ -279,13 +280,22 @@ class SchedulerSide:
         self._count("pd_handoffs")
         return LoadPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
             if self.can_save:
                 rs = self._scope_of(request)
                 if rs is not None:
                     self._captures.track(request, rs, 0)
             return 0, False
+        if self.store.warming_up() and (held := self._scope_of(request)) is not None:
+            # A tier (Mooncake) is making its first connect: a lookup now would miss what it
+            # holds. vLLM keeps the request queued and asks again next step (the engine does
+            # not wait); the tier's connect_wait_ms bounds how long this lasts.
+            if not self._held_logged:
+                self._held_logged = True
+                log.warning("kvpack: holding requests until a tier's first connect completes (at most its connect_wait_ms)")
+            self.store.metrics.inc("lookups_held", tenant=held.tenant)
+            return None, False
         if request.request_id in self._load_issued:
             # vLLM asks again only after the load failed (bad object, tier error, timeout: the
             # blocks were reported and num_computed_tokens went back to 0) or after a

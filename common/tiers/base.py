@@ -117,6 +117,17 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
+    def warming_up(self) -> bool:
+        """True while the tier's first connect is in progress and within its bound:
+        it answers UNAVAILABLE or MISS now but will hold objects soon (Mooncake).
+        Never blocks."""
+        return False
+
+    def wait_warm(self) -> bool:
+        """Block (bounded by the tier's own start-up bound) while `warming_up`;
+        True when the tier is usable. Never called on an engine's step."""
+        return True
+
     def close(self) -> None:
         """Release resources; later calls answer UNAVAILABLE or MISS."""
 

@@ -55,3 +55,23 @@ def test_draft_sidecar_round_trip_on_mooncake(mooncake_cluster):
         assert page_bytes(kv, dst) == want_kv and page_bytes(draft, dst) == want_draft
     finally:
         backend.close()
+
+
+def test_a_new_backends_first_lookup_finds_the_clusters_pages(mooncake_cluster):
+    """A new SGLang process asks HiCache's first `batch_exists` while its Mooncake tier is
+    still connecting (construction never blocks): the prefetch thread waits for that first
+    connect (bounded by connect_wait_ms) instead of missing pages the cluster holds."""
+    pool = make_pool("mha", "page_first")
+    writer = make_backend(pool, _extra(mooncake_cluster))
+    try:
+        assert writer.wait_ready(20)
+        fill_random(pool, seed=5)
+        keys = page_keys(4, seed=501)
+        assert writer.batch_set_v1(keys, alloc_pages(pool, 4)) == [True] * 4
+    finally:
+        writer.close()  # a normal shutdown: what it accepted reaches the cluster
+    reader = make_backend(make_pool("mha", "page_first"), _extra(mooncake_cluster))
+    try:
+        assert reader.batch_exists(keys) == 4  # 0 before: the tier answered UNAVAILABLE
+    finally:
+        reader.close()

@@ -26,13 +26,14 @@ COLD = prompt(42, 301)
 
 CHILD = r"""
 import json, sys
-from vllm_helpers import kv_config, make_llm, run
+from vllm_helpers import kv_config, make_llm, metrics, run
 spec = json.loads(sys.argv[1])
 llm = make_llm(spec["model"], kv_config(spec["extra"]))
 out = {}
 for name, ids in spec["prompts"].items():
     r = run(llm, ids)
     out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
+out["metrics"] = {k: v for k, v in metrics().items() if v}  # for the failure message
 print("RESULT " + json.dumps(out), flush=True)
 # the script simply ends, as a user's does: kvpack writes what it accepted before exit
 """
@@ -62,7 +63,8 @@ def test_second_engine_hits_the_first_engines_mooncake_entries(mooncake_cluster,
     first = _engine(tiny_llama, extra, {"P": P}, tmp_path / "engine1.log")
     assert first["P"]["cached"] == 0
     second = _engine(tiny_llama, extra, {"P": P, "COLD": COLD}, tmp_path / "engine2.log")
-    assert second["P"]["cached"] == len(P) - 1  # 2 blocks + 44 of the 45-token tail, from Mooncake
-    assert second["P"]["tokens"] == first["P"]["tokens"]
-    assert all(abs(a - b) <= LOGPROB_TOL for a, b in zip(second["P"]["logprobs"], first["P"]["logprobs"]))
+    seen = f"engine 2: {second}\nengine 1: {first}"
+    assert second["P"]["cached"] == len(P) - 1, seen  # 2 blocks + 44 of the 45-token tail, from Mooncake
+    assert second["P"]["tokens"] == first["P"]["tokens"], seen
+    assert all(abs(a - b) <= LOGPROB_TOL for a, b in zip(second["P"]["logprobs"], first["P"]["logprobs"])), seen
     assert second["COLD"]["cached"] == 0  # negative control

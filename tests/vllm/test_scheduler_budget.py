@@ -86,3 +86,47 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     side.build_connector_meta(None)  # the next engine step renews the budget
     assert side.get_num_new_matched_tokens(fake_request(ids, "next-step"), 0)[0] == 3 * BS
     assert late.lookup_calls == 4
+
+
+class ConnectingRemoteDisk(DiskTier):
+    """A remote tier still making its first connect until `connected` is set (as a new
+    engine's Mooncake tier is for its first moments): it holds objects it cannot show yet."""
+
+    name = "connecting"
+    remote = True
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 1 << 30, make_policy(EvictionPolicyName.LRU))
+        self.connected = False
+
+    def warming_up(self) -> bool:
+        return not self.connected
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return super().contains(keys) if self.connected else [False] * len(keys)
+
+
+def test_a_request_is_held_not_missed_while_a_tier_makes_its_first_connect(tmp_path: Path) -> None:
+    """vLLM asks again next step when the connector answers None: the request waits, the
+    engine does not. Before, the lookup ran at once and missed (0), recomputing a prefix
+    the cluster held."""
+    config = KVPackConfig.from_dict({"disk": {"enabled": False}})
+    groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
+    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
+    side = SchedulerSide(config, scope, can_load=True, can_save=False)
+    remote = ConnectingRemoteDisk(tmp_path / "remote")
+    side.store.close()
+    side.store = KVStore(config, [side.index, remote])
+    ids = list(range(300, 348))  # 3 whole chunks
+    for chunk in chunk_hashes(ids, BS):
+        payload = np.zeros(64, dtype=np.uint8)
+        header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)
+        assert remote.put_from([PutItem(StoreKey("default", scope.fingerprint, chunk, "kv"), header, memoryview(payload))]) == [TierStatus.OK]
+
+    request = fake_request(ids, "early")
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # the next step, still connecting
+    assert side.store.metrics.value("lookups_held", tenant="default") == 2
+    remote.connected = True
+    assert side.get_num_new_matched_tokens(request, 0) == (3 * BS - 1, True)  # the last token is recomputed

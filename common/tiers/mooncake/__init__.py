@@ -27,7 +27,10 @@ What this tier adds to ``MooncakeDistributedStore``, and where:
   UNAVAILABLE without calling Mooncake for `backoff_s`, a background probe
   closes the breaker when the master answers again. Construction never
   blocks: ``setup`` runs in the background and the tier answers UNAVAILABLE
-  until it has succeeded.
+  until it has succeeded. While that first connect is in progress (at most
+  ``connect_wait_ms`` after start-up, and not for a master that cannot be
+  reached) the tier says it is `warming_up`: puts wait for it, and the
+  adapters hold (vLLM) or wait with (SGLang's prefetch thread) their lookups.
 - Transfers go through a staging arena the tier owns and registers once
   (`staging`): payloads are copied in (put) or out (get) with one memcpy per
   object, so a call abandoned at its deadline can never write into a

@@ -271,16 +271,21 @@ class Connection:
         self.events = TierEvents()
         self._failed_setups: list[Any] = []
         """Clients whose setup failed: never touched again, never destroyed mid-run."""
+        self._connect_deadline = 0.0
+        """Monotonic time until which a first connect still in progress is waited for."""
+        self._first_connect_failed = False
         self._stop = threading.Event()
         self._bg = threading.Thread(target=self._background, name="kvpack-mooncake-setup", daemon=True)
 
     def start(self) -> None:
         log.warning(
             "kvpack: Mooncake tier connecting to master %s (tenant %s) in the background; "
-            "it answers UNAVAILABLE until connected",
+            "lookups and puts wait up to %d ms for it (connect_wait_ms), then it answers UNAVAILABLE until connected",
             self.config.master_server_address,
             self.config.tenant_id,
+            self.config.connect_wait_ms,
         )
+        self._connect_deadline = time.monotonic() + self.config.connect_wait_ms / 1000.0
         self._bg.start()
 
     # -- state ---------------------------------------------------------------------------
@@ -300,6 +305,34 @@ class Connection:
                     break
                 self._state_cv.wait(left)
             return self._state is TierState.READY
+
+    def warming_up(self) -> bool:
+        """The first connect is in progress and within ``connect_wait_ms`` of start-up:
+        calls answer UNAVAILABLE now but should work soon. False once connected, once a
+        connect attempt failed (an unreachable master is down, not warming up), and
+        after the bound."""
+        with self._lock:
+            return (
+                self._state is TierState.CONNECTING
+                and not self._first_connect_failed
+                and time.monotonic() < self._connect_deadline
+            )
+
+    def wait_warm(self) -> bool:
+        """Block while `warming_up` (at most until ``connect_wait_ms`` after start-up;
+        background threads only, never the engine's step). True when connected."""
+        with self._state_cv:
+            while self._state is TierState.CONNECTING and not self._first_connect_failed:
+                left = self._connect_deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._state_cv.wait(left)
+            return self._state is TierState.READY
+
+    def _first_attempt_failed(self) -> None:
+        with self._state_cv:
+            self._first_connect_failed = True
+            self._state_cv.notify_all()
 
     def _set_state(self, state: TierState) -> None:
         with self._state_cv:
@@ -324,6 +357,7 @@ class Connection:
             if not self._master_reachable():
                 # Mooncake's setup holds the GIL while it retries a dead master
                 # (~4 s per attempt), which would freeze every engine thread.
+                self._first_attempt_failed()
                 if not warned:
                     log.warning(
                         "kvpack: Mooncake master %s is not reachable; retrying every %.1fs, "
@@ -345,6 +379,7 @@ class Connection:
                 self._register_arena(store)
                 break
             self._failed_setups.append(store)
+            self._first_attempt_failed()
             if not warned:
                 log.warning(
                     "kvpack: Mooncake setup with master %s failed (code %s); retrying every %.1fs, "

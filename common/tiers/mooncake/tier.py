@@ -87,6 +87,12 @@ class MooncakeTier(Tier):
         """Block up to `timeout_s` until connected (for tests and tools, never the engine)."""
         return self.connection.wait_ready(timeout_s)
 
+    def warming_up(self) -> bool:
+        return self.connection.warming_up()
+
+    def wait_warm(self) -> bool:
+        return self.connection.wait_warm()
+
     def close(self) -> None:
         """Stop admitting calls, wait (bounded) for calls in flight, close the client.
         A client a stuck call still uses is left open, and the staging arena with it."""
@@ -110,6 +116,11 @@ class MooncakeTier(Tier):
         return self._gets.get_into(keys, dsts, expected, verify_checksum)
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """Puts come from background threads only (write-back, an adapter's save thread),
+        so a put during the first connect waits for it (bounded by ``connect_wait_ms``)
+        instead of dropping what the engine computed."""
+        if self.connection.warming_up():
+            self.connection.wait_warm()
         return self._puts.put_from(items)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
