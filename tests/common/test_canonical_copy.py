@@ -110,3 +110,72 @@ def test_a_head_range_outside_the_cache_is_refused() -> None:
         geo.copy([0], out, gather=True, obj_heads=H, obj_h0=2, cache_h0=3, n_heads=2)
     with pytest.raises(IndexError):
         geo.copy([NB], out, gather=True, obj_heads=H)
+
+
+def _streamed_bytes() -> int:
+    """A copy size the kernel streams on this CPU: it streams calls of at least 16x the
+    per-core L2 (`stream_min_bytes` in csrc/canonical_copy_cpu.cpp); 20x, and >= 64 MiB."""
+    import os
+
+    try:
+        l2 = int(os.sysconf("SC_LEVEL2_CACHE_SIZE"))
+    except (ValueError, OSError):
+        l2 = 0
+    return max(64 << 20, 20 * (l2 if l2 > 0 else 1 << 20))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+def test_copies_larger_than_the_caches_write_the_references_bytes(dtype: torch.dtype, k_name: str, v_name: str, misaligned: bool) -> None:
+    """DRAM-sized calls take the streamed path (prefetched source, bounce buffer,
+    non-temporal stores); a misaligned object buffer falls back to plain stores. Both
+    must write exactly the torch reference's bytes, gathering and scattering."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    offset = e if misaligned else 0  # one element: not 16-byte aligned
+    heads, tokens, dim = 8, 128, 128
+    per_block = 2 * heads * tokens * dim * e
+    layers = 4
+    nb = -(-_streamed_bytes() // (layers * per_block))
+    g = torch.Generator().manual_seed(11)
+
+    def cache() -> list[torch.Tensor]:
+        return [torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)]
+
+    k, v = _at(k_name, e, tokens, dim), _at(v_name, e, tokens, dim)
+    src = vllm_cpu_geometry(cache(), k, v)
+    for t in src.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    ids = list(range(nb - 1, -1, -1))
+    nbytes = nb * src.object_bytes(heads)
+    assert nbytes >= _streamed_bytes() - layers * per_block
+    outs = []
+    for kernel in (True, False):
+        buf = torch.zeros(nbytes + offset, dtype=torch.uint8)
+        src.copy(ids, buf[offset:], gather=True, obj_heads=heads, use_kernel=kernel)
+        outs.append(buf[offset:])
+    assert torch.equal(outs[0], outs[1]), "streamed gather differs from the reference"
+    back = []
+    for kernel in (True, False):
+        dst = vllm_cpu_geometry(cache(), k, v)
+        buf = torch.zeros(nbytes + offset, dtype=torch.uint8)
+        buf[offset:].copy_(outs[1])
+        dst.copy(ids, buf[offset:], gather=False, obj_heads=heads, use_kernel=kernel)
+        back.append(dst)
+    as_bytes = lambda geo: [t.view(torch.uint8) for t in geo.tensors]  # noqa: E731 (random bytes hold NaNs)
+    assert all(torch.equal(a, b) for a, b in zip(as_bytes(back[0]), as_bytes(back[1]))), "streamed scatter differs"
+    assert all(torch.equal(a, b) for a, b in zip(as_bytes(back[0]), as_bytes(src))), "gather then scatter is not the identity"
+
+
+def _at(name: str, e: int, tokens: int, dim: int) -> TilePacking:
+    """`PACKINGS[name]` for a tile of `tokens` x `dim`."""
+    return {
+        "rows": lambda: TilePacking.row_major(dim * e, dim, e, tokens),
+        "vec-K": lambda: TilePacking.panels(1, tokens, dim, e),
+        "vec16-K": lambda: TilePacking.panels(1, 16, dim, e),
+        "amx-K": lambda: TilePacking.panels(2, 16, dim, e),
+        "amx-V": lambda: TilePacking.token_pairs(2, 16, tokens, e),
+        "panels4": lambda: TilePacking.panels(4, 8, dim, e),
+        "pairs4x32": lambda: TilePacking.token_pairs(4, 32, tokens, e),
+    }[name]()
