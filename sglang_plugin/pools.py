@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -94,6 +95,37 @@ def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int)
         return validate_member(f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}")
 
 
+def _model_dir(model_name: str | None) -> tuple[str, str]:
+    """SGLang's ``storage_config.model_name`` as (checkpoint directory or name, format tag):
+    ``<name>-<storage_format_tag>`` when the host pool has a page format of its own."""
+    name = str(model_name or "")
+    if name and not Path(name).is_dir():
+        cut = name.rfind("-")
+        while cut > 0:
+            if Path(name[:cut]).is_dir():
+                return name[:cut], name[cut + 1 :]
+            cut = name.rfind("-", 0, cut)
+    return name, ""
+
+
+def checkpoint_kv_heads(model_name: str | None) -> int:
+    """The model's KV heads over all TP ranks, from the local checkpoint's ``config.json``
+    (``num_key_value_heads``, else ``num_attention_heads``; a ``text_config`` first);
+    0 when SGLang's model name is not a local checkpoint or says nothing."""
+    base, _tag = _model_dir(model_name)
+    try:
+        config = json.loads((Path(base) / "config.json").read_text()) if base else {}
+    except (OSError, ValueError):
+        return 0
+    for section in (config.get("text_config"), config):
+        if isinstance(section, dict):
+            for key in ("num_key_value_heads", "num_attention_heads"):
+                value = section.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return 0
+
+
 def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.model_identity`).
 
@@ -102,33 +134,44 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     A local checkpoint directory is digested; a tagged one is the directory's digest
     plus ``|format=<tag>`` (the tag still splits the cache); `model_id` replaces the
     digest, never the tag; anything else is the name as given."""
-    name = str(model_name or "")
-    base, tag = name, ""
-    if name and not Path(name).is_dir():
-        cut = name.rfind("-")
-        while cut > 0:
-            if Path(name[:cut]).is_dir():
-                base, tag = name[:cut], name[cut + 1 :]
-                break
-            cut = name.rfind("-", 0, cut)
+    base, tag = _model_dir(model_name)
     ident = model_identity(base, model_id=model_id).value
     return f"{ident}|format={tag}" if tag else ident
 
 
 def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> CanonicalGeometry | None:
     """The KV pool as canonical objects, shared with vLLM (`kvpack.canonical`): an MHA pool
-    in a `CANONICAL_HOST_LAYOUTS` layout, unquantized, at TP=1 and PP=1. Anything else
-    (MLA, other pools, TP > 1: the backend is not told the model's KV head count, so a
-    rank's head range is not known for sure) keeps SGLang's own page bytes. None then."""
-    if name != "kv" or par.tp_size != 1 or par.pp_size != 1 or par.is_mla_model or layout_name not in CANONICAL_HOST_LAYOUTS:
+    in a `CANONICAL_HOST_LAYOUTS` layout, unquantized, at PP=1, at any TP size whose rank's
+    head range is known (`rank_heads`). Anything else (MLA, other pools, a rank of one head
+    whose model KV head count is unknown) keeps SGLang's own page bytes. None then."""
+    if name != "kv" or par.pp_size != 1 or par.is_mla_model or layout_name not in CANONICAL_HOST_LAYOUTS:
         return None
     buf = getattr(host_pool, "kv_buffer", None)
     if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or buf.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
     try:
-        return paged_geometry(PagedKV.from_sglang_host_pool(buf, layout_name, int(getattr(host_pool, "page_size", 1) or 1)))
+        geo = paged_geometry(PagedKV.from_sglang_host_pool(buf, layout_name, int(getattr(host_pool, "page_size", 1) or 1)))
     except (LayoutError, ValueError):
         return None
+    return geo if rank_heads(geo, par) is not None else None
+
+
+def rank_heads(geo: CanonicalGeometry, par: ParallelInfo) -> tuple[HeadSplit, HeadRange] | None:
+    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.heads`),
+    or None when they are not known for sure. A rank holding several heads holds
+    ``heads / tp_size`` of them (replication gives every rank exactly one); a rank of one
+    head needs the checkpoint's count (`ParallelInfo.kv_heads`): the model may have
+    ``tp_size`` heads or fewer, replicated."""
+    local = geo.heads
+    total = local if par.tp_size == 1 else par.kv_heads or (local * par.tp_size if local > 1 else 0)
+    if total <= 0:
+        return None
+    split = HeadSplit(total, geo.head_dim, par.tp_size)
+    try:
+        own = split.own(par.tp_rank)
+    except ValueError:
+        return None
+    return (split, own) if own.size == local else None
 
 
 def canonical_group(host_pool: Any, par: ParallelInfo, layout_name: str) -> KVLayoutSpec | None:
@@ -153,6 +196,8 @@ class ParallelInfo:
     dcp_size: int
     is_mla_model: bool
     is_storage_writer: bool
+    kv_heads: int = 0
+    """The model's KV heads over all TP ranks (`checkpoint_kv_heads`; 0: unknown)."""
 
 
 class PoolBinding:
@@ -220,16 +265,19 @@ class PoolBinding:
         self.sources: tuple[tuple[canonical.StoredRange, ...], ...] = ()
         """Canonical pools: per head split a writer at some TP size stores (this pool's own,
         all heads in one object, first), its objects (`kvpack.canonical.split_sources`)."""
+        self.own: HeadRange | None = None
+        """Canonical pools: the model's KV heads this rank holds (global indices)."""
         if self.canonical is not None:
             geo = self.canonical
             group = canonical.group_spec(par.model, dtype, self.page_size)
-            heads = HeadRange(0, geo.heads)
-            split = HeadSplit(geo.heads, geo.head_dim, 1)
-            self.member = split.member(heads)
-            self.page_bytes = geo.object_bytes(geo.heads)
+            split, own = rank_heads(geo, par)  # type: ignore[misc]  # canonical_kv checked it
+            self.own = own
+            self.member = split.member(own)
+            self.page_bytes = geo.object_bytes(own.size)
             self.layout = group
-            self.member_fingerprint = canonical.member_fingerprint(group, split, heads, geo.num_layers)
-            self.sources = canonical.split_sources(group, split, heads, geo.num_layers)
+            self.member_fingerprint = canonical.member_fingerprint(group, split, own, geo.num_layers)
+            self.sources = canonical.split_sources(group, split, own, geo.num_layers)
+            self.writes = split.writes(par.tp_rank)  # a replicated head is stored by its first rank
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
@@ -262,12 +310,14 @@ class PoolBinding:
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
     def range_load_buffers(
-        self, host_indices: torch.Tensor, n_pages: int, stored: HeadRange
+        self, host_indices: torch.Tensor, n_pages: int, obj: canonical.StoredRange
     ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
-        """`load_buffers` for objects of the head range `stored` (a writer at another TP size):
-        rows of its size, scattered into those heads of the pages that loaded."""
-        geo = self.canonical
-        assert geo is not None
+        """`load_buffers` for objects of the head range `obj.heads` (a writer at another TP
+        size): rows of its size; the heads `obj.part` this rank holds are scattered into
+        the pages that loaded."""
+        geo, own = self.canonical, self.own
+        assert geo is not None and own is not None
+        stored, part = obj.heads, obj.part
         ids = self.page_ids(host_indices, n_pages)
         staging = torch.empty((n_pages, geo.object_bytes(stored.size)), dtype=torch.uint8)
         rows = staging.numpy()
@@ -275,7 +325,15 @@ class PoolBinding:
         def finish(ok: Sequence[bool]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
             if sel:
-                geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=stored.size, cache_h0=stored.start)
+                geo.copy(
+                    [ids[i] for i in sel],
+                    staging[sel].contiguous().view(-1),
+                    gather=False,
+                    obj_heads=stored.size,
+                    obj_h0=part.start - stored.start,
+                    cache_h0=part.start - own.start,
+                    n_heads=part.size,
+                )
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 

@@ -39,7 +39,10 @@ sizes; each object's header carries its member's full layout fingerprint
 (rank, pool geometry), so a page from another layout is a counted miss, never
 a load. MLA (replicated) pools are keyed by DCP shard and written only by the
 storage writer of that shard (``is_storage_writer``); TP-sharded pools are
-keyed by TP rank. With TP > 1 each rank checks its own shard and SGLang's MIN
+keyed by TP rank. A canonical KV pool (`kvpack.canonical`, shared with vLLM)
+replaces both: its group has no engine or TP size, each rank's member is its
+KV-head range (`pools.rank_heads`), and a replicated head is stored by its
+first rank only. With TP > 1 each rank checks its own shard and SGLang's MIN
 all-reduce of the hit turns that into "every rank's shard is present".
 
 Failure behaviour: no method on the data path raises or returns None
@@ -68,7 +71,7 @@ from ..ops import load_extension, region_copier
 from ..store import KVStore, LoadItem
 from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
-from .pools import ParallelInfo, PoolBinding, canonical_group, pool_name, sglang_model_identity
+from .pools import ParallelInfo, PoolBinding, canonical_group, checkpoint_kv_heads, pool_name, sglang_model_identity
 
 try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
     from sglang.srt.mem_cache.hicache_storage import (
@@ -107,6 +110,7 @@ class KVPackStorage(HiCacheStorage):
             dcp_size=int(getattr(storage_config, "dcp_size", 1) or 1),
             is_mla_model=bool(storage_config.is_mla_model),
             is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
+            kv_heads=checkpoint_kv_heads(storage_config.model_name),
         )
         self.tenant = self.config.tenant
         # A batch's copies and file I/O run on io_threads threads inside the tiers;
@@ -412,7 +416,7 @@ class KVPackStorage(HiCacheStorage):
             return [(binding.member, list(map(LoadItem, skeys, payloads, expected)), finish)]
         out = []
         for obj in binding.sources[split]:
-            payloads, finish = binding.range_load_buffers(host_indices, n, obj.heads)
+            payloads, finish = binding.range_load_buffers(host_indices, n, obj)
             rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, keys, obj.member)
             expected = Expectation.batch(obj.fingerprint, self.tenant, keys, obj.member, binding.page_size, len(payloads[0]) if payloads else 0)
             out.append((obj.member, list(map(LoadItem, rkeys, payloads, expected)), finish))

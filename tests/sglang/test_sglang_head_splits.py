@@ -80,3 +80,107 @@ def test_a_page_lacking_one_head_range_ends_the_prefix(store_dir) -> None:  # ty
         assert set(page_bytes(pool, dst[2 * page : 3 * page])[0]) == {0xA5}  # page 2 untouched: still poisoned
     finally:
         backend.close()
+
+
+# -- SGLang itself at TP > 1 -------------------------------------------------------------
+#
+# A rank's host pool holds its KV heads (4 model heads: 2 per rank at TP=2). The pools
+# below are filled the way SGLang fills them, head slices of one model pool (the head
+# axis is the pool buffer's second to last in every host layout), never through kvpack.
+
+
+def _rank_pools(layout: str, n: int, seed: int):  # type: ignore[no-untyped-def]
+    """The model's pool (4 heads), its TP=2 ranks' pools (heads 0-1, 2-3), n pages of each."""
+    full = make_pool("mha", layout, heads=4)
+    fill_random(full, seed=seed)
+    ranks = [make_pool("mha", layout, heads=2) for _ in range(2)]
+    for r, pool in enumerate(ranks):
+        pool.kv_buffer.copy_(full.kv_buffer[..., 2 * r : 2 * r + 2, :])
+    pages = [alloc_pages(p, n) for p in [full, *ranks]]
+    assert all(torch.equal(pages[0], p) for p in pages[1:])
+    return full, ranks, pages[0]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_an_sglang_tp2_store_is_restored_by_tp1_and_the_reverse(layout: str, store_dir) -> None:  # type: ignore[no-untyped-def]
+    n = 3
+    full, ranks, src = _rank_pools(layout, n, seed=21)
+    keys, other = page_keys(n, seed=22), page_keys(n, seed=23)
+    extra = kvpack_extra(store_dir, memory=False, disk=True)
+    for r, pool in enumerate(ranks):  # TP=2 writes: each rank its head range
+        backend = make_backend(pool, extra, tp_rank=r, tp_size=2)
+        try:
+            assert backend.binding("kv").canonical is not None
+            assert backend.binding("kv").member == f"kv_h{2 * r}_{2 * r + 2}"
+            assert backend.batch_set_v1(keys, src) == [True] * n
+        finally:
+            backend.close()
+    writer = make_backend(full, extra)  # TP=1 writes other pages: one object of all heads
+    try:
+        assert writer.binding("kv").member == "kv"
+        assert writer.batch_set_v1(other, src) == [True] * n
+    finally:
+        writer.close()
+
+    reader = make_pool("mha", layout, heads=4)
+    poison(reader)
+    dst = alloc_pages(reader, n)
+    backend = make_backend(reader, extra)  # TP=1 reads the TP=2 store
+    try:
+        assert backend.batch_exists(keys) == n
+        assert backend.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(reader, dst) == page_bytes(full, src)
+    finally:
+        backend.close()
+    for r in range(2):  # each TP=2 rank reads its heads out of the TP=1 objects
+        pool = make_pool("mha", layout, heads=2)
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        backend = make_backend(pool, extra, tp_rank=r, tp_size=2)
+        try:
+            assert backend.batch_exists(other) == n
+            assert backend.batch_get_v1(other, dst) == [True] * n
+            assert page_bytes(pool, dst) == page_bytes(ranks[r], src)
+        finally:
+            backend.close()
+
+
+def test_replicated_heads_are_written_once_and_an_unknown_count_stays_native(store_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One KV head at TP=2: both ranks hold head 0. SGLang's storage config does not say how
+    many heads the model has; kvpack reads the checkpoint's config.json. Without it, a rank
+    of one head cannot tell a 2-head model from a replicated 1-head one: native objects."""
+    import json
+
+    model = tmp_path / "one-kv-head"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 1}))
+    n = 2
+    pools = [make_pool("mha", "page_first", heads=1) for _ in range(2)]
+    fill_random(pools[0], seed=31)
+    pools[1].kv_buffer.copy_(pools[0].kv_buffer)
+    src = [alloc_pages(p, n) for p in pools][0]
+    keys = page_keys(n, seed=32)
+    extra = kvpack_extra(store_dir, memory=False, disk=True)
+    for r in (1, 0):  # the second rank first: it stores nothing
+        backend = make_backend(pools[r], extra, tp_rank=r, tp_size=2, model=str(model))
+        try:
+            binding = backend.binding("kv")
+            assert binding.canonical is not None and binding.member == "kv" and binding.writes == (r == 0)
+            assert backend.batch_set_v1(keys, src) == [True] * n
+            assert backend.batch_exists(keys) == (0 if r == 1 else n)
+        finally:
+            backend.close()
+    reader = make_pool("mha", "page_first", heads=1)
+    poison(reader)
+    dst = alloc_pages(reader, n)
+    backend = make_backend(reader, extra, model=str(model))  # TP=1 of the same model
+    try:
+        assert backend.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(reader, dst) == page_bytes(pools[0], src)
+    finally:
+        backend.close()
+    unknown = make_backend(make_pool("mha", "page_first", heads=1), extra, tp_rank=0, tp_size=2)  # model "kvpack-tiny": no checkpoint
+    try:
+        assert unknown.binding("kv").canonical is None
+    finally:
+        unknown.close()
