@@ -5,6 +5,11 @@
 //   kvpack::scatter_blocks(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
 //                          Tensor src, int[] geometry, int ptr_align, int stream) -> ()
 //   kvpack::emulate_cuda_copy(...)  test aid: the CUDA kernel's indexing on the CPU
+//   kvpack::canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
+//                          Tensor(b!) staging, int[] geometry, int ptr_align, int stream,
+//                          bool gather) -> ()    canonical objects (canonical_copy.h)
+//   kvpack::emulate_cuda_canonical_copy(...) -> int  test aid: canonical_copy.cu's
+//                          indexing on the CPU; returns the word size it used
 //
 // `tensors` are the cache tensors that own the memory (listed so that the
 // dispatcher knows their device and that scatter mutates them); the addresses
@@ -27,6 +32,7 @@
 #include "canonical_copy.h"
 #ifdef KVPACK_WITH_CUDA
 #include "block_copy.h"
+#include "canonical_copy_cuda.h"
 #endif
 
 namespace {
@@ -122,25 +128,47 @@ KvpCanonGeometry unpack_canon(c10::IntArrayRef v) {
   return g;
 }
 
-void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
-                        const at::Tensor& staging, c10::IntArrayRef geometry, bool gather) {
-  (void)tensors;
-  const KvpCanonGeometry g = unpack_canon(geometry);
-  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
-              "kvpack: canonical copy needs ptr_table, block_ids and staging on the CPU");
+void check_canon(const at::Tensor& ptr_table, const at::Tensor& block_ids, const at::Tensor& staging,
+                 const KvpCanonGeometry& g) {
   TORCH_CHECK(ptr_table.scalar_type() == at::kLong && ptr_table.is_contiguous() &&
                   ptr_table.numel() == g.num_layers * g.num_kv,
               "kvpack: ptr_table must hold num_layers*num_kv int64 addresses");
   TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.dim() == 1,
               "kvpack: block_ids must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(staging.scalar_type() == at::kByte && staging.is_contiguous(), "kvpack: staging must be contiguous uint8");
-  const int64_t need = block_ids.numel() * g.num_layers * g.num_kv * g.obj_heads * g.tokens * g.head_dim * g.elem_bytes;
+  const int64_t need = block_ids.numel() * kvp_canon_obj_bytes(&g);
   TORCH_CHECK(staging.numel() >= need, "kvpack: staging holds ", staging.numel(), " bytes, need ", need);
+}
+
+void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                        const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream,
+                        bool gather) {
+  (void)tensors; (void)ptr_align; (void)stream;
+  const KvpCanonGeometry g = unpack_canon(geometry);
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
+              "kvpack: canonical copy needs ptr_table, block_ids and staging on the CPU");
+  check_canon(ptr_table, block_ids, staging, g);
   const int rc = kvp_canonical_copy_cpu(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
                                         block_ids.data_ptr<int64_t>(), block_ids.numel(),
                                         static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0);
   TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
   TORCH_CHECK(rc == KVP_OK, "kvpack: invalid canonical-copy geometry (code ", rc, ")");
+}
+
+int64_t emulate_cuda_canonical_copy(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                                    const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, bool gather) {
+  (void)tensors;
+  const KvpCanonGeometry g = unpack_canon(geometry);
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
+              "kvpack: the CUDA-kernel emulation runs on CPU tensors only");
+  check_canon(ptr_table, block_ids, staging, g);
+  int64_t vec = 0;
+  const int rc = kvp_canonical_emulate_cuda(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
+                                            block_ids.data_ptr<int64_t>(), block_ids.numel(),
+                                            static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0, ptr_align, &vec);
+  TORCH_CHECK(rc != KVP_ERR_MISALIGNED, "kvpack: emulated CUDA canonical copy formed a misaligned word address");
+  TORCH_CHECK(rc == KVP_OK, "kvpack: emulated CUDA canonical copy failed (code ", rc, ")");
+  return vec;
 }
 
 void emulate_cuda_copy(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
@@ -186,6 +214,23 @@ void scatter_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at:
   check_common(ptr_table, block_ids, src, g, "src");
   copy_cuda(tensors, ptr_table, block_ids, src, g, ptr_align, stream, 0);
 }
+
+void canonical_copy_cuda(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                         const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream,
+                         bool gather) {
+  const KvpCanonGeometry g = unpack_canon(geometry);
+  check_canon(ptr_table, block_ids, staging, g);
+  TORCH_CHECK(!tensors.empty() && tensors[0].is_cuda(), "kvpack: CUDA canonical copy needs the cache on CUDA");
+  TORCH_CHECK(ptr_table.is_cuda() && block_ids.is_cuda(),
+              "kvpack: CUDA canonical copy needs ptr_table and block_ids on the cache's device");
+  TORCH_CHECK(staging.is_cuda() || staging.is_pinned(),
+              "kvpack: CUDA canonical copy needs a device or pinned host staging buffer");
+  const cudaError_t err = kvp_canonical_copy_cuda(
+      reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()), block_ids.data_ptr<int64_t>(),
+      block_ids.numel(), static_cast<uint8_t*>(staging.data_ptr()), &g, ptr_align, gather ? 1 : 0,
+      reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)));
+  TORCH_CHECK(err == cudaSuccess, "kvpack: CUDA canonical copy launch failed: ", cudaGetErrorString(err));
+}
 #endif
 
 bool has_cuda() {
@@ -209,7 +254,11 @@ TORCH_LIBRARY(kvpack, m) {
   // Canonical objects (canonical_copy.h): gather=true cache -> staging, false the reverse.
   m.def(
       "canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
-      "int[] geometry, bool gather) -> ()");
+      "int[] geometry, int ptr_align, int stream, bool gather) -> ()");
+  // Test aid (CPU): canonical_copy.cu's word-by-word indexing, run on the CPU.
+  m.def(
+      "emulate_cuda_canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
+      "int[] geometry, int ptr_align, bool gather) -> int");
   // Test aid (CPU): block_copy.cu's word-by-word indexing, run on the CPU.
   m.def(
       "emulate_cuda_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
@@ -221,11 +270,13 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("scatter_blocks", &scatter_cpu);
   m.impl("emulate_cuda_copy", &emulate_cuda_copy);
   m.impl("canonical_copy", &canonical_copy_cpu);
+  m.impl("emulate_cuda_canonical_copy", &emulate_cuda_canonical_copy);
 }
 
 #ifdef KVPACK_WITH_CUDA
 TORCH_LIBRARY_IMPL(kvpack, CUDA, m) {
   m.impl("gather_blocks", &gather_cuda);
   m.impl("scatter_blocks", &scatter_cuda);
+  m.impl("canonical_copy", &canonical_copy_cuda);
 }
 #endif

@@ -15,9 +15,19 @@
 // else (vLLM CPU V under `amx`, [D/16][T/2][16][2]) is copied element by element.
 // Head range: heads [obj_h0, obj_h0 + n_heads) of the object <-> heads
 // [cache_h0, cache_h0 + n_heads) of the cache (a rank's local heads).
+//
+// The CUDA kernel (canonical_copy.cu) copies words of `vec` bytes of each (block, layer,
+// kv, head) tile with the indexing below, shared with its CPU emulation (the test of
+// that indexing on machines without a GPU).
 #pragma once
 
 #include <stdint.h>
+
+#if defined(__CUDACC__)
+#define KVP_CANON_HD __host__ __device__ __forceinline__
+#else
+#define KVP_CANON_HD static inline
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,9 +52,67 @@ typedef struct KvpCanonGeometry {
 
 #define KVP_CANON_FIELDS 24
 
+// Bytes of one head's tile (T tokens x D dims) and of one object.
+KVP_CANON_HD int64_t kvp_canon_tile_bytes(const KvpCanonGeometry* g) { return g->tokens * g->head_dim * g->elem_bytes; }
+KVP_CANON_HD int64_t kvp_canon_obj_bytes(const KvpCanonGeometry* g) {
+  return g->num_layers * g->num_kv * g->obj_heads * kvp_canon_tile_bytes(g);
+}
+
+// Unit u of a launch (u = ((i * num_layers + l) * num_kv + s) * n_heads + h): where its
+// cache tile and object tile start, and its kv index s.
+KVP_CANON_HD int kvp_canon_unit(const KvpCanonGeometry* g, const uint64_t* ptr_table, const int64_t* block_ids,
+                                uint8_t* staging, int64_t u, uint8_t** cache, uint8_t** obj) {
+  const int64_t h = u % g->n_heads;
+  const int64_t ls = (u / g->n_heads) % (g->num_layers * g->num_kv);
+  const int64_t i = u / (g->n_heads * g->num_layers * g->num_kv);
+  *cache = (uint8_t*)(uintptr_t)ptr_table[ls] + block_ids[i] * g->block_stride + (g->cache_h0 + h) * g->head_stride;
+  *obj = staging + i * kvp_canon_obj_bytes(g) + (ls * g->obj_heads + g->obj_h0 + h) * kvp_canon_tile_bytes(g);
+  return (int)(ls % g->num_kv);
+}
+
+// Word w (`vec` bytes) of a tile of kv `s`: its byte offset in the cache tile and in the
+// object tile (object: token-major rows of D elements).
+KVP_CANON_HD void kvp_canon_word(const KvpCanonGeometry* g, int s, int64_t w, int64_t vec, int64_t* cache_off,
+                                 int64_t* obj_off) {
+  const int64_t row = g->head_dim * g->elem_bytes;
+  const int64_t b = w * vec;
+  const int64_t t = b / row, rb = b - t * row;
+  const int64_t d = rb / g->elem_bytes, eb = rb - d * g->elem_bytes;
+  *obj_off = b;
+  *cache_off = (t / g->tg[s]) * g->t_outer[s] + (t % g->tg[s]) * g->t_inner[s] + (d / g->dg[s]) * g->d_outer[s] +
+               (d % g->dg[s]) * g->d_inner[s] + eb;
+}
+
+// The widest word (16, 8, 4, 2 or 1 bytes) for which every word of the launch is
+// contiguous on both sides and aligned: it divides the row, the element or (when wider)
+// a run of adjacent dims of one dim group, every stride, `ptr_align` (a power of two
+// dividing every base address) and the staging address.
+KVP_CANON_HD int64_t kvp_canon_pick_vec(const KvpCanonGeometry* g, uint64_t staging_addr, int64_t ptr_align) {
+  for (int64_t v = 16; v > 1; v /= 2) {
+    bool ok = (g->head_dim * g->elem_bytes) % v == 0 && ptr_align % v == 0 && staging_addr % (uint64_t)v == 0 &&
+              g->block_stride % v == 0 && g->head_stride % v == 0;
+    for (int s = 0; s < g->num_kv && ok; ++s) {
+      ok = g->t_inner[s] % v == 0 && g->t_outer[s] % v == 0 && g->d_outer[s] % v == 0;
+      if (v > g->elem_bytes) {
+        ok = ok && g->d_inner[s] == g->elem_bytes && (g->dg[s] * g->elem_bytes) % v == 0;
+      } else {
+        ok = ok && g->elem_bytes % v == 0 && g->d_inner[s] % v == 0;
+      }
+    }
+    if (ok) return v;
+  }
+  return 1;
+}
+
 // 0 on success; KVP_ERR_* codes of block_copy_cpu.h otherwise.
 int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
                            uint8_t* staging, const KvpCanonGeometry* g, int gather);
+
+// Test aid: canonical_copy.cu's word-by-word copy run on the CPU with the same indexing;
+// KVP_ERR_MISALIGNED when a word address is not a multiple of the word size (a GPU
+// fault). `*vec_out` (if not null) receives the word size used.
+int kvp_canonical_emulate_cuda(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n, uint8_t* staging,
+                               const KvpCanonGeometry* g, int gather, int64_t ptr_align, int64_t* vec_out);
 
 #ifdef __cplusplus
 }

@@ -339,3 +339,27 @@ extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* 
 #endif
   return KVP_OK;
 }
+
+extern "C" int kvp_canonical_emulate_cuda(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
+                                          uint8_t* staging, const KvpCanonGeometry* gp, int gather, int64_t ptr_align,
+                                          int64_t* vec_out) {
+  const KvpCanonGeometry g = *gp;
+  for (int64_t i = 0; i < n; ++i) {
+    if (block_ids[i] < 0 || block_ids[i] >= g.num_cache_blocks) return KVP_ERR_BLOCK_ID;
+  }
+  const int64_t vec = kvp_canon_pick_vec(&g, (uint64_t)(uintptr_t)staging, ptr_align);
+  if (vec_out != nullptr) *vec_out = vec;
+  const int64_t units = n * g.num_layers * g.num_kv * g.n_heads;
+  const int64_t words = kvp_canon_tile_bytes(&g) / vec;
+  for (int64_t u = 0; u < units; ++u) {  // what each CTA of the kernel does, in order
+    uint8_t *cache, *obj;
+    const int s = kvp_canon_unit(&g, ptr_table, block_ids, staging, u, &cache, &obj);
+    for (int64_t w = 0; w < words; ++w) {
+      int64_t co, oo;
+      kvp_canon_word(&g, s, w, vec, &co, &oo);
+      if ((((uintptr_t)(cache + co)) | ((uintptr_t)(obj + oo))) % (uintptr_t)vec != 0) return KVP_ERR_MISALIGNED;
+      if (gather) memcpy(obj + oo, cache + co, (size_t)vec); else memcpy(cache + co, obj + oo, (size_t)vec);
+    }
+  }
+  return KVP_OK;
+}

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpack.ops")
 
 _SOURCES_CPU = ("bindings.cpp", "block_copy_cpu.cpp", "canonical_copy_cpu.cpp", "region_copy_cpu.cpp", "region_copy_py.cpp")
-_SOURCES_CUDA = ("block_copy.cu",)
-_HEADERS = ("block_copy_geometry.h", "canonical_copy.h", "block_copy_cpu.h", "block_copy.h", "region_copy_cpu.h")
+_SOURCES_CUDA = ("block_copy.cu", "canonical_copy.cu")
+_HEADERS = ("block_copy_geometry.h", "canonical_copy.h", "canonical_copy_cuda.h", "block_copy_cpu.h", "block_copy.h", "region_copy_cpu.h")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _compiler_missing() -> str | None:
 
 
 def _register_fakes() -> None:
-    """Meta/fake kernels: both ops only mutate an argument and return nothing."""
+    """Meta/fake kernels: the copy ops only mutate an argument and return nothing."""
 
     @torch.library.register_fake("kvpack::gather_blocks")
     def _gather_fake(tensors, ptr_table, block_ids, out, geometry, ptr_align, stream) -> None:  # type: ignore[no-untyped-def]
@@ -109,6 +109,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvpack::scatter_blocks")
     def _scatter_fake(tensors, ptr_table, block_ids, src, geometry, ptr_align, stream) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("kvpack::canonical_copy")
+    def _canonical_fake(tensors, ptr_table, block_ids, staging, geometry, ptr_align, stream, gather) -> None:  # type: ignore[no-untyped-def]
         return None
 
 

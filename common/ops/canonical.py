@@ -20,7 +20,9 @@ split (vLLM CPU V under ``amx``, [D/16][T/2][16][2]) element by element. The
 conversion happens inside the copy: no second pass over the bytes.
 
 Backends: the C++ kernel (csrc/canonical_copy_cpu.cpp) for caches on the CPU, the
-pure-torch path (`_torch_copy`) everywhere else (a GPU cache, no compiler).
+CUDA kernel (csrc/canonical_copy.cu, one launch for all layers, K/V and heads) for
+caches on a GPU when the extension was built with it, the pure-torch path
+(`_torch_copy`) everywhere else (no compiler, a torch without CUDA headers).
 """
 
 from __future__ import annotations
@@ -141,19 +143,49 @@ class CanonicalGeometry:
             raise ValueError(f"kvpack.ops: staging must be contiguous uint8 of >= {need} bytes")
         if not ids:
             return
-        kernel = use_kernel if use_kernel is not None else self._kernel_usable()
+        kernel = use_kernel if use_kernel is not None else self._kernel_usable(staging)
         if kernel:
             status = load_extension()
-            if not status.available:
-                raise RuntimeError(f"kvpack.ops: the C++ kernel is unavailable ({status.reason})")
-            op = torch.ops.kvpack.canonical_copy
-            table = torch.tensor(self.bases, dtype=torch.int64)
-            op(list(self.tensors), table, torch.tensor(ids, dtype=torch.int64), staging, self._fields(obj_heads, obj_h0, cache_h0, n), gather)
+            device = self.tensors[0].device
+            if not status.available or (device.type == "cuda" and not status.has_cuda):
+                raise RuntimeError(f"kvpack.ops: the {device.type} kernel is unavailable ({status.reason})")
+            table = torch.tensor(self.bases, dtype=torch.int64, device=device)
+            index = torch.tensor(ids, dtype=torch.int64, device=device)
+            fields = self._fields(obj_heads, obj_h0, cache_h0, n)
+            if device.type != "cuda":
+                torch.ops.kvpack.canonical_copy(list(self.tensors), table, index, staging, fields, 16, 0, gather)
+                return
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device)
+                torch.ops.kvpack.canonical_copy(list(self.tensors), table, index, staging, fields, self.ptr_alignment(), int(stream.cuda_stream), gather)
             return
         _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
 
-    def _kernel_usable(self) -> bool:
-        return self.tensors[0].device.type == "cpu" and load_extension().available
+    def emulate_cuda(self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, obj_h0: int = 0, cache_h0: int = 0, n_heads: int | None = None) -> int:
+        """Test aid: the CUDA kernel's word-by-word copy run on the CPU with the same
+        indexing (raises on a word address the GPU would fault on). Returns the word size."""
+        n = obj_heads - obj_h0 if n_heads is None else n_heads
+        fields = self._fields(obj_heads, obj_h0, cache_h0, n)
+        table = torch.tensor(self.bases, dtype=torch.int64)
+        index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
+        return int(torch.ops.kvpack.emulate_cuda_canonical_copy(list(self.tensors), table, index, staging, fields, self.ptr_alignment(), gather))
+
+    def ptr_alignment(self) -> int:
+        """The largest power of two (<= 16) dividing every segment base address."""
+        align = 16
+        for base in self.bases:
+            while align > 1 and base % align:
+                align //= 2
+        return align
+
+    def _kernel_usable(self, staging: torch.Tensor) -> bool:
+        """CPU cache: the C++ kernel. GPU cache: the CUDA kernel when built and the objects are
+        on the GPU or pinned (the device reads them); unpinned host objects take the torch path."""
+        status = load_extension()
+        device = self.tensors[0].device.type
+        if device == "cuda":
+            return status.available and status.has_cuda and (staging.is_cuda or staging.is_pinned())
+        return status.available and device == "cpu"
 
     def _fields(self, obj_heads: int, obj_h0: int, cache_h0: int, n: int) -> list[int]:
         """KvpCanonGeometry (csrc/canonical_copy.h) in declaration order."""

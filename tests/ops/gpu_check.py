@@ -7,8 +7,10 @@ on a scarce machine reports everything. Checks, on the GPU:
      into device and pinned host staging, whole and partial blocks, misaligned
      staging (1/4/8-byte words), on a side stream; scatter round trips;
   3. CUDA == torch fallback on engine-sized caches (multi-CTA units);
-  4. canonical objects (`kvpack.ops.canonical`, the torch path on CUDA) == the C++
-     kernel's objects of the same bytes on the CPU, NHD and HND, and back;
+  4. canonical objects (`kvpack.ops.canonical`) on CUDA, by the CUDA kernel into device
+     and pinned staging and by the torch path, == the C++ kernel's objects of the same
+     bytes on the CPU, NHD and HND, a head sub-range too, and back; with the CUDA
+     kernel's bandwidth next to the native CUDA block gather of the same bytes;
 then runs the copy benchmark (CPU and GPU sections).
 
     python tests/ops/gpu_check.py [--markdown FILE] [--quick]
@@ -123,8 +125,9 @@ def check_engine_sized(kind: str) -> None:
 
 
 def check_canonical(kind: str) -> None:
-    """Canonical objects from a GPU cache (the torch path on CUDA) == the same cache's bytes
-    copied to the CPU and gathered by the C++ kernel; a scatter back gives the cache again."""
+    """Canonical objects from a GPU cache (CUDA kernel, device and pinned staging; torch path)
+    == the same cache's bytes copied to the CPU and gathered by the C++ kernel; a scatter
+    back gives the cache again; prints the CUDA kernel's GB/s next to the native block copy."""
     from kvpack.ops.canonical import paged_geometry
 
     nb, t, h, d, layers = 24, 64, 8, 128, 3
@@ -134,16 +137,58 @@ def check_canonical(kind: str) -> None:
     ids = random.Random(kind).sample(range(nb), 10)
     g_geo, c_geo = paged_geometry(PagedKV.from_layers(gpu, block_size=t)), paged_geometry(PagedKV.from_layers(cpu, block_size=t))
     n_bytes = len(ids) * g_geo.object_bytes(h)
-    a, b = torch.empty(n_bytes, dtype=torch.uint8, device="cuda"), torch.empty(n_bytes, dtype=torch.uint8)
-    g_geo.copy(ids, a, gather=True, obj_heads=h)
-    c_geo.copy(ids, b, gather=True, obj_heads=h, use_kernel=True)
+    want = torch.empty(n_bytes, dtype=torch.uint8)
+    c_geo.copy(ids, want, gather=True, obj_heads=h, use_kernel=True)
+    for name, staging, kernel in (
+        ("cuda kernel, device staging", torch.empty(n_bytes, dtype=torch.uint8, device="cuda"), True),
+        ("cuda kernel, pinned staging", torch.empty(n_bytes, dtype=torch.uint8).pin_memory(), True),
+        ("torch path", torch.empty(n_bytes, dtype=torch.uint8, device="cuda"), False),
+    ):
+        g_geo.copy(ids, staging, gather=True, obj_heads=h, use_kernel=kernel)
+        torch.cuda.synchronize()
+        assert torch.equal(staging.cpu(), want), f"canonical/{kind}: {name}: GPU and CPU objects differ"
+        back = [torch.zeros_like(x) for x in gpu]
+        paged_geometry(PagedKV.from_layers(back, block_size=t)).copy(ids, staging, gather=False, obj_heads=h, use_kernel=kernel)
+        torch.cuda.synchronize()
+        same = all(torch.equal(x[:, ids].view(torch.uint8), y[:, ids].view(torch.uint8)) for x, y in zip(back, gpu))  # bytes: random bf16 has NaNs
+        assert same, f"canonical/{kind}: {name}: scatter lost bytes"
+    part_g = torch.empty(len(ids) * g_geo.object_bytes(h), dtype=torch.uint8, device="cuda")
+    part_c = torch.zeros(len(ids) * g_geo.object_bytes(h), dtype=torch.uint8)
+    part_g.copy_(part_c.cuda())
+    g_geo.copy(ids, part_g, gather=True, obj_heads=h, obj_h0=2, cache_h0=4, n_heads=3, use_kernel=True)
+    c_geo.copy(ids, part_c, gather=True, obj_heads=h, obj_h0=2, cache_h0=4, n_heads=3, use_kernel=True)
     torch.cuda.synchronize()
-    assert torch.equal(a.cpu(), b), f"canonical/{kind}: GPU and CPU objects differ"
-    back = [torch.zeros_like(x) for x in gpu]
-    paged_geometry(PagedKV.from_layers(back, block_size=t)).copy(ids, a, gather=False, obj_heads=h)
-    torch.cuda.synchronize()
-    same = all(torch.equal(x[:, ids].view(torch.uint8), y[:, ids].view(torch.uint8)) for x, y in zip(back, gpu))  # bytes: random bf16 has NaNs
-    assert same, f"canonical/{kind}: scatter lost bytes"
+    assert torch.equal(part_g.cpu(), part_c), f"canonical/{kind}: head sub-range differs"
+    _canonical_bandwidth(kind, gpu, t, h)
+
+
+def _canonical_bandwidth(kind: str, gpu: list[torch.Tensor], t: int, h: int) -> None:
+    """CUDA canonical gather vs the native CUDA block gather of the same blocks (d2d)."""
+    from kvpack.ops.canonical import paged_geometry
+
+    kv = PagedKV.from_layers(gpu, block_size=t)
+    geo = paged_geometry(kv)
+    ids = list(range(kv.layout.num_blocks))
+    out = torch.empty(len(ids) * geo.object_bytes(h), dtype=torch.uint8, device="cuda")
+    native = torch.empty(len(ids) * kv.layout.slot_bytes, dtype=torch.uint8, device="cuda")
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 / 1000.0
+
+    canon = timed(lambda: geo.copy(ids, out, gather=True, obj_heads=h, use_kernel=True))
+    torch_path = timed(lambda: geo.copy(ids, out, gather=True, obj_heads=h, use_kernel=False))
+    base = timed(lambda: gather_blocks(kv, ids, native, backend=Backend.CUDA))
+    gbps = lambda sec: 2 * out.numel() / sec / 1e9  # noqa: E731 (read + write)
+    print(f"canonical/{kind} d2d gather: cuda kernel {gbps(canon):.0f} GB/s, torch path {gbps(torch_path):.0f} GB/s, "
+          f"native block gather {gbps(base):.0f} GB/s; kernel x native {base / canon:.2f}", flush=True)
 
 
 def main(argv: list[str]) -> int:
