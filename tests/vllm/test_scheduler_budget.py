@@ -59,20 +59,28 @@ class LateRemoteDisk(DiskTier):
         return super().peek_headers(keys)
 
 
-def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
-    config = KVPackConfig.from_dict({"disk": {"enabled": False}, "io_timeout_ms": BUDGET_MS})  # memory: the (empty) worker index
+def _scheduler_over(remote: DiskTier, ids: list[int], chunks: int, **config: object) -> SchedulerSide:
+    """A scheduler side whose store is the workers' (empty) memory index, then `remote`,
+    which holds the first `chunks` chunks of `ids`."""
+    cfg = KVPackConfig.from_dict({"disk": {"enabled": False}, **config})
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
     scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
-    side = SchedulerSide(config, scope, can_load=True, can_save=False)
-    late = LateRemoteDisk(tmp_path / "late")
+    side = SchedulerSide(cfg, scope, can_load=True, can_save=False)
     side.store.close()
-    side.store = KVStore(config, [side.index, late])  # the workers' memory index, then the remote tier
-    ids = list(range(200, 260))  # 3 whole chunks and a 12-token tail
-    for chunk in chunk_hashes(ids, BS)[:3]:
+    side.store = KVStore(cfg, [side.index, remote])
+    for chunk in chunk_hashes(ids, BS)[:chunks]:
         payload = np.zeros(64, dtype=np.uint8)
         header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)
-        assert late.put_from([PutItem(StoreKey("default", scope.fingerprint, chunk, "kv"), header, memoryview(payload))]) == [TierStatus.OK]
+        key = StoreKey("default", scope.fingerprint, chunk, "kv")
+        assert remote.put_from([PutItem(key, header, memoryview(payload))]) == [TierStatus.OK]
+    return side
+
+
+def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
+    late = LateRemoteDisk(tmp_path / "late")
+    ids = list(range(200, 260))  # 3 whole chunks and a 12-token tail
+    side = _scheduler_over(late, ids, 3, io_timeout_ms=BUDGET_MS)
 
     start = time.monotonic()
     matched = [side.get_num_new_matched_tokens(fake_request(ids, f"r{i}"), 0)[0] for i in range(8)]
@@ -110,19 +118,9 @@ def test_a_request_is_held_not_missed_while_a_tier_makes_its_first_connect(tmp_p
     """vLLM asks again next step when the connector answers None: the request waits, the
     engine does not. Before, the lookup ran at once and missed (0), recomputing a prefix
     the cluster held."""
-    config = KVPackConfig.from_dict({"disk": {"enabled": False}})
-    groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
-    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
-    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
-    side = SchedulerSide(config, scope, can_load=True, can_save=False)
     remote = ConnectingRemoteDisk(tmp_path / "remote")
-    side.store.close()
-    side.store = KVStore(config, [side.index, remote])
     ids = list(range(300, 348))  # 3 whole chunks
-    for chunk in chunk_hashes(ids, BS):
-        payload = np.zeros(64, dtype=np.uint8)
-        header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)
-        assert remote.put_from([PutItem(StoreKey("default", scope.fingerprint, chunk, "kv"), header, memoryview(payload))]) == [TierStatus.OK]
+    side = _scheduler_over(remote, ids, 3)
 
     request = fake_request(ids, "early")
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
