@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_words.h"
 #include "block_copy.h"
 #include "block_copy_geometry.h"
 
@@ -17,21 +18,10 @@ constexpr int kThreads = 256;
 constexpr int64_t kBytesPerCta = 64 * 1024;
 
 template <int VEC>
-struct Word;
-template <>
-struct Word<16> { using T = uint4; };
-template <>
-struct Word<8> { using T = uint2; };
-template <>
-struct Word<4> { using T = uint32_t; };
-template <>
-struct Word<1> { using T = uint8_t; };
-
-template <int VEC>
 __global__ void __launch_bounds__(kThreads)
     block_copy_kernel(const uint64_t* __restrict__ ptr_table, const int64_t* __restrict__ block_ids,
                       int64_t n, uint8_t* __restrict__ staging, KvpGeometry g, int gather) {
-  using W = typename Word<VEC>::T;
+  using W = typename KvpWord<VEC>::T;
   const int64_t segs = g.num_layers * g.num_segments;
   const int64_t unit = blockIdx.x;
   const int64_t i = unit / segs;

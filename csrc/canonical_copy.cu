@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_words.h"
 #include "canonical_copy.h"
 #include "canonical_copy_cuda.h"
 
@@ -18,23 +19,10 @@ constexpr int kThreads = 256;
 constexpr int64_t kBytesPerCta = 32 * 1024;
 
 template <int VEC>
-struct CanonWord;
-template <>
-struct CanonWord<16> { using T = uint4; };
-template <>
-struct CanonWord<8> { using T = uint2; };
-template <>
-struct CanonWord<4> { using T = uint32_t; };
-template <>
-struct CanonWord<2> { using T = uint16_t; };
-template <>
-struct CanonWord<1> { using T = uint8_t; };
-
-template <int VEC>
 __global__ void __launch_bounds__(kThreads)
     canonical_copy_kernel(const uint64_t* __restrict__ ptr_table, const int64_t* __restrict__ block_ids,
                           uint8_t* __restrict__ staging, KvpCanonGeometry g, int gather) {
-  using W = typename CanonWord<VEC>::T;
+  using W = typename KvpWord<VEC>::T;
   uint8_t* cache;
   uint8_t* obj;
   const int s = kvp_canon_unit(&g, ptr_table, block_ids, staging, blockIdx.x, &cache, &obj);
