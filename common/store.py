@@ -205,7 +205,7 @@ class KVStore:
         return any(t.warming_up() for t in self.tiers)
 
     def wait_warm(self) -> bool:
-        return all([t.wait_warm() for t in self.tiers if t.warming_up()])
+        return all([t.wait_warm() for t in self.tiers])
 
     def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.

@@ -258,8 +258,7 @@ class KVPackStorage(HiCacheStorage):
         (`Coverage.TRAILING`); the core applies the windows and the draft policy."""
         if not keys or not self._valid_chunks(keys):
             return PoolTransferResult(0, {}, [])
-        if self.store.warming_up():  # HiCache's prefetch thread, never the scheduler's step
-            self.store.wait_warm()
+        self.store.wait_warm()  # at once unless a tier makes its first connect; HiCache's prefetch thread
         pools: dict[str, tuple[PoolBinding, MemberSpec]] = {}
         for b in all_pages:
             pools.setdefault(b.member, (b, b.spec))

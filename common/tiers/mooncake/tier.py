@@ -118,9 +118,8 @@ class MooncakeTier(Tier):
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
         """Puts come from background threads only (write-back, an adapter's save thread),
         so a put during the first connect waits for it (bounded by ``connect_wait_ms``)
-        instead of dropping what the engine computed."""
-        if self.connection.warming_up():
-            self.connection.wait_warm()
+        instead of dropping what the engine computed (`wait_warm` returns at once otherwise)."""
+        self.connection.wait_warm()
         return self._puts.put_from(items)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
