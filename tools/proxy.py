@@ -130,11 +130,23 @@ def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class ProxyServer(ThreadingHTTPServer):
+    """One thread per connection; a client that hangs up mid-request (a readiness probe, a
+    benchmark client stopping) is logged at debug level, not printed as a traceback."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+            log.debug("kvpack proxy: %s hung up: %s", client_address, exc)
+            return
+        super().handle_error(request, client_address)
+
+
 def serve(up: Upstreams, host: str, port: int) -> ThreadingHTTPServer:
     """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one."""
-    server = ThreadingHTTPServer((host, port), make_handler(up))
-    server.daemon_threads = True
-    return server
+    return ProxyServer((host, port), make_handler(up))
 
 
 def main(argv: list[str] | None = None) -> int:
