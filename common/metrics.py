@@ -61,6 +61,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("partial_hits", "Chunks whose target was stored but a required member was not", ("tenant", "missing_member")),
     MetricSpec("tail_hit_tokens", "Tokens reused from stored partial-block tails", ("tenant",)),
     MetricSpec("loaded_tokens", "Tokens restored into the engine", ("tenant",)),
+    MetricSpec("sync_loads", "Hits loaded inside the engine step that computes the rest of the prompt (no step spent waiting)", ("tenant",)),
     MetricSpec("loaded_bytes", "Payload bytes read", ("tenant", "tier")),
     MetricSpec("stored_bytes", "Payload bytes written", ("tenant", "tier")),
     MetricSpec("stored_objects", "Objects written", ("tenant", "tier")),

@@ -91,7 +91,11 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvpack: setting kv_load_failure_policy='recompute' (was %r)", ktc.kv_load_failure_policy)
                 ktc.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(
-                self.kvpack_config, self.scope, can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer
+                self.kvpack_config,
+                self.scope,
+                can_load=ktc.is_kv_consumer,
+                can_save=ktc.is_kv_producer,
+                sync_load_max_blocks=_sync_load_max_blocks(kv_cache_config),
             )
             _warn_if_killed_before_flush(vllm_config, self.kvpack_config.shutdown_flush_s)
         else:
@@ -124,7 +128,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.start_step(meta, has_forward)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules the request (async loads)
+        return  # an async load completes before vLLM schedules the request, a sync one in start_load_kv
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -224,3 +228,17 @@ def _warn_if_killed_before_flush(vllm_config: VllmConfig, flush_s: float) -> Non
             grace,
             int(flush_s + 0.999),
         )
+
+
+SYNC_LOAD_MAX_BYTES = 64 << 20
+"""The largest hit (one worker's bytes) loaded inside the engine step that computes the rest
+of its prompt: about 6 ms of memcpy, which the forward waits for; larger hits load in the
+background and cost the request one more step instead of stalling every other request."""
+
+
+def _sync_load_max_blocks(kv_cache_config: KVCacheConfig | None) -> int:
+    """`SYNC_LOAD_MAX_BYTES` in blocks of this engine's KV cache (all layers of one worker)."""
+    if kv_cache_config is None or not int(kv_cache_config.num_blocks):
+        return 0
+    per_block = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // int(kv_cache_config.num_blocks)
+    return SYNC_LOAD_MAX_BYTES // per_block if per_block > 0 else 0

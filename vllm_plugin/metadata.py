@@ -77,6 +77,10 @@ class TransferJob:
     source: int = 0
     """Canonical objects: which head split holds the chunks (index into
     `HeadSplit.partitions()`; 0 is the engine's own)."""
+    sync: bool = False
+    """A load inside this step (vLLM's synchronous load): the worker copies it before the
+    forward that computes the rest of the prompt; failed blocks are recomputed. Only for
+    hits in the workers' memory (`SchedulerSide`); every other load is asynchronous."""
 
 
 @dataclass

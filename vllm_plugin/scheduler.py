@@ -6,8 +6,13 @@ the last hit block (`KVStore.tails.find`): the longest common prefix with it,
 rounded down to `prefix_match_unit`. The count may end inside a block: the
 partial block is loaded whole and vLLM computes the rest into it. vLLM must
 compute at least one token, so a prompt stored whole hits n - 1 tokens.
-Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS while a
-worker thread restores it). Each hit block's load names the tier the lookup
+A hit whose every object is in the workers' memory (the index says so) and
+that is at most `sync_load_max_blocks` blocks is loaded inside the step that
+computes the rest of the prompt (vLLM's synchronous load: a memcpy before that
+step's forward; an async load would cost the request one more engine step,
+often another request's prefill). Every other load is asynchronous (the
+request waits in WAITING_FOR_REMOTE_KVS while a worker thread restores it).
+Hybrid models and handoffs always load asynchronously. Each hit block's load names the tier the lookup
 found each member in (`BlockRef.tiers`): this side cannot pin the workers'
 memory, so a worker that lost an object since counts it
 (``evicted_before_load``, `kvpack.lifecycle`) and reads it from another tier.
@@ -65,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpack.budget import WaitBudget
 from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage, MemberSpec, tail_usable
+from kvpack.groups import Coverage, MemberRole, MemberSpec, tail_usable
 from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
 from kvpack.store import KVStore
 from kvpack.tiers.factory import build_tiers
@@ -130,8 +135,11 @@ class PartialTail:
 
 
 class SchedulerSide:
-    def __init__(self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool) -> None:
+    def __init__(self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0) -> None:
+        """`sync_load_max_blocks`: the largest hit loaded inside a step (0: none; see the
+        module docstring)."""
         self.config = config
+        self.sync_load_max_blocks = sync_load_max_blocks
         self.scope = scope
         self.can_load = can_load
         self.can_save = can_save
@@ -145,6 +153,8 @@ class SchedulerSide:
         self._plans: dict[str, LoadPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
+        self._sync_loads: set[str] = set()
+        """Requests whose hit, as last answered to vLLM, loads inside the step."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
         self._stats: dict[str, float] = {}
@@ -307,7 +317,26 @@ class SchedulerSide:
             self._captures.track(request, plan.scope, plan.hit_chunks)
         if plan.matched <= num_computed_tokens:
             return 0, False
+        if self._loads_in_step(plan):
+            self._sync_loads.add(request.request_id)
+            return plan.matched - num_computed_tokens, False
+        self._sync_loads.discard(request.request_id)
         return plan.matched - num_computed_tokens, True
+
+    def _loads_in_step(self, plan: LoadPlan) -> bool:
+        """Whether `plan` loads synchronously: one KV cache group (vLLM takes block-level
+        failures), not a handoff, at most `sync_load_max_blocks` blocks, and every object
+        (chunks and tail) in the workers' memory as far as their reports say."""
+        blocks = plan.hit_chunks + (plan.tail is not None)
+        if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid or plan.scope is None:
+            return False
+        if len(plan.tiers) < plan.hit_chunks or any(t != self.index.name for chunk in plan.tiers for _m, t in chunk):
+            return False
+        if plan.tail is None:
+            return True
+        members = self._splits[plan.source] if self._splits else self.members
+        names = [m.name for m in members if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)]
+        return all(self.index.contains([StoreKey(plan.scope.tenant, self.scope.fingerprint, plan.tail.chunk, m) for m in names]))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -330,10 +359,14 @@ class SchedulerSide:
                 t = plan.tail
                 refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft))
         wait_s = self.config.pd_wait_ms / 1000.0 if plan.handoff else 0.0
+        sync = request.request_id in self._sync_loads
+        self._sync_loads.discard(request.request_id)
         self._pending_loads[request.request_id] = TransferJob(
-            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, source=plan.source
+            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, source=plan.source, sync=sync
         )
         self._load_issued.add(request.request_id)
+        if sync:
+            self._count("sync_load_requests")
         self._count("hit_tokens", num_external_tokens)
         self._count("load_requests")
 
@@ -422,6 +455,7 @@ class SchedulerSide:
         self._pending_loads.pop(req_id, None)
         self._failed.discard(req_id)
         self._load_issued.discard(req_id)
+        self._sync_loads.discard(req_id)
         self._bad_tenants_logged.discard(req_id)
         if self.can_save and run is not None and wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             # a prefill instance: tell the decode instance what it saved (blocks captured as computed)

@@ -91,6 +91,11 @@ def keep_draft_on_load() -> bool:
     return True
 
 
+SYNC_SAVE_WAIT_S = 0.05
+"""How long a synchronous load (on the forward path) waits for the saves queued before it:
+the memory copies of the steps just before, which take milliseconds."""
+
+
 @dataclass
 class _LoadTask:
     job: TransferJob
@@ -169,10 +174,29 @@ class WorkerSide:
             return
         for job in meta.loads:
             task = _LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
+            if job.sync:
+                self._load_in_step(task)
+                continue
             with self._lock:
                 self._loads[job.req_id] = task
             self._step_loads.append(task)
             self._load_q.put(task)
+
+    def _load_in_step(self, task: _LoadTask) -> None:
+        """A synchronous load (`TransferJob.sync`), here, before this step's forward: its
+        wait for earlier saves is bounded by `SYNC_SAVE_WAIT_S`; blocks that did not load
+        go to `take_load_errors` (vLLM recomputes them) and nothing is reported as received."""
+        try:
+            self._run_load(task, save_wait_s=SYNC_SAVE_WAIT_S)
+        except Exception as exc:  # a failed load is a recompute, never an engine error
+            log.warning("kvpack: load for %s failed: %s", task.job.req_id, exc)
+            task.failed_blocks = {b for ref in task.job.blocks for b in ref.blocks}
+        self._count("sync_loads")
+        self.store.metrics.inc("sync_loads", tenant=task.job.tenant)
+        if task.failed_blocks:
+            self._count("sync_load_failures")
+            with self._lock:
+                self._load_errors |= task.failed_blocks
 
     def queue_saves(self, meta: KVPackConnectorMetadata) -> None:
         """Queue this step's saves (called from wait_for_save: once per step, after every forward).
@@ -295,11 +319,11 @@ class WorkerSide:
             ),
         )
 
-    def _wait_for_earlier_saves(self, task: _LoadTask) -> None:
-        """Wait (within the load's `io_timeout_ms`) until the saves queued before this load
-        reached the store: the scheduler counts a chunk as stored once it asked a worker
+    def _wait_for_earlier_saves(self, task: _LoadTask, bound_s: float) -> None:
+        """Wait (at most `bound_s` from the load's start) until the saves queued before this
+        load reached the store: the scheduler counts a chunk as stored once it asked a worker
         to save it, so a request can hit a prefix another request computed a step ago."""
-        deadline = task.started + self.config.io_timeout_ms / 1000.0
+        deadline = task.started + bound_s
         with self._saves_cv:
             while self._saves_done < task.after_saves:
                 left = deadline - time.monotonic()
@@ -334,7 +358,7 @@ class WorkerSide:
                 task.job.req_id,
             )
 
-    def _run_load(self, task: _LoadTask) -> None:
+    def _run_load(self, task: _LoadTask, save_wait_s: float | None = None) -> None:
         """`KVStore.prepare_load` with the tiers the scheduler's lookup found each object in
         (`BlockRef.tiers`; what is still in this worker's memory stays pinned while the load
         waits for earlier saves), then `complete_load`: an object gone from its tier since
@@ -361,7 +385,7 @@ class WorkerSide:
                 plans.append(part)
         plan = self.store.prepare_load({self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers})
         try:
-            self._wait_for_earlier_saves(task)
+            self._wait_for_earlier_saves(task, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
             if job.handoff_wait_s > 0:
                 self._wait_for_handoff(task, items)
         except BaseException:

@@ -1,0 +1,118 @@
+"""A hit in the workers' memory loads inside the step that computes the rest of its prompt.
+
+An asynchronous load costs a hit one more engine step (the request waits in
+WAITING_FOR_REMOTE_KVS while a worker thread copies it, and is scheduled the step
+after), and at concurrency that step is often another request's prefill. A hit whose
+objects are all in the workers' memory and that is small (`SYNC_LOAD_MAX_BYTES`) is
+loaded synchronously instead: the worker copies it in ``start_load_kv``, before the
+forward; blocks that fail are recomputed by vLLM (its recompute policy for sync
+loads). Disk, Mooncake, handoffs and hybrids keep asynchronous loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpack.config import KVPackConfig
+from kvpack.groups import Coverage
+from kvpack.keys import StoreKey, chunk_hashes
+from kvpack.layout import KVLayoutSpec
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import Run, bare_worker, close_llm, fake_request, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output  # noqa: E402
+
+from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, StoredObject, TransferJob  # noqa: E402
+from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
+from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BS = 16
+A, B = "a" * 64, "b" * 64
+
+
+def _worker(tmp_path: Path, disk: bool = True):  # type: ignore[no-untyped-def]
+    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "kv")} if disk else {"enabled": False}}
+    worker = bare_worker(KVPackConfig.from_dict(cfg), BS)
+    cache = torch.randn((8, 2, BS, 2 * 32))
+    worker.register_kv_caches({"model.layers.0.attn": cache}, 8)
+    return worker, cache
+
+
+def test_a_sync_load_is_restored_when_start_load_kv_returns(tmp_path: Path) -> None:
+    """The save queued in the step before (a prefix computed a step ago) is waited for; the
+    load is done before the forward, and is not reported as an async receive."""
+    worker, cache = _worker(tmp_path)
+    try:
+        worker.queue_saves(KVPackConnectorMetadata(saves=[TransferJob("w", "default", (BlockRef(A, (3,), BS),), capture=True)]))
+        want = cache[3].clone()
+        cache[5].zero_()
+        load = TransferJob("r", "default", (BlockRef(A, (5,), BS, tiers=(("kv", "memory"),)),), sync=True)
+        worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
+        assert torch.equal(cache[5], want)  # no get_finished, no wait: already there
+        _, recving, failed = worker.get_finished()
+        assert "r" not in recving and not failed
+        assert worker.take_load_errors() == set()
+        assert worker.store.metrics.value("sync_loads", tenant="default") == 1
+    finally:
+        worker.close()
+
+
+def test_a_sync_load_that_fails_reports_its_blocks_for_recompute(tmp_path: Path) -> None:
+    worker, cache = _worker(tmp_path, disk=False)
+    try:
+        before = cache[6].clone()
+        load = TransferJob("r", "default", (BlockRef(B, (6,), BS, tiers=(("kv", "memory"),)),), sync=True)  # never stored
+        worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
+        assert worker.take_load_errors() == {6}
+        assert torch.equal(cache[6], before)
+        _, recving, failed = worker.get_finished()
+        assert "r" not in recving and not failed
+    finally:
+        worker.close()
+
+
+def _scheduler(sync_max: int) -> SchedulerSide:
+    groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
+    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
+    cfg = KVPackConfig.from_dict({"disk": {"enabled": False}, "tail_reuse": False})
+    return SchedulerSide(cfg, scope, can_load=True, can_save=False, sync_load_max_blocks=sync_max)
+
+
+@pytest.mark.parametrize("sync_max,want_async", [(4, False), (2, True), (0, True)], ids=["fits", "too-large", "off"])
+def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: int, want_async: bool) -> None:
+    side = _scheduler(sync_max)
+    try:
+        ids = list(range(500, 549))  # 3 whole chunks and one token
+        chunks = chunk_hashes(ids, BS)
+        side.index.apply([StoredObject(StoreKey("default", side.scope.fingerprint, c, "kv").as_str(), BS, 64) for c in chunks], [])
+        assert side.get_num_new_matched_tokens(fake_request(ids, "r"), 0) == (3 * BS, want_async)
+    finally:
+        side.store.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama: Path) -> Run:
+    return no_cache_run(tiny_llama, P)
+
+
+P = prompt(61, 301)
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["memory-hit-in-step", "disk-hit-async"])
+def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(tiny_llama: Path, tmp_path: Path, baseline: Run, memory: bool) -> None:
+    extra = {"memory": {"enabled": memory, "capacity": "256MiB"}, "disk": {"path": str(tmp_path / "kv")}}
+    llm = make_llm(tiny_llama, kv_config(extra))
+    try:
+        assert run(llm, P).cached == 0
+        second = run(llm, P)
+        assert second.cached == len(P) - 1
+        assert same_output(second, baseline)
+        assert metric("sync_loads") == (1 if memory else 0)
+    finally:
+        close_llm(llm)
