@@ -103,24 +103,49 @@ def test_prefix_stops_at_first_missing_page(store_dir):
 
 
 def test_layout_tenant_and_rank_isolation(store_dir):
-    """Another host layout, another tenant or another TP rank never hits."""
-    pool = make_pool("mha", "page_first")
+    """Native objects: another host layout, another tenant or another TP rank never hits.
+    (One KV head per rank at TP=2 and no checkpoint to say whether it is replicated: the
+    pool keeps SGLang's own page bytes. Canonical objects are shared across host layouts
+    on purpose: test_sglang_head_splits.)"""
+    pool = make_pool("mha", "page_first", heads=1)
     writer = make_backend(pool, kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+    assert writer.binding("kv").canonical is None
     fill_random(pool, seed=4)
     keys = page_keys(3, seed=5)
     assert writer.batch_set_v1(keys, alloc_pages(pool, 3)) == [True] * 3
     assert writer.flush(10)
     try:
-        same = make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+        same = make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
         assert same.batch_exists(keys) == 3  # control: the same layout and rank hits
         for other in (
-            make_backend(make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0),
-            make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0),
-            make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1),
+            make_backend(make_pool("mha", "layer_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0),
+            make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0),
+            make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1),
         ):
             assert other.batch_exists(keys) == 0
             other.close()
         same.close()
+    finally:
+        writer.close()
+
+
+def test_canonical_tenant_and_rank_isolation(store_dir):
+    """Canonical objects: another host layout hits (the same bytes), another tenant and
+    another TP rank's heads never do."""
+    pool = make_pool("mha", "page_first")  # 2 heads per rank at TP=2: the model has 4
+    writer = make_backend(pool, kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+    assert writer.binding("kv").canonical is not None
+    fill_random(pool, seed=6)
+    keys = page_keys(3, seed=7)
+    assert writer.batch_set_v1(keys, alloc_pages(pool, 3)) == [True] * 3
+    try:
+        for backend, hits in (
+            (make_backend(make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0), 3),
+            (make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0), 0),
+            (make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1), 0),
+        ):
+            assert backend.batch_exists(keys) == hits
+            backend.close()
     finally:
         writer.close()
 
