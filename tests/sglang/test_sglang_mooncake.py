@@ -69,7 +69,7 @@ def test_a_new_backends_first_lookup_finds_the_clusters_pages(mooncake_cluster):
         keys = page_keys(4, seed=501)
         assert writer.batch_set_v1(keys, alloc_pages(pool, 4)) == [True] * 4
     finally:
-        writer.close()  # a normal shutdown: what it accepted reaches the cluster
+        writer.close()  # cleanup only: batch_set wrote through to the cluster before it returned True
     reader = make_backend(make_pool("mha", "page_first"), _extra(mooncake_cluster))
     try:
         assert reader.batch_exists(keys) == 4  # 0 before: the tier answered UNAVAILABLE
