@@ -317,23 +317,14 @@ class PoolBinding:
         the pages that loaded."""
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
-        stored, part = obj.heads, obj.part
         ids = self.page_ids(host_indices, n_pages)
-        staging = torch.empty((n_pages, geo.object_bytes(stored.size)), dtype=torch.uint8)
+        staging = torch.empty((n_pages, geo.object_bytes(obj.heads.size)), dtype=torch.uint8)
         rows = staging.numpy()
 
         def finish(ok: Sequence[bool]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
             if sel:
-                geo.copy(
-                    [ids[i] for i in sel],
-                    staging[sel].contiguous().view(-1),
-                    gather=False,
-                    obj_heads=stored.size,
-                    obj_h0=part.start - stored.start,
-                    cache_h0=part.start - own.start,
-                    n_heads=part.size,
-                )
+                geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 

@@ -75,15 +75,7 @@ class CanonicalBlocks:
     def scatter_from(self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange) -> None:
         """Rows of `src`, objects of the range `stored`: heads `part` (inside both `stored`
         and `own`) -> this worker's blocks."""
-        self.geometry.copy(
-            block_ids,
-            src.contiguous().view(-1),
-            gather=False,
-            obj_heads=stored.size,
-            obj_h0=part.start - stored.start,
-            cache_h0=part.start - self.own.start,
-            n_heads=part.size,
-        )
+        self.geometry.scatter_heads(block_ids, src, stored, part, self.own)
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, split: HeadSplit, own: HeadRange, isa: str) -> CanonicalBlocks:

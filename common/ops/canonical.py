@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LayoutError
+from ..heads import HeadRange
 from ._build import load_extension
+from .layout import vector_alignment
 
 CANONICAL_FORMAT = 1
 """Version of the object layout above; in every canonical group fingerprint."""
@@ -161,6 +163,19 @@ class CanonicalGeometry:
             return
         _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
 
+    def scatter_heads(self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, own: HeadRange) -> None:
+        """Rows of `src`, objects of the model's heads `stored`: their heads `part` (inside
+        `stored` and `own`) into the blocks of a cache that holds the heads `own`."""
+        self.copy(
+            block_ids,
+            src.contiguous().view(-1),
+            gather=False,
+            obj_heads=stored.size,
+            obj_h0=part.start - stored.start,
+            cache_h0=part.start - own.start,
+            n_heads=part.size,
+        )
+
     def emulate_cuda(self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, obj_h0: int = 0, cache_h0: int = 0, n_heads: int | None = None) -> int:
         """Test aid: the CUDA kernel's word-by-word copy run on the CPU with the same
         indexing (raises on a word address the GPU would fault on). Returns the word size."""
@@ -172,11 +187,7 @@ class CanonicalGeometry:
 
     def ptr_alignment(self) -> int:
         """The largest power of two (<= 16) dividing every segment base address."""
-        align = 16
-        for base in self.bases:
-            while align > 1 and base % align:
-                align //= 2
-        return align
+        return vector_alignment(*self.bases)
 
     def _kernel_usable(self, staging: torch.Tensor) -> bool:
         """CPU cache: the C++ kernel. GPU cache: the CUDA kernel when built and the objects are
