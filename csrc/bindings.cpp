@@ -10,6 +10,9 @@
 //                          bool gather) -> ()    canonical objects (canonical_copy.h)
 //   kvpack::emulate_cuda_canonical_copy(...) -> int  test aid: canonical_copy.cu's
 //                          indexing on the CPU; returns the word size it used
+//   kvpack::canonical_copy_simd(..., int max_simd, bool gather) -> int  test aid: the
+//                          CPU copy at SIMD level <= max_simd; returns the level used
+//   kvpack::cpu_simd() -> int   the widest SIMD level (KVP_SIMD_*) the CPU copy uses
 //
 // `tensors` are the cache tensors that own the memory (listed so that the
 // dispatcher knows their device and that scatter mutates them); the addresses
@@ -140,20 +143,32 @@ void check_canon(const at::Tensor& ptr_table, const at::Tensor& block_ids, const
   TORCH_CHECK(staging.numel() >= need, "kvpack: staging holds ", staging.numel(), " bytes, need ", need);
 }
 
-void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
-                        const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream,
-                        bool gather) {
-  (void)tensors; (void)ptr_align; (void)stream;
+// The CPU canonical copy at SIMD level <= max_simd; returns the level it used.
+int64_t canonical_copy_simd(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                            const at::Tensor& staging, c10::IntArrayRef geometry, int64_t max_simd, bool gather) {
+  (void)tensors;
   const KvpCanonGeometry g = unpack_canon(geometry);
   TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && staging.is_cpu(),
               "kvpack: canonical copy needs ptr_table, block_ids and staging on the CPU");
   check_canon(ptr_table, block_ids, staging, g);
   const int rc = kvp_canonical_copy_cpu(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
                                         block_ids.data_ptr<int64_t>(), block_ids.numel(),
-                                        static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0);
+                                        static_cast<uint8_t*>(staging.data_ptr()), &g, gather ? 1 : 0,
+                                        static_cast<int>(max_simd));
   TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
   TORCH_CHECK(rc == KVP_OK, "kvpack: invalid canonical-copy geometry (code ", rc, ")");
+  const int64_t cpu = kvp_cpu_simd();
+  return max_simd < cpu ? max_simd : cpu;
 }
+
+void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                        const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream,
+                        bool gather) {
+  (void)ptr_align; (void)stream;
+  canonical_copy_simd(tensors, ptr_table, block_ids, staging, geometry, KVP_SIMD_AVX512, gather);
+}
+
+int64_t cpu_simd() { return kvp_cpu_simd(); }
 
 int64_t emulate_cuda_canonical_copy(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
                                     const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, bool gather) {
@@ -255,6 +270,11 @@ TORCH_LIBRARY(kvpack, m) {
   m.def(
       "canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
       "int[] geometry, int ptr_align, int stream, bool gather) -> ()");
+  m.def("cpu_simd() -> int", &cpu_simd);
+  // Test aid (CPU): the canonical copy capped at a SIMD level (every level, on one CPU).
+  m.def(
+      "canonical_copy_simd(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
+      "int[] geometry, int max_simd, bool gather) -> int");
   // Test aid (CPU): canonical_copy.cu's word-by-word indexing, run on the CPU.
   m.def(
       "emulate_cuda_canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
@@ -270,6 +290,7 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("scatter_blocks", &scatter_cpu);
   m.impl("emulate_cuda_copy", &emulate_cuda_copy);
   m.impl("canonical_copy", &canonical_copy_cpu);
+  m.impl("canonical_copy_simd", &canonical_copy_simd);
   m.impl("emulate_cuda_canonical_copy", &emulate_cuda_canonical_copy);
 }
 

@@ -11,8 +11,9 @@
 // (a two-level split of each dim; per kv). Row-major tiles (GPU NHD/HND, SGLang host
 // pools, vLLM CPU V under `vec`) have dg == D, d_inner == elem_bytes: one run per token.
 // Panel tiles (vLLM CPU K: `vec` packs [D][T], `amx` [T/16][D/2][16][2]) have dg-element
-// units with the tokens of a group adjacent: the copy is a transpose of units. Anything
-// else (vLLM CPU V under `amx`, [D/16][T/2][16][2]) is copied element by element.
+// units with the tokens of a group adjacent: the copy is a transpose of units. Token
+// pairs (vLLM CPU V under `amx`, [D/16][T/2][16][2]) interleave two tokens' rows.
+// Anything else is copied element by element.
 // Head range: heads [obj_h0, obj_h0 + n_heads) of the object <-> heads
 // [cache_h0, cache_h0 + n_heads) of the cache (a rank's local heads).
 //
@@ -104,9 +105,20 @@ KVP_CANON_HD int64_t kvp_canon_pick_vec(const KvpCanonGeometry* g, uint64_t stag
   return 1;
 }
 
-// 0 on success; KVP_ERR_* codes of block_copy_cpu.h otherwise.
+// SIMD levels of the CPU copy, narrowest first. Every level writes the same bytes.
+#define KVP_SIMD_SCALAR 0
+#define KVP_SIMD_SSE2 1
+#define KVP_SIMD_AVX512 2  // AVX-512 F + BW
+
+// The widest level this build runs on this CPU (checked once, at run time).
+int kvp_cpu_simd(void);
+
+// Copies n blocks between the cache and `staging` (n objects); gather != 0: cache ->
+// staging. Uses the widest SIMD level the CPU has, at most `max_simd` (KVP_SIMD_*; the
+// engine passes KVP_SIMD_AVX512, tests pass each level). 0 on success; KVP_ERR_* codes
+// of block_copy_cpu.h otherwise.
 int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
-                           uint8_t* staging, const KvpCanonGeometry* g, int gather);
+                           uint8_t* staging, const KvpCanonGeometry* g, int gather, int max_simd);
 
 // Test aid: canonical_copy.cu's word-by-word copy run on the CPU with the same indexing;
 // KVP_ERR_MISALIGNED when a word address is not a multiple of the word size (a GPU

@@ -36,7 +36,10 @@ logger = logging.getLogger("kvpack.ops")
 
 _SOURCES_CPU = ("bindings.cpp", "block_copy_cpu.cpp", "canonical_copy_cpu.cpp", "region_copy_cpu.cpp", "region_copy_py.cpp")
 _SOURCES_CUDA = ("block_copy.cu", "canonical_copy.cu")
-_HEADERS = ("block_copy_geometry.h", "canonical_copy.h", "canonical_copy_cuda.h", "cuda_words.h", "block_copy_cpu.h", "block_copy.h", "region_copy_cpu.h")
+_HEADERS = (
+    "block_copy_geometry.h", "canonical_copy.h", "canonical_copy_cuda.h", "cuda_words.h", "block_copy_cpu.h", "block_copy.h",
+    "region_copy_cpu.h", "transpose_sse2.h", "transpose_avx512.h",
+)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -39,6 +40,23 @@ from .layout import vector_alignment
 
 CANONICAL_FORMAT = 1
 """Version of the object layout above; in every canonical group fingerprint."""
+
+
+class CpuSimd(IntEnum):
+    """SIMD levels of the C++ canonical copy (``KVP_SIMD_*`` in csrc/canonical_copy.h),
+    narrowest first. The kernel runs the widest level the CPU has; every level writes the
+    same bytes."""
+
+    SCALAR = 0
+    SSE2 = 1
+    AVX512 = 2  # AVX-512 F + BW
+
+
+def cpu_simd() -> CpuSimd | None:
+    """The level the C++ canonical copy uses on this CPU; None without the extension."""
+    if not load_extension().available:
+        return None
+    return CpuSimd(int(torch.ops.kvpack.cpu_simd()))
 
 
 @dataclass(frozen=True)
@@ -184,6 +202,17 @@ class CanonicalGeometry:
         table = torch.tensor(self.bases, dtype=torch.int64)
         index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
         return int(torch.ops.kvpack.emulate_cuda_canonical_copy(list(self.tensors), table, index, staging, fields, self.ptr_alignment(), gather))
+
+    def copy_at_simd(self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, simd: CpuSimd) -> CpuSimd:
+        """Test aid: the C++ copy of all heads of a CPU cache at SIMD level <= `simd`, so one
+        CPU checks every level it has. Returns the level used."""
+        status = load_extension()
+        if not status.available:
+            raise RuntimeError(f"kvpack.ops: the cpu kernel is unavailable ({status.reason})")
+        fields = self._fields(obj_heads, 0, 0, obj_heads)
+        table = torch.tensor(self.bases, dtype=torch.int64)
+        index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
+        return CpuSimd(int(torch.ops.kvpack.canonical_copy_simd(list(self.tensors), table, index, staging, fields, int(simd), gather)))
 
     def ptr_alignment(self) -> int:
         """The largest power of two (<= 16) dividing every segment base address."""

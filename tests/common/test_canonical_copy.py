@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvpack.ops import PagedKV, load_extension
-from kvpack.ops.canonical import TilePacking, paged_geometry, vllm_cpu_geometry
+from kvpack.ops.canonical import CanonicalGeometry, CpuSimd, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
 
 L, NB, H, T, D = 3, 12, 4, 32, 64
 IDS = [7, 0, 11, 3]
@@ -138,15 +138,8 @@ def test_copies_larger_than_the_caches_write_the_references_bytes(dtype: torch.d
     per_block = 2 * heads * tokens * dim * e
     layers = 4
     nb = -(-_streamed_bytes() // (layers * per_block))
-    g = torch.Generator().manual_seed(11)
-
-    def cache() -> list[torch.Tensor]:
-        return [torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)]
-
     k, v = _at(k_name, e, tokens, dim), _at(v_name, e, tokens, dim)
-    src = vllm_cpu_geometry(cache(), k, v)
-    for t in src.tensors:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    src = _cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=11)
     ids = list(range(nb - 1, -1, -1))
     nbytes = nb * src.object_bytes(heads)
     assert nbytes >= _streamed_bytes() - layers * per_block
@@ -158,14 +151,57 @@ def test_copies_larger_than_the_caches_write_the_references_bytes(dtype: torch.d
     assert torch.equal(outs[0], outs[1]), "streamed gather differs from the reference"
     back = []
     for kernel in (True, False):
-        dst = vllm_cpu_geometry(cache(), k, v)
+        dst = _cache(nb, layers, heads, tokens, dim, dtype, k, v)
         buf = torch.zeros(nbytes + offset, dtype=torch.uint8)
         buf[offset:].copy_(outs[1])
         dst.copy(ids, buf[offset:], gather=False, obj_heads=heads, use_kernel=kernel)
         back.append(dst)
-    as_bytes = lambda geo: [t.view(torch.uint8) for t in geo.tensors]  # noqa: E731 (random bytes hold NaNs)
-    assert all(torch.equal(a, b) for a, b in zip(as_bytes(back[0]), as_bytes(back[1]))), "streamed scatter differs"
-    assert all(torch.equal(a, b) for a, b in zip(as_bytes(back[0]), as_bytes(src))), "gather then scatter is not the identity"
+    assert _same_bytes(back[0], back[1]), "streamed scatter differs"
+    assert _same_bytes(back[0], src), "gather then scatter is not the identity"
+
+
+@needs_kernel
+@pytest.mark.parametrize("simd", list(CpuSimd), ids=[s.name.lower() for s in CpuSimd])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")])
+def test_every_simd_level_the_cpu_has_writes_the_references_bytes(simd: CpuSimd, dtype: torch.dtype, k_name: str, v_name: str) -> None:
+    """The kernel runs the widest SIMD level the CPU has: AVX-512 blocks of whole 64-byte
+    rows, SSE2 blocks, or scalar code (CPUs without SSE2). Capped at each level this CPU
+    has, in-cache calls gather and scatter exactly the torch reference's bytes. Tiles of
+    64 tokens x 128 dims take the AVX-512 blocks (32x32 2-byte units, 16x16 4-byte units,
+    token pairs 32 dims at a time); `vec16-K`'s 16-token panels and `panels4` fall back."""
+    have = cpu_simd()
+    if have is None or simd > have:
+        pytest.skip(f"this CPU's canonical copy runs {have.name if have is not None else 'no kernel'}, not {simd.name}")
+    e = torch.tensor([], dtype=dtype).element_size()
+    nb, layers, heads, tokens, dim = 6, 2, 2, 64, 128
+    k, v = _at(k_name, e, tokens, dim), _at(v_name, e, tokens, dim)
+    src = _cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=int(simd) + 20)
+    ids = [4, 1, 5]
+    want = torch.zeros(len(ids) * src.object_bytes(heads), dtype=torch.uint8)
+    src.copy(ids, want, gather=True, obj_heads=heads, use_kernel=False)
+    got = torch.zeros_like(want)
+    assert src.copy_at_simd(ids, got, gather=True, obj_heads=heads, simd=simd) == simd
+    assert torch.equal(got, want), f"{simd.name} gather differs from the reference"
+    ref, dst = (_cache(nb, layers, heads, tokens, dim, dtype, k, v) for _ in range(2))
+    ref.copy(ids, want, gather=False, obj_heads=heads, use_kernel=False)
+    dst.copy_at_simd(ids, want, gather=False, obj_heads=heads, simd=simd)
+    assert _same_bytes(dst, ref), f"{simd.name} scatter differs from the reference"
+
+
+def _cache(nb: int, layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, k: TilePacking, v: TilePacking, seed: int | None = None) -> CanonicalGeometry:
+    """A vLLM CPU-shaped cache of `nb` blocks: zeros, or random bytes from `seed`."""
+    geo = vllm_cpu_geometry([torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)], k, v)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in geo.tensors:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    return geo
+
+
+def _same_bytes(a: CanonicalGeometry, b: CanonicalGeometry) -> bool:
+    """The caches hold the same bytes (random bytes hold NaNs, so values would not compare)."""
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
 
 
 def _at(name: str, e: int, tokens: int, dim: int) -> TilePacking:
