@@ -128,10 +128,18 @@ class GroupLookup:
     group was cut short by one of its parts (evicted, never stored), counted as a partial
     hit, never loaded. STATE members (an SGLang indexer pool, a hybrid's other groups)
     only shorten the hit, as their engines expect."""
+    chunk_sets: tuple[int, ...] = ()
+    """A lookup over several member sets (head splits, `kvpack.split_lookup`): per hit
+    chunk, the index in `set_members` of the set it loads. Empty: every chunk loads
+    `all_members` (and `target_members` beyond `full_chunks`)."""
+    set_members: tuple[tuple[str, ...], ...] = ()
 
     def members_to_load(self, chunk_index: int) -> tuple[str, ...]:
         """Members to restore for chunk `chunk_index` (< hit_chunks): every member
-        where the group is complete, the target's only beyond that (target_only)."""
+        where the group is complete, the target's only beyond that (target_only); a
+        lookup over head splits: the chunk's own set."""
+        if self.chunk_sets:
+            return self.set_members[self.chunk_sets[chunk_index]]
         return self.all_members if chunk_index < self.full_chunks else self.target_members
 
     @property

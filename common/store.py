@@ -46,6 +46,7 @@ from .integrity import IntegrityKey, check_loaded, seal_items
 from .lifecycle import LoadPlan, PlanBook, count_gone, count_lookup
 from .metrics import Metrics, Tally
 from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
+from .split_lookup import lookup_sets
 from .tails import TailSlots
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.factory import build_tiers
@@ -261,17 +262,15 @@ class KVStore:
         """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
 
         `alternatives`: other member sets one chunk may be stored as (canonical objects
-        written at another TP size: `kvpack.heads`), tried in order when `members` hold
-        no chunk; the answer's `all_members` says which set it is. Counts one lookup,
-        its hit tokens, full hits and partial hits by missing member (`lifecycle.count_lookup`).
-        `GroupLookup.located` says which tier holds each key of the hit."""
+        written at another TP size: `kvpack.heads`). Plain sets mix per chunk
+        (`split_lookup`: `GroupLookup.chunk_sets` says which set each chunk loads); others
+        are tried in order when `members` hold no chunk, and `all_members` says which.
+        Counts one lookup, its hit tokens, full hits and partial hits by missing member
+        (`lifecycle.count_lookup`). `GroupLookup.located`: the tier of each key of the hit."""
         start = time.perf_counter()
-        result = self._find(tenant, fingerprint, chunks, members, budget)
-        for other in alternatives:
-            if result.hit_chunks:
-                break
-            found = self._find(tenant, fingerprint, chunks, other, budget)
-            result = found if found.hit_chunks else result
+        result = lookup_sets(
+            lambda keys: self.locate(keys, budget), lambda ms: self._find(tenant, fingerprint, chunks, ms, budget), tenant, fingerprint, chunks, [members, *alternatives]
+        )
         count_lookup(self.metrics, self.config.draft_policy, tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
         self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
         return result

@@ -393,43 +393,56 @@ class KVPackStorage(HiCacheStorage):
             hints = {it.key: t for it in items if (t := self._located.pop(it.key, None)) is not None}
         plan = self.store.prepare_load(hints)
         results = iter(self.store.complete_load(plan, items))
-        per_object = [[next(results).ok for _ in part] for _, part, _ in loads]
-        ok = [all(col) for col in zip(*per_object)]  # a page is restored only when every object of it loaded
-        for _, _, finish in loads:
-            finish(ok)
+        ok = [True] * n
+        for pages, part, _ in loads:  # a page is restored only when every object of it loaded
+            for p, _item in zip(pages, part):
+                ok[p] = next(results).ok and ok[p]
+        for pages, _, finish in loads:
+            finish([ok[p] for p in pages])
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
 
     def _page_loads(
         self, binding: PoolBinding, keys: list[str], skeys: list[StoreKey], host_indices: torch.Tensor
-    ) -> list[tuple[str, list[LoadItem], Callable[[Sequence[bool]], None]]]:
-        """Per object of each page (member, its load items, what to call with the pages' results):
-        the pool's own member, or, when the lookup found the KV pages as another TP size's head
-        ranges (`_other_splits`), one object per range."""
+    ) -> list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool]], None]]]:
+        """Per object of the pages (the pages it covers, its load items, what to call with
+        those pages' results): the pool's own member, or, for pages the lookup found as
+        another TP size's head ranges (`_other_splits`), one object per range. Pages of one
+        batch may come from several splits (`kvpack.split_lookup`)."""
         n = len(keys)
-        split = self._located_split(binding, keys[0]) if binding.canonical is not None else 0
-        if split == 0:
-            payloads, finish = binding.load_buffers(host_indices, n)
-            expected = Expectation.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
-            return [(binding.member, list(map(LoadItem, skeys, payloads, expected)), finish)]
-        out = []
-        for obj in binding.sources[split]:
-            payloads, finish = binding.range_load_buffers(host_indices, n, obj)
-            rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, keys, obj.member)
-            expected = Expectation.batch(obj.fingerprint, self.tenant, keys, obj.member, binding.page_size, len(payloads[0]) if payloads else 0)
-            out.append((obj.member, list(map(LoadItem, rkeys, payloads, expected)), finish))
+        splits = self._located_splits(binding, keys) if binding.canonical is not None else [0] * n
+        out: list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool]], None]]] = []
+        for split in sorted(set(splits)):
+            pages = [i for i, s in enumerate(splits) if s == split]
+            idx = host_indices if len(pages) == n else host_indices.reshape(n, -1)[pages].reshape(-1)
+            names = [keys[i] for i in pages]
+            if split == 0:
+                payloads, finish = binding.load_buffers(idx, len(pages))
+                expected = Expectation.batch(binding.member_fingerprint, self.tenant, names, binding.member, binding.page_size, binding.page_bytes)
+                out.append((pages, list(map(LoadItem, [skeys[i] for i in pages], payloads, expected)), finish))
+                continue
+            for obj in binding.sources[split]:
+                payloads, finish = binding.range_load_buffers(idx, len(pages), obj)
+                rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, names, obj.member)
+                expected = Expectation.batch(obj.fingerprint, self.tenant, names, obj.member, binding.page_size, len(payloads[0]) if payloads else 0)
+                out.append((pages, list(map(LoadItem, rkeys, payloads, expected)), finish))
         return out
 
-    def _located_split(self, binding: PoolBinding, key: str) -> int:
-        """Which head split the last lookup found page `key` under (0: the pool's own member)."""
+    def _located_splits(self, binding: PoolBinding, keys: list[str]) -> list[int]:
+        """Per page, the head split the last lookup found it under (0: the pool's own member,
+        and pages no lookup found)."""
+        out = []
         with self._lock:
-            if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) in self._located:
-                return 0
-            for split, objects in enumerate(binding.sources[1:], start=1):
-                if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located:
-                    return split
-        return 0
+            for key in keys:
+                split = 0
+                if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) not in self._located:
+                    split = next(
+                        (s for s, objects in enumerate(binding.sources[1:], start=1) if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located),
+                        0,
+                    )
+                out.append(split)
+        return out
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """Pages `KVStore.prepare_store` says are still to store go to one `complete_store`,

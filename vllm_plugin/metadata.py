@@ -53,6 +53,10 @@ class BlockRef:
     """On load: (member, tier name) where the scheduler's lookup found each member of the
     chunk. The worker loads from that tier first and counts an object gone from it as
     ``evicted_before_load`` (`kvpack.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
+    source: int = 0
+    """On load of canonical objects: the head split that holds this chunk (index into
+    `HeadSplit.partitions()`; 0 is the engine's own). One request's chunks may come from
+    several splits (`kvpack.split_lookup`)."""
 
     @property
     def blocks(self) -> set[int]:
@@ -74,9 +78,6 @@ class TransferJob:
     handoff_wait_s: float = 0.0
     """A load of a prefill instance's prompt (`handoff`): its objects may still be
     landing in the shared tier; wait at most this long for them, then load what is there."""
-    source: int = 0
-    """Canonical objects: which head split holds the chunks (index into
-    `HeadSplit.partitions()`; 0 is the engine's own)."""
     sync: bool = False
     """A load inside this step (vLLM's synchronous load): the worker copies it before the
     forward that computes the rest of the prompt; failed blocks are recomputed. Only for

@@ -75,7 +75,7 @@ class MemberLayout:
     writes: bool = True
     """False for a rank whose heads another rank stores (replicated KV heads, MLA)."""
     sources: tuple[tuple[StoredRange, ...], ...] = ()
-    """Canonical objects: per head split (`TransferJob.source`), the stored objects this
+    """Canonical objects: per head split (`BlockRef.source`), the stored objects this
     rank's heads are read from (`kvpack.canonical.split_sources`); () for native objects."""
 
 

@@ -118,8 +118,8 @@ class LoadPlan:
     handoff: bool = False
     """A prefill instance's prompt (`handoff`): loaded with a bounded wait for objects
     still landing, not found by a lookup."""
-    source: int = 0
-    """Canonical objects: the head split that holds the hit (`TransferJob.source`)."""
+    sources: tuple[int, ...] = ()
+    """Canonical objects: per hit chunk, the head split that holds it (`BlockRef.source`)."""
     tiers: tuple[tuple[tuple[str, str], ...], ...] = ()
     """Per hit chunk, (member, tier) where the lookup found each member (`BlockRef.tiers`)."""
 
@@ -204,12 +204,12 @@ class SchedulerSide:
 
     def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> LoadPlan:
         """The lookup under the engine's own members; canonical objects written at another
-        TP size are other head splits (`kvpack.heads`), tried in the same (one counted)
-        lookup when the own split holds nothing."""
+        TP size are other head splits (`kvpack.heads`), looked up in the same (one counted)
+        lookup, each chunk from the first split that holds all of it (`kvpack.split_lookup`)."""
         if not self._splits:
             return self._lookup(request, rs, n, self.members)
         plan = self._lookup(request, rs, n, self._splits[0], self._splits[1:])
-        if plan.source:
+        if any(plan.sources):
             self._count("other_split_hits")
         return plan
 
@@ -220,10 +220,10 @@ class SchedulerSide:
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
         result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, members, bs, self._budget, alternatives)
-        source = next((i for i, alt in enumerate(alternatives, start=1) if result.all_members == tuple(m.name for m in alt)), 0)
-        if source:
-            members = alternatives[source - 1]
         k = result.hit_chunks
+        sources = result.chunk_sets or (0,) * k
+        source = sources[-1] if k else 0  # the tail: under the split of the chunk before it
+        members = [members, *alternatives][source]
         if result.partial:
             self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
         matched = k * bs
@@ -238,7 +238,7 @@ class SchedulerSide:
                 tm = None  # a Mamba state of a longer tail: not the state this prompt needs
             if tm is not None and tm.tokens > 0:
                 with_draft = all(m in tm.members for m in self.scope.draft_members)
-                tail = BlockRef(tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft)  # blocks: at alloc
+                tail = BlockRef(tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft, source=source)  # blocks: at alloc
                 matched = k * bs + tm.tokens
         matched = min(matched, n - 1)
         partial = matched % bs
@@ -248,13 +248,13 @@ class SchedulerSide:
             if used <= 0:
                 tail = None
             else:
-                tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft)  # type: ignore[index]
+                tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft, source=source)  # type: ignore[index]
                 self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
         found: dict[str, list[tuple[str, str]]] = {}
         for key, tier in result.located.items():  # the tier of each key of the hit, for the workers' loads
             found.setdefault(key.chunk, []).append((key.member, tier))
         tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
-        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), source=source, tiers=tiers)
+        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers)
 
     def _handoff_of(self, request: Request, rs: RequestScope) -> Handoff | None:
         """The prefill instance's handoff in `request`'s params, if it is one for this engine's
@@ -334,7 +334,7 @@ class SchedulerSide:
             return False
         if plan.tail is None:
             return True
-        members = self._splits[plan.source] if self._splits else self.members
+        members = self._splits[plan.tail.source] if self._splits else self.members
         names = [m.name for m in members if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)]
         return all(self.index.contains([StoreKey(plan.scope.tenant, self.scope.fingerprint, plan.tail.chunk, m) for m in names]))
 
@@ -353,16 +353,17 @@ class SchedulerSide:
             ids = self._load_blocks(block_ids, i, boundary=i == last - 1)
             if i < plan.hit_chunks:
                 tiers = plan.tiers[i] if i < len(plan.tiers) else ()
-                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers))
+                source = plan.sources[i] if i < len(plan.sources) else 0
+                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers, source=source))
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
-                refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft))
+                refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft, source=t.source))
         wait_s = self.config.pd_wait_ms / 1000.0 if plan.handoff else 0.0
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
         self._pending_loads[request.request_id] = TransferJob(
-            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, source=plan.source, sync=sync
+            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, sync=sync
         )
         self._load_issued.add(request.request_id)
         if sync:

@@ -376,13 +376,15 @@ class WorkerSide:
                 for i, ref in enumerate(job.blocks)
                 if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or (restore_draft and ref.with_draft))
             ]
-            for part in self._member_loads(slot, wanted, job.source):
-                rows = part.staging.numpy()
-                items += [
-                    self._load_item(job.tenant, job.blocks[i], part.member, part.fingerprint, memoryview(rows[j]))
-                    for j, i in enumerate(wanted)
-                ]
-                plans.append(part)
+            for source in sorted({job.blocks[i].source for i in wanted}):  # a request may mix head splits
+                of_split = [i for i in wanted if job.blocks[i].source == source]
+                for part in self._member_loads(slot, of_split, source):
+                    rows = part.staging.numpy()
+                    items += [
+                        self._load_item(job.tenant, job.blocks[i], part.member, part.fingerprint, memoryview(rows[j]))
+                        for j, i in enumerate(of_split)
+                    ]
+                    plans.append(part)
         plan = self.store.prepare_load({self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers})
         try:
             self._wait_for_earlier_saves(task, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
@@ -448,7 +450,7 @@ class WorkerSide:
 
     def _member_loads(self, slot: MemberLayout, wanted: list[int], source: int) -> list[_MemberLoad]:
         """The objects to read for `slot`'s chunks `wanted`: its own member, or (canonical
-        objects stored at another TP size: `TransferJob.source`) every stored head range
+        objects stored at another TP size: `BlockRef.source`) every stored head range
         that overlaps this rank's heads, each with the part of it this rank keeps."""
         blocks = slot.layout
         if source == 0 or not slot.sources:

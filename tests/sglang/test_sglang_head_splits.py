@@ -82,6 +82,35 @@ def test_a_page_lacking_one_head_range_ends_the_prefix(store_dir) -> None:  # ty
         backend.close()
 
 
+def test_a_prefix_stored_by_two_tp_sizes_is_found_and_restored_whole(store_dir) -> None:  # type: ignore[no-untyped-def]
+    """A fleet that moved from TP=2 to TP=1 between two turns of a conversation: the first
+    pages are two head-range objects each, the later ones one object of all heads. Each
+    page is read from the split that holds it (`kvpack.split_lookup`); a lookup that took
+    one split for the whole prefix found 2 of the 4 pages, on every later turn."""
+    pool = make_pool("mha", "page_first")
+    extra = kvpack_extra(store_dir, memory=False, disk=True)
+    n, page = 4, pool.page_size
+    fill_random(pool, seed=7)
+    src = alloc_pages(pool, n)
+    want = page_bytes(pool, src)
+    keys = page_keys(n, seed=17)
+    writer = make_backend(pool, extra)
+    try:
+        store_as_two_ranks(writer, pool, keys[:2], src[: 2 * page])  # turn 1, at TP=2
+        assert writer.batch_set_v1(keys[2:], src[2 * page :]) == [True, True]  # turn 2, at TP=1
+    finally:
+        writer.close()
+    reader = make_backend(pool, extra)
+    try:
+        assert reader.batch_exists(keys) == n
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        assert reader.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(pool, dst) == want
+    finally:
+        reader.close()
+
+
 # -- SGLang itself at TP > 1 -------------------------------------------------------------
 #
 # A rank's host pool holds its KV heads (4 model heads: 2 per rank at TP=2). The pools

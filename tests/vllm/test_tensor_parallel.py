@@ -12,6 +12,8 @@ reader of a TP=2 store reused 0 tokens and stored the prompt a second time.
   object; outputs equal the same no-cache run.
 - One head range missing from the store: the hit stops before that chunk (a
   partial hit, counted), never a load of the wrong heads.
+- A conversation across a TP change: turn 1 written at TP=2, turn 2 at TP=1; a new
+  TP=1 process reuses all of turn 2, each chunk from the split that holds it.
 """
 
 from __future__ import annotations
@@ -94,3 +96,21 @@ def test_a_missing_head_range_stops_the_hit_before_its_chunk(tiny_llama: Path, t
         close_llm(llm)
     assert read.cached == BLOCK  # chunk 0 only: never chunk 1 with half its heads
     assert same_output(read, baseline)
+
+
+def test_a_conversation_across_a_tp_change_reuses_every_chunk(tiny_llama: Path, tp2_store: Path, tmp_path: Path) -> None:
+    """Turn 1 (P) was computed at TP=2; the fleet moved to TP=1, where turn 2 (P and 200
+    more tokens) reused turn 1 and stored its new chunks as TP=1 objects. A new TP=1
+    process then reuses n - 1 tokens of turn 2: chunks 0-1 from the TP=2 head ranges,
+    chunk 2 and the tail from the TP=1 objects (`kvpack.split_lookup`). A lookup that
+    took one split for the whole prefix reused turn 1 only (301 tokens), turn after turn."""
+    store = tmp_path / "kv"
+    shutil.copytree(tp2_store, store)
+    extra = {"disk": {"path": str(store)}}
+    turn2 = P + prompt(72, 200)
+    second = engine_process(tiny_llama, extra, {"T": turn2}, tmp_path / "turn2.log")["T"]
+    assert second.cached == len(P)  # turn 1's chunks and tail, from the TP=2 objects
+    assert {"kv", "kv_h0_1", "kv_h1_2"} <= set(members(store))
+    third = engine_process(tiny_llama, extra, {"T": turn2}, tmp_path / "again.log")["T"]
+    assert third.cached == len(turn2) - 1
+    assert same_output(third, no_cache_run(tiny_llama, turn2))
