@@ -41,6 +41,17 @@ def store_as_two_ranks(backend, pool, keys: list[str], src: torch.Tensor, skip: 
     assert all(st is TierStatus.OK for st in backend.store.store(items))
 
 
+def assert_found_and_restored(backend, pool, keys: list[str], want) -> None:  # type: ignore[no-untyped-def]
+    """`batch_exists` finds every page, and `batch_get_v1` restores them bit-exact (`want`)
+    into new pages of the poisoned pool."""
+    n = len(keys)
+    assert backend.batch_exists(keys) == n
+    poison(pool)
+    dst = alloc_pages(pool, n)
+    assert backend.batch_get_v1(keys, dst) == [True] * n
+    assert page_bytes(pool, dst) == want
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_pages_stored_as_two_head_ranges_are_found_and_restored(layout: str, store_dir) -> None:  # type: ignore[no-untyped-def]
     pool = make_pool("mha", layout)  # 2 KV heads
@@ -53,11 +64,7 @@ def test_pages_stored_as_two_head_ranges_are_found_and_restored(layout: str, sto
         want = page_bytes(pool, src)
         keys = page_keys(n, seed=11)
         store_as_two_ranks(backend, pool, keys, src)
-        assert backend.batch_exists(keys) == n
-        poison(pool)
-        dst = alloc_pages(pool, n)
-        assert backend.batch_get_v1(keys, dst) == [True] * n
-        assert page_bytes(pool, dst) == want
+        assert_found_and_restored(backend, pool, keys, want)
     finally:
         backend.close()
 
@@ -102,11 +109,7 @@ def test_a_prefix_stored_by_two_tp_sizes_is_found_and_restored_whole(store_dir) 
         writer.close()
     reader = make_backend(pool, extra)
     try:
-        assert reader.batch_exists(keys) == n
-        poison(pool)
-        dst = alloc_pages(pool, n)
-        assert reader.batch_get_v1(keys, dst) == [True] * n
-        assert page_bytes(pool, dst) == want
+        assert_found_and_restored(reader, pool, keys, want)
     finally:
         reader.close()
 
