@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .simd import CpuSimd
+
 if TYPE_CHECKING:
     from ..tiers.parallel import RegionCopier
 
@@ -153,7 +155,8 @@ def _build_flavour(src: Path, with_cuda: bool, note: str) -> tuple[ExtensionStat
     _register_fakes()
     has_cuda = bool(torch.ops.kvpack.has_cuda())
     how = "loaded cached" if prebuilt else f"built in {time.monotonic() - t0:.1f}s"
-    reason = f"{how} ({flavour}{'' if with_cuda else '; CUDA kernel not built: ' + note})"
+    simd = CpuSimd(int(torch.ops.kvpack.cpu_simd())).name.lower()
+    reason = f"{how} ({flavour}; CPU canonical copy: {simd}{'' if with_cuda else '; CUDA kernel not built: ' + note})"
     return ExtensionStatus(True, has_cuda, reason, str(build_dir)), module
 
 

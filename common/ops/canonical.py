@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
@@ -37,19 +36,10 @@ from ..errors import LayoutError
 from ..heads import HeadRange
 from ._build import load_extension
 from .layout import vector_alignment
+from .simd import CpuSimd
 
 CANONICAL_FORMAT = 1
 """Version of the object layout above; in every canonical group fingerprint."""
-
-
-class CpuSimd(IntEnum):
-    """SIMD levels of the C++ canonical copy (``KVP_SIMD_*`` in csrc/canonical_copy.h),
-    narrowest first. The kernel runs the widest level the CPU has; every level writes the
-    same bytes."""
-
-    SCALAR = 0
-    SSE2 = 1
-    AVX512 = 2  # AVX-512 F + BW
 
 
 def cpu_simd() -> CpuSimd | None:
