@@ -35,6 +35,15 @@ using namespace kvp_sse2;
 
 constexpr int64_t kBounceBytes = 16384;
 
+// Asks for the source of one panel tile's transpose in address order (gather: the
+// cache's `panels` runs of `tokens` units; scatter: the object's `tokens` rows), ahead
+// of the transpose that reads it column by column.
+template <int U>
+inline void prefetch_tile(const uint8_t* cache, int64_t panel_stride, const uint8_t* obj, int64_t obj_row, int64_t panels,
+                          int64_t tokens, bool gather) {
+  if (gather) prefetch_span(cache, (panels - 1) * panel_stride + tokens * U); else prefetch_span(obj, tokens * obj_row);
+}
+
 // The streamed transpose: strips of W destination rows through an L1 bounce buffer.
 template <int U, int W>
 bool transpose_streamed(uint8_t* cache, int64_t panel_stride, uint8_t* obj, int64_t obj_row, int64_t panels,
@@ -45,8 +54,8 @@ bool transpose_streamed(uint8_t* cache, int64_t panel_stride, uint8_t* obj, int6
     return false;
   }
   alignas(64) uint8_t strip[kBounceBytes];
+  prefetch_tile<U>(cache, panel_stride, obj, obj_row, panels, tokens, gather);
   if (gather) {
-    prefetch_span(cache, (panels - 1) * panel_stride + run);
     for (int64_t t = 0; t < tokens; t += W) {
       for (int64_t p = 0; p < panels; p += W) {
         const uint8_t* c = cache + p * panel_stride + t * U;
@@ -55,7 +64,6 @@ bool transpose_streamed(uint8_t* cache, int64_t panel_stride, uint8_t* obj, int6
       stream_out(obj + t * obj_row, strip, W * obj_row);
     }
   } else {
-    prefetch_span(obj, tokens * obj_row);
     for (int64_t p = 0; p < panels; p += W) {
       for (int64_t t = 0; t < tokens; t += W) {
         const uint8_t* o = obj + t * obj_row + p * U;
@@ -76,8 +84,8 @@ KVP_AVX512_FN bool transpose_wide(uint8_t* cache, int64_t panel_stride, uint8_t*
                                   int64_t panels, int64_t tokens, bool gather) {
   constexpr int64_t W = 64 / U;
   if (panels % W != 0 || tokens % W != 0) return false;
+  prefetch_tile<U>(cache, panel_stride, obj, obj_row, panels, tokens, gather);
   if (gather) {
-    prefetch_span(cache, (panels - 1) * panel_stride + tokens * U);
     for (int64_t t = 0; t < tokens; t += W) {
       for (int64_t p = 0; p < panels; p += W) {
         const uint8_t* c = cache + p * panel_stride + t * U;
@@ -86,7 +94,6 @@ KVP_AVX512_FN bool transpose_wide(uint8_t* cache, int64_t panel_stride, uint8_t*
       }
     }
   } else {
-    prefetch_span(obj, tokens * obj_row);
     for (int64_t p = 0; p < panels; p += W) {
       for (int64_t t = 0; t < tokens; t += W) {
         uint8_t* c = cache + p * panel_stride + t * U;
@@ -129,7 +136,7 @@ bool transpose_simd(uint8_t* cache, int64_t panel_stride, int64_t token_stride, 
   // time (measured: scatter 0.60x -> 0.71x of the engine-native copy). 2-byte units
   // ask for the tile's source in address order first (measured at 2-16 MiB, bf16
   // `vec`: 0.82x -> 0.89-0.91x); 4-byte units gained nothing from it.
-  if (U == 2) prefetch_span(gather ? cache : obj, gather ? (panels - 1) * panel_stride + tokens * U : tokens * obj_row);
+  if (U == 2) prefetch_tile<U>(cache, panel_stride, obj, obj_row, panels, tokens, gather);
   if (gather) {
     for (int64_t t = 0; t < tokens; t += W) {
       for (int64_t p = 0; p < panels; p += W) {
@@ -192,7 +199,7 @@ void copy_tile(uint8_t* cache, uint8_t* obj, const KvpCanonGeometry& g, int s, b
       uint8_t* dst = gather ? obj : cache;
       const uint8_t* src = gather ? cache : obj;
 #ifdef KVP_HAVE_SSE2
-      if (stream && simd >= KVP_SIMD_SSE2 && (((uintptr_t)dst | (uintptr_t)(T * row)) & 15) == 0) {
+      if (stream && (((uintptr_t)dst | (uintptr_t)(T * row)) & 15) == 0) {
         stream_copy(dst, src, T * row);
         return;
       }
