@@ -53,28 +53,32 @@ def plain(sets: Sequence[Sequence[MemberSpec]]) -> bool:
 def find_over_splits(locate: Locate, tenant: str, fingerprint: str, chunks: Sequence[str], sets: Sequence[Sequence[MemberSpec]]) -> GroupLookup:
     """The longest prefix of `chunks` whose every chunk some set of `sets` holds whole.
 
-    One `locate` call per set at most, each for the chunks no earlier set held whole
-    (none once every chunk is found). The answer's `chunk_sets` says, per hit chunk, the
-    index in `sets` it loads from; `located` holds the tier of each of those keys."""
+    At most two `locate` calls: the first set for every chunk, then, if some chunk is not
+    held whole, every other set for those chunks in one call (one batched call per tier,
+    one round trip to a Mooncake master, however many splits there are). The answer's
+    `chunk_sets` says, per hit chunk, the index in `sets` it loads from (the first set
+    in order that holds it whole); `located` holds the tier of each of those keys."""
     names = [tuple(m.name for m in ms) for ms in sets]
     chosen: list[int | None] = [None] * len(chunks)
     found: dict[int, list[tuple[StoreKey, str]]] = {}
     missing_at: dict[int, tuple[str, ...]] = {}
     """Per chunk no set held whole: the members the first set holding part of it lacks."""
-    for s, members in enumerate(names):
+    for phase in (range(1), range(1, len(sets))):
         todo = [i for i, c in enumerate(chosen) if c is None]
         if not todo:
             break
-        keys = [StoreKey(tenant, fingerprint, chunks[i], m) for i in todo for m in members]
-        where = locate(keys)
-        w = len(members)
-        for j, i in enumerate(todo):
-            got = where[j * w : (j + 1) * w]
-            if all(t is not None for t in got):
+        asked = [(s, i) for s in phase for i in todo]
+        keys = [[StoreKey(tenant, fingerprint, chunks[i], m) for m in names[s]] for s, i in asked]
+        where = iter(locate([k for ks in keys for k in ks]))
+        for (s, i), ks in zip(asked, keys):
+            got = [(k, next(where)) for k in ks]
+            if chosen[i] is not None:  # an earlier set holds it whole
+                continue
+            if all(t is not None for _, t in got):
                 chosen[i] = s
-                found[i] = [(k, t) for k, t in zip(keys[j * w : (j + 1) * w], got) if t is not None]
-            elif any(t is not None for t in got) and i not in missing_at:
-                missing_at[i] = tuple(m for m, t in zip(members, got) if t is None)
+                found[i] = [(k, t) for k, t in got if t is not None]
+            elif any(t is not None for _, t in got) and i not in missing_at:
+                missing_at[i] = tuple(k.member for k, t in got if t is None)
     hit = next((i for i, c in enumerate(chosen) if c is None), len(chunks))
     sets_used = tuple(c for c in chosen[:hit] if c is not None)
     return GroupLookup(

@@ -57,9 +57,12 @@ def test_a_chunk_with_part_of_a_split_ends_the_hit_as_a_counted_partial_hit(stor
     assert store.metrics.value("partial_hits", tenant="t", missing_member="kv_h1_2") == 1
 
 
-def test_each_split_is_asked_only_for_the_chunks_no_earlier_split_held(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_splits_are_asked_once_and_only_for_the_chunks_the_own_split_lacks(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most two batched `locate` calls, however many splits: one round trip each to a
+    Mooncake master. The first set in order that holds a chunk whole is the one loaded."""
     put(store, range(0, 3), ["kv"])
     put(store, range(3, 5), ["kv_h0_1", "kv_h1_2"])
+    put(store, range(4, 5), ["kv_all2"])  # chunk 4 under a third split too: the second set wins
     asked: list[list[StoreKey]] = []
     locate = store.locate
 
@@ -68,9 +71,10 @@ def test_each_split_is_asked_only_for_the_chunks_no_earlier_split_held(store: KV
         return locate(keys, budget)
 
     monkeypatch.setattr(store, "locate", counting)
-    got = store.lookup("t", GROUP_FP, CHUNKS, ALL, 16, alternatives=[TWO])
+    third = [MemberSpec("kv_all2", MEMBER_FP, MemberRole.TARGET)]
+    got = store.lookup("t", GROUP_FP, CHUNKS, ALL, 16, alternatives=[TWO, third])
     assert got.hit_chunks == 5 and got.chunk_sets == (0, 0, 0, 1, 1)
-    assert [len(keys) for keys in asked] == [6, 3 * 2]  # own split: 6 chunks; the other: chunks 3-5, 2 objects each
+    assert [len(keys) for keys in asked] == [6, 3 * (2 + 1)]  # own split: 6 chunks; then chunks 3-5 under both others
     asked.clear()
     assert store.lookup("t", GROUP_FP, CHUNKS[:3], ALL, 16, alternatives=[TWO]).hit_chunks == 3
     assert len(asked) == 1  # the own split held every chunk: no other split is asked
