@@ -44,13 +44,25 @@ class Handoff:
     """Prompt tokens the prefill instance computed (and saved)."""
     tail_chunk: str | None
     """Chunk id of the saved partial-block tail (None: the prompt ends on a block boundary)."""
+    head_ranges: int = 0
+    """Canonical objects: how many KV-head ranges the prefill instance stores each chunk
+    as (its head split, `kvpack.heads`: 2 for a TP=2 engine of a model with 2 or more KV
+    heads), so a decode instance at another TP size reads the objects the prefill
+    instance wrote. 0: native objects, or a prefill instance that did not say (the decode
+    instance's own split)."""
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` the prefill instance returns for the decode instance."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            HANDOFF_KEY: {"fingerprint": self.fingerprint, "tenant": self.tenant, "tokens": self.tokens, "tail_chunk": self.tail_chunk},
+            HANDOFF_KEY: {
+                "fingerprint": self.fingerprint,
+                "tenant": self.tenant,
+                "tokens": self.tokens,
+                "tail_chunk": self.tail_chunk,
+                "head_ranges": self.head_ranges,
+            },
         }
 
     @classmethod
@@ -69,7 +81,10 @@ class Handoff:
             raise HandoffError(f"kvpack handoff 'tokens' must be an integer >= 0, got {tokens!r}")
         if tail is not None and not isinstance(tail, str):
             raise HandoffError(f"kvpack handoff 'tail_chunk' must be a string or null, got {tail!r}")
-        return cls(fingerprint, tenant, tokens, tail)
+        ranges = raw.get("head_ranges", 0)
+        if not isinstance(ranges, int) or isinstance(ranges, bool) or ranges < 0:
+            raise HandoffError(f"kvpack handoff 'head_ranges' must be an integer >= 0, got {ranges!r}")
+        return cls(fingerprint, tenant, tokens, tail, ranges)
 
     def check(self, fingerprint: str, tenant: str) -> None:
         """Raise HandoffError unless this handoff is for `fingerprint` and `tenant`."""

@@ -264,6 +264,7 @@ class SchedulerSide:
             handoff = Handoff.from_params(getattr(request, "kv_transfer_params", None))
             if handoff is not None:
                 handoff.check(self.scope.fingerprint, rs.tenant)
+                self._handoff_split(handoff)
             return handoff
         except HandoffError as exc:
             self._count("pd_refused")
@@ -272,23 +273,39 @@ class SchedulerSide:
                 log.error("kvpack: prefill/decode handoff refused (request %s): %s", request.request_id, exc)
             return None
 
+    def _handoff_split(self, handoff: Handoff) -> int:
+        """Canonical objects: the head split (index into `_splits`) the prefill instance
+        wrote (`Handoff.head_ranges`; 0: this engine's own). HandoffError for a split this
+        model has not."""
+        if not handoff.head_ranges or not self._splits:
+            return 0
+        index = next((i for i, split in enumerate(self._splits) if len(split) == handoff.head_ranges), None)
+        if index is None:
+            raise HandoffError(
+                f"the prefill instance stores each chunk as {handoff.head_ranges} KV-head ranges; "
+                f"this model's heads split into {sorted(len(split) for split in self._splits)} ranges only"
+            )
+        return index
+
     def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff) -> LoadPlan:
-        """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at most)."""
+        """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at
+        most), as the objects of the head split it wrote (a prefill instance at another TP size)."""
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
         full = min(handoff.tokens // bs, len(hashes))
         matched = min(handoff.tokens, n - 1)
+        source = self._handoff_split(handoff)
         tail: BlockRef | None = None
         if matched > full * bs:
             if handoff.tail_chunk is None or not self.config.tail_reuse:
                 matched = full * bs
             else:
                 used = tuple(tokens[full * bs : matched])
-                tail = BlockRef(handoff.tail_chunk, (), handoff.tokens - full * bs, used)
+                tail = BlockRef(handoff.tail_chunk, (), handoff.tokens - full * bs, used, source=source)
                 self.store.metrics.inc("tail_hit_tokens", len(used), tenant=rs.tenant)
         self._count("pd_handoffs")
-        return LoadPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True)
+        return LoadPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True, sources=(source,) * full)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
@@ -461,7 +478,8 @@ class SchedulerSide:
         if self.can_save and run is not None and wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             # a prefill instance: tell the decode instance what it saved (blocks captured as computed)
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
-            handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail)
+            ranges = len(self._splits[0]) if self._splits else 0
+            handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
             self._count("pd_handoffs_sent")
             return False, handoff.to_params()
         if not self.can_save or not partial_tails:

@@ -11,7 +11,9 @@ had not landed, and nothing told the consumer to wait).
 
 A decode request whose prefill instance never stored anything waits at most
 ``pd_wait_ms`` and recomputes (same text); a handoff from another layout is
-refused at once with an error naming it.
+refused at once with an error naming it. A prefill instance at TP=2 hands off
+to a decode instance at TP=1: the handoff says how many KV-head ranges it
+stored each chunk as, and the decode instance reads those objects.
 """
 
 from __future__ import annotations
@@ -183,3 +185,50 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
     log = (tmp_path / "decode.log").read_text(errors="replace")
     assert "prefill/decode handoff refused" in log and "0" * 32 in log
     assert os.path.getsize(tmp_path / "prefill.log") > 0
+
+
+def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_llama: Path, tmp_path: Path) -> None:
+    """P/D with different TP sizes (a common shape: wide prefill, narrow decode, or the
+    reverse). The TP=2 prefill instance stores each chunk as two head ranges
+    (``kv_h0_1``, ``kv_h1_2``) and says so in its handoff (``head_ranges``); the TP=1 decode
+    instance loads those and keeps every head. Before, it looked for its own ``kv``
+    objects, waited ``pd_wait_ms`` for objects that never come, and recomputed."""
+    ids = PROMPTS["A"]
+    baseline = _baseline_texts(tiny_llama)["A"]
+    common = {"disk": {"path": str(tmp_path / "kv")}, "memory": {"capacity": "256MiB"}}
+    two_ranks = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
+    producer, p_port = serve_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log", "--tensor-parallel-size", "2", env=two_ranks)
+    consumer = None
+    try:
+        metrics = free_port()
+        consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+        consumer, d_port = serve_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
+        handoff = post_completion(p_port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": 1,
+                                           "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]  # fmt: skip
+        assert handoff["kvpack"]["head_ranges"] == 2 and handoff["kvpack"]["tokens"] == len(ids)
+        before = scrape_kvpack(metrics, "kvpack_loaded_tokens_total")
+        start = time.monotonic()
+        out = post_completion(d_port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "kv_transfer_params": handoff})  # fmt: skip
+        waited = time.monotonic() - start
+        assert scrape_kvpack(metrics, "kvpack_loaded_tokens_total") - before == len(ids) - 1, f"answered in {waited:.1f} s"
+        assert out["choices"][0]["text"] == baseline
+    finally:
+        for proc in (consumer, producer):
+            if proc is not None:
+                stop_server(proc)
+
+
+def test_handoff_params_carry_the_head_split_and_refuse_a_bad_one() -> None:
+    from kvpack.vllm_plugin.handoff import Handoff, HandoffError
+
+    sent = Handoff("f" * 32, "t", 700, None, 2)
+    assert Handoff.from_params(sent.to_params()) == sent
+    older = sent.to_params()
+    del older["kvpack"]["head_ranges"]  # a prefill instance from before the field: its split is the reader's own
+    assert Handoff.from_params(older) == Handoff("f" * 32, "t", 700, None, 0)
+    for bad in (-1, "2", True, 1.5):
+        params = sent.to_params()
+        params["kvpack"]["head_ranges"] = bad
+        with pytest.raises(HandoffError, match="head_ranges"):
+            Handoff.from_params(params)

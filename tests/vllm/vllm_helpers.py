@@ -274,10 +274,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_openai(model: Path, kv: dict[str, Any] | None, log: Path, *args: str, ready_s: float = 240):  # type: ignore[no-untyped-def]
+def serve_openai(model: Path, kv: dict[str, Any] | None, log: Path, *args: str, ready_s: float = 240, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     """Start vLLM's OpenAI server on 127.0.0.1 (fp32, eager, vLLM prefix caching off) with
-    kv-transfer-config `kv` (None: no connector); wait until it is healthy. Returns
-    (process, port); the process leads a session of its own (`stop_server`)."""
+    kv-transfer-config `kv` (None: no connector) and the extra environment `env`; wait
+    until it is healthy. Returns (process, port); the process leads a session of its own
+    (`stop_server`)."""
     import json
     import subprocess
     import sys
@@ -285,7 +286,7 @@ def serve_openai(model: Path, kv: dict[str, Any] | None, log: Path, *args: str, 
     import urllib.request
 
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
