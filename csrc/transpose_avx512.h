@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define KVP_HAVE_AVX512 1
 #define KVP_AVX512_FN __attribute__((target("avx512f,avx512bw")))

@@ -53,6 +53,21 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path: Path, arch: str) -> None:
         assert obj.stat().st_size > 0
 
 
+@pytest.mark.skipif(shutil.which("g++") is None or os.uname().machine != "x86_64", reason="needs g++ on x86-64")
+@pytest.mark.parametrize("flags", [[], ["-mno-sse2"]], ids=["sse2+avx512", "scalar"])
+def test_the_cpu_canonical_copy_compiles_at_every_simd_level(flags: list[str]) -> None:
+    """The C++ sources with and without SSE2 (the build of a CPU without it, e.g. aarch64:
+    scalar code only, no AVX-512 either), warnings as errors. Each level's bytes are
+    checked in tests/common/test_canonical_copy.py."""
+    assert CSRC is not None
+    for cpp in ("canonical_copy_cpu.cpp", "block_copy_cpu.cpp"):
+        r = subprocess.run(
+            ["g++", "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", *flags, str(CSRC / cpp)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.skipif(_cuda_include() is None, reason="no cuda_runtime.h (CUDA toolkit) on this machine")
 def test_binding_cuda_branch_compiles(tmp_path: Path) -> None:
     """bindings.cpp with -DKVPACK_WITH_CUDA: the code the GPU machine builds, torch CPU headers only."""
