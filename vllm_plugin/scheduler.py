@@ -198,7 +198,7 @@ class SchedulerSide:
             plan = LoadPlan(n, rs, (), 0, 0, None)
         else:
             handoff = self._handoff_of(request, rs)
-            plan = self._handoff_plan(request, rs, n, handoff) if handoff else self._lookup_any(request, rs, n)
+            plan = self._handoff_plan(request, rs, n, *handoff) if handoff else self._lookup_any(request, rs, n)
         self._plans[request.request_id] = plan
         return plan
 
@@ -256,16 +256,17 @@ class SchedulerSide:
         tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
         return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers)
 
-    def _handoff_of(self, request: Request, rs: RequestScope) -> Handoff | None:
+    def _handoff_of(self, request: Request, rs: RequestScope) -> tuple[Handoff, int] | None:
         """The prefill instance's handoff in `request`'s params, if it is one for this engine's
-        layout and the request's tenant; a mismatch is refused here, logged as an error
-        and counted (the request is then served as any other)."""
+        layout and the request's tenant, with the head split it wrote (`_handoff_split`); a
+        mismatch is refused here, logged as an error and counted (the request is then served
+        as any other)."""
         try:
             handoff = Handoff.from_params(getattr(request, "kv_transfer_params", None))
-            if handoff is not None:
-                handoff.check(self.scope.fingerprint, rs.tenant)
-                self._handoff_split(handoff)
-            return handoff
+            if handoff is None:
+                return None
+            handoff.check(self.scope.fingerprint, rs.tenant)
+            return handoff, self._handoff_split(handoff)
         except HandoffError as exc:
             self._count("pd_refused")
             if str(exc) not in self._handoff_errors:
@@ -287,15 +288,15 @@ class SchedulerSide:
             )
         return index
 
-    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff) -> LoadPlan:
+    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff, source: int) -> LoadPlan:
         """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at
-        most), as the objects of the head split it wrote (a prefill instance at another TP size)."""
+        most), as the objects of the head split `source` it wrote (a prefill instance at
+        another TP size)."""
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
         full = min(handoff.tokens // bs, len(hashes))
         matched = min(handoff.tokens, n - 1)
-        source = self._handoff_split(handoff)
         tail: BlockRef | None = None
         if matched > full * bs:
             if handoff.tail_chunk is None or not self.config.tail_reuse:
