@@ -9,7 +9,8 @@ disk or Mooncake. Headers are always checked
 against the reader's expectation.
 
 A batch is one bookkeeping pass under the lock (capacity and eviction for
-the whole batch at once, slots), then its copies outside the lock, spread
+the whole batch at once, slots; new slabs it needs are made before that
+pass, outside the lock: `SlabArena.order`), then its copies outside the lock, spread
 over `copy_threads` threads (`kvpack.tiers.parallel`), then one pass that
 makes every object visible: concurrent puts and gets of different objects
 proceed in parallel, and an object is visible only once fully copied.
@@ -211,6 +212,19 @@ class MemoryTier(Tier):
         pairs: list[CopyPair] = []
         total = 0
         with self._lock:
+            if self._closed:
+                return [TierStatus.UNAVAILABLE] * n
+            # slabs only for what fits without evicting: an evicted group's slots are reused
+            room, fresh = self._capacity.capacity - self._capacity.used, []
+            for size, item in zip(sizes, items):
+                if size == item.header.payload_len and size <= room:
+                    fresh.append(size)
+                    room -= size
+            orders = self._arena.order(fresh)
+        if orders:  # new slabs are faulted in here, outside the lock: no get, pin or lookup waits for it
+            self._arena.make(orders)
+        with self._lock:
+            self._arena.adopt(orders)
             if self._closed:
                 return [TierStatus.UNAVAILABLE] * n
             todo: dict[str, list[int]] = {}
