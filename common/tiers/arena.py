@@ -30,12 +30,15 @@ On CUDA hosts slabs are pinned (`torch.empty(pin_memory=True)`), so a slab
 costs one pinned allocation instead of one per object (torch's host cache may
 keep a freed pinned slab for reuse).
 
-Making a slab takes milliseconds (the kernel zeroes and maps every page; on
-Linux one ``MADV_POPULATE_WRITE`` call does it, measured 8 ms per 64 MiB of
-huge pages on a VM where touching each 4 KiB page took 160-175 ms), so it is
-split in three: `order` reserves the slabs a batch needs against the bound,
-`make` creates them touching no arena state (the caller holds no lock, so a
-reader never waits for page faults), `adopt` adds them to the free lists.
+Making a slab takes milliseconds to a few hundred (the kernel zeroes and maps
+every page; on Linux ``MADV_POPULATE_WRITE`` does it in 4 MiB steps, so the
+process's mmap lock is never held long, else each page is touched). Measured
+on a 2-core VM, per 64 MiB of huge pages: 8-10 ms when the kernel has free
+huge pages, up to 175 ms when it must compact memory first (touching each
+page: 12-173 ms), so it is split in three: `order` reserves the slabs a
+batch needs against the bound, `make` creates them touching no arena state
+(the caller holds no lock, so a reader never waits for page faults), `adopt`
+adds them to the free lists.
 `alloc` still grows in place when no slab was ordered (a race with another
 batch): correct, only slower.
 
@@ -56,6 +59,8 @@ MIN_SLAB_BYTES = 4096
 _TOUCH_STRIDE = 4096
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 """Linux >= 5.14 (Python < 3.12 does not name it): fault a whole region in, writable, in one call."""
+_POPULATE_STEP = 4 << 20
+"""Bytes faulted in per call (two huge pages; about 0.5 ms each on the VM measured)."""
 
 
 def slab_for_capacity(capacity: int) -> tuple[int, int]:
@@ -79,7 +84,10 @@ def _system_slab(nbytes: int, pin: bool) -> np.ndarray:
     # fault the pages in now, once, not on the store path
     if _MADV_POPULATE_WRITE is not None:
         try:
-            region.madvise(_MADV_POPULATE_WRITE)
+            # in steps: the call holds the process's mmap lock, which an allocation on the
+            # engine's forward path (an mmap) would otherwise wait for over the whole slab
+            for start in range(0, nbytes, _POPULATE_STEP):
+                region.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, nbytes - start))
             return arr
         except (OSError, ValueError):  # an older kernel: EINVAL
             pass
