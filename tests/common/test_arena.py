@@ -66,6 +66,8 @@ def test_ordered_slabs_stay_within_the_bound_and_a_refused_one_is_handed_back(mo
     a.make(more)
     a.adopt(more)
     assert a.reserved_bytes == reserved - sum(o.nbytes for o in more)  # nothing made, nothing kept reserved
+    assert a.alloc(3 * 4096) is None  # growing in place: refused, so no slot, and nothing reserved
+    assert a.reserved_bytes == reserved - sum(o.nbytes for o in more)
 
 
 def _bounded(call: Callable[[], object]) -> object:
