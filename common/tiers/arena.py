@@ -150,15 +150,10 @@ class SlabArena:
             return slot
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        count = self._next_slab_slots(nbytes)
-        if not count:
-            return None
-        order = SlabOrder(nbytes, count)
-        self.reserved_bytes += order.nbytes
-        self._pending[nbytes] = self._pending.get(nbytes, 0) + count
-        self.make([order])
-        self.adopt([order])
-        return self._pop_free(nbytes)  # None when the system refused the slab
+        orders = self.order([nbytes])  # growing in place, under the caller's lock
+        self.make(orders)
+        self.adopt(orders)
+        return self._pop_free(nbytes)  # None when no slab fits the bound or the system refused it
 
     def order(self, sizes: Sequence[int]) -> list[SlabOrder]:
         """The slabs that `alloc` of every size in `sizes` would make (beyond the free slots),
