@@ -4,14 +4,22 @@ within a stated bound of the tier's capacity.
 Copying into fresh memory costs a page fault per 4 KiB page, which on a VM
 caps a store at a fraction of memcpy speed (measured here: ~1.6 GB/s into
 fresh buffers vs ~12 GB/s into reused ones). The arena therefore takes memory
-from the system in slabs, asks for transparent huge pages and touches them
-once, then hands out slots of one exact size per free list (KV chunks of one
-engine are uniform). A slab for slots of `n` bytes is a whole number of slots,
-so no slab wastes a tail; a size seen for the first time gets a one-slot
-slab, and each further slab of that size doubles (as many slots as that size
-has so far, up to ``slab_bytes // n``; one slot when ``2n > slab_bytes``):
-uniform chunks reach whole slabs after a few stores, while a one-off size
-costs exactly its bytes.
+from the system in slabs, faults them in once, then hands out slots of one
+exact size per free list (KV chunks of one engine are uniform). A slab for
+slots of `n` bytes is a whole number of slots, so no slab wastes a tail; a
+size seen for the first time gets a one-slot slab, and each further slab of
+that size doubles (as many slots as that size has so far, up to
+``slab_bytes // n``; one slot when ``2n > slab_bytes``): uniform chunks reach
+whole slabs after a few stores, while a one-off size costs exactly its bytes.
+
+Slabs are 4 KiB pages (``MADV_NOHUGEPAGE``), never transparent huge pages:
+where the kernel has no free huge page, a huge-page fault makes the faulting
+thread compact memory first. In a vLLM CPU engine that took the save thread
+450-560 ms of CPU for the ~230 MiB of a first fill, on the cores the forward
+pass runs on (90-150 ms with 4 KiB pages; in a fresh process,
+per 256 MiB: 33 ms with free huge pages, 660 ms when compacting, 67-82 ms in
+4 KiB pages). Copies into the tier run at the same speed either way
+(`kvpack bench tiers`: put and get 0.94-1.11x memcpy with either page size).
 
 Bound (the invariant the tests check): ``reserved_bytes <= limit_bytes``
 always. `slab_for_capacity` sizes both from the tier's capacity: slabs of
@@ -30,12 +38,10 @@ On CUDA hosts slabs are pinned (`torch.empty(pin_memory=True)`), so a slab
 costs one pinned allocation instead of one per object (torch's host cache may
 keep a freed pinned slab for reuse).
 
-Making a slab takes milliseconds to a few hundred (the kernel zeroes and maps
-every page; on Linux ``MADV_POPULATE_WRITE`` does it in 4 MiB steps, so the
-process's mmap lock is never held long, else each page is touched). Measured
-on a 2-core VM, per 64 MiB of huge pages: 8-10 ms when the kernel has free
-huge pages, up to 175 ms when it must compact memory first (touching each
-page: 12-173 ms), so it is split in three: `order` reserves the slabs a
+Making a slab takes milliseconds (the kernel zeroes and maps every page; on
+Linux ``MADV_POPULATE_WRITE`` does it in 4 MiB steps, so the process's mmap
+lock is never held long, else each page is touched): 17-20 ms per 64 MiB on
+the 2-core VM measured. So it is split in three: `order` reserves the slabs a
 batch needs against the bound, `make` creates them touching no arena state
 (the caller holds no lock, so a reader never waits for page faults), `adopt`
 adds them to the free lists.
@@ -60,7 +66,7 @@ _TOUCH_STRIDE = 4096
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 """Linux >= 5.14 (Python < 3.12 does not name it): fault a range in, writable, in one call."""
 _POPULATE_STEP = 4 << 20
-"""Bytes faulted in per call (two huge pages: 0.5 ms on the VM measured, 11 ms when it compacts)."""
+"""Bytes faulted in per call (about 1.2 ms on the VM measured)."""
 
 
 def slab_for_capacity(capacity: int) -> tuple[int, int]:
@@ -75,9 +81,9 @@ def _system_slab(nbytes: int, pin: bool) -> np.ndarray:
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:  # 4 KiB pages even where THP is "always": a huge-page fault may compact memory first
+            region.madvise(mmap.MADV_NOHUGEPAGE)
         except OSError:  # pragma: no cover - kernels without THP
             pass
     arr = np.frombuffer(region, dtype=np.uint8)

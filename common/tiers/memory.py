@@ -19,7 +19,7 @@ proceed in parallel, and an object is visible only once fully copied.
 `unpin` or a deadline (`kvpack.lifecycle`: prepare_load -> complete_load);
 a store that would need a pinned group's room is dropped (NO_SPACE) instead.
 
-Payload memory comes from a `SlabArena` (large pre-faulted, huge-page slabs,
+Payload memory comes from a `SlabArena` (large pre-faulted slabs,
 pinned on CUDA hosts, one free list per slot size), so a store never pays a
 page fault per 4 KiB. Memory bound: the arena never holds more than
 ``capacity + 2 * slab`` bytes, slab = capacity / 8 clamped to 4 KiB .. 64 MiB

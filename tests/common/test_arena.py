@@ -45,6 +45,34 @@ def test_a_new_slab_is_resident_before_a_store_writes_it(populate: bool, monkeyp
     assert not slab[:: 1 << 20].any()  # fresh anonymous memory reads as zeros
 
 
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="the kernel has no transparent huge pages"
+)
+def test_a_new_slab_never_asks_for_huge_pages() -> None:
+    """A huge-page fault may make the faulting thread compact memory first: in a vLLM CPU
+    engine that cost the save thread 4-5x the CPU of 4 KiB pages on the engine's cores
+    (module docstring). So a slab is advised against huge pages, whatever THP's setting."""
+    slab = arena_module._system_slab(8 << 20, pin=False)  # noqa: SLF001 - the mapping itself is under test
+    flags = _mapping_of(slab.ctypes.data)["VmFlags"].split()
+    assert "nh" in flags and "hg" not in flags, flags
+    assert _mapping_of(slab.ctypes.data)["AnonHugePages"] == "0 kB"
+
+
 def test_ordered_slabs_stay_within_the_bound_and_a_refused_one_is_handed_back(monkeypatch: pytest.MonkeyPatch) -> None:
     a = SlabArena(slab_bytes=1 << 16, limit_bytes=1 << 18)
     orders = a.order([4096] * 40)  # 160 KiB of slots wanted
