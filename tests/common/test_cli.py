@@ -123,3 +123,35 @@ def test_bench_serve_table_ratios_and_targets() -> None:
     table = report(rows)
     assert "| kvpack | 0.300 | 0.500 | 0.300 | 0.375 | 0.100, 0.250 | 0 | 4352 | 4352 of 4608 (0.94) | 12 of 12 | 0 |" in table
     assert "(96 objects on disk)" in table
+
+
+
+def test_cpu_sample_counts_the_named_threads_apart_from_the_rest() -> None:
+    """`kvpack bench vllm` reports kvpack's own threads' CPU next to the process's: a live
+    thread named with the prefix counts in both, one named otherwise in the total only."""
+    import threading
+    import time
+
+    from kvpack.tools.bench.timing import cpu_sample
+
+    done = threading.Event()
+
+    def burn_then_wait() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait(10)
+
+    threads = [threading.Thread(target=burn_then_wait, name=n) for n in ("kvpacktest-burn", "other-burn")]
+    before = cpu_sample("kvpacktest")
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while (cpu_sample("kvpacktest") - before).total_s < 0.6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    used = cpu_sample("kvpacktest") - before
+    done.set()
+    for t in threads:
+        t.join(10)
+    assert used.total_s >= 0.6
+    assert 0.25 <= used.named_s <= 0.45, used  # the named thread's 0.3 s, not the other one's

@@ -22,6 +22,38 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) ->
     return min(times)
 
 
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds used by this process so far: all of it, and by its threads named `prefix*`."""
+
+    total_s: float
+    named_s: float
+
+    def __sub__(self, other: CpuSample) -> CpuSample:
+        return CpuSample(self.total_s - other.total_s, self.named_s - other.named_s)
+
+
+def cpu_sample(prefix: str) -> CpuSample:
+    """This process's CPU time (user + system) and the part its live threads whose Python
+    name starts with `prefix` used (Linux: /proc/self/task; 0 for the threads elsewhere).
+    A named thread that exits between two samples drops out of the difference."""
+    import threading
+
+    t = os.times()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    named = 0.0
+    for thread in threading.enumerate():
+        if not thread.name.startswith(prefix) or thread.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        named += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return CpuSample(t.user + t.system, named)
+
+
 def write_report(path: str, title: str, command: str, table: str) -> None:
     """Write a benchmark's markdown report: title, exact command, machine, table."""
     from pathlib import Path
