@@ -155,3 +155,4 @@ def test_cpu_sample_counts_the_named_threads_apart_from_the_rest() -> None:
         t.join(10)
     assert used.total_s >= 0.6
     assert 0.25 <= used.named_s <= 0.45, used  # the named thread's 0.3 s, not the other one's
+    assert set(used.named) == {"kvpacktest-burn"}

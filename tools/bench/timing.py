@@ -24,24 +24,33 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) ->
 
 @dataclass(frozen=True)
 class CpuSample:
-    """CPU seconds used by this process so far: all of it, and by its threads named `prefix*`."""
+    """CPU seconds used by this process so far: all of it, and by each kind of its threads
+    named `prefix*` (a thread's name less a trailing ``-<number>``)."""
 
     total_s: float
-    named_s: float
+    named: dict[str, float]
+
+    @property
+    def named_s(self) -> float:
+        return sum(self.named.values())
 
     def __sub__(self, other: CpuSample) -> CpuSample:
-        return CpuSample(self.total_s - other.total_s, self.named_s - other.named_s)
+        kinds = self.named.keys() | other.named.keys()
+        return CpuSample(
+            self.total_s - other.total_s, {k: self.named.get(k, 0.0) - other.named.get(k, 0.0) for k in sorted(kinds)}
+        )
 
 
 def cpu_sample(prefix: str) -> CpuSample:
     """This process's CPU time (user + system) and the part its live threads whose Python
-    name starts with `prefix` used (Linux: /proc/self/task; 0 for the threads elsewhere).
+    name starts with `prefix` used, by kind (Linux: /proc/self/task; none elsewhere).
     A named thread that exits between two samples drops out of the difference."""
+    import re
     import threading
 
     t = os.times()
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    named = 0.0
+    named: dict[str, float] = {}
     for thread in threading.enumerate():
         if not thread.name.startswith(prefix) or thread.native_id is None:
             continue
@@ -50,7 +59,9 @@ def cpu_sample(prefix: str) -> CpuSample:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        named += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+        kind = re.sub(r"-\d+$", "", thread.name)
+        # utime and stime: fields 14 and 15 of stat, counted after the ")" that ends the name
+        named[kind] = named.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return CpuSample(t.user + t.system, named)
 
 

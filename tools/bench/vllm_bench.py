@@ -253,8 +253,10 @@ def report(results: list[Result], prompts: int) -> str:
     if store is not None and base_cpu is not None and store.total_s > 0:
         lines.append(
             f"CPU of the store pass (until its stores were drained): {store.total_s:.2f} s, of which kvpack's own "
-            f"threads (save, write-back, copies) {store.named_s:.2f} s = {store.named_s / store.total_s:.1%} "
-            f"({1e3 * store.named_s / prompts:.1f} ms per prompt); the no-connector pass used {base_cpu.total_s:.2f} s "
+            f"threads {store.named_s:.2f} s = {store.named_s / store.total_s:.1%} "
+            f"({1e3 * store.named_s / prompts:.1f} ms per prompt: "
+            + ", ".join(f"{k} {1e3 * v / prompts:.1f}" for k, v in store.named.items())
+            + f"); the no-connector pass used {base_cpu.total_s:.2f} s "
             f"({store.total_s / max(1e-9, base_cpu.total_s):.3f}x). The copy out of the KV cache in each step's "
             "wait_for_save runs on the engine's thread and is in the total only."
         )
