@@ -19,7 +19,10 @@ TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; each number is
 the median over `--repeats` distinct prompts after `--warmups` warm-up prompts.
 Decode speed (no connector, and a kvpack engine whose prompts are hits): per
 prompt, `DECODE_STEPS` more tokens' wall time over a 1-token run of the same
-prompt, median over the timed prompts. Prints ratios; asserts nothing about speed.
+prompt, median over the timed prompts. CPU: the store pass's CPU seconds until its
+stores are drained, and the part kvpack's own threads used (by thread), next to the
+no-connector pass's: what saving costs the engine's cores, which this bench's TTFT
+noise (+-10% on a shared 2-core box) can hide. Prints ratios; asserts nothing about speed.
 """
 
 from __future__ import annotations
