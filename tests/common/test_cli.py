@@ -125,7 +125,6 @@ def test_bench_serve_table_ratios_and_targets() -> None:
     assert "(96 objects on disk)" in table
 
 
-
 def test_cpu_sample_counts_the_named_threads_apart_from_the_rest() -> None:
     """`kvpack bench vllm` reports kvpack's own threads' CPU next to the process's: a live
     thread named with the prefix counts in both, one named otherwise in the total only."""

@@ -193,7 +193,10 @@ def run(args: argparse.Namespace) -> list[Result]:
         "kv_connector_extra_config": {"disk": {"path": str(kv_dir)}},
     }
     miss, hit = _store_then_hit(model, kv, max_len, warm, timed)
-    results += [Result("kvpack miss (store)", miss[0], miss[1], n, cpu=miss[2]), Result("kvpack hit (memory)", hit[0], hit[1], n, hit[2])]
+    results += [
+        Result("kvpack miss (store)", miss[0], miss[1], n, cpu=miss[2]),
+        Result("kvpack hit (memory)", hit[0], hit[1], n, hit[2]),
+    ]
     if not args.no_disk_hit:
         llm = _engine(model, kv, max_len)
         _ttft(llm, _prompts(3, args.warmups, n))
