@@ -68,9 +68,10 @@ def test_a_new_slab_never_asks_for_huge_pages() -> None:
     engine that cost the save thread 4-5x the CPU of 4 KiB pages on the engine's cores
     (module docstring). So a slab is advised against huge pages, whatever THP's setting."""
     slab = arena_module._system_slab(8 << 20, pin=False)  # noqa: SLF001 - the mapping itself is under test
-    flags = _mapping_of(slab.ctypes.data)["VmFlags"].split()
+    mapping = _mapping_of(slab.ctypes.data)
+    flags = mapping["VmFlags"].split()
     assert "nh" in flags and "hg" not in flags, flags
-    assert _mapping_of(slab.ctypes.data)["AnonHugePages"] == "0 kB"
+    assert mapping["AnonHugePages"] == "0 kB"
 
 
 def test_ordered_slabs_stay_within_the_bound_and_a_refused_one_is_handed_back(monkeypatch: pytest.MonkeyPatch) -> None:
