@@ -32,4 +32,3 @@ def lower_current_thread_priority(niceness: int = BACKGROUND_NICENESS) -> bool:
         return True
     except (AttributeError, OSError):
         return False
-

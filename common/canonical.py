@@ -53,11 +53,16 @@ class StoredRange:
     fingerprint: str
 
 
-def split_sources(group: KVLayoutSpec, split: HeadSplit, own: HeadRange, num_layers: int) -> tuple[tuple[StoredRange, ...], ...]:
+def split_sources(
+    group: KVLayoutSpec, split: HeadSplit, own: HeadRange, num_layers: int
+) -> tuple[tuple[StoredRange, ...], ...]:
     """Per head split a writer at some TP size stores (`HeadSplit.partitions` order, the
     reader's own first), the objects overlapping `own`, with their member names and
     fingerprints: fixed for an engine's lifetime, so computed once at registration."""
     return tuple(
-        tuple(StoredRange(stored, part, split.member(stored), member_fingerprint(group, split, stored, num_layers)) for stored, part in sources(own, partition))
+        tuple(
+            StoredRange(stored, part, split.member(stored), member_fingerprint(group, split, stored, num_layers))
+            for stored, part in sources(own, partition)
+        )
         for partition in split.partitions()
     )

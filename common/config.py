@@ -259,7 +259,9 @@ class MooncakeTierConfig:
             raise ConfigError(where, f"{file} must hold a JSON object")
         unknown = sorted(set(data) - set(self.FILE_KEYS) - set(self.FILE_IGNORED_KEYS))
         if unknown:
-            raise ConfigError(f"{where}:{unknown[0]}", f"unknown Mooncake config key; known: {', '.join(self.FILE_KEYS)}")
+            raise ConfigError(
+                f"{where}:{unknown[0]}", f"unknown Mooncake config key; known: {', '.join(self.FILE_KEYS)}"
+            )
         defaults = MooncakeTierConfig()
         updates: dict[str, Any] = {}
         for key in self.FILE_KEYS:
@@ -400,12 +402,18 @@ class KVPackConfig:
             raise ConfigError(_join(path, "integrity_key_file"), "set integrity_key or integrity_key_file, not both")
         self.integrity_key_bytes(path)
         if not (math.isfinite(self.shutdown_flush_s) and 0 < self.shutdown_flush_s <= 3600):
-            raise ConfigError(_join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}")
+            raise ConfigError(
+                _join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}"
+            )
         check_range(_join(path, "pd_wait_ms"), self.pd_wait_ms, 0, MAX_WAIT_MS)
         if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
-            raise ConfigError(_join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}")
+            raise ConfigError(
+                _join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}"
+            )
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):
-            raise ConfigError(_join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled")
+            raise ConfigError(
+                _join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled"
+            )
 
     def signing_key_bytes(self) -> bytes:
         """The tenant signing key (b"" when none is configured)."""
@@ -468,7 +476,9 @@ def _hex_key(path: str, text: str, min_bytes: int, max_bytes: int) -> bytes:
     except ValueError:
         raise ConfigError(path, "must be a hex string") from None
     if not min_bytes <= len(key) <= max_bytes:
-        raise ConfigError(path, f"must be {min_bytes}-{max_bytes} bytes ({2 * min_bytes}-{2 * max_bytes} hex digits), got {len(key)}")
+        raise ConfigError(
+            path, f"must be {min_bytes}-{max_bytes} bytes ({2 * min_bytes}-{2 * max_bytes} hex digits), got {len(key)}"
+        )
     return key
 
 

@@ -163,7 +163,9 @@ def resolve_lookup(
     target_names = [m.name for m in members if m.role is not MemberRole.DRAFT]
     every = [m.name for m in members if m.trailing_chunks is None]
     every_target = [m.name for m in members if m.trailing_chunks is None and m.role is not MemberRole.DRAFT]
-    windows = {m.name: _window_ok(presence, m.name, m.trailing_chunks) for m in members if m.trailing_chunks is not None}
+    windows = {
+        m.name: _window_ok(presence, m.name, m.trailing_chunks) for m in members if m.trailing_chunks is not None
+    }
     target_windows = [windows[m.name] for m in members if m.name in windows and m.role is not MemberRole.DRAFT]
     full_run = _leading(presence, every)
     target_run = _leading(presence, every_target)
@@ -193,7 +195,9 @@ def resolve_lookup(
         there = [n for n in parts if presence[target_run].get(n, False)]
         if there:
             cut = tuple(n for n in parts if n not in there)
-    return GroupLookup(full, target, hit, tuple(names), tuple(target_names), missing, restorable, member_hits, boundary_missing=cut)
+    return GroupLookup(
+        full, target, hit, tuple(names), tuple(target_names), missing, restorable, member_hits, boundary_missing=cut
+    )
 
 
 def _leading(presence: Sequence[dict[str, bool]], names: Sequence[str]) -> int:
@@ -224,4 +228,6 @@ def tail_usable(members: Sequence[MemberSpec], stored_members: Sequence[str], ma
     loaded: a BOUNDARY member is the state after the tail's last token, so its tail
     serves only a prompt that contains the whole tail."""
     present = set(stored_members)
-    return all(m.coverage is not Coverage.BOUNDARY or m.name not in present or matched == stored_tokens for m in members)
+    return all(
+        m.coverage is not Coverage.BOUNDARY or m.name not in present or matched == stored_tokens for m in members
+    )

@@ -107,5 +107,7 @@ def format_summary(summary: StoreSummary) -> str:
             f"{t.payload_bytes / 2**20:.1f} MiB, {t.tails} tails, {len(t.fingerprints)} layouts"
         )
     if summary.unreadable:
-        lines.append(f"  {len(summary.unreadable)} unreadable files (would be refused on load), e.g. {summary.unreadable[0]}")
+        lines.append(
+            f"  {len(summary.unreadable)} unreadable files (would be refused on load), e.g. {summary.unreadable[0]}"
+        )
     return "\n".join(lines)

@@ -153,7 +153,9 @@ class PlanBook:
                 self._storing.pop(key, None)
 
 
-def count_gone(metrics: Metrics, keys: Sequence[StoreKey], tiers: Sequence[str], results: Sequence[GetResult | None]) -> None:
+def count_gone(
+    metrics: Metrics, keys: Sequence[StoreKey], tiers: Sequence[str], results: Sequence[GetResult | None]
+) -> None:
     """Objects a lookup found in `tiers[i]` that were gone from it at load: counted
     (``evicted_before_load``) and logged, apart from plain misses; `results` says
     whether another tier still had them."""
@@ -163,14 +165,17 @@ def count_gone(metrics: Metrics, keys: Sequence[StoreKey], tiers: Sequence[str],
     tally.flush()
     recovered = sum(1 for r in results if r is not None and r.ok)
     log.warning(
-        "kvpack: %d objects the lookup found were gone from %s at load (evicted in between); %d loaded from another tier",
+        "kvpack: %d objects the lookup found were gone from %s at load (evicted in between); %d loaded from "
+        "another tier",
         len(keys),
         sorted(set(tiers)),
         recovered,
     )
 
 
-def count_lookup(metrics: Metrics, policy: DraftPolicy, tenant: str, asked_tokens: int, result: GroupLookup, chunk_tokens: int) -> None:
+def count_lookup(
+    metrics: Metrics, policy: DraftPolicy, tenant: str, asked_tokens: int, result: GroupLookup, chunk_tokens: int
+) -> None:
     """Count one lookup: asked and hit tokens, a full hit, partial hits by missing member
     (logged: a partial hit is never silent)."""
     metrics.inc("lookups", tenant=tenant)
@@ -184,7 +189,8 @@ def count_lookup(metrics: Metrics, policy: DraftPolicy, tenant: str, asked_token
         metrics.inc("partial_hits", tenant=tenant, missing_member=member)
     if result.boundary_missing:
         log.info(
-            "kvpack: partial hit for tenant %s: the chunk after the hit holds part of its group, not %s; the hit stops before it",
+            "kvpack: partial hit for tenant %s: the chunk after the hit holds part of its group, not %s; the hit "
+            "stops before it",
             tenant,
             list(result.boundary_missing),
         )

@@ -58,29 +58,45 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("lookup_tokens", "Tokens asked about in lookups", ("tenant",)),
     MetricSpec("hit_tokens", "Tokens reported as hits (every required member present)", ("tenant",)),
     MetricSpec("full_hits", "Lookups whose hit covers every required member", ("tenant",)),
-    MetricSpec("partial_hits", "Chunks whose target was stored but a required member was not", ("tenant", "missing_member")),
+    MetricSpec(
+        "partial_hits", "Chunks whose target was stored but a required member was not", ("tenant", "missing_member")
+    ),
     MetricSpec("tail_hit_tokens", "Tokens reused from stored partial-block tails", ("tenant",)),
     MetricSpec("loaded_tokens", "Tokens restored into the engine", ("tenant",)),
-    MetricSpec("sync_loads", "Hits loaded inside the engine step that computes the rest of the prompt (no step spent waiting)", ("tenant",)),
+    MetricSpec(
+        "sync_loads",
+        "Hits loaded inside the engine step that computes the rest of the prompt (no step spent waiting)",
+        ("tenant",),
+    ),
     MetricSpec("loaded_bytes", "Payload bytes read", ("tenant", "tier")),
     MetricSpec("stored_bytes", "Payload bytes written", ("tenant", "tier")),
     MetricSpec("stored_objects", "Objects written", ("tenant", "tier")),
     MetricSpec("load_failures", "Objects that could not be loaded (the engine recomputes)", ("tenant", "status")),
     MetricSpec(
         "evicted_before_load",
-        "Objects a lookup found in a tier that no longer held them at load (evicted in between; another tier or a recompute served them)",
+        "Objects a lookup found in a tier that no longer held them at load (evicted in between; another tier or a "
+        "recompute served them)",
         ("tenant", "tier"),
     ),
     MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
     MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
     MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),
-    MetricSpec("lookups_held", "Lookups held back (the request waited, not the engine) while a tier made its first connect", ("tenant",)),
+    MetricSpec(
+        "lookups_held",
+        "Lookups held back (the request waited, not the engine) while a tier made its first connect",
+        ("tenant",),
+    ),
     MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
     MetricSpec("handoff_loads", "Prefill/decode handoffs loaded (objects still landing waited for)", ("tenant",)),
     MetricSpec("handoff_missing", "Handoff objects that had not landed within pd_wait_ms (recomputed)", ("tenant",)),
-    MetricSpec("handoff_wait_seconds", "How long a handoff load waited for the prefill instance's objects", ("tenant",), Kind.HISTOGRAM),
+    MetricSpec(
+        "handoff_wait_seconds",
+        "How long a handoff load waited for the prefill instance's objects",
+        ("tenant",),
+        Kind.HISTOGRAM,
+    ),
     MetricSpec("lookup_seconds", "Lookup latency", ("tenant",), Kind.HISTOGRAM),
     MetricSpec("load_seconds", "Batch load latency", ("tier",), Kind.HISTOGRAM),
     MetricSpec("store_seconds", "Batch store latency", ("tier",), Kind.HISTOGRAM),
@@ -104,7 +120,9 @@ class Metrics:
         self._prom: dict[str, Counter | Histogram] = {}
         for spec in SPECS:
             if spec.kind is Kind.COUNTER:
-                self._prom[spec.name] = Counter(spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry)
+                self._prom[spec.name] = Counter(
+                    spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry
+                )
             else:
                 self._prom[spec.name] = Histogram(
                     spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry, buckets=_BUCKETS
@@ -112,7 +130,9 @@ class Metrics:
         self._server: Any = None
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
-        self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
+        self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(
+            lambda: defaultdict(lambda: [0.0, 0.0, 0.0])
+        )
 
     @classmethod
     def for_config(cls, config: KVPackConfig) -> Metrics:
@@ -221,10 +241,10 @@ class Metrics:
 class Tally:
     """Per-batch accumulator: many `inc` calls on a hot path become one per label set.
 
-        tally = Tally(metrics)
-        for item in batch:
-            tally.inc("stored_bytes", n, tenant=t, tier="memory")
-        tally.flush()
+    tally = Tally(metrics)
+    for item in batch:
+        tally.inc("stored_bytes", n, tenant=t, tier="memory")
+    tally.flush()
     """
 
     def __init__(self, metrics: Metrics) -> None:

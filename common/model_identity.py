@@ -290,7 +290,9 @@ def _safetensors_entries(f: Path) -> list[tuple[str, str, tuple[int, ...], Path,
             start = 8 + n
             if not 0 <= begin <= end or start + end > size:
                 raise ValueError(f"tensor {name}: data_offsets {meta['data_offsets']} outside the file")
-            out.append((str(name), str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), f, start + begin, start + end))
+            out.append(
+                (str(name), str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), f, start + begin, start + end)
+            )
         return out
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"kvpack: cannot read the safetensors header of {f}: {exc}") from None

@@ -282,7 +282,13 @@ class Expectation:
 
     @classmethod
     def batch(
-        cls, fingerprint: str, tenant: str, chunks: Sequence[str], member: str, token_count: int | None, payload_len: int | None
+        cls,
+        fingerprint: str,
+        tenant: str,
+        chunks: Sequence[str],
+        member: str,
+        token_count: int | None,
+        payload_len: int | None,
     ) -> list[Expectation]:
         """``[Expectation(fingerprint, tenant, c, member, token_count, payload_len) for c in chunks]``,
         built with slot stores; equal, field for field, to the constructor's."""
@@ -359,7 +365,14 @@ class HeaderFastPath:
     @staticmethod
     def encoded_len(header: ObjectHeader) -> int:
         """Bytes of `header.encode()` (see the layout in the module docstring)."""
-        n = _PREFIX.size + 3 + len(header.tenant.encode()) + len(header.chunk.encode()) + len(header.member.encode()) + _U32.size
+        n = (
+            _PREFIX.size
+            + 3
+            + len(header.tenant.encode())
+            + len(header.chunk.encode())
+            + len(header.member.encode())
+            + _U32.size
+        )
         if header.token_ids is not None:
             n += _U32.size + 4 * len(header.token_ids)
         return n
@@ -387,7 +400,14 @@ class HeaderFastPath:
         if exp.token_ids_prefix is not None or exp.token_count is None or exp.payload_len is None or n < _PREFIX.size:
             return None
         magic, version, hl, flags, tc, plen, csum, fp = _PREFIX.unpack_from(raw, 0)
-        if magic != MAGIC or version != FORMAT_VERSION or flags or tc != exp.token_count or plen != exp.payload_len or n != hl + plen:
+        if (
+            magic != MAGIC
+            or version != FORMAT_VERSION
+            or flags
+            or tc != exp.token_count
+            or plen != exp.payload_len
+            or n != hl + plen
+        ):
             return None
         want_fp = self._fp.get(exp.fingerprint, b"")
         if want_fp == b"":

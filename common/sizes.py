@@ -76,7 +76,9 @@ def _bounded(n: int, original: object) -> int:
     if n < 0:
         raise ValueError(f"size must be >= 0, got {original!r}")
     if n > MAX_SIZE:
-        shown = original[:24] + "..." if isinstance(original, str) and len(original) > 24 else f"of {n.bit_length()} bits"
+        shown = (
+            original[:24] + "..." if isinstance(original, str) and len(original) > 24 else f"of {n.bit_length()} bits"
+        )
         raise ValueError(f"size {shown} is larger than the maximum {MAX_SIZE} bytes (1 EiB)")
     return n
 
@@ -91,8 +93,17 @@ def parse_mooncake_size(value: object) -> int:
         return value
     if isinstance(value, str):
         s = value.strip().lower()
-        for suffix, mult in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
-                             ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)):
+        for suffix, mult in (
+            ("kb", 1 << 10),
+            ("mb", 1 << 20),
+            ("gb", 1 << 30),
+            ("tb", 1 << 40),
+            ("k", 1 << 10),
+            ("m", 1 << 20),
+            ("g", 1 << 30),
+            ("t", 1 << 40),
+            ("b", 1),
+        ):
             if s.endswith(suffix):
                 return _mooncake_number(s[: -len(suffix)], mult, value)
         return _mooncake_number(s, 1, value)

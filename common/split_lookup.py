@@ -30,7 +30,14 @@ Find = Callable[[Sequence[MemberSpec]], GroupLookup]
 """`KVStore`'s lookup of the chunks under one member set."""
 
 
-def lookup_sets(locate: Locate, find: Find, tenant: str, fingerprint: str, chunks: Sequence[str], sets: Sequence[Sequence[MemberSpec]]) -> GroupLookup:
+def lookup_sets(
+    locate: Locate,
+    find: Find,
+    tenant: str,
+    fingerprint: str,
+    chunks: Sequence[str],
+    sets: Sequence[Sequence[MemberSpec]],
+) -> GroupLookup:
     """`KVStore.lookup` over `sets` (the engine's own first): plain sets mix per chunk
     (`find_over_splits`); others one set for the whole prefix, the first that holds
     chunk 0 (the answer's `all_members` says which)."""
@@ -50,7 +57,9 @@ def plain(sets: Sequence[Sequence[MemberSpec]]) -> bool:
     return all(m.role is MemberRole.TARGET and m.trailing_chunks is None for ms in sets for m in ms)
 
 
-def find_over_splits(locate: Locate, tenant: str, fingerprint: str, chunks: Sequence[str], sets: Sequence[Sequence[MemberSpec]]) -> GroupLookup:
+def find_over_splits(
+    locate: Locate, tenant: str, fingerprint: str, chunks: Sequence[str], sets: Sequence[Sequence[MemberSpec]]
+) -> GroupLookup:
     """The longest prefix of `chunks` whose every chunk some set of `sets` holds whole.
 
     At most two `locate` calls: the first set for every chunk, then, if some chunk is not

@@ -41,11 +41,11 @@ from .budget import WaitBudget
 from .config import ChecksumPolicy, KVPackConfig
 from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
-from .keys import GroupKey, StoreKey
 from .integrity import IntegrityKey, check_loaded, seal_items
+from .keys import GroupKey, StoreKey
 from .lifecycle import LoadPlan, PlanBook, count_gone, count_lookup
 from .metrics import Metrics, Tally
-from .objects import Expectation, RejectReason, ObjectHeader, Payload, copy_parts_into, payload_checksum, payload_nbytes
+from .objects import Expectation, ObjectHeader, Payload, RejectReason, copy_parts_into, payload_checksum, payload_nbytes
 from .split_lookup import lookup_sets
 from .tails import TailSlots
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
@@ -56,7 +56,13 @@ from .writeback import WriteBack
 log = logging.getLogger("kvpack")
 
 INTEGRITY_REASONS = frozenset(
-    {RejectReason.CHECKSUM, RejectReason.TRUNCATED, RejectReason.BAD_MAGIC, RejectReason.HEADER_CHECKSUM, RejectReason.GROUP}
+    {
+        RejectReason.CHECKSUM,
+        RejectReason.TRUNCATED,
+        RejectReason.BAD_MAGIC,
+        RejectReason.HEADER_CHECKSUM,
+        RejectReason.GROUP,
+    }
 )
 """Refusals that mean the stored bytes are damaged (not merely another
 writer's valid object): the damaged group is removed from that tier, so it is
@@ -116,7 +122,9 @@ class KVStore:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
         threads = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
-        self._writeback = WriteBack(threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower))
+        self._writeback = WriteBack(
+            threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower)
+        )
         self._closed = False
         if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
@@ -269,14 +277,24 @@ class KVStore:
         (`lifecycle.count_lookup`). `GroupLookup.located`: the tier of each key of the hit."""
         start = time.perf_counter()
         result = lookup_sets(
-            lambda keys: self.locate(keys, budget), lambda ms: self._find(tenant, fingerprint, chunks, ms, budget), tenant, fingerprint, chunks, [members, *alternatives]
+            lambda keys: self.locate(keys, budget),
+            lambda ms: self._find(tenant, fingerprint, chunks, ms, budget),
+            tenant,
+            fingerprint,
+            chunks,
+            [members, *alternatives],
         )
         count_lookup(self.metrics, self.config.draft_policy, tenant, len(chunks) * chunk_tokens, result, chunk_tokens)
         self.metrics.observe("lookup_seconds", time.perf_counter() - start, tenant=tenant)
         return result
 
     def _find(
-        self, tenant: str, fingerprint: str, chunks: Sequence[str], members: Sequence[MemberSpec], budget: WaitBudget | None
+        self,
+        tenant: str,
+        fingerprint: str,
+        chunks: Sequence[str],
+        members: Sequence[MemberSpec],
+        budget: WaitBudget | None,
     ) -> GroupLookup:
         names = [m.name for m in members]
         n = len(names)
@@ -374,14 +392,18 @@ class KVStore:
                 self._load_from(tier, items, todo, results)
         self._count_evictions()
         if gone:
-            count_gone(self.metrics, [items[i].key for i in gone], [first[i].name for i in gone], [results[i] for i in gone])  # type: ignore[union-attr]
+            count_gone(
+                self.metrics, [items[i].key for i in gone], [first[i].name for i in gone], [results[i] for i in gone]
+            )  # type: ignore[union-attr]
         final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
         for item, res in zip(items, final):
             if not res.ok:
                 self.metrics.inc("load_failures", tenant=item.key.tenant, status=res.status.value)
         return final
 
-    def _load_from(self, tier: Tier, items: Sequence[LoadItem], todo: Sequence[int], results: list[GetResult | None]) -> None:
+    def _load_from(
+        self, tier: Tier, items: Sequence[LoadItem], todo: Sequence[int], results: list[GetResult | None]
+    ) -> None:
         """One batched get of `items[todo]` from `tier` into `results` (counted)."""
         start = time.perf_counter()
         got = self._safe_get(tier, [items[i] for i in todo])
@@ -396,7 +418,9 @@ class KVStore:
                 results[i] = res
                 header = res.header
                 tenant = item.key.tenant
-                loaded[tenant] = loaded.get(tenant, 0) + (header.payload_len if header is not None else payload_nbytes(item.dst))
+                loaded[tenant] = loaded.get(tenant, 0) + (
+                    header.payload_len if header is not None else payload_nbytes(item.dst)
+                )
                 if promoting and header is not None:
                     promote.append(PutItem(item.key, header, item.dst))
                 continue
@@ -522,7 +546,9 @@ class KVStore:
             items = seal_items(self._integrity, items)
         if len(tiers) > 1:
             items = [
-                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload))) if it.header.checksum is None else it
+                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
+                if it.header.checksum is None
+                else it
                 for it in items
             ]
         best: list[TierStatus | None] = [None] * len(items)

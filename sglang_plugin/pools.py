@@ -92,7 +92,9 @@ def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int)
         return validate_member(base + suffix)
     except ValueError:
         digest = hashlib.sha256(base.encode()).hexdigest()[:8]
-        return validate_member(f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}")
+        return validate_member(
+            f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}"
+        )
 
 
 def _model_dir(model_name: str | None) -> tuple[str, str]:
@@ -147,10 +149,16 @@ def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str)
     if name != "kv" or par.pp_size != 1 or par.is_mla_model or layout_name not in CANONICAL_HOST_LAYOUTS:
         return None
     buf = getattr(host_pool, "kv_buffer", None)
-    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or buf.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if (
+        not isinstance(buf, torch.Tensor)
+        or buf.device.type != "cpu"
+        or buf.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    ):
         return None
     try:
-        geo = paged_geometry(PagedKV.from_sglang_host_pool(buf, layout_name, int(getattr(host_pool, "page_size", 1) or 1)))
+        geo = paged_geometry(
+            PagedKV.from_sglang_host_pool(buf, layout_name, int(getattr(host_pool, "page_size", 1) or 1))
+        )
     except (LayoutError, ValueError):
         return None
     return geo if rank_heads(geo, par) is not None else None
@@ -242,7 +250,16 @@ class PoolBinding:
             "dcp": f"{par.dcp_rank}/{par.dcp_size}" if self.replicated else "-",
             "mla_model": str(par.is_mla_model),
         }
-        for attr in ("layer_num", "target_layer_num", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "start_layer", "end_layer"):
+        for attr in (
+            "layer_num",
+            "target_layer_num",
+            "head_num",
+            "head_dim",
+            "v_head_dim",
+            "kv_cache_dim",
+            "start_layer",
+            "end_layer",
+        ):
             value = getattr(host_pool, attr, None)
             if isinstance(value, (int, str)):
                 extra[attr] = str(value)
@@ -288,11 +305,15 @@ class PoolBinding:
         if self.canonical is None:
             return self.page_payloads(host_indices, n_pages)
         staging = torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
-        self.canonical.copy(self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads)
+        self.canonical.copy(
+            self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
+        )
         rows = staging.numpy()
         return [memoryview(rows[i]) for i in range(n_pages)]
 
-    def load_buffers(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
+    def load_buffers(
+        self, host_indices: torch.Tensor, n_pages: int
+    ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
         """Where each page's object is read to, and what to call with the per-page results:
         in place (nothing to do after), or staging rows scattered into the pages that loaded."""
         if self.canonical is None:

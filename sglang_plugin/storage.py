@@ -62,9 +62,9 @@ from typing import Any
 
 import torch
 
+from ..cpu_features import request_amx_permission
 from ..groups import Coverage, MemberRole, MemberSpec
 from ..keys import StoreKey
-from ..cpu_features import request_amx_permission
 from ..layout import KVLayoutSpec
 from ..objects import Expectation, ObjectHeader
 from ..ops import load_extension, region_copier
@@ -157,15 +157,22 @@ class KVPackStorage(HiCacheStorage):
         page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
         self._layout_name = layout
         # a KV pool kvpack stores canonically shares its group with vLLM (`kvpack.canonical`)
-        shared = canonical_group(mem_pool_host, self.par, layout) if getattr(mem_pool_host, "kv_buffer", None) is not None else None
-        self.group_fingerprint = (shared or KVLayoutSpec(
-            engine=f"sglang:{layout}",
-            model=self.par.model,
-            dtype=dtype,
-            chunk_tokens=page_size,
-            tp_size=self.par.tp_size,
-            pp_size=self.par.pp_size,
-        )).group_fingerprint
+        shared = (
+            canonical_group(mem_pool_host, self.par, layout)
+            if getattr(mem_pool_host, "kv_buffer", None) is not None
+            else None
+        )
+        self.group_fingerprint = (
+            shared
+            or KVLayoutSpec(
+                engine=f"sglang:{layout}",
+                model=self.par.model,
+                dtype=dtype,
+                chunk_tokens=page_size,
+                tp_size=self.par.tp_size,
+                pp_size=self.par.pp_size,
+            )
+        ).group_fingerprint
         self.page_size = page_size
         if getattr(mem_pool_host, "kv_buffer", None) is not None:
             self._bind("kv", mem_pool_host)
@@ -266,7 +273,9 @@ class KVPackStorage(HiCacheStorage):
             pools.setdefault(b.member, (b, replace(b.spec, coverage=Coverage.TRAILING, window_chunks=window)))
         specs = [spec for _, spec in pools.values()]
         alternatives, names = self._other_splits(specs)
-        lookup = self.store.lookup(self.tenant, self.group_fingerprint, keys, specs, self.page_size, alternatives=alternatives)
+        lookup = self.store.lookup(
+            self.tenant, self.group_fingerprint, keys, specs, self.page_size, alternatives=alternatives
+        )
         self._remember(lookup.located)
         hits: dict[str, int] = {}
         for m, c in lookup.member_hits.items():
@@ -419,13 +428,27 @@ class KVPackStorage(HiCacheStorage):
             names = [keys[i] for i in pages]
             if split == 0:
                 payloads, finish = binding.load_buffers(idx, len(pages))
-                expected = Expectation.batch(binding.member_fingerprint, self.tenant, names, binding.member, binding.page_size, binding.page_bytes)
+                expected = Expectation.batch(
+                    binding.member_fingerprint,
+                    self.tenant,
+                    names,
+                    binding.member,
+                    binding.page_size,
+                    binding.page_bytes,
+                )
                 out.append((pages, list(map(LoadItem, [skeys[i] for i in pages], payloads, expected)), finish))
                 continue
             for obj in binding.sources[split]:
                 payloads, finish = binding.range_load_buffers(idx, len(pages), obj)
                 rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, names, obj.member)
-                expected = Expectation.batch(obj.fingerprint, self.tenant, names, obj.member, binding.page_size, len(payloads[0]) if payloads else 0)
+                expected = Expectation.batch(
+                    obj.fingerprint,
+                    self.tenant,
+                    names,
+                    obj.member,
+                    binding.page_size,
+                    len(payloads[0]) if payloads else 0,
+                )
                 out.append((pages, list(map(LoadItem, rkeys, payloads, expected)), finish))
         return out
 
@@ -438,7 +461,11 @@ class KVPackStorage(HiCacheStorage):
                 split = 0
                 if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) not in self._located:
                     split = next(
-                        (s for s, objects in enumerate(binding.sources[1:], start=1) if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located),
+                        (
+                            s
+                            for s, objects in enumerate(binding.sources[1:], start=1)
+                            if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located
+                        ),
                         0,
                     )
                 out.append(split)
@@ -462,7 +489,9 @@ class KVPackStorage(HiCacheStorage):
             skeys, keys = [skeys[i] for i in todo], [keys[i] for i in todo]
             host_indices = host_indices.reshape(n, -1)[todo].reshape(-1)
         payloads = binding.store_payloads(host_indices, len(todo)) if todo else []
-        headers = ObjectHeader.batch(binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes)
+        headers = ObjectHeader.batch(
+            binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes
+        )
         items = list(map(PutItem, skeys, headers, payloads))
         ok = [True] * n
         for i, st in zip(todo, self.store.complete_store(items) if items else []):
@@ -471,7 +500,13 @@ class KVPackStorage(HiCacheStorage):
 
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         self.metrics.inc("tier_errors", tier=ADAPTER, status="exception")
-        log.warning("kvpack: %s failed, answering a miss: %s: %s", op, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning(
+            "kvpack: %s failed, answering a miss: %s: %s",
+            op,
+            type(exc).__name__,
+            exc,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
         return fallback
 
     # -- legacy (generic) interface ---------------------------------------------------
@@ -491,7 +526,9 @@ class KVPackStorage(HiCacheStorage):
         out = self.batch_get([key], [target_location] if target_location is not None else None)
         return out[0] if out else None
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         try:
             flat = self._flat_binding()
             if flat is None or not self._valid_chunks(keys):
@@ -502,8 +539,16 @@ class KVPackStorage(HiCacheStorage):
             for key, t in zip(keys, targets):
                 dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None
                 if dst is None or dst.nbytes != flat.page_bytes:
-                    raise ValueError(f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}")
-                items.append(LoadItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), dst, flat.expect(self.tenant, key)))
+                    raise ValueError(
+                        f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}"
+                    )
+                items.append(
+                    LoadItem(
+                        StoreKey(self.tenant, self.group_fingerprint, key, flat.member),
+                        dst,
+                        flat.expect(self.tenant, key),
+                    )
+                )
             results = self.store.load(items)
             return [t if r.ok else None for t, r in zip(targets, results)]
         except Exception as exc:
@@ -512,7 +557,9 @@ class KVPackStorage(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         try:
             flat = self._flat_binding()
             if flat is None or values is None or not self._valid_chunks(keys):
@@ -524,8 +571,12 @@ class KVPackStorage(HiCacheStorage):
                 data = value.contiguous().view(torch.uint8).numpy()
                 if data.nbytes != flat.page_bytes:
                     raise ValueError(f"legacy set value of {data.nbytes} bytes, page is {flat.page_bytes}")
-                header = ObjectHeader(flat.fingerprint, self.tenant, key, flat.member, flat.page_size, flat.page_bytes, None)
-                items.append(PutItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), header, memoryview(data)))
+                header = ObjectHeader(
+                    flat.fingerprint, self.tenant, key, flat.member, flat.page_size, flat.page_bytes, None
+                )
+                items.append(
+                    PutItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), header, memoryview(data))
+                )
             return all(st is TierStatus.OK for st in self.store.store(items))
         except Exception as exc:
             return self._data_path_error("batch_set", exc, False)

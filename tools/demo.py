@@ -67,8 +67,13 @@ def _engine(model: Path, kv: dict[str, Any] | None):  # type: ignore[no-untyped-
 
     # vLLM on CPU downcasts fp32 checkpoints to bf16 unless told the dtype.
     kw: dict[str, Any] = dict(
-        model=str(model), dtype=_model_dtype(model), kv_cache_memory_bytes=512 << 20, max_model_len=4096,
-        enforce_eager=True, enable_prefix_caching=False, seed=0,
+        model=str(model),
+        dtype=_model_dtype(model),
+        kv_cache_memory_bytes=512 << 20,
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        seed=0,
     )
     if kv is not None:
         kw["kv_transfer_config"] = kv
@@ -107,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", help="kvpack disk store (default: a fresh temp folder)")
     parser.add_argument("--doc-tokens", type=int, default=2000)
     parser.add_argument("--documents", type=int, default=3)
-    parser.add_argument("--large", action="store_true", help="the 6-layer, hidden-1024 bf16 benchmark Llama (slower, bigger savings)")
+    parser.add_argument(
+        "--large", action="store_true", help="the 6-layer, hidden-1024 bf16 benchmark Llama (slower, bigger savings)"
+    )
     parser.add_argument("--kvpack-config", default="{}", help="extra kvpack config as JSON (merged over the demo's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     kv = {
         "kv_connector": "KVPackConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"disk": {"path": str(store)}, "memory": {"capacity": "2GiB"}, **json.loads(args.kvpack_config)},
+        "kv_connector_extra_config": {
+            "disk": {"path": str(store)},
+            "memory": {"capacity": "2GiB"},
+            **json.loads(args.kvpack_config),
+        },
     }
     runs = [
         _run("vLLM, no kvpack", model, None, prompts, 0),
@@ -194,19 +205,29 @@ def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolera
                 first = next((j for j, (a, b) in enumerate(zip(toks, rt)) if a != b), min(len(toks), len(rt)))
                 print(f"  {r.name}, {label}: tokens differ from the no-cache run from position {first}")
             elif lps != rl:
-                print(f"  {r.name}, {label}: same tokens, logprobs within {max(abs(a - b) for a, b in zip(lps, rl)):.1e}")
+                print(
+                    f"  {r.name}, {label}: same tokens, logprobs within {max(abs(a - b) for a, b in zip(lps, rl)):.1e}"
+                )
     saved = sum(ref.ttft_s) - sum(hit.ttft_s)
     print()
     ratios = sorted(b / h for b, h in zip(ref.ttft_s, hit.ttft_s))
-    print(f"new engine reused {sum(hit.reused)} prompt tokens; "
-          f"time to first token saved: {saved:.2f}s in all ({statistics.median(ref.ttft_s) / statistics.median(hit.ttft_s):.1f}x median)")
-    print(f"  TTFT no kvpack {min(ref.ttft_s) * 1e3:.0f}-{max(ref.ttft_s) * 1e3:.0f} ms, new engine + kvpack "
-          f"{min(hit.ttft_s) * 1e3:.0f}-{max(hit.ttft_s) * 1e3:.0f} ms; speed-up per prompt {ratios[0]:.1f}x-{ratios[-1]:.1f}x "
-          "(single runs: a loaded or another machine moves these several-fold; the reuse and the check below do not move)")
+    print(
+        f"new engine reused {sum(hit.reused)} prompt tokens; "
+        f"time to first token saved: {saved:.2f}s in all "
+        f"({statistics.median(ref.ttft_s) / statistics.median(hit.ttft_s):.1f}x median)"
+    )
+    print(
+        f"  TTFT no kvpack {min(ref.ttft_s) * 1e3:.0f}-{max(ref.ttft_s) * 1e3:.0f} ms, new engine + kvpack "
+        f"{min(hit.ttft_s) * 1e3:.0f}-{max(hit.ttft_s) * 1e3:.0f} ms; speed-up per prompt "
+        f"{ratios[0]:.1f}x-{ratios[-1]:.1f}x "
+        "(single runs: a loaded or another machine moves these several-fold; the reuse and the check below do not move)"
+    )
     summary = summarize(store)
     for t in summary.tenants.values():
-        print(f"disk store {store}: tenant {t.tenant}: {len(t.groups)} groups, {t.objects} objects "
-              f"({t.tails} partial-block tails), {t.payload_bytes / 2**20:.1f} MiB")
+        print(
+            f"disk store {store}: tenant {t.tenant}: {len(t.groups)} groups, {t.objects} objects "
+            f"({t.tails} partial-block tails), {t.payload_bytes / 2**20:.1f} MiB"
+        )
     print(
         f"new engine, repeated prompts: greedy tokens identical to the no-cache run, logprobs within "
         f"{tolerance:g}: {'yes' if same else 'NO'}"

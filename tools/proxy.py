@@ -159,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     server = serve(Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s), args.host, args.port)
-    print(f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, decode {args.decode}", flush=True)
+    print(
+        f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, decode "
+        f"{args.decode}",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

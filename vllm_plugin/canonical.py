@@ -34,12 +34,19 @@ from .packing import find_packing
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+
 def head_split(vllm_config: VllmConfig, *, hybrid: bool, draft_kv: bool, device_type: str) -> HeadSplit | None:
     """The engine's `HeadSplit` when its objects are canonical (see the module docstring), else None."""
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     quantized = str(cache.cache_dtype or "auto") not in ("auto", "float16", "bfloat16", "float32", "half", "float")
-    if hybrid or draft_kv or quantized or int(parallel.pipeline_parallel_size) != 1 or device_type not in ("cpu", "cuda"):
+    if (
+        hybrid
+        or draft_kv
+        or quantized
+        or int(parallel.pipeline_parallel_size) != 1
+        or device_type not in ("cpu", "cuda")
+    ):
         return None
     model = vllm_config.model_config
     heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
@@ -78,19 +85,24 @@ class CanonicalBlocks:
         self.geometry.scatter_heads(block_ids, src, stored, part, self.own)
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, split: HeadSplit, own: HeadRange, isa: str) -> CanonicalBlocks:
+    def from_tensors(
+        cls, tensors: Sequence[torch.Tensor], num_blocks: int, split: HeadSplit, own: HeadRange, isa: str
+    ) -> CanonicalBlocks:
         """The worker's attention layers. Raises LayoutError (engine start-up) when their
         layout or the CPU ISA's packing is not one kvpack can convert."""
         unique = list({(t.data_ptr(), tuple(t.shape)): t for t in tensors}.values())
         first = unique[0]
         if first.device.type == "cpu":
             if first.dim() != 4:
-                raise LayoutError(f"kvpack: a vLLM CPU KV cache of shape {tuple(first.shape)} is not [blocks, heads, block, 2*head]")
+                raise LayoutError(
+                    f"kvpack: a vLLM CPU KV cache of shape {tuple(first.shape)} is not [blocks, heads, block, 2*head]"
+                )
             found = find_packing(first.dtype, int(first.shape[2]), int(first.shape[3]) // 2, isa)
             if found is None:
                 raise LayoutError(
                     f"kvpack: vLLM's CPU attention ({isa}) packs a {first.dtype} block in a way kvpack does not know; "
-                    "kvpack cannot store this engine's KV in the canonical layout (please report the vLLM version and CPU)"
+                    "kvpack cannot store this engine's KV in the canonical layout (please report the vLLM version "
+                    "and CPU)"
                 )
             geometry = vllm_cpu_geometry(unique, *found)
         else:

@@ -28,10 +28,9 @@ partial tails only with the state vLLM hands over at finish
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from collections.abc import Callable
 
 from kvpack.keys import ChunkHash, chunk_hashes
 
@@ -44,6 +43,7 @@ TailPlacer = Callable[[RequestScope, "ChunkHash | None", tuple[int, ...]], "tupl
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
 
 @dataclass
 class _Running:

@@ -74,7 +74,12 @@ class Handoff:
         raw = params[HANDOFF_KEY]
         if not isinstance(raw, Mapping):
             raise HandoffError(f"kv_transfer_params[{HANDOFF_KEY!r}] must be an object, got {type(raw).__name__}")
-        fingerprint, tenant, tokens, tail = raw.get("fingerprint"), raw.get("tenant"), raw.get("tokens"), raw.get("tail_chunk")
+        fingerprint, tenant, tokens, tail = (
+            raw.get("fingerprint"),
+            raw.get("tenant"),
+            raw.get("tokens"),
+            raw.get("tail_chunk"),
+        )
         if not isinstance(fingerprint, str) or not isinstance(tenant, str):
             raise HandoffError("kvpack handoff needs string 'fingerprint' and 'tenant'")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:

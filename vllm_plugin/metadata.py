@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
 

@@ -25,8 +25,10 @@ from kvpack.ops.canonical import TilePacking, vllm_cpu_geometry
 log = logging.getLogger("kvpack.vllm")
 
 
-@functools.lru_cache(maxsize=None)  # one probe per process and geometry (a pure function of its arguments)
-def find_packing(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> tuple[TilePacking, TilePacking] | None:
+@functools.cache  # one probe per process and geometry (a pure function of its arguments)
+def find_packing(
+    dtype: torch.dtype, block_size: int, head_size: int, isa: str
+) -> tuple[TilePacking, TilePacking] | None:
     """(K, V) packings the engine's write kernel uses, or None when no candidate matches."""
     try:
         from vllm import _custom_ops as ops
@@ -41,7 +43,9 @@ def find_packing(dtype: torch.dtype, block_size: int, head_size: int, isa: str) 
     value = torch.randn((block_size, heads, head_size), generator=gen).to(dtype)
     slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)  # block 1 only
     try:
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
     except Exception as exc:
         log.warning("kvpack: probing vLLM's %s block packing failed (%s); canonical layout off", isa, exc)
         return None
@@ -64,7 +68,9 @@ def find_packing(dtype: torch.dtype, block_size: int, head_size: int, isa: str) 
     for half, want in ((0, key), (1, value)):
         hit = next((c for c in candidates if _reproduces(cache, half, want, c)), None)
         if hit is None:
-            log.warning("kvpack: vLLM's %s packing of %s is not one kvpack knows; canonical layout off", isa, "KV"[half])
+            log.warning(
+                "kvpack: vLLM's %s packing of %s is not one kvpack knows; canonical layout off", isa, "KV"[half]
+            )
             return None
         found.append(hit)
     log.debug("kvpack: vLLM %s %s block %d head %d packs K as %s, V as %s", isa, dtype, block_size, head_size, *found)

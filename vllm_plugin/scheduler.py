@@ -73,8 +73,8 @@ from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage, MemberRole, MemberSpec, tail_usable
 from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
 from kvpack.store import KVStore
-from kvpack.tiers.factory import build_tiers
 from kvpack.tiers.base import Tier
+from kvpack.tiers.factory import build_tiers
 
 from .captures import CaptureTracker
 from .handoff import Handoff, HandoffError, wants_remote_decode
@@ -135,7 +135,9 @@ class PartialTail:
 
 
 class SchedulerSide:
-    def __init__(self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0) -> None:
+    def __init__(
+        self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0
+    ) -> None:
         """`sync_load_max_blocks`: the largest hit loaded inside a step (0: none; see the
         module docstring)."""
         self.config = config
@@ -214,7 +216,12 @@ class SchedulerSide:
         return plan
 
     def _lookup(
-        self, request: Request, rs: RequestScope, n: int, members: Sequence[MemberSpec], alternatives: Sequence[Sequence[MemberSpec]] = ()
+        self,
+        request: Request,
+        rs: RequestScope,
+        n: int,
+        members: Sequence[MemberSpec],
+        alternatives: Sequence[Sequence[MemberSpec]] = (),
     ) -> LoadPlan:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
@@ -238,7 +245,9 @@ class SchedulerSide:
                 tm = None  # a Mamba state of a longer tail: not the state this prompt needs
             if tm is not None and tm.tokens > 0:
                 with_draft = all(m in tm.members for m in self.scope.draft_members)
-                tail = BlockRef(tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft, source=source)  # blocks: at alloc
+                tail = BlockRef(
+                    tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft, source=source
+                )  # blocks: at alloc
                 matched = k * bs + tm.tokens
         matched = min(matched, n - 1)
         partial = matched % bs
@@ -254,7 +263,9 @@ class SchedulerSide:
         for key, tier in result.located.items():  # the tier of each key of the hit, for the workers' loads
             found.setdefault(key.chunk, []).append((key.member, tier))
         tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
-        return LoadPlan(n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers)
+        return LoadPlan(
+            n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers
+        )
 
     def _handoff_of(self, request: Request, rs: RequestScope) -> tuple[Handoff, int] | None:
         """The prefill instance's handoff in `request`'s params, if it is one for this engine's
@@ -321,7 +332,9 @@ class SchedulerSide:
             # not wait); the tier's connect_wait_ms bounds how long this lasts.
             if not self._held_logged:
                 self._held_logged = True
-                log.warning("kvpack: holding requests until a tier's first connect completes (at most its connect_wait_ms)")
+                log.warning(
+                    "kvpack: holding requests until a tier's first connect completes (at most its connect_wait_ms)"
+                )
             self.store.metrics.inc("lookups_held", tenant=held.tenant)
             return None, False
         if request.request_id in self._load_issued:
@@ -353,8 +366,16 @@ class SchedulerSide:
         if plan.tail is None:
             return True
         members = self._splits[plan.tail.source] if self._splits else self.members
-        names = [m.name for m in members if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)]
-        return all(self.index.contains([StoreKey(plan.scope.tenant, self.scope.fingerprint, plan.tail.chunk, m) for m in names]))
+        names = [
+            m.name
+            for m in members
+            if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)
+        ]
+        return all(
+            self.index.contains(
+                [StoreKey(plan.scope.tenant, self.scope.fingerprint, plan.tail.chunk, m) for m in names]
+            )
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -372,7 +393,9 @@ class SchedulerSide:
             if i < plan.hit_chunks:
                 tiers = plan.tiers[i] if i < len(plan.tiers) else ()
                 source = plan.sources[i] if i < len(plan.sources) else 0
-                refs.append(BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers, source=source))
+                refs.append(
+                    BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers, source=source)
+                )
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
@@ -393,7 +416,8 @@ class SchedulerSide:
         """Per group, the block to restore chunk `chunk` into (NO_BLOCK: nothing to restore):
         every allocated block, except that Mamba state goes into the boundary block only."""
         return tuple(
-            NO_BLOCK if g in self._state_groups and not boundary else block_at(ids, chunk) for g, ids in enumerate(block_ids)
+            NO_BLOCK if g in self._state_groups and not boundary else block_at(ids, chunk)
+            for g, ids in enumerate(block_ids)
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
@@ -421,7 +445,12 @@ class SchedulerSide:
                     continue
                 members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
                 expected += [
-                    StoredObject(StoreKey(job.tenant, self.scope.fingerprint, ref.chunk, m).as_str(), ref.token_count, 0, ref.token_ids)
+                    StoredObject(
+                        StoreKey(job.tenant, self.scope.fingerprint, ref.chunk, m).as_str(),
+                        ref.token_count,
+                        0,
+                        ref.token_ids,
+                    )
                     for m in members
                 ]
         self.index.apply(expected, ())
@@ -502,7 +531,9 @@ class SchedulerSide:
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
         """Where the tail `tail_ids` after `parent` goes, and whether it is stored already."""
-        return self.store.tails.place(rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget)
+        return self.store.tails.place(
+            rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget
+        )
 
     def _state_tail_ref(
         self,
@@ -521,7 +552,9 @@ class SchedulerSide:
             if c == 0 or c > len(hashes):
                 return None
             return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
-        ids = tuple(states.get(g, NO_BLOCK if g in self._state_groups else block_at(b, c)) for g, b in enumerate(groups))
+        ids = tuple(
+            states.get(g, NO_BLOCK if g in self._state_groups else block_at(b, c)) for g, b in enumerate(groups)
+        )
         tail_ids = tuple(int(x) for x in tokens[c * bs : c * bs + t])
         chunk, _ = self._place_tail(rs, hashes[c - 1] if c else rs.seed, tail_ids)
         return BlockRef(chunk, ids, t, tail_ids)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpack.canonical import group_spec as canonical_group
 from kvpack.config import DraftPlacementMode, KVPackConfig
 from kvpack.errors import ConfigError
 from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
@@ -40,8 +41,6 @@ from kvpack.heads import HeadRange, HeadSplit
 from kvpack.keys import ChunkHash, seed_hash, tenant_signature_ok, validate_tenant
 from kvpack.layout import KVLayoutSpec
 from kvpack.model_identity import model_identity
-
-from kvpack.canonical import group_spec as canonical_group
 
 from .canonical import head_split
 
@@ -204,7 +203,8 @@ class Scope:
         for g in self.groups or (CacheGroup(0, Coverage.ALL, 0, (), ""),):
             role = MemberRole.TARGET if g.coverage is Coverage.ALL else MemberRole.STATE
             specs += [
-                MemberSpec(name, self.fingerprint, role, g.coverage, g.window_chunks) for name in self.group_members(g.index)
+                MemberSpec(name, self.fingerprint, role, g.coverage, g.window_chunks)
+                for name in self.group_members(g.index)
             ]
         return specs + [MemberSpec(name, self.fingerprint, MemberRole.DRAFT) for name in self.draft_members]
 
@@ -340,7 +340,12 @@ def make_scope(
         model += "|groups=" + ",".join(f"{g.kind}:{g.coverage.value}{g.window_chunks}" for g in groups)
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = str(model_cfg.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
-    split = head_split(vllm_config, hybrid=len(groups) > 1, draft_kv=placement is not DraftPlacement.NONE, device_type=current_platform.device_type)
+    split = head_split(
+        vllm_config,
+        hybrid=len(groups) > 1,
+        draft_kv=placement is not DraftPlacement.NONE,
+        device_type=current_platform.device_type,
+    )
     if split is not None:
         return Scope(
             spec=canonical_group(model, dtype.replace("torch.", ""), block_size),

@@ -108,7 +108,9 @@ class _LoadTask:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, config: KVPackConfig, scope: Scope, store: KVStore | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: KVPackConfig, scope: Scope, store: KVStore | None = None
+    ) -> None:
         self.config = config
         self.scope = scope
         self.vllm_config = vllm_config
@@ -252,7 +254,9 @@ class WorkerSide:
                     self._failed_loads.append(req_id)
                     self._failed_recving.add(req_id)
                     self._count("load_timeouts")
-                    log.warning("kvpack: load for %s exceeded io_timeout_ms=%d; recomputing", req_id, self.config.io_timeout_ms)
+                    log.warning(
+                        "kvpack: load for %s exceeded io_timeout_ms=%d; recomputing", req_id, self.config.io_timeout_ms
+                    )
             recving, self._done_recving = self._done_recving, set()
             sending, self._done_sending = self._done_sending, set()
             failed, self._failed_recving = self._failed_recving, set()
@@ -385,9 +389,13 @@ class WorkerSide:
                         for j, i in enumerate(of_split)
                     ]
                     plans.append(part)
-        plan = self.store.prepare_load({self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers})
+        plan = self.store.prepare_load(
+            {self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers}
+        )
         try:
-            self._wait_for_earlier_saves(task, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
+            self._wait_for_earlier_saves(
+                task, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s
+            )
             if job.handoff_wait_s > 0:
                 self._wait_for_handoff(task, items)
         except BaseException:
@@ -424,7 +432,9 @@ class WorkerSide:
         self._count("load_seconds", time.perf_counter() - start)
         if failed:
             self._count("failed_blocks", len(failed))
-            log.warning("kvpack: %d of %d blocks of %s could not be loaded; vLLM recomputes them", len(failed), n, job.req_id)
+            log.warning(
+                "kvpack: %d of %d blocks of %s could not be loaded; vLLM recomputes them", len(failed), n, job.req_id
+            )
 
     def _save_loop(self) -> None:
         # normal priority: later loads wait for these saves (a memory-tier copy each; the
@@ -467,7 +477,9 @@ class WorkerSide:
         """Loaded rows -> blocks, member by member (called under the lock, never after a cancel)."""
         layout = self.layout
         assert layout is not None
-        packed_target_only = self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
+        packed_target_only = (
+            self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
+        )
         for plan in plans:
             slot, wanted, staging = plan.slot, plan.wanted, plan.staging
             sel = [j for j, i in enumerate(wanted) if good[i]]
@@ -485,7 +497,11 @@ class WorkerSide:
         if layout.draft_member is None or layout.draft is None:
             return
         # target_only: chunks loaded without their draft member get empty draft state
-        empty = [ref.block_ids[0] for ref, ok in zip(job.blocks, good) if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK]
+        empty = [
+            ref.block_ids[0]
+            for ref, ok in zip(job.blocks, good)
+            if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK
+        ]
         if empty:
             layout.draft.scatter(empty, torch.zeros((len(empty), layout.draft.slot_bytes), dtype=torch.uint8))
 
@@ -544,7 +560,9 @@ class WorkerSide:
                 if left <= 0:
                     lost = self._saves_queued - self._saves_done
                     self._count("save_dropped_at_exit", lost)
-                    log.warning("kvpack: %d saves still queued after %.1f s (%s); they are lost", lost, timeout_s, reason)
+                    log.warning(
+                        "kvpack: %d saves still queued after %.1f s (%s); they are lost", lost, timeout_s, reason
+                    )
                     return False
                 self._saves_cv.wait(left)
         return self.store.flush_before_exit(max(0.0, deadline - time.monotonic()), reason)

@@ -2,6 +2,6 @@
 capacity and per-tenant guaranteed shares."""
 
 from .base import EvictionPolicy, make_policy
-from .manager import CapacityManager, Admission
+from .manager import Admission, CapacityManager
 
 __all__ = ["EvictionPolicy", "make_policy", "CapacityManager", "Admission"]

@@ -9,8 +9,7 @@ manager (`kvpack.eviction.manager`) decides which candidates may actually go
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import Hashable
+from collections.abc import Hashable, Iterator
 
 from ..config import EvictionPolicyName
 

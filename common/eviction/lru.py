@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Hashable
+from collections.abc import Hashable, Iterator
 
 from .base import EvictionPolicy
 

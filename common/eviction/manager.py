@@ -180,7 +180,9 @@ class CapacityManager:
                 size = usage.nbytes
                 if own_only and usage.tenant != tenant:
                     continue
-                if usage.tenant != tenant and tenant_after.get(usage.tenant, 0) - size < self._quotas.get(usage.tenant, 0):
+                if usage.tenant != tenant and tenant_after.get(usage.tenant, 0) - size < self._quotas.get(
+                    usage.tenant, 0
+                ):
                     continue  # would push another tenant below its guaranteed share
                 chosen.add(cand)
                 victims.append(cand)

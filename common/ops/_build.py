@@ -36,11 +36,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpack.ops")
 
-_SOURCES_CPU = ("bindings.cpp", "block_copy_cpu.cpp", "canonical_copy_cpu.cpp", "region_copy_cpu.cpp", "region_copy_py.cpp")
+_SOURCES_CPU = (
+    "bindings.cpp",
+    "block_copy_cpu.cpp",
+    "canonical_copy_cpu.cpp",
+    "region_copy_cpu.cpp",
+    "region_copy_py.cpp",
+)
 _SOURCES_CUDA = ("block_copy.cu", "canonical_copy.cu")
 _HEADERS = (
-    "block_copy_geometry.h", "canonical_copy.h", "canonical_copy_cuda.h", "cuda_words.h", "block_copy_cpu.h", "block_copy.h",
-    "region_copy_cpu.h", "transpose_sse2.h", "transpose_avx512.h",
+    "block_copy_geometry.h",
+    "canonical_copy.h",
+    "canonical_copy_cuda.h",
+    "cuda_words.h",
+    "block_copy_cpu.h",
+    "block_copy.h",
+    "region_copy_cpu.h",
+    "transpose_sse2.h",
+    "transpose_avx512.h",
 )
 
 
@@ -189,9 +202,7 @@ def load_extension() -> ExtensionStatus:
             if _status.available:
                 logger.info("kvpack.ops: block-copy kernels %s", _status.reason)
             else:
-                logger.warning(
-                    "kvpack.ops: using the pure-torch block copy fallback (%s)", _status.reason
-                )
+                logger.warning("kvpack.ops: using the pure-torch block copy fallback (%s)", _status.reason)
         return _status
 
 

@@ -28,8 +28,12 @@ def word_size(kv: PagedKV, staging: torch.Tensor) -> int:
     """Widest element (8/4/2/1 bytes) dividing every row, stride and address: fewer, larger copies."""
     lay = kv.layout
     offsets = [a - _owner(kv, i).untyped_storage().data_ptr() for i, a in enumerate(kv.segment_addresses)]
-    return min(8, vector_alignment(lay.row_bytes, lay.block_stride, lay.outer.stride, lay.inner.stride,
-                                   int(staging.storage_offset()), *offsets))
+    return min(
+        8,
+        vector_alignment(
+            lay.row_bytes, lay.block_stride, lay.outer.stride, lay.inner.stride, int(staging.storage_offset()), *offsets
+        ),
+    )
 
 
 def _owner(kv: PagedKV, idx: int) -> torch.Tensor:
@@ -78,8 +82,10 @@ def _copy(kv: PagedKV, ids: list[int], staging: torch.Tensor, first_offset: int,
     if n == 0:
         return
     word = word_size(kv, staging)
-    stage = staging[: n * lay.slot_bytes].view(_WORDS[word]).view(
-        n, lay.num_layers, lay.num_segments, lay.outer.count, lay.inner.count, lay.row_bytes // word
+    stage = (
+        staging[: n * lay.slot_bytes]
+        .view(_WORDS[word])
+        .view(n, lay.num_layers, lay.num_segments, lay.outer.count, lay.inner.count, lay.row_bytes // word)
     )
     ranges = [token_range(lay, i, n, first_offset, last_count) for i in range(n)]
     # Big blocks: one copy_ per block-segment runs at memcpy speed; small blocks: batched

@@ -120,7 +120,10 @@ class CanonicalGeometry:
 
     def describe(self) -> str:
         """What decides the object bytes besides dtype and heads (for fingerprints and logs)."""
-        return f"canon{CANONICAL_FORMAT}:L{self.num_layers}:kv{self.num_kv}:T{self.tokens}:D{self.head_dim}:E{self.elem_bytes}"
+        return (
+            f"canon{CANONICAL_FORMAT}:L{self.num_layers}:kv{self.num_kv}:T{self.tokens}"
+            f":D{self.head_dim}:E{self.elem_bytes}"
+        )
 
     def copy(
         self,
@@ -167,11 +170,22 @@ class CanonicalGeometry:
                 return
             with torch.cuda.device(device):
                 stream = torch.cuda.current_stream(device)
-                torch.ops.kvpack.canonical_copy(list(self.tensors), table, index, staging, fields, self.ptr_alignment(), int(stream.cuda_stream), gather)
+                torch.ops.kvpack.canonical_copy(
+                    list(self.tensors),
+                    table,
+                    index,
+                    staging,
+                    fields,
+                    self.ptr_alignment(),
+                    int(stream.cuda_stream),
+                    gather,
+                )
             return
         _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
 
-    def scatter_heads(self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, own: HeadRange) -> None:
+    def scatter_heads(
+        self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, own: HeadRange
+    ) -> None:
         """Rows of `src`, objects of the model's heads `stored`: their heads `part` (inside
         `stored` and `own`) into the blocks of a cache that holds the heads `own`."""
         self.copy(
@@ -184,16 +198,32 @@ class CanonicalGeometry:
             n_heads=part.size,
         )
 
-    def emulate_cuda(self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, obj_h0: int = 0, cache_h0: int = 0, n_heads: int | None = None) -> int:
+    def emulate_cuda(
+        self,
+        block_ids: Sequence[int],
+        staging: torch.Tensor,
+        *,
+        gather: bool,
+        obj_heads: int,
+        obj_h0: int = 0,
+        cache_h0: int = 0,
+        n_heads: int | None = None,
+    ) -> int:
         """Test aid: the CUDA kernel's word-by-word copy run on the CPU with the same
         indexing (raises on a word address the GPU would fault on). Returns the word size."""
         n = obj_heads - obj_h0 if n_heads is None else n_heads
         fields = self._fields(obj_heads, obj_h0, cache_h0, n)
         table = torch.tensor(self.bases, dtype=torch.int64)
         index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
-        return int(torch.ops.kvpack.emulate_cuda_canonical_copy(list(self.tensors), table, index, staging, fields, self.ptr_alignment(), gather))
+        return int(
+            torch.ops.kvpack.emulate_cuda_canonical_copy(
+                list(self.tensors), table, index, staging, fields, self.ptr_alignment(), gather
+            )
+        )
 
-    def copy_at_simd(self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, simd: CpuSimd) -> CpuSimd:
+    def copy_at_simd(
+        self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, simd: CpuSimd
+    ) -> CpuSimd:
         """Test aid: the C++ copy of all heads of a CPU cache at SIMD level <= `simd`, so one
         CPU checks every level it has. Returns the level used."""
         status = load_extension()
@@ -202,7 +232,13 @@ class CanonicalGeometry:
         fields = self._fields(obj_heads, 0, 0, obj_heads)
         table = torch.tensor(self.bases, dtype=torch.int64)
         index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
-        return CpuSimd(int(torch.ops.kvpack.canonical_copy_simd(list(self.tensors), table, index, staging, fields, int(simd), gather)))
+        return CpuSimd(
+            int(
+                torch.ops.kvpack.canonical_copy_simd(
+                    list(self.tensors), table, index, staging, fields, int(simd), gather
+                )
+            )
+        )
 
     def ptr_alignment(self) -> int:
         """The largest power of two (<= 16) dividing every segment base address."""
@@ -221,7 +257,15 @@ class CanonicalGeometry:
         """KvpCanonGeometry (csrc/canonical_copy.h) in declaration order."""
         k = self.packing[0]
         v = self.packing[-1]
-        head = [self.num_layers, self.num_kv, self.block_stride, self.head_stride, self.tokens, self.head_dim, self.elem_bytes]
+        head = [
+            self.num_layers,
+            self.num_kv,
+            self.block_stride,
+            self.head_stride,
+            self.tokens,
+            self.head_dim,
+            self.elem_bytes,
+        ]
         return head + k.fields() + v.fields() + [obj_heads, obj_h0, cache_h0, n, self.num_blocks]
 
 
@@ -240,14 +284,28 @@ def _elem_view(geo: CanonicalGeometry, layer: int, kv: int) -> torch.Tensor:
             raise LayoutError(f"kvpack.ops: canonical view needs element-aligned strides, got {value} B")
     view = flat.as_strided(
         (geo.num_blocks, geo.heads, geo.tokens // pk.tg, pk.tg, geo.head_dim // pk.dg, pk.dg),
-        (geo.block_stride // e, geo.head_stride // e, pk.t_outer // e, pk.t_inner // e, pk.d_outer // e, pk.d_inner // e),
+        (
+            geo.block_stride // e,
+            geo.head_stride // e,
+            pk.t_outer // e,
+            pk.t_inner // e,
+            pk.d_outer // e,
+            pk.d_inner // e,
+        ),
         base // e,
     )
     return view  # [blocks, heads, token groups, tokens in group, dim groups, dims in group]
 
 
 def _torch_copy(
-    geo: CanonicalGeometry, ids: list[int], staging: torch.Tensor, gather: bool, obj_heads: int, obj_h0: int, cache_h0: int, n: int
+    geo: CanonicalGeometry,
+    ids: list[int],
+    staging: torch.Tensor,
+    gather: bool,
+    obj_heads: int,
+    obj_h0: int,
+    cache_h0: int,
+    n: int,
 ) -> None:
     """The reference: same bytes as the kernel, by strided views (any device)."""
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[geo.elem_bytes]
@@ -275,7 +333,9 @@ def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePa
         raise LayoutError(f"kvpack.ops: not a vLLM CPU KV cache: shape {tuple(first.shape)} on {first.device}")
     nb, heads, tokens, two_d = (int(x) for x in first.shape)
     if two_d % 2 or not first.is_contiguous():
-        raise LayoutError(f"kvpack.ops: vLLM CPU KV cache {tuple(first.shape)} must be contiguous with an even last dim")
+        raise LayoutError(
+            f"kvpack.ops: vLLM CPU KV cache {tuple(first.shape)} must be contiguous with an even last dim"
+        )
     for t in tensors:
         if (t.shape, t.stride(), t.dtype) != (first.shape, first.stride(), first.dtype):
             raise LayoutError("kvpack.ops: every layer of a run must have the same shape, strides and dtype")

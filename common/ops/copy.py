@@ -9,8 +9,8 @@ same bytes: the staging layout of ``kvpack.ops.layout``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from enum import Enum
-from typing import Iterator, Sequence
 
 import torch
 
@@ -49,7 +49,9 @@ def select_backend(kv: PagedKV) -> Backend:
 def _block_id_list(block_ids: BlockIds) -> list[int]:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
-            raise ValueError(f"kvpack.ops: block_ids must be a 1-D integer tensor, got {block_ids.dtype} {tuple(block_ids.shape)}")
+            raise ValueError(
+                f"kvpack.ops: block_ids must be a 1-D integer tensor, got {block_ids.dtype} {tuple(block_ids.shape)}"
+            )
         return [int(b) for b in block_ids.tolist()]
     return [int(b) for b in block_ids]
 
@@ -75,16 +77,13 @@ def _validate(
                 f"got {first_offset}, {last}"
             )
         if len(ids) == 1 and first_offset >= last:
-            raise ValueError(
-                f"kvpack.ops: one block with first_token_offset={first_offset} >= last_token_count={last}"
-            )
+            raise ValueError(f"kvpack.ops: one block with first_token_offset={first_offset} >= last_token_count={last}")
     if staging.dtype != torch.uint8 or not staging.is_contiguous():
         raise ValueError(f"kvpack.ops: {name} must be a contiguous uint8 tensor, got {staging.dtype}")
     need = len(ids) * lay.slot_bytes
     if staging.numel() < need:
         raise ValueError(
-            f"kvpack.ops: {name} holds {staging.numel()} bytes, need {need} "
-            f"({len(ids)} blocks x {lay.slot_bytes} B)"
+            f"kvpack.ops: {name} holds {staging.numel()} bytes, need {need} ({len(ids)} blocks x {lay.slot_bytes} B)"
         )
     return last
 
@@ -108,7 +107,7 @@ def _geometry(lay: KVLayout, n_ids: int, first_offset: int, last_count: int) -> 
 
 
 @contextlib.contextmanager
-def _on_stream(kv: PagedKV, stream: "torch.cuda.Stream | None") -> Iterator[int]:
+def _on_stream(kv: PagedKV, stream: torch.cuda.Stream | None) -> Iterator[int]:
     """Makes the cache's device (and `stream`) current; yields the raw stream handle."""
     if kv.device.type != "cuda":
         yield 0
@@ -125,7 +124,7 @@ def _run(
     staging: torch.Tensor,
     first_token_offset: int,
     last_token_count: int | None,
-    stream: "torch.cuda.Stream | None",
+    stream: torch.cuda.Stream | None,
     backend: Backend | None,
     gather: bool,
 ) -> Backend:
@@ -171,7 +170,7 @@ def gather_blocks(
     *,
     first_token_offset: int = 0,
     last_token_count: int | None = None,
-    stream: "torch.cuda.Stream | None" = None,
+    stream: torch.cuda.Stream | None = None,
     backend: Backend | None = None,
 ) -> Backend:
     """Copies blocks `block_ids` of every layer into `out`; returns the backend used.
@@ -200,7 +199,7 @@ def scatter_blocks(
     *,
     first_token_offset: int = 0,
     last_token_count: int | None = None,
-    stream: "torch.cuda.Stream | None" = None,
+    stream: torch.cuda.Stream | None = None,
     backend: Backend | None = None,
 ) -> Backend:
     """The reverse of gather_blocks: slot i of `src` -> block block_ids[i] of every layer.

@@ -28,9 +28,9 @@ across pages (size num_blocks * page_size), ``L`` layer, ``H`` kv head,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
 
 import torch
 
@@ -119,8 +119,6 @@ SGLANG_HOST_LAYOUTS: dict[tuple[str, bool], KVLayoutKind] = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class LoopDim:
     """One of the two row dims inside a block: ``count`` rows, ``stride`` bytes apart."""
@@ -207,9 +205,7 @@ def _shape_error(kind: KVLayoutKind | None, t: torch.Tensor, why: str) -> Layout
     )
 
 
-def _parse(
-    t: torch.Tensor, kind: KVLayoutKind, page_size: int | None, num_layers: int
-) -> _Parsed:
+def _parse(t: torch.Tensor, kind: KVLayoutKind, page_size: int | None, num_layers: int) -> _Parsed:
     """Reads one tensor as `kind`; `num_layers` is used only for per-layer kinds."""
     spec = kind.spec
     if t.dim() != len(spec):

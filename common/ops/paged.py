@@ -8,8 +8,8 @@ per-device pointer table (segment base addresses) is built once.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -78,9 +78,7 @@ class PagedKV:
                 ) from None
         parsed, layer_stride, seg_offsets = parse_pool_layout(kv_buffer, kind, page_size)
         base = kv_buffer.data_ptr()
-        addrs = tuple(
-            base + layer * layer_stride + off for layer in range(parsed.num_layers) for off in seg_offsets
-        )
+        addrs = tuple(base + layer * layer_stride + off for layer in range(parsed.num_layers) for off in seg_offsets)
         check_in_bounds(kv_buffer, parsed, addrs)
         return cls(tensors=(kv_buffer,), layout=parsed, segment_addresses=addrs)
 

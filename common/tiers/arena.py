@@ -17,7 +17,8 @@ where the kernel has no free huge page, a huge-page fault makes the faulting
 thread compact memory first. In a vLLM CPU engine that took the save thread
 450-560 ms of CPU for the ~230 MiB of a first fill, on the cores the forward
 pass runs on (90-150 ms with 4 KiB pages; in a fresh process, per 256 MiB:
-33 ms with free huge pages, 660 ms when compacting, 67-82 ms in 4 KiB pages). Copies into the tier run at the same speed either way
+33 ms with free huge pages, 660 ms when compacting, 67-82 ms in 4 KiB pages).
+Copies into the tier run at the same speed either way
 (`kvpack bench tiers`: put and get 0.94-1.11x memcpy with either page size).
 
 Bound (the invariant the tests check): ``reserved_bytes <= limit_bytes``

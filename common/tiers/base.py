@@ -128,7 +128,7 @@ class Tier(ABC):
         True when the tier is usable. Never called on an engine's step."""
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most tiers hold nothing to release)
         """Release resources; later calls answer UNAVAILABLE or MISS."""
 
 

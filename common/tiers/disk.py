@@ -71,7 +71,7 @@ from ..objects import (
 )
 from . import disk_fs
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .disk_files import PAGE, SUFFIX, data_offset, read_header_fd, read_verified, write_all
+from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
 from .disk_fs import UnsafeEntry
 from .parallel import IOThreads
 
@@ -132,7 +132,10 @@ class DiskTier(Tier):
         self._leaf_objects: dict[str, int] = {}
         """Indexed objects per leaf folder (``tenant/fp/cc``); at 0 the empty folders are removed."""
         self._refused: dict[StoreKey, tuple[int, int]] = {}
-        """Keys whose file was refused, by the file's (inode, mtime_ns): `contains` skips them until the file changes."""
+        """Keys whose file was refused, by the file's (inode, mtime_ns).
+
+        `contains` skips them until the file changes.
+        """
         self.counters = DiskCounters()
         self.on_evict: Callable[[GroupKey, int], None] | None = None
         from .disk_index import rebuild_index
@@ -362,7 +365,9 @@ class DiskTier(Tier):
         with self._lock:
             for tenant, idx in by_tenant.items():
                 keys = [items[i].key for i in idx]
-                admitted = self._capacity.admit(tenant, [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)], self._evict_locked)
+                admitted = self._capacity.admit(
+                    tenant, [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)], self._evict_locked
+                )
                 for i, key, ok in zip(idx, keys, admitted):
                     if not ok or not self._capacity.has_member(key.group, key.member):
                         statuses[i] = TierStatus.NO_SPACE  # no room, or evicted by a later item of the batch

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import os
 
-from ..objects import HEADER_PREFIX_BYTES, Expectation, ObjectHeader, RejectReason, check_header, decode_header, header_length
+from ..objects import (
+    HEADER_PREFIX_BYTES,
+    Expectation,
+    ObjectHeader,
+    RejectReason,
+    check_header,
+    decode_header,
+    header_length,
+)
 from .base import GetResult, TierStatus
 
 SUFFIX = ".kvp"
@@ -60,7 +68,9 @@ def read_verified(fd: int, parts: tuple[memoryview, ...], exp: Expectation) -> G
     if payload_got < 0:
         payload_got = preadinto_full(fd, parts, offset)
     if payload_got != header.payload_len:
-        return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{payload_got} of {header.payload_len} bytes")
+        return GetResult(
+            TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{payload_got} of {header.payload_len} bytes"
+        )
     return GetResult(TierStatus.OK, header)
 
 

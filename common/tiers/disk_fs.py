@@ -137,7 +137,11 @@ def _adopt(fd: int, real: str, field: str) -> None:
     finally:
         os.close(mfd)
     if text != MARKER_TEXT:
-        raise ConfigError(field, f"{real} holds a kvpack store of another format ({text.strip()!r}; this kvpack writes format {STORE_FORMAT})")
+        raise ConfigError(
+            field,
+            f"{real} holds a kvpack store of another format ({text.strip()!r}; this kvpack writes format "
+            f"{STORE_FORMAT})",
+        )
 
 
 def _write_marker(fd: int) -> None:

@@ -24,7 +24,8 @@ pinned on CUDA hosts, one free list per slot size), so a store never pays a
 page fault per 4 KiB. Memory bound: the arena never holds more than
 ``capacity + 2 * slab`` bytes, slab = capacity / 8 clamped to 4 KiB .. 64 MiB
 (`kvpack.tiers.arena.slab_for_capacity`), however many distinct object sizes
-are stored; a store the arena cannot place within it is dropped (NO_SPACE). A slot of an evicted or overwritten object is reused only
+are stored; a store the arena cannot place within it is dropped (NO_SPACE).
+A slot of an evicted or overwritten object is reused only
 once nothing else holds it (a reader mid-copy, or a borrowed view in the
 write-back queue); the arena checks, so slots are neither reused early nor lost.
 """
@@ -162,7 +163,12 @@ class MemoryTier(Tier):
             size = parts[0].nbytes if len(parts) == 1 else sum([p.nbytes for p in parts])
             if size != header.payload_len:
                 results.append(
-                    GetResult(TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {size}")
+                    GetResult(
+                        TierStatus.REJECTED,
+                        header,
+                        RejectReason.LENGTH,
+                        f"payload {header.payload_len} bytes, destination {size}",
+                    )
                 )
                 continue
             data, offset = entry.data, 0

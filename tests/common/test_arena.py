@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.builders import chunk_id, expect, make_item
 
+from fixtures.builders import chunk_id, expect, make_item
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.tiers import arena as arena_module

@@ -53,4 +53,6 @@ def test_header_batch_equals_constructor_and_encodes():
 
 
 def test_expectation_batch_equals_constructor():
-    assert Expectation.batch(FP, "t", CHUNKS, "kv", 64, None) == [Expectation(FP, "t", c, "kv", 64, None) for c in CHUNKS]
+    assert Expectation.batch(FP, "t", CHUNKS, "kv", 64, None) == [
+        Expectation(FP, "t", c, "kv", 64, None) for c in CHUNKS
+    ]

@@ -61,7 +61,10 @@ def test_kernel_and_reference_gather_the_kv_values(dtype: torch.dtype, k_name: s
         assert torch.equal(out, want), f"kernel={kernel}"
     # a different packing of the same values is a different cache, but the same objects
     other = filled_cpu_cache(dtype, PACKINGS["rows"](e), PACKINGS["rows"](e), values)
-    assert not all(torch.equal(a, b) for a, b in zip(geo.tensors, other.tensors)) or (k_name, v_name) == ("rows", "rows")
+    assert not all(torch.equal(a, b) for a, b in zip(geo.tensors, other.tensors)) or (k_name, v_name) == (
+        "rows",
+        "rows",
+    )
 
 
 @needs_kernel
@@ -126,9 +129,13 @@ def _streamed_bytes() -> int:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")])
+@pytest.mark.parametrize(
+    "k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")]
+)
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
-def test_copies_larger_than_the_caches_write_the_references_bytes(dtype: torch.dtype, k_name: str, v_name: str, misaligned: bool) -> None:
+def test_copies_larger_than_the_caches_write_the_references_bytes(
+    dtype: torch.dtype, k_name: str, v_name: str, misaligned: bool
+) -> None:
     """DRAM-sized calls take the streamed path (prefetched source, bounce buffer,
     non-temporal stores); a misaligned object buffer falls back to plain stores. Both
     must write exactly the torch reference's bytes, gathering and scattering."""
@@ -163,8 +170,12 @@ def test_copies_larger_than_the_caches_write_the_references_bytes(dtype: torch.d
 @needs_kernel
 @pytest.mark.parametrize("simd", list(CpuSimd), ids=[s.name.lower() for s in CpuSimd])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")])
-def test_every_simd_level_the_cpu_has_writes_the_references_bytes(simd: CpuSimd, dtype: torch.dtype, k_name: str, v_name: str) -> None:
+@pytest.mark.parametrize(
+    "k_name,v_name", [("vec-K", "rows"), ("amx-K", "amx-V"), ("vec16-K", "rows"), ("panels4", "pairs4x32")]
+)
+def test_every_simd_level_the_cpu_has_writes_the_references_bytes(
+    simd: CpuSimd, dtype: torch.dtype, k_name: str, v_name: str
+) -> None:
     """The kernel runs the widest SIMD level the CPU has: AVX-512 blocks of whole 64-byte
     rows, SSE2 blocks, or scalar code (CPUs without SSE2). Capped at each level this CPU
     has, in-cache calls gather and scatter exactly the torch reference's bytes. Tiles of
@@ -189,7 +200,17 @@ def test_every_simd_level_the_cpu_has_writes_the_references_bytes(simd: CpuSimd,
     assert _same_bytes(dst, ref), f"{simd.name} scatter differs from the reference"
 
 
-def _cache(nb: int, layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, k: TilePacking, v: TilePacking, seed: int | None = None) -> CanonicalGeometry:
+def _cache(
+    nb: int,
+    layers: int,
+    heads: int,
+    tokens: int,
+    dim: int,
+    dtype: torch.dtype,
+    k: TilePacking,
+    v: TilePacking,
+    seed: int | None = None,
+) -> CanonicalGeometry:
     """A vLLM CPU-shaped cache of `nb` blocks: zeros, or random bytes from `seed`."""
     geo = vllm_cpu_geometry([torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)], k, v)
     if seed is not None:

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.builders import chunk_id, make_item
 
+from fixtures.builders import chunk_id, make_item
 from kvpack.cli import BENCHES, RUNNERS, main
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
@@ -27,14 +27,21 @@ def test_inspect_reports_per_tenant(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tenants"]["acme"] == {
-        "layouts": 1, "groups": 3, "objects": 6, "payload_bytes": 6 * 1024, "tails": 0, "members": {"draft": 3, "kv": 3},
+        "layouts": 1,
+        "groups": 3,
+        "objects": 6,
+        "payload_bytes": 6 * 1024,
+        "tails": 0,
+        "members": {"draft": 3, "kv": 3},
     }
     assert out["tenants"]["beta"]["tails"] == 1
     assert out["unreadable"] == 1
     assert bad.exists()  # inspect never deletes
 
 
-def test_inspect_neither_hangs_on_a_fifo_nor_follows_a_symlink_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_neither_hangs_on_a_fifo_nor_follows_a_symlink_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A FIFO planted at an object path used to block `kvpack inspect` forever; a tenant
     folder symlinked to another store was summarised as if it were this one's."""
     import os
@@ -105,7 +112,7 @@ def test_bench_without_a_name_is_a_usage_error(capsys: pytest.CaptureFixture[str
 
 def test_bench_serve_table_ratios_and_targets() -> None:
     # the table and target code of `kvpack bench serve`, on made-up rows (no server, no vLLM)
-    from kvpack.tools.bench.serve_bench import RowName, Row, repeatable_tokens, report, targets
+    from kvpack.tools.bench.serve_bench import Row, RowName, repeatable_tokens, report, targets
 
     assert repeatable_tokens([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4], [7]]) == 3 + 3 + 0
     rows = [
@@ -121,7 +128,10 @@ def test_bench_serve_table_ratios_and_targets() -> None:
     assert met[f"{RowName.KVPACK_PC}: median TTFT x vLLM prefix caching"] == (0.625, False)
     assert met[f"{RowName.RESTART}: median TTFT x no cache"] == (0.25, True)
     table = report(rows)
-    assert "| kvpack | 0.300 | 0.500 | 0.300 | 0.375 | 0.100, 0.250 | 0 | 4352 | 4352 of 4608 (0.94) | 12 of 12 | 0 |" in table
+    assert (
+        "| kvpack | 0.300 | 0.500 | 0.300 | 0.375 | 0.100, 0.250 | 0 | 4352 | 4352 of 4608 (0.94) | 12 of 12 | 0 |"
+        in table
+    )
     assert "(96 objects on disk)" in table
 
 

@@ -173,7 +173,9 @@ def test_regression_tenant_without_quota_keeps_more_than_one_group(policy: Evict
 batches = st.lists(
     st.tuples(
         st.sampled_from(TENANTS),
-        st.lists(st.tuples(st.integers(0, 11), st.sampled_from(["kv", "draft"]), st.integers(1, 300)), min_size=1, max_size=6),
+        st.lists(
+            st.tuples(st.integers(0, 11), st.sampled_from(["kv", "draft"]), st.integers(1, 300)), min_size=1, max_size=6
+        ),
     ),
     max_size=40,
 )
@@ -182,7 +184,9 @@ batches = st.lists(
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=150, deadline=None)
 @given(batches=batches, quota_a=st.integers(0, 600), capacity=st.integers(200, 2000))
-def test_batch_admission_keeps_every_invariant(policy: EvictionPolicyName, batches: list, quota_a: int, capacity: int) -> None:
+def test_batch_admission_keeps_every_invariant(
+    policy: EvictionPolicyName, batches: list, quota_a: int, capacity: int
+) -> None:
     """`admit` (one reservation per batch, else one per request) keeps the same invariants as
     single reservations: capacity, whole groups, never a group of the batch, other tenants' shares."""
     quotas = {"a": quota_a}

@@ -30,8 +30,9 @@ N_OBJECTS = 48
 OBJECT_BYTES = 1 << 20
 FP = "f" * 32
 
-CHILD = textwrap.dedent(
-    """
+CHILD = (
+    textwrap.dedent(
+        """
     import os, signal, sys, time
     import numpy as np
     from kvpack.config import KVPackConfig
@@ -59,7 +60,11 @@ CHILD = textwrap.dedent(
         time.sleep(30)
     # "exit": the script simply ends
     """
-).replace("N_OBJECTS", str(N_OBJECTS)).replace("OBJECT_BYTES", str(OBJECT_BYTES)).replace("FP", repr(FP))
+    )
+    .replace("N_OBJECTS", str(N_OBJECTS))
+    .replace("OBJECT_BYTES", str(OBJECT_BYTES))
+    .replace("FP", repr(FP))
+)
 
 
 def _child(path: Path, how: str, bound_s: float) -> subprocess.CompletedProcess[str]:
@@ -80,7 +85,14 @@ def _on_disk(path: Path) -> int:
         items = []
         for i in range(N_OBJECTS):
             dst = memoryview(bytearray(OBJECT_BYTES))
-            exp = Expectation(fingerprint=FP, tenant="default", chunk=f"c{i:04d}", member="kv", token_count=16, payload_len=OBJECT_BYTES)
+            exp = Expectation(
+                fingerprint=FP,
+                tenant="default",
+                chunk=f"c{i:04d}",
+                member="kv",
+                token_count=16,
+                payload_len=OBJECT_BYTES,
+            )
             items.append(LoadItem(StoreKey("default", FP, f"c{i:04d}", "kv"), dst, exp))
         return sum(r.ok for r in store.load(items))
     finally:

@@ -15,7 +15,9 @@ from kvpack.heads import HeadRange, HeadSplit, partitions, rank_range, sources, 
 @pytest.mark.parametrize("num_heads", [1, 2, 4, 8])
 @pytest.mark.parametrize("writer_tp", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("reader_tp", [1, 2, 4, 8, 16])
-def test_a_reader_at_any_tp_finds_and_covers_what_a_writer_at_any_tp_stored(num_heads: int, writer_tp: int, reader_tp: int) -> None:
+def test_a_reader_at_any_tp_finds_and_covers_what_a_writer_at_any_tp_stored(
+    num_heads: int, writer_tp: int, reader_tp: int
+) -> None:
     if (writer_tp < num_heads and num_heads % writer_tp) or (reader_tp < num_heads and num_heads % reader_tp):
         pytest.skip("not a split vLLM or SGLang runs")
     writer = HeadSplit(num_heads, 64, writer_tp)
@@ -33,7 +35,12 @@ def test_a_reader_at_any_tp_finds_and_covers_what_a_writer_at_any_tp_stored(num_
 
 
 def test_replicated_heads_are_written_by_the_first_rank_holding_them() -> None:
-    assert [rank_range(r, 4, 2) for r in range(4)] == [HeadRange(0, 1), HeadRange(0, 1), HeadRange(1, 2), HeadRange(1, 2)]
+    assert [rank_range(r, 4, 2) for r in range(4)] == [
+        HeadRange(0, 1),
+        HeadRange(0, 1),
+        HeadRange(1, 2),
+        HeadRange(1, 2),
+    ]
     assert [writes(r, 4, 2) for r in range(4)] == [True, False, True, False]
     mla = HeadSplit(1, 576, 4)  # one latent, every rank holds it, rank 0 stores it
     assert mla.written_members() == ("kv",) and [mla.writes(r) for r in range(4)] == [True, False, False, False]

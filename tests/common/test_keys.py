@@ -46,7 +46,10 @@ def test_chain_matches_independent_reference(pages: list[list[int]]) -> None:
 
 def test_chain_is_deterministic_across_processes() -> None:
     code = "from kvpack.keys import chunk_hashes; print(','.join(chunk_hashes(list(range(100)), 16)))"
-    out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)}
+    out = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     assert len(out) == 1
     assert out.pop().strip().split(",") == chunk_hashes(list(range(100)), 16)
 
@@ -104,6 +107,11 @@ def test_group_key_parse_is_the_inverse_of_as_str_and_refuses_anything_else() ->
 
     group = StoreKey("alice", "f" * 32, "c" * 64, "kv").group
     assert GroupKey.parse(group.as_str()) == group
-    for bad in ("x/alice/" + "f" * 32 + "/c", "kvpack/alice/" + "f" * 32, "kvpack/../" + "f" * 32 + "/c", "kvpack/alice\n/f/c"):
+    for bad in (
+        "x/alice/" + "f" * 32 + "/c",
+        "kvpack/alice/" + "f" * 32,
+        "kvpack/../" + "f" * 32 + "/c",
+        "kvpack/alice\n/f/c",
+    ):
         with pytest.raises(ValueError):
             GroupKey.parse(bad)

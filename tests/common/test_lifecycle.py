@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from prometheus_client import generate_latest
 
+from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import CapacityManager, make_policy
@@ -106,7 +106,9 @@ def test_a_store_that_needs_a_pinned_group_is_dropped_not_evicting_it(make_store
 
 
 @pytest.mark.parametrize("disk", [True, False], ids=["fallback-to-disk", "memory-only"])
-def test_eviction_between_lookup_and_load_is_counted_apart_from_misses(make_store: Callable[..., KVStore], disk: bool) -> None:
+def test_eviction_between_lookup_and_load_is_counted_apart_from_misses(
+    make_store: Callable[..., KVStore], disk: bool
+) -> None:
     store = make_store(disk=disk)
     put(store, 0, 2)
     lookup = store.lookup("t", GROUP_FP, [chunk_id(0), chunk_id(1)], [KV], 16)

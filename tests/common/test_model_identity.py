@@ -59,7 +59,9 @@ def write_safetensors(path: Path, items: Tensors) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
 
 
-def checkpoint(path: Path, config: dict[str, object] | None = None, items: Tensors | None = None, shards: int = 1) -> Path:
+def checkpoint(
+    path: Path, config: dict[str, object] | None = None, items: Tensors | None = None, shards: int = 1
+) -> Path:
     """A checkpoint directory: config.json and `shards` safetensors files (an index when > 1)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config if config is not None else CONFIG, indent=2))
@@ -110,7 +112,15 @@ def test_config_fields_that_change_nothing_are_ignored(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["config_field", "architectures_order", "tensor_name", "tensor_shape", "tensor_dtype", "weights_seed", "extra_tensor"],
+    [
+        "config_field",
+        "architectures_order",
+        "tensor_name",
+        "tensor_shape",
+        "tensor_dtype",
+        "weights_seed",
+        "extra_tensor",
+    ],
 )
 def test_digest_changes_with_what_the_model_computes(tmp_path: Path, change: str) -> None:
     base = ident(checkpoint(tmp_path / "base", config=dict(CONFIG, architectures=["A", "B"])))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from fixtures import builders
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fixtures import builders
 from kvpack.objects import (
     MAX_HEADER_BYTES,
     Expectation,
@@ -48,7 +48,9 @@ def test_read_budget_holds_every_header_that_can_match(header: ObjectHeader) -> 
     if h.token_ids is None:
         exp = Expectation(h.fingerprint, h.tenant, h.chunk, h.member, h.token_count, h.payload_len)
     else:
-        exp = Expectation(h.fingerprint, h.tenant, h.chunk, h.member, None, h.payload_len, token_ids_prefix=h.token_ids[:1])
+        exp = Expectation(
+            h.fingerprint, h.tenant, h.chunk, h.member, None, h.payload_len, token_ids_prefix=h.token_ids[:1]
+        )
     assert len(h.encode()) <= HeaderFastPath.read_budget(exp)
 
 

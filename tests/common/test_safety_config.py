@@ -94,8 +94,13 @@ def test_whole_sizes_still_parse(value: object, size: int) -> None:
 
 def test_good_values_at_the_bounds_are_accepted() -> None:
     cfg = KVPackConfig.from_dict(
-        {"io_threads": 64, "io_timeout_ms": 600_000, "mooncake": {"backoff_s": 0, "workers": 64, "staging_size": "64MiB"},
-         "trusted_tenants": ["alice", "*"], "integrity_key": "ab" * 32}
+        {
+            "io_threads": 64,
+            "io_timeout_ms": 600_000,
+            "mooncake": {"backoff_s": 0, "workers": 64, "staging_size": "64MiB"},
+            "trusted_tenants": ["alice", "*"],
+            "integrity_key": "ab" * 32,
+        }
     )
     assert cfg.trusted_tenants == ("alice", "*") and cfg.integrity_key_bytes() == b"\xab" * 32
     assert KVPackConfig.from_dict(cfg.to_dict()) == cfg

@@ -102,7 +102,9 @@ def test_unusable_paths_are_config_errors_naming_the_field(tmp_path: Path, kind:
         _from_config(path)
     assert err.value.field == "disk.path"
     with pytest.raises(ConfigError) as err2:  # the config alone already refuses what it can see
-        KVPackConfig.from_dict({"disk": {"path": path}}) if kind in ("nul", "long_name", "long_path") else _from_config(path)
+        KVPackConfig.from_dict({"disk": {"path": path}}) if kind in ("nul", "long_name", "long_path") else _from_config(
+            path
+        )
     assert err2.value.field == "disk.path"
 
 

@@ -93,7 +93,12 @@ def test_another_key_and_unkeyed_objects_are_refused(tmp_path: Path) -> None:
 
 
 def test_write_back_through_memory_is_sealed_and_promoted_objects_check(tmp_path: Path) -> None:
-    config = {"memory": {"capacity": "1MiB"}, "disk": {"path": str(tmp_path / "disk")}, "integrity_key": KEY, "checksum": "always"}
+    config = {
+        "memory": {"capacity": "1MiB"},
+        "disk": {"path": str(tmp_path / "disk")},
+        "integrity_key": KEY,
+        "checksum": "always",
+    }
     store = KVStore.from_config(KVPackConfig.from_dict(config))
     item, payload = make_item("bob", chunk_id(1), checksum=False)
     assert store.store([item]) == [TierStatus.OK]

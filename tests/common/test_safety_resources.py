@@ -13,10 +13,10 @@ from helpers import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from kvpack.config import EvictionPolicyName, KVPackConfig
 from kvpack.errors import ConfigError
 from kvpack.eviction import CapacityManager, make_policy
+from kvpack.keys import StoreKey
 from kvpack.metrics import Metrics
 from kvpack.objects import ObjectHeader
 from kvpack.store import KVStore
-from kvpack.keys import StoreKey
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.memory import MemoryTier
 
@@ -84,8 +84,12 @@ def test_tenants_leave_no_state_behind_once_evicted() -> None:
 
 def test_20000_tenants_cost_bounded_labels_and_no_folders(tmp_path: Path) -> None:
     config = KVPackConfig.from_dict(
-        {"memory": {"capacity": "64KiB"}, "disk": {"path": str(tmp_path / "d"), "capacity": "64KiB"},
-         "metrics_max_tenants": 8, "io_threads": 1}
+        {
+            "memory": {"capacity": "64KiB"},
+            "disk": {"path": str(tmp_path / "d"), "capacity": "64KiB"},
+            "metrics_max_tenants": 8,
+            "io_threads": 1,
+        }
     )
     store = KVStore.from_config(config)
     n = 2000
@@ -112,8 +116,11 @@ def _prometheus_text(metrics: Metrics) -> str:
 
 
 def test_configured_tenants_always_keep_their_label() -> None:
-    metrics = Metrics.for_config(KVPackConfig.from_dict({"tenant": "acme", "metrics_max_tenants": 1,
-                                                          "eviction": {"tenant_quotas": {"vip": "1MiB"}}}))
+    metrics = Metrics.for_config(
+        KVPackConfig.from_dict(
+            {"tenant": "acme", "metrics_max_tenants": 1, "eviction": {"tenant_quotas": {"vip": "1MiB"}}}
+        )
+    )
     for t in ("a", "b", "c", "vip", "acme"):
         metrics.inc("lookups", tenant=t)
     assert metrics.value("lookups", tenant="a") == 1

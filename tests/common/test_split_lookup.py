@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 
+from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, MemberRole, MemberSpec, StoreKey, TierStatus
 
 ALL = [MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)]
@@ -24,7 +24,9 @@ CHUNKS = [chunk_id(i) for i in range(6)]
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[KVStore]:
-    s = KVStore.from_config(KVPackConfig.from_dict({"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "64MiB"}}))
+    s = KVStore.from_config(
+        KVPackConfig.from_dict({"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "64MiB"}})
+    )
     yield s
     s.close()
 
@@ -57,7 +59,9 @@ def test_a_chunk_with_part_of_a_split_ends_the_hit_as_a_counted_partial_hit(stor
     assert store.metrics.value("partial_hits", tenant="t", missing_member="kv_h1_2") == 1
 
 
-def test_other_splits_are_asked_once_and_only_for_the_chunks_the_own_split_lacks(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_splits_are_asked_once_and_only_for_the_chunks_the_own_split_lacks(
+    store: KVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At most two batched `locate` calls, however many splits: one round trip each to a
     Mooncake master. The first set in order that holds a chunk whole is the one loaded."""
     put(store, range(0, 3), ["kv"])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from fixtures.tiers import BrokenTier, SlowTier
-
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
 from kvpack.objects import Expectation, RejectReason
 from kvpack.tails import tail_chunk
@@ -48,7 +48,9 @@ def make_store(keep: Callable[[KVStore], KVStore]) -> Callable[..., KVStore]:
 
 
 def put_chunks(store: KVStore, tenant: str, n: int, members: Sequence[str] = ("kv",), start: int = 0) -> None:
-    items = [make_item(tenant, chunk_id(i), m, seed=i, checksum=False)[0] for i in range(start, start + n) for m in members]
+    items = [
+        make_item(tenant, chunk_id(i), m, seed=i, checksum=False)[0] for i in range(start, start + n) for m in members
+    ]
     assert store.store(items) == [TierStatus.OK] * len(items)
     assert store.flush(10)
 
@@ -66,7 +68,9 @@ def test_full_hit_needs_every_member(tmp_path: Path, make_store: Callable[..., K
     assert store.metrics.value("full_hits") == 0  # a partial lookup is never counted as full
 
 
-def test_target_only_policy_reports_target_prefix_and_counts_partial(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
+def test_target_only_policy_reports_target_prefix_and_counts_partial(
+    tmp_path: Path, make_store: Callable[..., KVStore]
+) -> None:
     store = make_store(tmp_path, draft_policy="target_only")
     put_chunks(store, "t", 2, ("kv", "draft"))
     put_chunks(store, "t", 2, ("kv",), start=2)
@@ -86,7 +90,9 @@ def test_no_draft_member_means_no_extra_cost(tmp_path: Path, make_store: Callabl
 
 
 @pytest.mark.parametrize("tiers", [("memory",), ("disk",), ("memory", "disk")])
-def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...], make_store: Callable[..., KVStore]) -> None:
+def test_tenants_never_see_each_other(
+    tmp_path: Path, tiers: tuple[str, ...], make_store: Callable[..., KVStore]
+) -> None:
     store = make_store(
         tmp_path, memory={"enabled": "memory" in tiers}, disk={"enabled": "disk" in tiers, "path": str(tmp_path / "d")}
     )
@@ -97,7 +103,9 @@ def test_tenants_never_see_each_other(tmp_path: Path, tiers: tuple[str, ...], ma
     # even asking for alpha's exact object with beta's key finds nothing
     item, _ = make_item("alpha", chunk_id(0))
     beta_key = StoreKey("beta", GROUP_FP, chunk_id(0), "kv")
-    res = store.load([LoadItem(beta_key, memoryview(np.empty(1024, np.uint8)), Expectation(MEMBER_FP, "beta", chunk_id(0), "kv"))])
+    res = store.load(
+        [LoadItem(beta_key, memoryview(np.empty(1024, np.uint8)), Expectation(MEMBER_FP, "beta", chunk_id(0), "kv"))]
+    )
     assert not res[0].ok
 
 
@@ -150,7 +158,9 @@ def test_tail_longest_common_prefix_rounded_to_unit(tmp_path: Path, make_store: 
     assert store.tails.find("t", GROUP_FP, chunk_id(8), query, [KV], 1) is None
 
 
-def test_tail_overwritten_between_lookup_and_load_is_refused(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
+def test_tail_overwritten_between_lookup_and_load_is_refused(
+    tmp_path: Path, make_store: Callable[..., KVStore]
+) -> None:
     store = make_store(tmp_path)
     chunk = tail_chunk(None)
     first, _ = make_item("t", chunk, token_ids=tuple(range(20)), token_count=20, checksum=False)
@@ -187,7 +197,12 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
     from kvpack.tiers.disk import DiskTier
     from kvpack.tiers.memory import MemoryTier
 
-    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, lookup_delay_s=0.2, remote=True)
+    remote = SlowTier(
+        DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)),
+        0.0,
+        lookup_delay_s=0.2,
+        remote=True,
+    )
     memory = MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False)
     store = keep(KVStore(KVPackConfig(), [memory, remote]))
     items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(4)]
@@ -226,7 +241,9 @@ def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: C
     store = keep(KVStore(KVPackConfig(), [remote]))
     for slot, ids in enumerate([(1, 2, 3), (1, 2, 9, 9)]):
         for member in ("kv", "draft"):
-            item, _ = make_item("t", tail_chunk(chunk_id(0), slot), member, checksum=False, token_ids=ids, token_count=len(ids))
+            item, _ = make_item(
+                "t", tail_chunk(chunk_id(0), slot), member, checksum=False, token_ids=ids, token_count=len(ids)
+            )
             assert remote.put_from([item]) == [TierStatus.OK]
     match = store.tails.find("t", GROUP_FP, chunk_id(0), [1, 2, 9, 9, 4], [KV, DRAFT], 1)
     assert match is not None and match.tokens == 4 and set(match.members) == {"kv", "draft"}
@@ -264,7 +281,9 @@ def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path, keep: Callable[[K
     from kvpack.tiers.memory import MemoryTier
 
     cfg = KVPackConfig.from_dict({})
-    store = keep(KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), BrokenTier(None, 0)]))  # type: ignore[arg-type]
+    store = keep(
+        KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), BrokenTier(None, 0)])
+    )  # type: ignore[arg-type]
     item, payload = make_item("t", chunk_id(1), checksum=False)
     assert store.store([item]) == [TierStatus.OK]
     assert store.flush(5)
@@ -313,7 +332,9 @@ def test_regression_writeback_keeps_per_key_order(tmp_path: Path, make_store: Ca
     assert np.array_equal(dst, versions[-1][1])
 
 
-def test_regression_concurrent_continuations_keep_their_own_tails(tmp_path: Path, make_store: Callable[..., KVStore]) -> None:
+def test_regression_concurrent_continuations_keep_their_own_tails(
+    tmp_path: Path, make_store: Callable[..., KVStore]
+) -> None:
     # Found by the demo and the soak: one tail per parent meant requests that share a
     # prefix overwrote each other's tail, and a repeated prompt lost its n-1 hit.
     store = make_store(tmp_path)
@@ -343,7 +364,9 @@ def test_evictions_are_counted_per_tenant(tmp_path: Path, make_store: Callable[.
 
 
 @pytest.mark.parametrize("memory", [True, False])
-def test_batches_on_two_copy_threads_store_and_load_bit_exact(tmp_path: Path, memory: bool, keep: Callable[[KVStore], KVStore]) -> None:
+def test_batches_on_two_copy_threads_store_and_load_bit_exact(
+    tmp_path: Path, memory: bool, keep: Callable[[KVStore], KVStore]
+) -> None:
     """A store built with copy_threads=2 (the SGLang backend's setting): one batch of
     multi-region objects big enough to be split, through memory+disk or disk alone."""
     data: dict = {"disk": {"path": str(tmp_path / "disk")}, "memory": {"capacity": "256MiB", "enabled": memory}}

@@ -7,10 +7,10 @@ import tempfile
 from contextlib import closing
 
 import numpy as np
-from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberSpec, StoreKey
 from kvpack.objects import Expectation
 
@@ -25,16 +25,19 @@ KV = MemberSpec("kv", MEMBER_FP)
     capacity=st.sampled_from(["4KiB", "64MiB"]),
 )
 def test_lookups_only_see_own_entries(writes: list[tuple[str, int]], tiers: tuple[str, ...], capacity: str) -> None:
-    with tempfile.TemporaryDirectory() as d, closing(
-        KVStore.from_config(
-            KVPackConfig.from_dict(
-                {
-                    "memory": {"enabled": "memory" in tiers, "capacity": capacity},
-                    "disk": {"enabled": "disk" in tiers, "path": d, "capacity": capacity},
-                }
+    with (
+        tempfile.TemporaryDirectory() as d,
+        closing(
+            KVStore.from_config(
+                KVPackConfig.from_dict(
+                    {
+                        "memory": {"enabled": "memory" in tiers, "capacity": capacity},
+                        "disk": {"enabled": "disk" in tiers, "path": d, "capacity": capacity},
+                    }
+                )
             )
-        )
-    ) as store:
+        ) as store,
+    ):
         written: dict[str, set[int]] = {t: set() for t in TENANTS}
         for tenant, i in writes:
             item, _ = make_item(tenant, chunk_id(i), seed=i, checksum=False)
@@ -48,7 +51,13 @@ def test_lookups_only_see_own_entries(writes: list[tuple[str, int]], tiers: tupl
                     assert i in written[tenant], f"{tenant} sees chunk {i} it never stored"
                 dst = np.empty(1024, np.uint8)
                 res = store.load(
-                    [LoadItem(StoreKey(tenant, GROUP_FP, chunk_id(i), "kv"), memoryview(dst), Expectation(MEMBER_FP, tenant, chunk_id(i), "kv"))]
+                    [
+                        LoadItem(
+                            StoreKey(tenant, GROUP_FP, chunk_id(i), "kv"),
+                            memoryview(dst),
+                            Expectation(MEMBER_FP, tenant, chunk_id(i), "kv"),
+                        )
+                    ]
                 )[0]
                 if res.ok:
                     assert i in written[tenant]

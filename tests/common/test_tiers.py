@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.builders import chunk_id, expect, make_item
 
+from fixtures.builders import chunk_id, expect, make_item
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.objects import RejectReason
@@ -41,7 +41,9 @@ def test_put_contains_get_remove(make_tier: TierFactory) -> None:
     assert tier.put_from([it for it, _ in items]) == [TierStatus.OK] * 4
     assert tier.contains([it.key for it, _ in items]) == [True] * 4
     dsts = [np.full(1024, 0xAB, np.uint8) for _ in items]
-    res = tier.get_into([it.key for it, _ in items], [memoryview(d) for d in dsts], [expect(it) for it, _ in items], True)
+    res = tier.get_into(
+        [it.key for it, _ in items], [memoryview(d) for d in dsts], [expect(it) for it, _ in items], True
+    )
     assert all(r.ok for r in res)
     for (_, payload), dst in zip(items, dsts):
         assert np.array_equal(payload, dst)
@@ -94,9 +96,7 @@ def test_capacity_evicts_whole_groups(make_tier: TierFactory) -> None:
     usage = tier.usage()
     assert usage.used_bytes <= 4 * 1024
     # Each surviving group has both members: eviction never split one.
-    present = {
-        i: tier.contains([make_item("t", chunk_id(i), m)[0].key for m in ("kv", "draft")]) for i in range(3)
-    }
+    present = {i: tier.contains([make_item("t", chunk_id(i), m)[0].key for m in ("kv", "draft")]) for i in range(3)}
     assert all(p in ([True, True], [False, False]) for p in present.values()), present
     assert present[2] == [True, True] and present[0] == [False, False]
 
@@ -342,7 +342,9 @@ def test_batches_on_two_io_threads_round_trip_in_order(tmp_path: Path, kind: str
     split = [replace(it, payload=(memoryview(p[:4096]), memoryview(p[4096:]))) for it, p in items]
     assert tier.put_from(split) == [TierStatus.OK] * 12
     dsts = [np.zeros(1 << 20, np.uint8) for _ in items]
-    got = tier.get_into([it.key for it, _ in items], [memoryview(d) for d in dsts], [expect(it) for it, _ in items], True)
+    got = tier.get_into(
+        [it.key for it, _ in items], [memoryview(d) for d in dsts], [expect(it) for it, _ in items], True
+    )
     assert [r.status for r in got] == [TierStatus.OK] * 12
     for d, (_, p) in zip(dsts, items):
         assert np.array_equal(d, p)

@@ -73,8 +73,8 @@ def test_store_in_one_process_load_in_another(mooncake_cluster, tmp_path: Path) 
 
 def test_second_process_sees_nothing_after_removal(mooncake_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The load phase really reads the cluster: with the objects gone it fails."""
-    from kvpack.tiers.mooncake import MooncakeTier
     from fixtures.builders import key
+    from kvpack.tiers.mooncake import MooncakeTier
 
     cfg = mooncake_cluster.kvpack_config().to_dict()
     _run("store", cfg, tmp_path)

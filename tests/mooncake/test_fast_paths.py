@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fixtures.builders import MEMBER_FP, TOKENS, expect_key, header, item, key, payload
 from kvpack.objects import HeaderFastPath, ObjectHeader, decode_header
 from kvpack.tiers import mooncake as mc
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.mooncake import MooncakeTier
 from kvpack.tiers.mooncake.puts import DIRECT_MIN_BYTES
-
-from fixtures.builders import MEMBER_FP, TOKENS, expect_key, header, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
@@ -36,8 +35,13 @@ def test_fast_header_check_accepts_exactly_what_the_full_decode_accepts() -> Non
     hit = HeaderFastPath().check(raw, raw.nbytes, expect_key(k, payload_len=len(body)))
     assert hit is not None and hit[0] == decode_header(raw) and hit[1] == len(h.encode())
     # Anything that differs falls back to the full decode (None), which names the reason.
-    for exp in (expect_key(key("fast-2"), payload_len=64), expect_key(k, payload_len=63), expect_key(k, token_count=TOKENS + 1, payload_len=64),
-                expect_key(k, payload_len=64, token_ids_prefix=(1,)), expect_key(k, token_count=None, payload_len=64)):
+    for exp in (
+        expect_key(key("fast-2"), payload_len=64),
+        expect_key(k, payload_len=63),
+        expect_key(k, token_count=TOKENS + 1, payload_len=64),
+        expect_key(k, payload_len=64, token_ids_prefix=(1,)),
+        expect_key(k, token_count=None, payload_len=64),
+    ):
         assert HeaderFastPath().check(raw, raw.nbytes, exp) is None
     assert HeaderFastPath().check(raw, raw.nbytes - 1, expect_key(k, payload_len=64)) is None
     damaged = np.frombuffer(raw, dtype=np.uint8).copy()
@@ -71,7 +75,9 @@ def test_mixed_batch_over_many_steps(tier: MooncakeTier) -> None:
     datas = [payload(2000 + i, s) for i, s in enumerate(sizes)]
     assert tier.put_from([item(k, d) for k, d in zip(keys, datas)]) == [TierStatus.OK] * len(keys)
     dsts = [np.zeros(s, dtype=np.uint8) for s in sizes]
-    res = tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k, payload_len=s) for k, s in zip(keys, sizes)], True)
+    res = tier.get_into(
+        keys, [memoryview(d) for d in dsts], [expect_key(k, payload_len=s) for k, s in zip(keys, sizes)], True
+    )
     assert all(r.ok for r in res)
     assert all(np.array_equal(a, b) for a, b in zip(dsts, datas))
 

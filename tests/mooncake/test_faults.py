@@ -8,13 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from fixtures.builders import expect_key, item, key, payload
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
-from kvpack.tiers.mooncake import MooncakeTier, TierState
-from kvpack.tiers.mooncake import BreakerState
+from kvpack.tiers.mooncake import BreakerState, MooncakeTier, TierState
 from kvpack.tiers.mooncake.runner import Job
-
-from fixtures.builders import expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 
@@ -108,10 +106,17 @@ def test_holder_killed_loads_fail_cleanly(mooncake_cluster_factory) -> None:  # 
         cluster.kill_holder()
         for _ in range(3):
             dsts = [np.full(d.nbytes, 0xEE, dtype=np.uint8) for d in datas]
-            res, took = _timed(lambda: tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k) for k in keys], True))
+            res, took = _timed(
+                lambda: tier.get_into(keys, [memoryview(d) for d in dsts], [expect_key(k) for k in keys], True)
+            )
             assert took <= BOUND_S
             assert all(not r.ok for r in res), [r.status for r in res]
-            assert {r.status for r in res} <= {TierStatus.ERROR, TierStatus.MISS, TierStatus.UNAVAILABLE, TierStatus.TIMEOUT}
+            assert {r.status for r in res} <= {
+                TierStatus.ERROR,
+                TierStatus.MISS,
+                TierStatus.UNAVAILABLE,
+                TierStatus.TIMEOUT,
+            }
             assert all((d == 0xEE).all() for d in dsts), "a failed load wrote into the destination"
         st, took = _timed(lambda: tier.put_from([item(key("h-new"), datas[0])]))
         assert st[0] is not TierStatus.OK and took <= BOUND_S

@@ -18,13 +18,12 @@ import time
 import numpy as np
 import pytest
 
+from fixtures.builders import expect_key, item, key, payload
+from fixtures.mooncake import free_port
 from kvpack.errors import ConfigError
 from kvpack.store import KVStore
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
-
-from fixtures.builders import expect_key, item, key, payload
-from fixtures.mooncake import free_port
 
 pytestmark = pytest.mark.mooncake
 
@@ -63,7 +62,11 @@ def test_an_unreachable_master_is_down_not_warming_up() -> None:
     from kvpack.config import MooncakeTierConfig
 
     cfg = MooncakeTierConfig(
-        enabled=True, master_server_address=f"127.0.0.1:{free_port()}", global_segment_size=0, connect_wait_ms=60_000, backoff_s=30
+        enabled=True,
+        master_server_address=f"127.0.0.1:{free_port()}",
+        global_segment_size=0,
+        connect_wait_ms=60_000,
+        backoff_s=30,
     )
     tier = MooncakeTier(cfg)
     try:
@@ -90,4 +93,6 @@ def test_connect_wait_out_of_range_names_the_field(value: int) -> None:
     from kvpack.config import KVPackConfig
 
     with pytest.raises(ConfigError, match=r"mooncake\.connect_wait_ms"):
-        KVPackConfig.from_dict({"mooncake": {"enabled": True, "master_server_address": "127.0.0.1:1", "connect_wait_ms": value}})
+        KVPackConfig.from_dict(
+            {"mooncake": {"enabled": True, "master_server_address": "127.0.0.1:1", "connect_wait_ms": value}}
+        )

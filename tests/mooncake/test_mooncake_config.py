@@ -9,8 +9,8 @@ import pytest
 
 from kvpack.config import KVPackConfig, MooncakeProtocol, MooncakeTierConfig
 from kvpack.errors import ConfigError
-from kvpack.tiers.mooncake import MOONCAKE_CODES, code_info
 from kvpack.tiers.base import TierStatus
+from kvpack.tiers.mooncake import MOONCAKE_CODES, code_info
 
 pytestmark = pytest.mark.mooncake
 

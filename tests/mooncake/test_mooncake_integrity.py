@@ -12,13 +12,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from fixtures.builders import expect_key, item, key, payload
+from fixtures.mooncake import raw_client, raw_put
 from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
 from kvpack.objects import RejectReason, payload_checksum
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
-
-from fixtures.builders import expect_key, item, key, payload
-from fixtures.mooncake import raw_client, raw_put
 
 pytestmark = pytest.mark.mooncake
 

@@ -12,7 +12,10 @@ from kvpack.tiers.mooncake.runner import Job, JobState, Lane, LaneRunner, Slot
 
 def _runner(workers: int = 2, lane_bytes: int = 1 << 16) -> LaneRunner:
     arena = np.zeros(workers * lane_bytes, dtype=np.uint8)
-    lanes = [Lane(i, arena[i * lane_bytes : (i + 1) * lane_bytes], arena.ctypes.data + i * lane_bytes) for i in range(workers)]
+    lanes = [
+        Lane(i, arena[i * lane_bytes : (i + 1) * lane_bytes], arena.ctypes.data + i * lane_bytes)
+        for i in range(workers)
+    ]
     return LaneRunner(workers, lanes)
 
 
@@ -28,7 +31,9 @@ def test_one_leader_transfers_in_order_and_slots_wait_for_finish() -> None:
 
     def prepare(job: Job[int], slot: Slot, k: int) -> None:
         with lock:
-            assert slot.index not in in_use, f"slot {slot.index} reused by step {k} before step {in_use.get(slot.index)} finished"
+            assert slot.index not in in_use, (
+                f"slot {slot.index} reused by step {k} before step {in_use.get(slot.index)} finished"
+            )
             in_use[slot.index] = k
         note("prepare", slot, k)
         time.sleep(0.002)
@@ -69,7 +74,9 @@ def test_abandoned_job_undoes_the_running_step_and_starts_no_other() -> None:
         job.publish(k, [k], [k])
 
     try:
-        job: Job[int] = Job(4, 4, transfer, prepare=lambda j, s, k: None, on_abandoned=lambda j, k: undone.append(k), slots=2)
+        job: Job[int] = Job(
+            4, 4, transfer, prepare=lambda j, s, k: None, on_abandoned=lambda j, k: undone.append(k), slots=2
+        )
         state, started, results = runner.run(job, 0.2)
         assert state is JobState.ABANDONED
         assert results[0] == 0 and results[1:] == [None, None, None]

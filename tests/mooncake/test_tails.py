@@ -14,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fixtures.builders import GROUP_FP, MEMBER_FP, expect_key, item, key, payload
 from kvpack import KVStore, LoadItem, MemberRole, MemberSpec
 from kvpack.tails import tail_chunk
 from kvpack.tiers.base import TierStatus
-
-from fixtures.builders import GROUP_FP, MEMBER_FP, expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 

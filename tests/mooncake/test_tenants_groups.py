@@ -7,10 +7,9 @@ import logging
 import numpy as np
 import pytest
 
+from fixtures.builders import expect_key, item, key, payload
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
-
-from fixtures.builders import expect_key, item, key, payload
 
 pytestmark = pytest.mark.mooncake
 

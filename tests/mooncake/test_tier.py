@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fixtures.builders import GROUP_FP, expect_key, item, key, payload
+from fixtures.mooncake import raw_client, raw_put
 from kvpack.objects import RejectReason
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
-
-from fixtures.builders import GROUP_FP, expect_key, item, key, payload
-from fixtures.mooncake import raw_client, raw_put
 
 pytestmark = pytest.mark.mooncake
 
@@ -71,7 +70,9 @@ def test_wrong_destination_size_is_rejected(tier: MooncakeTier) -> None:
 def test_expectation_mismatch_is_rejected(tier: MooncakeTier) -> None:
     k = key("tokens")
     tier.put_from([item(k, payload(2, 256))])
-    (res,) = tier.get_into([k], [memoryview(np.zeros(256, dtype=np.uint8))], [expect_key(k, token_count=TOKENS_OTHER)], True)
+    (res,) = tier.get_into(
+        [k], [memoryview(np.zeros(256, dtype=np.uint8))], [expect_key(k, token_count=TOKENS_OTHER)], True
+    )
     assert (res.status, res.reason) == (TierStatus.REJECTED, RejectReason.TOKEN_COUNT)
 
 
@@ -88,7 +89,9 @@ TOKENS_OTHER = 17
         ("empty", RejectReason.TRUNCATED),
     ],
 )
-def test_corrupted_object_is_rejected_then_overwritten(tier: MooncakeTier, raw, corrupt: str, reason: RejectReason) -> None:  # type: ignore[no-untyped-def]
+def test_corrupted_object_is_rejected_then_overwritten(
+    tier: MooncakeTier, raw, corrupt: str, reason: RejectReason
+) -> None:  # type: ignore[no-untyped-def]
     k = key(f"corrupt-{corrupt}")
     data = payload(7, 8192)
     good = item(k, data, checksum=True)
@@ -136,7 +139,9 @@ def test_tail_objects_are_overwritten(tier: MooncakeTier) -> None:
     (header,) = tier.peek_headers([k])
     assert header is not None and header.token_ids == tuple(range(100, 170))
     dst = np.zeros(2048, dtype=np.uint8)
-    (res,) = tier.get_into([k], [memoryview(dst)], [expect_key(k, token_count=None, token_ids_prefix=tuple(range(100, 170)))], True)
+    (res,) = tier.get_into(
+        [k], [memoryview(dst)], [expect_key(k, token_count=None, token_ids_prefix=tuple(range(100, 170)))], True
+    )
     assert res.ok and np.array_equal(dst, second)
 
 

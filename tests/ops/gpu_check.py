@@ -30,10 +30,10 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import conftest  # noqa: E402,F401  (maps kvpack to the checkout when not installed)
 import torch  # noqa: E402
-
 from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens  # noqa: E402
+
+import conftest  # noqa: E402,F401  (maps kvpack to the checkout when not installed)
 from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks  # noqa: E402
 
 POISON = 0xAB
@@ -72,7 +72,9 @@ def _expected_cache(source: Case, ids: list[int], first: int, last: int | None) 
         t0, t1 = token_range(source, i, len(ids), first, last)
         for l in range(lay.num_layers):
             for s in range(lay.num_segments):
-                tokens(want.phys(l, s, b), want.token_dim, t0, t1).copy_(tokens(source.phys(l, s, b), source.token_dim, t0, t1))
+                tokens(want.phys(l, s, b), want.token_dim, t0, t1).copy_(
+                    tokens(source.phys(l, s, b), source.token_dim, t0, t1)
+                )
     return [t.cpu().view(torch.uint8) for t in want.tensors]
 
 
@@ -94,19 +96,27 @@ def check_layout(layout: str, dtype: torch.dtype, where: str, offset: int, strea
         target = case.clone_zeroed()
         scatter_blocks(target.kv, run_ids, staging, first_token_offset=first, last_token_count=last, stream=stream)
         torch.cuda.synchronize()
-        for got, exp in zip([t.cpu().view(torch.uint8) for t in target.tensors], _expected_cache(case, run_ids, first, last)):
+        for got, exp in zip(
+            [t.cpu().view(torch.uint8) for t in target.tensors], _expected_cache(case, run_ids, first, last)
+        ):
             assert torch.equal(got, exp), f"scatter mismatch ids={run_ids} first={first} last={last}"
 
 
 def check_engine_sized(kind: str) -> None:
     """CUDA vs torch fallback on a cache with big blocks (several CTAs per unit)."""
     nb, t, h, d, layers = 48, 128, 8, 128, 4
-    raw = [torch.empty((2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d), dtype=torch.uint8, device="cuda")
-           .random_(0, 256).view(torch.bfloat16) for _ in range(layers)]
+    raw = [
+        torch.empty((2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d), dtype=torch.uint8, device="cuda")
+        .random_(0, 256)
+        .view(torch.bfloat16)
+        for _ in range(layers)
+    ]
     views = [r.permute(0, 1, 3, 2, 4) if kind == "hnd" else r for r in raw]
     if kind == "block_view":
-        views = [torch.empty((nb, h, t, 2 * d), dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16)
-                 for _ in range(layers)]
+        views = [
+            torch.empty((nb, h, t, 2 * d), dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16)
+            for _ in range(layers)
+        ]
     kv = PagedKV.from_layers(views)
     ids = random.Random(kind).sample(range(nb), 20) + [3, 3]
     n_bytes = len(ids) * kv.layout.slot_bytes
@@ -132,10 +142,15 @@ def check_canonical(kind: str) -> None:
 
     nb, t, h, d, layers = 24, 64, 8, 128, 3
     shape = (2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d)
-    gpu = [torch.empty(shape, dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16) for _ in range(layers)]
+    gpu = [
+        torch.empty(shape, dtype=torch.uint8, device="cuda").random_(0, 256).view(torch.bfloat16) for _ in range(layers)
+    ]
     cpu = [x.cpu() for x in gpu]
     ids = random.Random(kind).sample(range(nb), 10)
-    g_geo, c_geo = paged_geometry(PagedKV.from_layers(gpu, block_size=t)), paged_geometry(PagedKV.from_layers(cpu, block_size=t))
+    g_geo, c_geo = (
+        paged_geometry(PagedKV.from_layers(gpu, block_size=t)),
+        paged_geometry(PagedKV.from_layers(cpu, block_size=t)),
+    )
     n_bytes = len(ids) * g_geo.object_bytes(h)
     want = torch.empty(n_bytes, dtype=torch.uint8)
     c_geo.copy(ids, want, gather=True, obj_heads=h, use_kernel=True)
@@ -148,9 +163,13 @@ def check_canonical(kind: str) -> None:
         torch.cuda.synchronize()
         assert torch.equal(staging.cpu(), want), f"canonical/{kind}: {name}: GPU and CPU objects differ"
         back = [torch.zeros_like(x) for x in gpu]
-        paged_geometry(PagedKV.from_layers(back, block_size=t)).copy(ids, staging, gather=False, obj_heads=h, use_kernel=kernel)
+        paged_geometry(PagedKV.from_layers(back, block_size=t)).copy(
+            ids, staging, gather=False, obj_heads=h, use_kernel=kernel
+        )
         torch.cuda.synchronize()
-        same = all(torch.equal(x[:, ids].view(torch.uint8), y[:, ids].view(torch.uint8)) for x, y in zip(back, gpu))  # bytes: random bf16 has NaNs
+        same = all(
+            torch.equal(x[:, ids].view(torch.uint8), y[:, ids].view(torch.uint8)) for x, y in zip(back, gpu)
+        )  # bytes: random bf16 has NaNs
         assert same, f"canonical/{kind}: {name}: scatter lost bytes"
     part_g = torch.empty(len(ids) * g_geo.object_bytes(h), dtype=torch.uint8, device="cuda")
     part_c = torch.zeros(len(ids) * g_geo.object_bytes(h), dtype=torch.uint8)
@@ -187,8 +206,11 @@ def _canonical_bandwidth(kind: str, gpu: list[torch.Tensor], t: int, h: int) -> 
     torch_path = timed(lambda: geo.copy(ids, out, gather=True, obj_heads=h, use_kernel=False))
     base = timed(lambda: gather_blocks(kv, ids, native, backend=Backend.CUDA))
     gbps = lambda sec: 2 * out.numel() / sec / 1e9  # noqa: E731 (read + write)
-    print(f"canonical/{kind} d2d gather: cuda kernel {gbps(canon):.0f} GB/s, torch path {gbps(torch_path):.0f} GB/s, "
-          f"native block gather {gbps(base):.0f} GB/s; kernel x native {base / canon:.2f}", flush=True)
+    print(
+        f"canonical/{kind} d2d gather: cuda kernel {gbps(canon):.0f} GB/s, torch path {gbps(torch_path):.0f} GB/s, "
+        f"native block gather {gbps(base):.0f} GB/s; kernel x native {base / canon:.2f}",
+        flush=True,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -197,8 +219,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="bf16 and fp8 only")
     args = p.parse_args(argv)
 
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); GPU: "
-          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}", flush=True)
+    print(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); GPU: "
+        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}",
+        flush=True,
+    )
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device visible")
         return 2
@@ -224,7 +249,9 @@ def main(argv: list[str]) -> int:
         checks.run(f"engine-sized/{kind}", lambda: check_engine_sized(kind))
     for kind in ("nhd", "hnd"):
         checks.run(f"canonical/{kind}", lambda: check_canonical(kind))
-    print(f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({time.monotonic() - t0:.1f}s)", flush=True)
+    print(
+        f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({time.monotonic() - t0:.1f}s)", flush=True
+    )
     for name in checks.failed:
         print(f"  failed: {name}")
 

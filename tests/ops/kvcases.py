@@ -59,9 +59,13 @@ def _b(t: torch.Tensor) -> torch.Tensor:
 
 
 def _per_layer(
-    name: str, phys_shape: tuple[int, ...], to_logical: Callable[[torch.Tensor], torch.Tensor],
-    phys_block: Callable[[torch.Tensor, int, int], torch.Tensor], token_dim: int | None,
-    kind: KVLayoutKind | None = None, block_size: int | None = None,
+    name: str,
+    phys_shape: tuple[int, ...],
+    to_logical: Callable[[torch.Tensor], torch.Tensor],
+    phys_block: Callable[[torch.Tensor, int, int], torch.Tensor],
+    token_dim: int | None,
+    kind: KVLayoutKind | None = None,
+    block_size: int | None = None,
 ) -> Callable[[torch.dtype, torch.device, bool], Case]:
     def build(dtype: torch.dtype, device: torch.device, zero: bool = False) -> Case:
         raws = [_rand(phys_shape, dtype, device, zero) for _ in range(LAYERS)]
@@ -80,8 +84,12 @@ def _cross_layer(dtype: torch.dtype, device: torch.device, zero: bool = False) -
 
 
 def _pool(
-    name: str, shape: Callable[[], tuple[int, ...]], layout: str, mla: bool,
-    phys_block: Callable[[torch.Tensor, int, int, int], torch.Tensor], token_dim: int,
+    name: str,
+    shape: Callable[[], tuple[int, ...]],
+    layout: str,
+    mla: bool,
+    phys_block: Callable[[torch.Tensor, int, int, int], torch.Tensor],
+    token_dim: int,
 ) -> Callable[[torch.dtype, torch.device, bool], Case]:
     def build(dtype: torch.dtype, device: torch.device, zero: bool = False) -> Case:
         buf = _rand(shape(), dtype, device, zero)
@@ -105,65 +113,103 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     "vllm_cpu": _per_layer("vllm_cpu", (B, H, T, 2 * D), lambda r: r, lambda r, s, b: r[b], None),
     # vLLM >= 0.32 block views [B, H, T, C]: head-major (LBHNC) and token-major (LBNHC) strides.
     "vllm_view_hnc": _per_layer(
-        "vllm_view_hnc", (B, H, T, 2 * D), lambda r: r, lambda r, s, b: r[b], 1,
+        "vllm_view_hnc",
+        (B, H, T, 2 * D),
+        lambda r: r,
+        lambda r, s, b: r[b],
+        1,
         kind=KVLayoutKind.VLLM_BLOCK_VIEW,
     ),
     "vllm_view_nhc": _per_layer(
-        "vllm_view_nhc", (B, T, H, 2 * D), lambda r: r.permute(0, 2, 1, 3), lambda r, s, b: r[b], 0,
+        "vllm_view_nhc",
+        (B, T, H, 2 * D),
+        lambda r: r.permute(0, 2, 1, 3),
+        lambda r, s, b: r[b],
+        0,
         kind=KVLayoutKind.VLLM_BLOCK_VIEW,
     ),
     "vllm_cross_layer": _cross_layer,
     "vllm_mla": _per_layer("vllm_mla", (B, T, 5 * D), lambda r: r, lambda r, s, b: r[b].unsqueeze(1), 0),
     # Flash-attention: K/V first [2, B, T, H, D] (NHD), HND as a strided logical view and as a
     # physical [2, B, H, T, D] tensor (needs block_size).
-    "flash_kv_first": _per_layer(
-        "flash_kv_first", (2, B, T, H, D), lambda r: r, lambda r, s, b: r[s, b], 0
-    ),
+    "flash_kv_first": _per_layer("flash_kv_first", (2, B, T, H, D), lambda r: r, lambda r, s, b: r[s, b], 0),
     "flash_kv_first_hnd_view": _per_layer(
-        "flash_kv_first_hnd_view", (2, B, H, T, D), lambda r: r.permute(0, 1, 3, 2, 4),
-        lambda r, s, b: r[s, b], 1,
+        "flash_kv_first_hnd_view",
+        (2, B, H, T, D),
+        lambda r: r.permute(0, 1, 3, 2, 4),
+        lambda r, s, b: r[s, b],
+        1,
     ),
     "flash_kv_first_hnd": _per_layer(
         "flash_kv_first_hnd", (2, B, H, T, D), lambda r: r, lambda r, s, b: r[s, b], 1, block_size=T
     ),
-    "flash_block_first": _per_layer(
-        "flash_block_first", (B, 2, T, H, D), lambda r: r, lambda r, s, b: r[b, s], 0
-    ),
+    "flash_block_first": _per_layer("flash_block_first", (B, 2, T, H, D), lambda r: r, lambda r, s, b: r[b, s], 0),
     "flash_block_first_hnd_view": _per_layer(
-        "flash_block_first_hnd_view", (B, 2, H, T, D), lambda r: r.permute(0, 1, 3, 2, 4),
-        lambda r, s, b: r[b, s], 1,
+        "flash_block_first_hnd_view",
+        (B, 2, H, T, D),
+        lambda r: r.permute(0, 1, 3, 2, 4),
+        lambda r, s, b: r[b, s],
+        1,
     ),
     "flash_block_first_hnd": _per_layer(
         "flash_block_first_hnd", (B, 2, H, T, D), lambda r: r, lambda r, s, b: r[b, s], 1, block_size=T
     ),
     # SGLang 0.5.23 host pools (memory_pool_host / pool_host/{mha,mla}.py init_kv_buffer).
     "sglang_mha_layer_first": _pool(
-        "sglang_mha_layer_first", lambda: (2, L, SLOTS, H, D), "layer_first", False,
-        lambda t, l, s, b: t[s, l, _pages(b)], 0,
+        "sglang_mha_layer_first",
+        lambda: (2, L, SLOTS, H, D),
+        "layer_first",
+        False,
+        lambda t, l, s, b: t[s, l, _pages(b)],
+        0,
     ),
     "sglang_mha_page_first": _pool(
-        "sglang_mha_page_first", lambda: (2, SLOTS, L, H, D), "page_first", False,
-        lambda t, l, s, b: t[s, _pages(b), l], 0,
+        "sglang_mha_page_first",
+        lambda: (2, SLOTS, L, H, D),
+        "page_first",
+        False,
+        lambda t, l, s, b: t[s, _pages(b), l],
+        0,
     ),
     "sglang_mha_page_first_direct": _pool(
-        "sglang_mha_page_first_direct", lambda: (2, B, L, T, H, D), "page_first_direct", False,
-        lambda t, l, s, b: t[s, b, l], 0,
+        "sglang_mha_page_first_direct",
+        lambda: (2, B, L, T, H, D),
+        "page_first_direct",
+        False,
+        lambda t, l, s, b: t[s, b, l],
+        0,
     ),
     "sglang_mha_page_head": _pool(
-        "sglang_mha_page_head", lambda: (2, B, H, T, L, D), "page_head", False,
-        lambda t, l, s, b: t[s, b, :, :, l], 1,
+        "sglang_mha_page_head",
+        lambda: (2, B, H, T, L, D),
+        "page_head",
+        False,
+        lambda t, l, s, b: t[s, b, :, :, l],
+        1,
     ),
     "sglang_mla_layer_first": _pool(
-        "sglang_mla_layer_first", lambda: (L, SLOTS, 1, MLA_DIM), "layer_first", True,
-        lambda t, l, s, b: t[l, _pages(b)], 0,
+        "sglang_mla_layer_first",
+        lambda: (L, SLOTS, 1, MLA_DIM),
+        "layer_first",
+        True,
+        lambda t, l, s, b: t[l, _pages(b)],
+        0,
     ),
     "sglang_mla_page_first": _pool(
-        "sglang_mla_page_first", lambda: (SLOTS, L, 1, MLA_DIM), "page_first", True,
-        lambda t, l, s, b: t[_pages(b), l], 0,
+        "sglang_mla_page_first",
+        lambda: (SLOTS, L, 1, MLA_DIM),
+        "page_first",
+        True,
+        lambda t, l, s, b: t[_pages(b), l],
+        0,
     ),
     "sglang_mla_page_first_direct": _pool(
-        "sglang_mla_page_first_direct", lambda: (B, L, T, 1, MLA_DIM), "page_first_direct", True,
-        lambda t, l, s, b: t[b, l], 0,
+        "sglang_mla_page_first_direct",
+        lambda: (B, L, T, 1, MLA_DIM),
+        "page_first_direct",
+        True,
+        lambda t, l, s, b: t[b, l],
+        0,
     ),
 }
 

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from kvcases import BUILDERS, DTYPES, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens
+
 from kvpack.ops import Backend, gather_blocks, load_extension, scatter_blocks, staging_bytes_per_block
 
 POISON = 0xAB
@@ -65,7 +65,7 @@ def test_gather_whole_blocks(layout: str, dtype: torch.dtype, backend: Backend, 
     rng = random.Random(hash((layout, str(dtype))))
     case = build(layout, dtype, device)
     ids = _ids(rng, 6)
-    for pinned in ([False, True] if device == "cuda" else [False]):
+    for pinned in [False, True] if device == "cuda" else [False]:
         out = _staging(case, len(ids), device, pinned)
         used = gather_blocks(case.kv, ids, out, backend=backend)
         assert used is backend

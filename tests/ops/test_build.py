@@ -21,7 +21,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _nvcc() -> str | None:
-    return shutil.which("nvcc") or (("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    return shutil.which("nvcc") or (
+        ("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").is_file() else None
+    )
 
 
 def _cuda_include() -> Path | None:
@@ -47,7 +49,9 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path: Path, arch: str) -> None:
         obj = tmp_path / f"{cu.stem}.o"
         r = subprocess.run(
             [_nvcc(), "-c", "-O3", "-std=c++17", f"-arch={arch}", "-Werror", "all-warnings", "-o", str(obj), str(cu)],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert r.returncode == 0, r.stderr
         assert obj.stat().st_size > 0
@@ -63,7 +67,9 @@ def test_the_cpu_canonical_copy_compiles_at_every_simd_level(flags: list[str]) -
     for cpp in ("canonical_copy_cpu.cpp", "block_copy_cpu.cpp"):
         r = subprocess.run(
             ["g++", "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", *flags, str(CSRC / cpp)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert r.returncode == 0, r.stderr
 
@@ -80,7 +86,9 @@ def test_binding_cuda_branch_compiles(tmp_path: Path) -> None:
     incs = [f"-I{p}" for p in include_paths()] + [f"-I{_cuda_include()}", f"-I{CSRC}"]
     r = subprocess.run(
         [cxx, "-std=c++17", "-fsyntax-only", "-DKVPACK_WITH_CUDA", *incs, str(CSRC / "bindings.cpp")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-4000:]
 
@@ -134,6 +142,7 @@ def test_opcheck_schema_and_fake() -> None:
     if not status.available:
         pytest.skip(status.reason)
     from kvcases import build
+
     from kvpack.ops.copy import _geometry
 
     case = build("flash_kv_first", torch.float32)

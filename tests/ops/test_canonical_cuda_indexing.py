@@ -18,7 +18,9 @@ import torch
 from kvpack.ops import PagedKV, load_extension
 from kvpack.ops.canonical import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 
-pytestmark = pytest.mark.skipif(not load_extension().available, reason=f"extension unavailable: {load_extension().reason}")
+pytestmark = pytest.mark.skipif(
+    not load_extension().available, reason=f"extension unavailable: {load_extension().reason}"
+)
 
 L, NB, H, T, D = 2, 6, 4, 16, 64
 IDS = [5, 0, 3]
@@ -33,14 +35,20 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
 def _geometry(kind: str, dtype: torch.dtype) -> CanonicalGeometry:
     values = _values(dtype)
     if kind == "nhd":  # vLLM GPU flash-attn: [2, blocks, T, H, D] per layer
-        return paged_geometry(PagedKV.from_layers([values[:, l].permute(1, 0, 3, 2, 4).contiguous() for l in range(L)], block_size=T))
+        return paged_geometry(
+            PagedKV.from_layers([values[:, l].permute(1, 0, 3, 2, 4).contiguous() for l in range(L)], block_size=T)
+        )
     if kind == "hnd":  # [2, blocks, H, T, D]
-        return paged_geometry(PagedKV.from_layers([values[:, l].permute(1, 0, 2, 3, 4).contiguous() for l in range(L)], block_size=T))
+        return paged_geometry(
+            PagedKV.from_layers([values[:, l].permute(1, 0, 2, 3, 4).contiguous() for l in range(L)], block_size=T)
+        )
     e = values.element_size()
     k = TilePacking.panels(1, T, D, e) if kind == "vec" else TilePacking.panels(2, 16, D, e)
     v = TilePacking.row_major(D * e, D, e, T) if kind == "vec" else TilePacking.token_pairs(2, 16, T, e)
     geo = vllm_cpu_geometry([torch.zeros((NB, H, T, 2 * D), dtype=dtype) for _ in range(L)], k, v)
-    geo.copy(list(range(NB)), values.contiguous().view(torch.uint8).view(-1), gather=False, obj_heads=H, use_kernel=False)
+    geo.copy(
+        list(range(NB)), values.contiguous().view(torch.uint8).view(-1), gather=False, obj_heads=H, use_kernel=False
+    )
     return geo
 
 
@@ -50,7 +58,11 @@ def _blank_like(geo: CanonicalGeometry) -> CanonicalGeometry:
     tensors = tuple(torch.zeros_like(t) for t in geo.tensors)
     shift = [t.data_ptr() - o.data_ptr() for t, o in zip(tensors, geo.tensors)]
     per = len(geo.bases) // len(geo.tensors)
-    bases = tuple(b + shift[i // per] for i, b in enumerate(geo.bases)) if len(geo.tensors) > 1 else tuple(b + shift[0] for b in geo.bases)
+    bases = (
+        tuple(b + shift[i // per] for i, b in enumerate(geo.bases))
+        if len(geo.tensors) > 1
+        else tuple(b + shift[0] for b in geo.bases)
+    )
     return replace(geo, tensors=tensors, bases=bases)
 
 
@@ -95,4 +107,6 @@ def test_emulation_catches_misaligned_words() -> None:
     fields[0] = 1  # one layer: the shifted bases stay inside the tensors
     out = torch.zeros(len(IDS) * geo.object_bytes(H), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="misaligned"):
-        torch.ops.kvpack.emulate_cuda_canonical_copy(list(geo.tensors), table[:2], torch.tensor(IDS), out, fields, 16, True)
+        torch.ops.kvpack.emulate_cuda_canonical_copy(
+            list(geo.tensors), table[:2], torch.tensor(IDS), out, fields, 16, True
+        )

@@ -14,23 +14,30 @@ import random
 
 import pytest
 import torch
-
 from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens
+
 from kvpack.ops import load_extension
 from kvpack.ops.copy import _geometry
 from kvpack.ops.layout import vector_alignment
 
 POISON = 0xAB
 
-pytestmark = pytest.mark.skipif(not load_extension().available, reason=f"extension unavailable: {load_extension().reason}")
+pytestmark = pytest.mark.skipif(
+    not load_extension().available, reason=f"extension unavailable: {load_extension().reason}"
+)
 
 
 def _emulate(case: Case, ids: list[int], staging: torch.Tensor, first: int, last: int | None, gather: bool) -> None:
     kv, lay = case.kv, case.kv.layout
     geometry = _geometry(lay, len(ids), first, lay.tokens_per_block if last is None else last)
     torch.ops.kvpack.emulate_cuda_copy(
-        list(kv.tensors), kv.pointer_table(), torch.tensor(ids, dtype=torch.int64), staging, geometry,
-        vector_alignment(kv.address_alignment()), gather,
+        list(kv.tensors),
+        kv.pointer_table(),
+        torch.tensor(ids, dtype=torch.int64),
+        staging,
+        geometry,
+        vector_alignment(kv.address_alignment()),
+        gather,
     )
 
 
@@ -61,7 +68,9 @@ def test_emulated_kernel_gather_and_round_trip(layout: str, dtype: torch.dtype, 
             t0, t1 = token_range(case, i, len(run_ids), first, last)
             for l in range(case.kv.layout.num_layers):
                 for s in range(case.kv.layout.num_segments):
-                    tokens(want.phys(l, s, b), want.token_dim, t0, t1).copy_(tokens(case.phys(l, s, b), case.token_dim, t0, t1))
+                    tokens(want.phys(l, s, b), want.token_dim, t0, t1).copy_(
+                        tokens(case.phys(l, s, b), case.token_dim, t0, t1)
+                    )
         for g, w in zip(target.tensors, want.tensors):
             assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvcases import build
+
 from kvpack.errors import KVPackError
 from kvpack.ops import Backend, KVLayoutKind, LayoutError, PagedKV, gather_blocks, scatter_blocks
 

@@ -82,7 +82,10 @@ def test_memory_tier_stores_through_the_native_copy(copy_regions) -> None:  # ty
 
     tier = MemoryTier(64 << 20, make_policy(EvictionPolicyName.LRU), copy_threads=2, region_copier=counting_copier)
     rng = np.random.default_rng(3)
-    pages = [(rng.integers(0, 256, 96 << 10, dtype=np.uint8), rng.integers(0, 256, 96 << 10, dtype=np.uint8)) for _ in range(64)]
+    pages = [
+        (rng.integers(0, 256, 96 << 10, dtype=np.uint8), rng.integers(0, 256, 96 << 10, dtype=np.uint8))
+        for _ in range(64)
+    ]
     items, fp = [], "f" * 32
     for i, (k, v) in enumerate(pages):
         header = ObjectHeader(fp, "t", f"{i:064x}", "kv", 16, k.nbytes + v.nbytes, None)

@@ -27,4 +27,3 @@ if not _sglang_installed():
     collect_ignore_glob = ["test_*.py", "server/test_*.py"]
 else:
     import kvpack_sglang_shim  # noqa: F401
-

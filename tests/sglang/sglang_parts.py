@@ -8,10 +8,9 @@ real StorageBackendFactory, exactly as ``--hicache-storage-backend dynamic`` doe
 
 from __future__ import annotations
 
-import kvpack_sglang_shim  # noqa: F401  (must precede every sglang import)
-
 from typing import Any
 
+import kvpack_sglang_shim  # noqa: F401  (must precede every sglang import)
 import numpy as np
 import torch
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
@@ -65,7 +64,9 @@ def mha_pool(
     ks = [torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers)]
     vs = [torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers)]
     info = MHABufferInfo(
-        buffers=KVBuffers(k=tuple(ks), v=tuple(vs), k_data_ptrs=_ptrs(ks), v_data_ptrs=_ptrs(vs), layout=KVBufferLayout.NHD),
+        buffers=KVBuffers(
+            k=tuple(ks), v=tuple(vs), k_data_ptrs=_ptrs(ks), v_data_ptrs=_ptrs(vs), layout=KVBufferLayout.NHD
+        ),
         page_size=page_size,
         head_num=heads,
         head_dim=head_dim,

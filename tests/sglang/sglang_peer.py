@@ -16,10 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kvpack_sglang_shim  # noqa: E402,F401
-
 import json  # noqa: E402
 
+import kvpack_sglang_shim  # noqa: E402,F401
 from sglang_parts import alloc_pages, make_backend, make_pool, page_bytes, poison  # noqa: E402
 
 

@@ -13,7 +13,9 @@ from sglang_parts import alloc_pages, fill_random, make_backend, make_pool, page
 PEER = Path(__file__).resolve().parent / "sglang_peer.py"
 
 
-def write_then_read_elsewhere(extra: dict[str, Any], tmp_path: Path, kind: str = "mha", layout: str = "page_first") -> dict:
+def write_then_read_elsewhere(
+    extra: dict[str, Any], tmp_path: Path, kind: str = "mha", layout: str = "page_first"
+) -> dict:
     pool = make_pool(kind, layout)
     backend = make_backend(pool, extra, mla=kind == "mla")
     try:
@@ -37,7 +39,9 @@ def write_then_read_elsewhere(extra: dict[str, Any], tmp_path: Path, kind: str =
         "want": str(tmp_path / "pages.bin"),
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
-    proc = subprocess.run([sys.executable, str(PEER), str(tmp_path / "args.json")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(PEER), str(tmp_path / "args.json")], capture_output=True, text=True, timeout=120
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     seen = json.loads(lines[-1]) if lines else {}
     assert proc.returncode == 0, f"peer failed ({proc.returncode}): {seen}\n{proc.stderr[-3000:]}"

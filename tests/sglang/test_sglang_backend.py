@@ -115,12 +115,23 @@ def test_layout_tenant_and_rank_isolation(store_dir):
     assert writer.batch_set_v1(keys, alloc_pages(pool, 3)) == [True] * 3
     assert writer.flush(10)
     try:
-        same = make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0)
+        same = make_backend(
+            make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0
+        )
         assert same.batch_exists(keys) == 3  # control: the same layout and rank hits
         for other in (
-            make_backend(make_pool("mha", "layer_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0),
-            make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0),
-            make_backend(make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1),
+            make_backend(
+                make_pool("mha", "layer_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0
+            ),
+            make_backend(
+                make_pool("mha", "page_first", heads=1),
+                kvpack_extra(store_dir, memory=False, tenant="other"),
+                tp_size=2,
+                tp_rank=0,
+            ),
+            make_backend(
+                make_pool("mha", "page_first", heads=1), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1
+            ),
         ):
             assert other.batch_exists(keys) == 0
             other.close()
@@ -140,9 +151,27 @@ def test_canonical_tenant_and_rank_isolation(store_dir):
     assert writer.batch_set_v1(keys, alloc_pages(pool, 3)) == [True] * 3
     try:
         for backend, hits in (
-            (make_backend(make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0), 3),
-            (make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, tenant="other"), tp_size=2, tp_rank=0), 0),
-            (make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1), 0),
+            (
+                make_backend(
+                    make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=0
+                ),
+                3,
+            ),
+            (
+                make_backend(
+                    make_pool("mha", "page_first"),
+                    kvpack_extra(store_dir, memory=False, tenant="other"),
+                    tp_size=2,
+                    tp_rank=0,
+                ),
+                0,
+            ),
+            (
+                make_backend(
+                    make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False), tp_size=2, tp_rank=1
+                ),
+                0,
+            ),
         ):
             assert backend.batch_exists(keys) == hits
             backend.close()

@@ -49,7 +49,9 @@ WRITER = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_pages_acknowledged_before_the_process_ends_are_found_by_the_next(tmp_path: Path, layout: str, how: str) -> None:
+def test_pages_acknowledged_before_the_process_ends_are_found_by_the_next(
+    tmp_path: Path, layout: str, how: str
+) -> None:
     extra = kvpack_extra(tmp_path / "kv")
     keys = page_keys(4, seed=192)
     args = {"extra": extra, "layout": layout, "keys": keys, "want": str(tmp_path / "pages.bin"), "how": how}
@@ -60,9 +62,21 @@ def test_pages_acknowledged_before_the_process_ends_are_found_by_the_next(tmp_pa
     )  # fmt: skip
     assert "SET [true, true, true, true]" in writer.stdout, writer.stderr[-3000:]
     assert writer.returncode == (-signal.SIGKILL if how == "sigkill" else 0), writer.stderr[-3000:]
-    peer_args = {"extra": extra, "kind": "mha", "layout": layout, "keys": keys, "missing": page_keys(2, seed=193), "want": args["want"]}
+    peer_args = {
+        "extra": extra,
+        "kind": "mha",
+        "layout": layout,
+        "keys": keys,
+        "missing": page_keys(2, seed=193),
+        "want": args["want"],
+    }
     (tmp_path / "peer.json").write_text(json.dumps(peer_args))
-    peer = subprocess.run([sys.executable, str(HERE / "sglang_peer.py"), str(tmp_path / "peer.json")], capture_output=True, text=True, timeout=180)
+    peer = subprocess.run(
+        [sys.executable, str(HERE / "sglang_peer.py"), str(tmp_path / "peer.json")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     seen = json.loads([ln for ln in peer.stdout.splitlines() if ln.startswith("{")][-1])
     assert seen["exists"] == 4 and all(seen["get"]) and seen["bit_exact"], seen
     assert seen["exists_missing"] == 0  # negative control

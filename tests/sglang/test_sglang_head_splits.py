@@ -22,7 +22,9 @@ from kvpack.tiers.base import PutItem, TierStatus
 pytestmark = pytest.mark.sglang
 
 
-def store_as_two_ranks(backend, pool, keys: list[str], src: torch.Tensor, skip: set[tuple[int, str]] = frozenset()) -> None:  # type: ignore[no-untyped-def]
+def store_as_two_ranks(
+    backend, pool, keys: list[str], src: torch.Tensor, skip: set[tuple[int, str]] = frozenset()
+) -> None:  # type: ignore[no-untyped-def]
     """What a TP=2 writer stores for these pages (minus the (page, member) pairs in `skip`)."""
     binding = backend.binding("kv")
     geo = binding.canonical
@@ -37,7 +39,13 @@ def store_as_two_ranks(backend, pool, keys: list[str], src: torch.Tensor, skip: 
             if (i, member) in skip:
                 continue
             header = ObjectHeader(fingerprint, backend.tenant, key, member, pool.page_size, rows.shape[1], None)
-            items.append(PutItem(StoreKey(backend.tenant, backend.group_fingerprint, key, member), header, memoryview(rows[i].numpy())))
+            items.append(
+                PutItem(
+                    StoreKey(backend.tenant, backend.group_fingerprint, key, member),
+                    header,
+                    memoryview(rows[i].numpy()),
+                )
+            )
     assert all(st is TierStatus.OK for st in backend.store.store(items))
 
 
@@ -185,7 +193,9 @@ def test_replicated_heads_are_written_once_and_an_unknown_count_stays_native(sto
 
     model = tmp_path / "one-kv-head"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 1}))
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 1})
+    )
     n = 2
     pools = [make_pool("mha", "page_first", heads=1) for _ in range(2)]
     fill_random(pools[0], seed=31)
@@ -211,7 +221,9 @@ def test_replicated_heads_are_written_once_and_an_unknown_count_stays_native(sto
         assert page_bytes(reader, dst) == page_bytes(pools[0], src)
     finally:
         backend.close()
-    unknown = make_backend(make_pool("mha", "page_first", heads=1), extra, tp_rank=0, tp_size=2)  # model "kvpack-tiny": no checkpoint
+    unknown = make_backend(
+        make_pool("mha", "page_first", heads=1), extra, tp_rank=0, tp_size=2
+    )  # model "kvpack-tiny": no checkpoint
     try:
         assert unknown.binding("kv").canonical is None
     finally:

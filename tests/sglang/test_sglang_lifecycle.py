@@ -17,7 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-from sglang_parts import alloc_pages, fill_random, kvpack_extra, make_backend, make_pool, mha_pool, page_bytes, page_keys, poison
+from sglang_parts import (
+    alloc_pages,
+    fill_random,
+    kvpack_extra,
+    make_backend,
+    make_pool,
+    mha_pool,
+    page_bytes,
+    page_keys,
+    poison,
+)
 
 pytestmark = pytest.mark.sglang
 
@@ -78,7 +88,11 @@ def test_exists_v2_windows_and_draft_policy_unchanged(store_dir, policy: str, po
             _set_pool(backend, "draft", keys, idx, ps, [0, 1, 2, 3])
             query.append(PoolTransfer(name=PoolName.DRAFT, keys=keys))
         res = backend.batch_exists_v2(keys, query)
-        got = (res.kv_hit_pages, {str(getattr(k, "value", k)): v for k, v in res.extra_pool_hit_pages.items()}, res.restorable_prefix_pages)
+        got = (
+            res.kv_hit_pages,
+            {str(getattr(k, "value", k)): v for k, v in res.extra_pool_hit_pages.items()},
+            res.restorable_prefix_pages,
+        )
         assert got == CASES[(policy, pools)]
         assert backend.metrics.value("partial_hits") > 0  # a draft pool lacked pages the target has: never silent
     finally:

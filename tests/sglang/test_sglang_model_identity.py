@@ -20,7 +20,9 @@ from kvpack.sglang_plugin.pools import sglang_model_identity
 pytestmark = pytest.mark.sglang
 
 
-def test_two_paths_of_one_checkpoint_share_pages_and_other_weights_do_not(tiny_llama: Path, tmp_path: Path, store_dir) -> None:
+def test_two_paths_of_one_checkpoint_share_pages_and_other_weights_do_not(
+    tiny_llama: Path, tmp_path: Path, store_dir
+) -> None:
     copy = copy_model(tiny_llama, tmp_path / "copied" / "same-weights")
     reseeded = build_tiny_llama(tmp_path / "reseeded", seed=1)
     extra = kvpack_extra(store_dir, memory=False)
@@ -53,7 +55,9 @@ def test_two_paths_of_one_checkpoint_share_pages_and_other_weights_do_not(tiny_l
     finally:
         other.close()
 
-    named = make_backend(make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, model_id="tiny@v1"), model=str(reseeded))
+    named = make_backend(
+        make_pool("mha", "page_first"), kvpack_extra(store_dir, memory=False, model_id="tiny@v1"), model=str(reseeded)
+    )
     try:
         assert named.batch_exists(keys) == 0  # model_id is a scope of its own, never the digest's
     finally:

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang_parts import DYNAMIC, alloc_pages, fill_random, make_backend, make_pool, mha_pool, page_bytes, page_keys, poison
+from sglang_parts import (
+    DYNAMIC,
+    alloc_pages,
+    fill_random,
+    make_backend,
+    make_pool,
+    mha_pool,
+    page_bytes,
+    page_keys,
+    poison,
+)
 from sglang_shared import write_then_read_elsewhere
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
@@ -40,7 +50,10 @@ def test_draft_sidecar_round_trip_on_mooncake(mooncake_cluster):
         ia, ib = alloc_pages(kv, 3), alloc_pages(kv, 3)
         want_kv, want_draft = page_bytes(kv, ia), page_bytes(draft, ia)
         assert backend.batch_set_v1(a, ia) == [True] * 3
-        assert backend.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=ia, keys=a)])[PoolName.DRAFT] == [True] * 3
+        assert (
+            backend.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=ia, keys=a)])[PoolName.DRAFT]
+            == [True] * 3
+        )
         assert backend.batch_set_v1(b, ib) == [True] * 3  # target only
         assert backend.flush(20)
         q = lambda keys: [PoolTransfer(name=PoolName.DRAFT, keys=keys, indices_from_pool=PoolName.KV)]  # noqa: E731
@@ -51,7 +64,10 @@ def test_draft_sidecar_round_trip_on_mooncake(mooncake_cluster):
         poison(draft)
         dst = alloc_pages(kv, 3)
         assert backend.batch_get_v1(a, dst) == [True] * 3
-        assert backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=dst, keys=a)])[PoolName.DRAFT] == [True] * 3
+        assert (
+            backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=dst, keys=a)])[PoolName.DRAFT]
+            == [True] * 3
+        )
         assert page_bytes(kv, dst) == want_kv and page_bytes(draft, dst) == want_draft
     finally:
         backend.close()

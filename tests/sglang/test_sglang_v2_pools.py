@@ -131,12 +131,17 @@ def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path):
     ref.register_mem_pool_host(kv)
     ref.register_mem_host_pool_v2(swa, PoolName.SWA)
     try:
+
         def set_kv(keys):
             assert backend.batch_set_v1(keys, idx) == [True] * 6
             assert ref.batch_set(keys, [kv.get_data_page(int(idx[i * ps])) for i in range(6)])
 
         def set_swa(keys, sel):
-            t = [PoolTransfer(name=PoolName.SWA, host_indices=pages(sel), keys=keys, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+            t = [
+                PoolTransfer(
+                    name=PoolName.SWA, host_indices=pages(sel), keys=keys, hit_policy=PoolHitPolicy.TRAILING_PAGES
+                )
+            ]
             assert backend.batch_set_v2(t)[PoolName.SWA] == [True] * 3
             assert ref.batch_set_v2(t)[PoolName.SWA] == [True] * 3
 
@@ -150,7 +155,11 @@ def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path):
 
         # window 1: every page whose own state is stored is a stop point (3, 4, 6)
         one = [PoolTransfer(name=PoolName.SWA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
-        assert backend.batch_exists_v2(keys, one).restorable_prefix_pages == ref.batch_exists_v2(keys, one).restorable_prefix_pages == [3, 4, 6]
+        assert (
+            backend.batch_exists_v2(keys, one).restorable_prefix_pages
+            == ref.batch_exists_v2(keys, one).restorable_prefix_pages
+            == [3, 4, 6]
+        )
     finally:
         backend.close()
 

@@ -23,16 +23,24 @@ CASES = [
     pytest.param(torch.bfloat16, 32, 64, "vec", id="vec-bf16"),
     pytest.param(torch.float32, 16, 64, "vec16", id="vec16-fp32"),
     pytest.param(torch.float32, 128, 128, "vec", id="vec-fp32-block128"),
-    pytest.param(torch.bfloat16, 32, 64, "amx", id="amx-bf16", marks=pytest.mark.skipif(not host_has_amx(), reason="needs AMX")),
-    pytest.param(torch.bfloat16, 128, 128, "amx", id="amx-bf16-block128", marks=pytest.mark.skipif(not host_has_amx(), reason="needs AMX")),
+    pytest.param(
+        torch.bfloat16, 32, 64, "amx", id="amx-bf16", marks=pytest.mark.skipif(not host_has_amx(), reason="needs AMX")
+    ),
+    pytest.param(
+        torch.bfloat16,
+        128,
+        128,
+        "amx",
+        id="amx-bf16-block128",
+        marks=pytest.mark.skipif(not host_has_amx(), reason="needs AMX"),
+    ),
 ]
 
 
 @pytest.mark.parametrize(("dtype", "block", "head", "isa"), CASES)
 def test_vllm_written_blocks_gather_to_their_kv_values(dtype: torch.dtype, block: int, head: int, isa: str) -> None:
-    from vllm import _custom_ops as ops
-
     from kvpack.ops.canonical import vllm_cpu_geometry
+    from vllm import _custom_ops as ops
 
     packing = find_packing(dtype, block, head, isa)
     assert packing is not None
@@ -46,7 +54,9 @@ def test_vllm_written_blocks_gather_to_their_kv_values(dtype: torch.dtype, block
         key_cache, value_cache = cache.view(blocks, heads, 2 * block, head).chunk(2, dim=2)
         k = values[:, layer, 0].permute(0, 2, 1, 3).reshape(-1, heads, head)  # [tokens, heads, dim]
         v = values[:, layer, 1].permute(0, 2, 1, 3).reshape(-1, heads, head)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
     geo = vllm_cpu_geometry(caches, *packing)
     out = torch.zeros(len(ids) * geo.object_bytes(heads), dtype=torch.uint8)
     geo.copy(ids, out, gather=True, obj_heads=heads)

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from vllm_helpers import (
     BLOCK,
     Run,
@@ -72,12 +71,17 @@ def stored(tiny_llama: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[
 
 @pytest.fixture(scope="module")
 def engine2(tiny_llama: Path, store_dir: Path, stored: dict[str, Run]):  # type: ignore[no-untyped-def]
-    llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store_dir)}, "prefix_match_unit": UNIT, "trusted_tenants": ["alice", "bob"]}))
+    llm = make_llm(
+        tiny_llama,
+        kv_config({"disk": {"path": str(store_dir)}, "prefix_match_unit": UNIT, "trusted_tenants": ["alice", "bob"]}),
+    )
     yield llm
     close_llm(llm)
 
 
-def test_engine1_misses_equal_baseline_and_store(stored: dict[str, Run], baseline: dict[str, Run], store_dir: Path) -> None:
+def test_engine1_misses_equal_baseline_and_store(
+    stored: dict[str, Run], baseline: dict[str, Run], store_dir: Path
+) -> None:
     for name, r in stored.items():
         assert r.cached == 0
         assert same_output(r, baseline[name]), name

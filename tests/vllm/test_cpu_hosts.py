@@ -51,9 +51,13 @@ HIDE_AMX = "import torch; torch.cpu._is_amx_tile_supported = lambda: False"
         ),
     ],
 )
-def test_blocks_packed_under_another_attention_isa_are_a_hit(tiny_llama: Path, tmp_path: Path, writer_preamble: str, dtype: str) -> None:
+def test_blocks_packed_under_another_attention_isa_are_a_hit(
+    tiny_llama: Path, tmp_path: Path, writer_preamble: str, dtype: str
+) -> None:
     extra = {"disk": {"path": str(tmp_path / "kv")}}
-    written = engine_process(tiny_llama, extra, {"P": P}, tmp_path / "writer.log", preamble=writer_preamble, dtype=dtype)
+    written = engine_process(
+        tiny_llama, extra, {"P": P}, tmp_path / "writer.log", preamble=writer_preamble, dtype=dtype
+    )
     assert written["P"].cached == 0
     baseline_llm = make_llm(tiny_llama, dtype=dtype)
     try:
@@ -89,7 +93,9 @@ def test_the_facts_that_reach_a_vllm_member_fingerprint() -> None:
     from kvpack.vllm_plugin.byte_facts import block_byte_facts
 
     def config(isa: str, backend: str = "CPU_ATTN", cache_dtype: str = "auto", k_scale: float = 1.0):  # type: ignore[no-untyped-def]
-        layer = SimpleNamespace(isa=isa, attn_backend=SimpleNamespace(get_name=lambda: backend), _k_scale=k_scale, _v_scale=1.0)
+        layer = SimpleNamespace(
+            isa=isa, attn_backend=SimpleNamespace(get_name=lambda: backend), _k_scale=k_scale, _v_scale=1.0
+        )
         return SimpleNamespace(
             compilation_config=SimpleNamespace(static_forward_context={"model.layers.0.attn": layer}),
             cache_config=SimpleNamespace(cache_dtype=cache_dtype, calculate_kv_scales=False),
@@ -97,7 +103,12 @@ def test_the_facts_that_reach_a_vllm_member_fingerprint() -> None:
 
     facts = block_byte_facts(config("amx"), ["model.layers.0.attn"], "cpu")  # type: ignore[arg-type]
     assert [name for name, _ in facts.as_extra()] == ["attn_backend", "cpu_attn_isa", "kv_cache_dtype", "kv_scales"]
-    assert facts.as_extra() == (("attn_backend", "CPU_ATTN"), ("cpu_attn_isa", "amx"), ("kv_cache_dtype", "auto"), ("kv_scales", "-"))
+    assert facts.as_extra() == (
+        ("attn_backend", "CPU_ATTN"),
+        ("cpu_attn_isa", "amx"),
+        ("kv_cache_dtype", "auto"),
+        ("kv_scales", "-"),
+    )
     variants = [
         config("vec"),
         config("amx", backend="FLASHINFER"),

@@ -69,7 +69,14 @@ def test_a_prefix_is_a_hit_for_the_next_request_while_the_first_still_decodes(ti
     a, b = prefix + prompt(512, 20), prefix + prompt(513, 30)
     proc, port = serve_openai(tiny_llama, kv_config({"disk": {"path": str(tmp_path / "kv")}}), tmp_path / "server.log")
     try:
-        body = {"model": str(tiny_llama), "prompt": a, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": str(tiny_llama),
+            "prompt": a,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )

@@ -27,7 +27,19 @@ from kvpack.keys import GroupKey, chunk_hashes
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import BLOCK, Run, bare_worker, close_llm, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output  # noqa: E402
+from vllm_helpers import (
+    BLOCK,
+    Run,
+    bare_worker,
+    close_llm,
+    kv_config,
+    make_llm,
+    metric,
+    no_cache_run,
+    prompt,
+    run,
+    same_output,
+)  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
@@ -103,7 +115,9 @@ def test_engine_output_is_unchanged_when_memory_lost_a_hit_before_the_load(
         worker = _worker_store()
         assert worker.flush_before_exit(10, "test")
         chunks = chunk_hashes(P, BLOCK)
-        removed = worker.store.tiers[0].remove_groups([GroupKey("default", worker.scope.fingerprint, c) for c in chunks])
+        removed = worker.store.tiers[0].remove_groups(
+            [GroupKey("default", worker.scope.fingerprint, c) for c in chunks]
+        )
         assert removed == len(chunks)  # the two whole blocks' kv objects
         second = run(llm, P)
         assert same_output(second, baseline)

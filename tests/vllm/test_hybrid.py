@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from vllm_helpers import BLOCK, Run, close_llm, corrupt_payload, kv_config, make_llm, metric, prompt, run, same_output
 
 pytestmark = pytest.mark.vllm
@@ -92,7 +91,9 @@ def engine2(swa_model: Path, store_dir: Path, stored: dict[str, Run]):  # type: 
     close_llm(llm)
 
 
-def test_misses_equal_baseline_and_every_group_is_stored(stored: dict[str, Run], baseline: dict[str, Run], store_dir: Path) -> None:
+def test_misses_equal_baseline_and_every_group_is_stored(
+    stored: dict[str, Run], baseline: dict[str, Run], store_dir: Path
+) -> None:
     for name, r in stored.items():
         assert r.cached == 0
         assert same_output(r, baseline[name]), name

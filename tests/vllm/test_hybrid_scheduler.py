@@ -33,10 +33,11 @@ from kvpack.tiers.base import PutItem
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import fake_request  # noqa: E402
+
 from kvpack.vllm_plugin.metadata import NO_BLOCK, BlockRef  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
-from vllm_helpers import fake_request  # noqa: E402
 
 BS = 16
 STATE = "kv_g1"
@@ -68,7 +69,12 @@ def put(side: SchedulerSide, chunk: str, member: str, token_ids: tuple[int, ...]
     # the scheduler's store is a read-only view: objects come from a writer (as from a worker)
     writer = KVStore.from_config(side.config)
     try:
-        assert writer.store([PutItem(StoreKey("default", side.scope.fingerprint, chunk, member), header, memoryview(payload))])[0].name == "OK"
+        assert (
+            writer.store(
+                [PutItem(StoreKey("default", side.scope.fingerprint, chunk, member), header, memoryview(payload))]
+            )[0].name
+            == "OK"
+        )
     finally:
         writer.close()
 
@@ -166,7 +172,9 @@ def test_load_puts_state_in_the_boundary_block_only(tmp_path: Path) -> None:
     assert [r.block_ids for r in job.blocks] == [(1, NO_BLOCK), (2, NO_BLOCK), (3, 7)]
 
 
-def _output(new: list[Any], cached: dict[str, tuple[int, tuple[list[int], ...] | None]], scheduled: dict[str, int]) -> Any:
+def _output(
+    new: list[Any], cached: dict[str, tuple[int, tuple[list[int], ...] | None]], scheduled: dict[str, int]
+) -> Any:
     ids = list(cached)
     return SimpleNamespace(
         scheduled_new_reqs=new,

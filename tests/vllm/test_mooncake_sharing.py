@@ -41,15 +41,23 @@ print("RESULT " + json.dumps(out), flush=True)
 
 def _engine(model: Path, extra: dict, prompts: dict[str, list[int]], log: Path) -> dict:
     spec = json.dumps({"model": str(model), "extra": extra, "prompts": prompts})
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=300)
     log.write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, f"engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and line is not None, (
+        f"engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    )
     return json.loads(line[len("RESULT ") :])
 
 
-def test_second_engine_hits_the_first_engines_mooncake_entries(mooncake_cluster, tiny_llama: Path, tmp_path: Path) -> None:
+def test_second_engine_hits_the_first_engines_mooncake_entries(
+    mooncake_cluster, tiny_llama: Path, tmp_path: Path
+) -> None:
     mc = {
         "enabled": True,
         "master_server_address": mooncake_cluster.master_address,

@@ -135,7 +135,9 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
 
         for name, ids in PROMPTS.items():
             before, via = loaded(), handoffs()
-            out = post_completion(port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+            out = post_completion(
+                port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0}
+            )
             assert loaded() - before == len(ids) - 1, name
             assert handoffs() - via == 1, name
             # vLLM reports the prefill side's own cache hits here (none: every prompt is new to it)
@@ -169,7 +171,9 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
                                        "temperature": 0, "kv_transfer_params": handoff})  # fmt: skip
         assert time.monotonic() - start < PD_WAIT_MS / 1000 + 30
         assert loaded() == before  # nothing of it was there to load
-        alone = post_completion(d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS, "temperature": 0})
+        alone = post_completion(
+            d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS, "temperature": 0}
+        )
         assert out["choices"][0]["text"] == alone["choices"][0]["text"]
 
         # a handoff from another layout is refused at once, with an error that names it
@@ -197,7 +201,14 @@ def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_ll
     baseline = _baseline_texts(tiny_llama)["A"]
     common = {"disk": {"path": str(tmp_path / "kv")}, "memory": {"capacity": "256MiB"}}
     two_ranks = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
-    producer, p_port = serve_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log", "--tensor-parallel-size", "2", env=two_ranks)
+    producer, p_port = serve_openai(
+        tiny_llama,
+        kv_config(common, "kv_producer"),
+        tmp_path / "prefill.log",
+        "--tensor-parallel-size",
+        "2",
+        env=two_ranks,
+    )
     consumer = None
     try:
         metrics = free_port()
@@ -211,7 +222,9 @@ def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_ll
         out = post_completion(d_port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": MAX_TOKENS,
                                        "temperature": 0, "kv_transfer_params": handoff})  # fmt: skip
         waited = time.monotonic() - start
-        assert scrape_kvpack(metrics, "kvpack_loaded_tokens_total") - before == len(ids) - 1, f"answered in {waited:.1f} s"
+        assert scrape_kvpack(metrics, "kvpack_loaded_tokens_total") - before == len(ids) - 1, (
+            f"answered in {waited:.1f} s"
+        )
         assert out["choices"][0]["text"] == baseline
     finally:
         for proc in (consumer, producer):

@@ -21,9 +21,10 @@ from kvpack.keys import tenant_signature
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import fake_request  # noqa: E402
+
 from kvpack.vllm_plugin import settings  # noqa: E402
 from kvpack.vllm_plugin.settings import BadTenant, request_scope  # noqa: E402
-from vllm_helpers import fake_request  # noqa: E402
 
 KEY = "5e" * 32
 
@@ -90,7 +91,9 @@ def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_p
     config = KVPackConfig.from_dict({"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}})
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
     spec = KVLayoutSpec(engine="vllm:cpu", model="m", dtype="float32", chunk_tokens=16)
-    side = SchedulerSide(config, Scope(spec=spec, members=("kv",), block_size=16, draft="", groups=groups, world=1), True, True)
+    side = SchedulerSide(
+        config, Scope(spec=spec, members=("kv",), block_size=16, draft="", groups=groups, world=1), True, True
+    )
     try:
         scope = side._scope_of(_request("bob"))  # noqa: SLF001
         assert scope is not None and scope.tenant == "default"

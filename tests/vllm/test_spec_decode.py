@@ -39,7 +39,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from vllm_helpers import BLOCK, Run, close_llm, kv_config, make_llm, metric, prompt, run, same_output
 
 pytestmark = pytest.mark.vllm
@@ -148,7 +147,9 @@ def _store_engine(target: Path, draft: Path, extra: dict[str, Any], runs: list[t
 
 @pytest.fixture(scope="module")
 def packed_stored(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], baseline) -> dict[str, SpecRun]:  # type: ignore[no-untyped-def]
-    return _store_engine(tiny_llama, tiny_llama_draft, {"disk": {"path": str(stores["packed"])}}, [("A", True), ("B", True)])
+    return _store_engine(
+        tiny_llama, tiny_llama_draft, {"disk": {"path": str(stores["packed"])}}, [("A", True), ("B", True)]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,19 @@ from kvpack.layout import KVLayoutSpec
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import Run, bare_worker, close_llm, fake_request, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output  # noqa: E402
+from vllm_helpers import (
+    Run,
+    bare_worker,
+    close_llm,
+    fake_request,
+    kv_config,
+    make_llm,
+    metric,
+    no_cache_run,
+    prompt,
+    run,
+    same_output,
+)  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, StoredObject, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
@@ -48,7 +60,9 @@ def test_a_sync_load_is_restored_when_start_load_kv_returns(tmp_path: Path) -> N
     load is done before the forward, and is not reported as an async receive."""
     worker, cache = _worker(tmp_path)
     try:
-        worker.queue_saves(KVPackConnectorMetadata(saves=[TransferJob("w", "default", (BlockRef(A, (3,), BS),), capture=True)]))
+        worker.queue_saves(
+            KVPackConnectorMetadata(saves=[TransferJob("w", "default", (BlockRef(A, (3,), BS),), capture=True)])
+        )
         want = cache[3].clone()
         cache[5].zero_()
         load = TransferJob("r", "default", (BlockRef(A, (5,), BS, tiers=(("kv", "memory"),)),), sync=True)
@@ -66,7 +80,9 @@ def test_a_sync_load_that_fails_reports_its_blocks_for_recompute(tmp_path: Path)
     worker, cache = _worker(tmp_path, disk=False)
     try:
         before = cache[6].clone()
-        load = TransferJob("r", "default", (BlockRef(B, (6,), BS, tiers=(("kv", "memory"),)),), sync=True)  # never stored
+        load = TransferJob(
+            "r", "default", (BlockRef(B, (6,), BS, tiers=(("kv", "memory"),)),), sync=True
+        )  # never stored
         worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
         assert worker.take_load_errors() == {6}
         assert torch.equal(cache[6], before)
@@ -90,7 +106,9 @@ def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: in
     try:
         ids = list(range(500, 549))  # 3 whole chunks and one token
         chunks = chunk_hashes(ids, BS)
-        side.index.apply([StoredObject(StoreKey("default", side.scope.fingerprint, c, "kv").as_str(), BS, 64) for c in chunks], [])
+        side.index.apply(
+            [StoredObject(StoreKey("default", side.scope.fingerprint, c, "kv").as_str(), BS, 64) for c in chunks], []
+        )
         assert side.get_num_new_matched_tokens(fake_request(ids, "r"), 0) == (3 * BS, want_async)
     finally:
         side.store.close()
@@ -105,7 +123,9 @@ P = prompt(61, 301)
 
 
 @pytest.mark.parametrize("memory", [True, False], ids=["memory-hit-in-step", "disk-hit-async"])
-def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(tiny_llama: Path, tmp_path: Path, baseline: Run, memory: bool) -> None:
+def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(
+    tiny_llama: Path, tmp_path: Path, baseline: Run, memory: bool
+) -> None:
     extra = {"memory": {"enabled": memory, "capacity": "256MiB"}, "disk": {"path": str(tmp_path / "kv")}}
     llm = make_llm(tiny_llama, kv_config(extra))
     try:

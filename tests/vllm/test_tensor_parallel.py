@@ -22,7 +22,20 @@ import shutil
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, Run, close_llm, engine_process, kv_config, make_llm, metric, no_cache_run, prompt, run, same_output, stored_files
+from vllm_helpers import (
+    BLOCK,
+    Run,
+    close_llm,
+    engine_process,
+    kv_config,
+    make_llm,
+    metric,
+    no_cache_run,
+    prompt,
+    run,
+    same_output,
+    stored_files,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +63,13 @@ def tp2_store(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     store = tmp_path_factory.mktemp("tp2") / "kv"
     log = store.parent / "writer.log"
     written = engine_process(
-        tiny_llama, {"disk": {"path": str(store)}}, {"P": P}, log, multiprocess=True, preamble=TWO_RANKS, tensor_parallel_size=2
+        tiny_llama,
+        {"disk": {"path": str(store)}},
+        {"P": P},
+        log,
+        multiprocess=True,
+        preamble=TWO_RANKS,
+        tensor_parallel_size=2,
     )
     assert written["P"].cached == 0
     return store
@@ -60,7 +79,9 @@ def test_tp2_writes_tp1_reads(tiny_llama: Path, tp2_store: Path, baseline: Run, 
     store = tmp_path / "kv"
     shutil.copytree(tp2_store, store)
     written = members(store)
-    assert set(written) == {"kv_h0_1", "kv_h1_2"} and written["kv_h0_1"] == written["kv_h1_2"]  # 2 heads, one range per rank
+    assert (
+        set(written) == {"kv_h0_1", "kv_h1_2"} and written["kv_h0_1"] == written["kv_h1_2"]
+    )  # 2 heads, one range per rank
     read = engine_process(tiny_llama, {"disk": {"path": str(store)}}, {"P": P}, tmp_path / "reader.log")["P"]
     assert read.cached == len(P) - 1
     assert same_output(read, baseline)
@@ -73,12 +94,22 @@ def test_tp1_writes_tp2_reads(tiny_llama: Path, baseline: Run, tmp_path: Path) -
     written = engine_process(tiny_llama, extra, {"P": P}, tmp_path / "writer.log")["P"]
     assert written.cached == 0
     assert set(members(tmp_path / "kv")) == {"kv"}
-    read = engine_process(tiny_llama, extra, {"P": P}, tmp_path / "reader.log", multiprocess=True, preamble=TWO_RANKS, tensor_parallel_size=2)
+    read = engine_process(
+        tiny_llama,
+        extra,
+        {"P": P},
+        tmp_path / "reader.log",
+        multiprocess=True,
+        preamble=TWO_RANKS,
+        tensor_parallel_size=2,
+    )
     assert read["P"].cached == len(P) - 1
     assert same_output(read["P"], baseline)
 
 
-def test_a_missing_head_range_stops_the_hit_before_its_chunk(tiny_llama: Path, tp2_store: Path, baseline: Run, tmp_path: Path) -> None:
+def test_a_missing_head_range_stops_the_hit_before_its_chunk(
+    tiny_llama: Path, tp2_store: Path, baseline: Run, tmp_path: Path
+) -> None:
     from kvpack.keys import chunk_hashes
 
     store = tmp_path / "kv"
@@ -98,7 +129,9 @@ def test_a_missing_head_range_stops_the_hit_before_its_chunk(tiny_llama: Path, t
     assert same_output(read, baseline)
 
 
-def test_a_conversation_across_a_tp_change_reuses_every_chunk(tiny_llama: Path, tp2_store: Path, tmp_path: Path) -> None:
+def test_a_conversation_across_a_tp_change_reuses_every_chunk(
+    tiny_llama: Path, tp2_store: Path, tmp_path: Path
+) -> None:
     """Turn 1 (P) was computed at TP=2; the fleet moved to TP=1, where turn 2 (P and 200
     more tokens) reused turn 1 and stored its new chunks as TP=1 objects. A new TP=1
     process then reuses n - 1 tokens of turn 2: chunks 0-1 from the TP=2 head ranges,

@@ -22,9 +22,9 @@ from kvpack.tiers.factory import build_tiers
 
 pytest.importorskip("vllm")
 
-from fixtures.tiers import SlowTier  # noqa: E402
 from vllm_helpers import bare_worker  # noqa: E402
 
+from fixtures.tiers import SlowTier  # noqa: E402
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
 
@@ -32,7 +32,9 @@ BS = 16
 
 
 def _worker(tmp_path: Path, get_delay_s: float) -> WorkerSide:
-    config = KVPackConfig.from_dict({"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}, "io_timeout_ms": 50})
+    config = KVPackConfig.from_dict(
+        {"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}, "io_timeout_ms": 50}
+    )
     store = KVStore(config, [SlowTier(build_tiers(config)[0], 0.0, get_delay_s=get_delay_s)])
     worker = bare_worker(config, BS, store=store)
     worker.register_kv_caches({"model.layers.0.attn": torch.zeros((8, 2, BS, 2 * 32))}, 8)

@@ -7,8 +7,6 @@ ids, so lengths (and block boundaries) are exact.
 
 from __future__ import annotations
 
-from kvpack.vllm_plugin.offline import shutdown
-
 import os
 import random
 from dataclasses import dataclass
@@ -17,6 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from kvpack.vllm_plugin.offline import shutdown
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -137,7 +137,14 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
     from kvpack.vllm_plugin.worker import WorkerSide
 
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=block_size)
-    scope = Scope(spec=spec, members=("kv",), block_size=block_size, draft="", groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),), world=1)
+    scope = Scope(
+        spec=spec,
+        members=("kv",),
+        block_size=block_size,
+        draft="",
+        groups=(CacheGroup(0, Coverage.ALL, 0, (), "FullAttentionSpec"),),
+        world=1,
+    )
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=None,
@@ -215,7 +222,9 @@ def swap_payload(path: Path, donor: Path) -> None:
     path.write_bytes(new + raw[len(old) : start] + payload)
 
 
-def object_files(store: Path, ids: list[int], tenant: str = "default", seed: str | None = None) -> tuple[list[Path], Path | None]:
+def object_files(
+    store: Path, ids: list[int], tenant: str = "default", seed: str | None = None
+) -> tuple[list[Path], Path | None]:
     """The files of `ids`' full blocks (in order) and of its tail object, if stored."""
     from kvpack.keys import chunk_hashes
     from kvpack.tails import tail_chunk
@@ -246,7 +255,14 @@ def engine_process(
     import sys
 
     spec = json.dumps(
-        {"model": str(model), "extra": extra, "prompts": prompts, "preamble": preamble, "max_tokens": max_tokens, "engine": engine}
+        {
+            "model": str(model),
+            "extra": extra,
+            "prompts": prompts,
+            "preamble": preamble,
+            "max_tokens": max_tokens,
+            "engine": engine,
+        }
     )
     here = str(Path(__file__).parent)
     env = dict(
@@ -258,7 +274,9 @@ def engine_process(
     proc = subprocess.run([sys.executable, script, spec], env=env, capture_output=True, text=True, timeout=timeout_s)
     log.write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and line is not None, (
+        f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    )
     data = json.loads(line[len("RESULT ") :])
     return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
 
@@ -274,7 +292,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_openai(model: Path, kv: dict[str, Any] | None, log: Path, *args: str, ready_s: float = 240, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def serve_openai(
+    model: Path,
+    kv: dict[str, Any] | None,
+    log: Path,
+    *args: str,
+    ready_s: float = 240,
+    env: dict[str, str] | None = None,
+):  # type: ignore[no-untyped-def]
     """Start vLLM's OpenAI server on 127.0.0.1 (fp32, eager, vLLM prefix caching off) with
     kv-transfer-config `kv` (None: no connector) and the extra environment `env`; wait
     until it is healthy. Returns (process, port); the process leads a session of its own

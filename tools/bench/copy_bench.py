@@ -21,12 +21,12 @@ import random
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from kvpack.tools.bench.timing import Row, gbps, hardware
 from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks
+from kvpack.tools.bench.timing import Row, gbps, hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
@@ -75,7 +75,9 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     # cores' caches, and whichever serial copy ran next would pay to fetch them back
     # (measured: 0.5 MiB calls at 10 GB/s after torch's scatter, 18 GB/s otherwise).
     threaded: dict[str, Callable[[], object]] = {"memcpy": lambda: dst.copy_(src)}
-    serial: dict[str, Callable[[], object]] = {"memcpy 1 thread": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)}
+    serial: dict[str, Callable[[], object]] = {
+        "memcpy 1 thread": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    }
     for b in backends:
         group = serial if b is Backend.CPP else threaded
         group[f"cpu gather {b.value}"] = lambda b=b: gather_blocks(kv, ids, staging, backend=b)
@@ -86,7 +88,11 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     base = gbps(nbytes, best.pop("memcpy"))
     base_1t = gbps(nbytes, best.pop("memcpy 1 thread"))
     native = {op: best.get(f"cpu {op} cpp") for op in ("gather", "scatter")}
-    rows = [Row(name, gbps(nbytes, t), f"memcpy ({torch.get_num_threads()} threads)", base) for name, t in best.items() if name not in canonical]
+    rows = [
+        Row(name, gbps(nbytes, t), f"memcpy ({torch.get_num_threads()} threads)", base)
+        for name, t in best.items()
+        if name not in canonical
+    ]
     rows += [Row(name, gbps(nbytes, t), "memcpy (1 thread)", base_1t) for name, t in best.items() if "cpp" in name]
     for name, t in best.items():
         op = "gather" if "gather" in name else "scatter"
@@ -95,7 +101,9 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _canonical_fns(layers: list[torch.Tensor], ids: list[int], staging: torch.Tensor, args: argparse.Namespace) -> dict[str, Callable[[], object]]:
+def _canonical_fns(
+    layers: list[torch.Tensor], ids: list[int], staging: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Callable[[], object]]:
     """The canonical copy (`kvpack.ops.canonical`) of the same blocks, under each vLLM CPU
     packing of this dtype: `vec` (K as [D][T]) and, for bf16, `amx` (K [T/16][D/2][16][2],
     V [D/16][T/2][16][2]). Same bytes as the engine-native copy, converted while copying.
@@ -116,7 +124,9 @@ def _canonical_fns(layers: list[torch.Tensor], ids: list[int], staging: torch.Te
         for level in levels:
             for op in ("gather", "scatter"):
                 fns[f"canonical {op} ({isa} packing, {level.name.lower()})"] = (
-                    lambda g=geo, gather=op == "gather", level=level: g.copy_at_simd(ids, staging, gather=gather, obj_heads=heads, simd=level)
+                    lambda g=geo, gather=op == "gather", level=level: g.copy_at_simd(
+                        ids, staging, gather=gather, obj_heads=heads, simd=level
+                    )
                 )
     return fns
 
@@ -169,6 +179,7 @@ def _gpu_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
     backends = ([Backend.CUDA] if load_extension().has_cuda else []) + [Backend.TORCH]
     for b in backends:
+
         def run(fn: Callable[..., object], buf: torch.Tensor) -> float:
             return gbps(nbytes, _cuda_seconds(lambda: fn(kv, ids, buf, backend=b), r))
 
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     status = load_extension()
     gpu = torch.cuda.is_available() and not args.no_gpu
     lines = [
-        f"hardware: {hardware()}" + (f"; GPU: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "; no GPU"),
+        f"hardware: {hardware()}"
+        + (f"; GPU: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "; no GPU"),
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; kernels: {status.reason}",
         f"shape: {args.layers} layers, {args.blocks} of {args.cache_blocks or 2 * args.blocks} blocks, "
         f"{args.block_tokens} tokens/block, {args.kv_heads} kv heads, head {args.head_size}, {args.dtype}",

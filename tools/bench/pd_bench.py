@@ -129,7 +129,7 @@ class Histogram:
 
 EMPTY = Histogram((), (), 0.0, 0.0)
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 
 
 def parse_histogram(text: str, name: str) -> Histogram:
@@ -180,16 +180,26 @@ class ConsumerMetrics:
         wait = hists[0] if hists else EMPTY
         for h in hists[1:]:
             if h.bounds == wait.bounds:
-                wait = Histogram(wait.bounds, tuple(a + b for a, b in zip(wait.cumulative, h.cumulative)),
-                                 wait.total + h.total, wait.count + h.count)
-        return cls(wait, sum(parse_total(t, "kvpack_handoff_missing") for t in texts),
-                   sum(parse_total(t, "kvpack_loaded_tokens") for t in texts),
-                   sum(parse_total(t, "kvpack_handoff_loads") for t in texts))
+                wait = Histogram(
+                    wait.bounds,
+                    tuple(a + b for a, b in zip(wait.cumulative, h.cumulative)),
+                    wait.total + h.total,
+                    wait.count + h.count,
+                )
+        return cls(
+            wait,
+            sum(parse_total(t, "kvpack_handoff_missing") for t in texts),
+            sum(parse_total(t, "kvpack_loaded_tokens") for t in texts),
+            sum(parse_total(t, "kvpack_handoff_loads") for t in texts),
+        )
 
     def minus(self, other: ConsumerMetrics) -> ConsumerMetrics:
-        return ConsumerMetrics(self.wait.minus(other.wait) if other.wait.bounds else self.wait,
-                               self.missing - other.missing, self.loaded_tokens - other.loaded_tokens,
-                               self.handoff_loads - other.handoff_loads)
+        return ConsumerMetrics(
+            self.wait.minus(other.wait) if other.wait.bounds else self.wait,
+            self.missing - other.missing,
+            self.loaded_tokens - other.loaded_tokens,
+            self.handoff_loads - other.handoff_loads,
+        )
 
 
 SERVER_TIMES = {
@@ -214,8 +224,12 @@ class ServerTimes:
         return cls({k: parse_histogram(text, name) for k, name in SERVER_TIMES.items()})
 
     def minus(self, other: ServerTimes) -> ServerTimes:
-        return ServerTimes({k: h.minus(other.hists.get(k, EMPTY)) if other.hists.get(k, EMPTY).bounds else h
-                            for k, h in self.hists.items()})
+        return ServerTimes(
+            {
+                k: h.minus(other.hists.get(k, EMPTY)) if other.hists.get(k, EMPTY).bounds else h
+                for k, h in self.hists.items()
+            }
+        )
 
 
 def _scrape(port: int) -> str | None:
@@ -249,8 +263,12 @@ def stream_completion(port: int, body: dict[str, Any], timeout_s: float) -> Samp
     first: float | None = None
     chunks = 0
     try:
-        conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(dict(body, stream=True)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:300]}")
@@ -388,12 +406,23 @@ def run(args: argparse.Namespace) -> tuple[Result, str]:
     taken = kvpack_metric_ports(metrics_base)  # not the decode instance's: someone else's
 
     def server(name: str, kv: dict[str, Any], role: str) -> Server:
-        return Server(str(model), free_port(), root / f"{name}.log", False, kv, kv_bytes, max_len,
-                      args.shutdown_timeout, kv_role=role)
+        return Server(
+            str(model),
+            free_port(),
+            root / f"{name}.log",
+            False,
+            kv,
+            kv_bytes,
+            max_len,
+            args.shutdown_timeout,
+            kv_role=role,
+        )
 
     single = server("single", {"memory": {"capacity": "256MiB"}, "disk": {"path": str(root / "single")}}, "kv_both")
     producer = server("prefill", pd_store, "kv_producer")
-    consumer = server("decode", {**pd_store, "pd_wait_ms": args.pd_wait_ms, "metrics_port": metrics_base}, "kv_consumer")
+    consumer = server(
+        "decode", {**pd_store, "pd_wait_ms": args.pd_wait_ms, "metrics_port": metrics_base}, "kv_consumer"
+    )
     proxy = Proxy(producer.port, consumer.port, free_port(), root / "proxy.log", args.request_timeout_s)
     setup = (
         f"Model {model.name}; {args.prompts} distinct prompts of {args.prompt_tokens} token ids, max_tokens "
@@ -414,7 +443,11 @@ def run(args: argparse.Namespace) -> tuple[Result, str]:
         if not ports:
             raise RuntimeError(f"the decode instance serves no kvpack metrics in {metrics_base}..+{METRICS_SPAN - 1}")
         print(f"[pd bench] decode instance's kvpack metrics on {ports}; proxy on {proxy.port}", flush=True)
-        servers = {"one instance": single.port, "prefill (kv_producer)": producer.port, "decode (kv_consumer)": consumer.port}
+        servers = {
+            "one instance": single.port,
+            "prefill (kv_producer)": producer.port,
+            "decode (kv_consumer)": consumer.port,
+        }
         result = _measure(args, str(model), VOCAB_WORDS, single.port, proxy.port, consumer.port, ports, servers)
     except BaseException:
         failed = True
@@ -432,8 +465,16 @@ def run(args: argparse.Namespace) -> tuple[Result, str]:
     return result, setup
 
 
-def _measure(args: argparse.Namespace, model: str, vocab: int, single_port: int, proxy_port: int,
-             decode_port: int, ports: list[int], servers: dict[str, int]) -> Result:
+def _measure(
+    args: argparse.Namespace,
+    model: str,
+    vocab: int,
+    single_port: int,
+    proxy_port: int,
+    decode_port: int,
+    ports: list[int],
+    servers: dict[str, int],
+) -> Result:
     def body(ids: list[int]) -> dict[str, Any]:
         return {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
 
@@ -453,8 +494,11 @@ def _measure(args: argparse.Namespace, model: str, vocab: int, single_port: int,
             side = single if which == "single" else pd
             before = ConsumerMetrics.read(ports) if which == "pd" else None
             try:
-                side.samples.append(stream_completion(single_port if which == "single" else proxy_port, body(ids),
-                                                      args.request_timeout_s))
+                side.samples.append(
+                    stream_completion(
+                        single_port if which == "single" else proxy_port, body(ids), args.request_timeout_s
+                    )
+                )
             except Exception as exc:  # counted in the table; the run goes on
                 side.errors.append(f"{type(exc).__name__}: {exc}")
                 print(f"[pd bench] {side.name}, prompt {i}: {side.errors[-1][:300]}", file=sys.stderr, flush=True)
@@ -464,14 +508,25 @@ def _measure(args: argparse.Namespace, model: str, vocab: int, single_port: int,
                 if delta.wait.count == 1:
                     waits.append(delta.wait.total)
         last = pd.samples[-1] if pd.samples else None
-        print(f"[pd bench] prompt {i}: single {_ms(single.samples[-1].ttft_s) if single.samples else '-'} ms, "
-              f"PD {_ms(last.ttft_s) if last else '-'} ms TTFT", flush=True)
+        print(
+            f"[pd bench] prompt {i}: single {_ms(single.samples[-1].ttft_s) if single.samples else '-'} ms, "
+            f"PD {_ms(last.ttft_s) if last else '-'} ms TTFT",
+            flush=True,
+        )
     handoff = ConsumerMetrics.read(ports).minus(start)
     vllm_after = Counters.settled(decode_port)  # also: vLLM has recorded every finished request
     times = {name: ServerTimes.read(port).minus(times_before[name]) for name, port in servers.items()}
-    return Result(single, pd, handoff, waits, handoffs, len(pd.samples) * (args.prompt_tokens - 1),
-                  int(vllm_after.computed - vllm_before.computed), int(vllm_after.external - vllm_before.external),
-                  times)
+    return Result(
+        single,
+        pd,
+        handoff,
+        waits,
+        handoffs,
+        len(pd.samples) * (args.prompt_tokens - 1),
+        int(vllm_after.computed - vllm_before.computed),
+        int(vllm_after.external - vllm_before.external),
+        times,
+    )
 
 
 def _ms(s: float) -> str:
@@ -488,8 +543,10 @@ def report(r: Result, prompts: int) -> str:
         "|---|---|---|---|---|---|",
     ]
     for side in (r.single, r.pd):
-        lines.append(f"| {side.name} | {len(side.samples)} of {prompts} | {_ms(side.stat('ttft_s', 50))} | "
-                     f"{_ms(side.stat('ttft_s', 90))} | {_ms(side.stat('total_s', 50))} | {_ms(side.stat('total_s', 90))} |")
+        lines.append(
+            f"| {side.name} | {len(side.samples)} of {prompts} | {_ms(side.stat('ttft_s', 50))} | "
+            f"{_ms(side.stat('ttft_s', 90))} | {_ms(side.stat('total_s', 50))} | {_ms(side.stat('total_s', 90))} |"
+        )
     lines.append(
         f"| PD / one instance | | {_ratio(r.pd.stat('ttft_s', 50), r.single.stat('ttft_s', 50))} | "
         f"{_ratio(r.pd.stat('ttft_s', 90), r.single.stat('ttft_s', 90))} | "
@@ -498,7 +555,7 @@ def report(r: Result, prompts: int) -> str:
     )
     h = r.handoff
     exact = r.per_request_wait_s
-    exact_s = (f"{_ms(statistics.median(exact))} / {_ms(max(exact))}" if exact else "-")
+    exact_s = f"{_ms(statistics.median(exact))} / {_ms(max(exact))}" if exact else "-"
     one_each = sum(1 for n in r.handoffs_per_request if n == 1)
     lines += [
         "",
@@ -514,8 +571,7 @@ def report(r: Result, prompts: int) -> str:
     keys = list(SERVER_TIMES)
     lines += [
         "",
-        "| server-side means over the timed requests (vLLM's histograms, ms) | requests | "
-        + " | ".join(keys) + " |",
+        "| server-side means over the timed requests (vLLM's histograms, ms) | requests | " + " | ".join(keys) + " |",
         "|---|---|" + "---|" * len(keys),
     ]
     for name, t in r.server_times.items():
@@ -523,14 +579,23 @@ def report(r: Result, prompts: int) -> str:
         lines.append(f"| {name} | {count:.0f} | " + " | ".join(_ms(t.hists[k].mean) for k in keys) + " |")
     if r.single.errors or r.pd.errors:
         first = (r.pd.errors or r.single.errors)[0]
-        lines += ["", f"Failed requests: one instance {len(r.single.errors)}, PD {len(r.pd.errors)}; first: {first[:200]}"]
+        lines += [
+            "",
+            f"Failed requests: one instance {len(r.single.errors)}, PD {len(r.pd.errors)}; first: {first[:200]}",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     result, setup = run(args)
-    publish("pd", argv, "kvpack bench pd: prefill/decode through the store vs one instance", f"{setup}\n\n{report(result, args.prompts)}", args.out)
+    publish(
+        "pd",
+        argv,
+        "kvpack bench pd: prefill/decode through the store vs one instance",
+        f"{setup}\n\n{report(result, args.prompts)}",
+        args.out,
+    )
     return 0
 
 

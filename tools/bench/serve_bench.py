@@ -100,8 +100,12 @@ class Workload:
 
 WORKLOADS: dict[str, Workload] = {
     # prefixes repeated about twice (the issue's burst; 16 // 6 = 2 prompts per prefix)
-    "short": Workload("short", num_prefixes=6, prefix_len=768, suffix_len=256, num_prompts=16, concurrency=2, output_len=32),
-    "long": Workload("long", num_prefixes=8, prefix_len=1536, suffix_len=256, num_prompts=48, concurrency=2, output_len=32),
+    "short": Workload(
+        "short", num_prefixes=6, prefix_len=768, suffix_len=256, num_prompts=16, concurrency=2, output_len=32
+    ),
+    "long": Workload(
+        "long", num_prefixes=8, prefix_len=1536, suffix_len=256, num_prompts=48, concurrency=2, output_len=32
+    ),
 }
 
 
@@ -178,15 +182,44 @@ def _warm_up(port: int, model: str, w: Workload, seed: int, count: int = 2) -> N
 def _client_argv(model: str, port: int, w: Workload, seed: int) -> list[str]:
     """Arguments for vLLM's benchmark client (``vllm bench serve``'s own parser)."""
     return [
-        "--backend", "openai", "--host", HOST, "--port", str(port), "--model", model, "--tokenizer", model,
-        "--dataset-name", "prefix_repetition", "--num-prompts", str(w.num_prompts),
-        "--prefix-repetition-num-prefixes", str(w.num_prefixes),
-        "--prefix-repetition-prefix-len", str(w.prefix_len),
-        "--prefix-repetition-suffix-len", str(w.suffix_len),
-        "--prefix-repetition-output-len", str(w.output_len),
-        "--max-concurrency", str(w.concurrency), "--temperature", "0", "--ignore-eos",
-        "--num-warmups", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm",
-        "--percentile-metrics", "ttft", "--metric-percentiles", "50,90", "--seed", str(seed),
+        "--backend",
+        "openai",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "prefix_repetition",
+        "--num-prompts",
+        str(w.num_prompts),
+        "--prefix-repetition-num-prefixes",
+        str(w.num_prefixes),
+        "--prefix-repetition-prefix-len",
+        str(w.prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(w.suffix_len),
+        "--prefix-repetition-output-len",
+        str(w.output_len),
+        "--max-concurrency",
+        str(w.concurrency),
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--num-warmups",
+        "0",
+        "--ready-check-timeout-sec",
+        "0",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft",
+        "--metric-percentiles",
+        "50,90",
+        "--seed",
+        str(seed),
     ]
 
 
@@ -240,16 +273,24 @@ def _traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
     return [list(tok(r.prompt).input_ids) for r in get_samples(args, tok)]
 
 
-def _run_client(model: str, port: int, w: Workload, seed: int, timeout_s: float, out_dir: Path, log: Path) -> dict[str, Any]:
+def _run_client(
+    model: str, port: int, w: Workload, seed: int, timeout_s: float, out_dir: Path, log: Path
+) -> dict[str, Any]:
     """vLLM's benchmark client against the server, in a child process bounded by `timeout_s`
     (then SIGINT, then SIGKILL, by PID); its per-request results come back as its JSON file."""
     name = f"client-{port}.json"
     argv = _client_argv(model, port, w, seed) + [
-        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name,
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
     ]
     with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-c", _CLIENT, *argv], stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, *argv], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout_s)
         except BaseException as exc:  # over time, or Ctrl-C: end the client (SIGINT, then SIGKILL), by PID
@@ -298,15 +339,30 @@ class Bench:
 
             objects = sum(t.objects for t in summarize(Path(kvpack["disk"]["path"])).tenants.values())
         log = self.root / f"server-{name.replace(' ', '_').replace('+', 'and')}.log"
-        server = Server(self.model, free_port(), log, prefix_caching, kvpack, self.kv_cache_bytes,
-                        self.workload.max_model_len, self.shutdown_timeout_s)
+        server = Server(
+            self.model,
+            free_port(),
+            log,
+            prefix_caching,
+            kvpack,
+            self.kv_cache_bytes,
+            self.workload.max_model_len,
+            self.shutdown_timeout_s,
+        )
         print(f"[serve bench] {name}: starting the server (log {log})", flush=True)
         server.start(self.start_timeout_s)
         try:
             _warm_up(server.port, self.model, self.workload, seed=1000 + self.seed)
             before = Counters.settled(server.port)
-            result = _run_client(self.model, server.port, self.workload, self.seed, self.client_timeout_s,
-                                 self.root, log.with_name(log.stem + ".client.log"))
+            result = _run_client(
+                self.model,
+                server.port,
+                self.workload,
+                self.seed,
+                self.client_timeout_s,
+                self.root,
+                log.with_name(log.stem + ".client.log"),
+            )
             after = Counters.settled(server.port)
         except BaseException:
             print(server.log_tail(), file=sys.stderr)
@@ -362,15 +418,36 @@ def targets(rows: list[Row]) -> list[Target]:
 
     for name in (RowName.KVPACK, RowName.KVPACK_PC):
         if name in by:
-            out.append(Target(f"{name}: first-lifetime reuse / repeated prefix tokens", ">= 0.9",
-                              by[name].reuse_fraction, 0.9, True))
+            out.append(
+                Target(
+                    f"{name}: first-lifetime reuse / repeated prefix tokens",
+                    ">= 0.9",
+                    by[name].reuse_fraction,
+                    0.9,
+                    True,
+                )
+            )
     for name in (RowName.KVPACK, RowName.KVPACK_PC):
         if name in by and RowName.VLLM_PC in by:
-            out.append(Target(f"{name}: median TTFT x vLLM prefix caching", "<= 0.5",
-                              ttft(name) / ttft(RowName.VLLM_PC), 0.5, False))
+            out.append(
+                Target(
+                    f"{name}: median TTFT x vLLM prefix caching",
+                    "<= 0.5",
+                    ttft(name) / ttft(RowName.VLLM_PC),
+                    0.5,
+                    False,
+                )
+            )
     if RowName.RESTART in by and RowName.NO_CACHE in by:
-        out.append(Target(f"{RowName.RESTART}: median TTFT x no cache", "<= 0.3",
-                          ttft(RowName.RESTART) / ttft(RowName.NO_CACHE), 0.3, False))
+        out.append(
+            Target(
+                f"{RowName.RESTART}: median TTFT x no cache",
+                "<= 0.3",
+                ttft(RowName.RESTART) / ttft(RowName.NO_CACHE),
+                0.3,
+                False,
+            )
+        )
     return out
 
 
@@ -397,7 +474,8 @@ def report(rows: list[Row]) -> str:
             continue
         lines.append(
             f"| {name} | {r.ttft_median_s:.3f} | {r.ttft_p90_s:.3f} | {_ratio(r.ttft_median_s, base)} | "
-            f"{_ratio(r.ttft_median_s, pc)} | {r.ttft_repeats_median_s:.3f}, {_ratio(r.ttft_repeats_median_s, pc_again)} | "
+            f"{_ratio(r.ttft_median_s, pc)} | {r.ttft_repeats_median_s:.3f}, "
+            f"{_ratio(r.ttft_repeats_median_s, pc_again)} | "
             f"{r.reused_vllm} | {r.reused_connector} | "
             f"{r.reused} of {r.repeatable} ({r.reuse_fraction:.2f}) | {r.completed} of {r.requests} | {r.preemptions} |"
         )
@@ -414,15 +492,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="", help="model directory (default: build the bench Llama in --model-dir)")
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--output-len", type=int, default=0, help="output tokens per request (default: the workload's)")
-    p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="engine KV cache as a fraction of the working set")
-    p.add_argument("--store-dir", default="", help="root for the kvpack stores and server logs (default: a temp dir, removed)")
+    p.add_argument(
+        "--kv-cache-fraction", type=float, default=0.5, help="engine KV cache as a fraction of the working set"
+    )
+    p.add_argument(
+        "--store-dir", default="", help="root for the kvpack stores and server logs (default: a temp dir, removed)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
-    p.add_argument("--client-timeout-s", type=float, default=0.0,
-                   help="bound on one client run (default: 10 s per request, at least 180 s)")
-    p.add_argument("--shutdown-timeout", type=int, default=None,
-                   help="pass vLLM's --shutdown-timeout to every server (default: vLLM's own, 0: the engine is "
-                   "killed at once on SIGINT; kvpack warns at start-up and examples/vllm/server.sh passes 10)")
+    p.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=0.0,
+        help="bound on one client run (default: 10 s per request, at least 180 s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        help="pass vLLM's --shutdown-timeout to every server (default: vLLM's own, 0: the engine is "
+        "killed at once on SIGINT; kvpack warns at start-up and examples/vllm/server.sh passes 10)",
+    )
     p.add_argument("--io-timeout-ms", type=int, default=0, help="kvpack io_timeout_ms (default: kvpack's default)")
     p.add_argument("--out", default="", help="write a markdown results file here")
     return p.parse_args(argv)
@@ -456,8 +546,19 @@ def run(args: argparse.Namespace) -> tuple[list[Row], str]:
     )
     print(f"[serve bench] {setup}", flush=True)
     client_timeout = args.client_timeout_s or max(180.0, 10.0 * len(prompts))
-    bench = Bench(str(model), w, kv_bytes, root, args.seed, args.start_timeout_s, client_timeout, repeatable, bound,
-                  [n >= BLOCK_SIZE for n in shared], args.shutdown_timeout)
+    bench = Bench(
+        str(model),
+        w,
+        kv_bytes,
+        root,
+        args.seed,
+        args.start_timeout_s,
+        client_timeout,
+        repeatable,
+        bound,
+        [n >= BLOCK_SIZE for n in shared],
+        args.shutdown_timeout,
+    )
 
     def kv(store: str) -> dict[str, Any]:
         cfg: dict[str, Any] = {"memory": {"capacity": "1GiB"}, "disk": {"path": str(root / store)}}
@@ -479,7 +580,9 @@ def run(args: argparse.Namespace) -> tuple[list[Row], str]:
         except Exception as exc:  # one row's failure is reported in the table; the others still run
             print(f"[serve bench] {name} failed: {exc}", file=sys.stderr, flush=True)
             nan = float("nan")
-            rows.append(Row(name, nan, nan, 0, len(prompts), 0, 0, 0, repeatable, failed=str(exc).splitlines()[0][:200]))
+            rows.append(
+                Row(name, nan, nan, 0, len(prompts), 0, 0, 0, repeatable, failed=str(exc).splitlines()[0][:200])
+            )
     if any(r.failed for r in rows):
         print(f"[serve bench] kept {root} (server logs) because a row failed", file=sys.stderr)
     elif not args.store_dir:
@@ -490,7 +593,13 @@ def run(args: argparse.Namespace) -> tuple[list[Row], str]:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     rows, setup = run(args)
-    publish("serve", argv, "kvpack bench serve: the vLLM OpenAI server under vLLM's benchmark client", f"{setup}\n\n{report(rows)}", args.out)
+    publish(
+        "serve",
+        argv,
+        "kvpack bench serve: the vLLM OpenAI server under vLLM's benchmark client",
+        f"{setup}\n\n{report(rows)}",
+        args.out,
+    )
     return 0
 
 

@@ -48,10 +48,24 @@ class Server:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", HOST, "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len), "--block-size", str(BLOCK_SIZE),
-            "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--enforce-eager", "--seed", "0",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--enforce-eager",
+            "--seed",
+            "0",
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
         ]
         if self.shutdown_timeout_s is not None:
@@ -68,12 +82,16 @@ class Server:
         with open(self.log, "ab") as f:
             f.write(f"\n=== kvpack bench serve: {shlex.join(self.command())}\n".encode())
             f.flush()
-            self.popen = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
                 if self.popen.poll() is not None:
-                    raise RuntimeError(f"the vLLM server exited during start-up (rc {self.popen.returncode}):\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"the vLLM server exited during start-up (rc {self.popen.returncode}):\n{self.log_tail()}"
+                    )
                 if http_call("GET", self.port, "/health", timeout=2)[0] == 200:
                     return
                 time.sleep(1.0)
@@ -130,7 +148,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_call(method: str, port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> tuple[int, str]:
+def http_call(
+    method: str, port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0
+) -> tuple[int, str]:
     try:
         conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
         data = json.dumps(body).encode() if body is not None else None
@@ -143,7 +163,7 @@ def http_call(method: str, port: int, path: str, body: dict[str, Any] | None = N
         return 0, ""
 
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 
 
 def parse_counters(text: str, name: str, label: str | None = None) -> dict[str, float]:
@@ -173,8 +193,12 @@ class Counters:
             raise RuntimeError(f"GET /metrics answered {status}")
         by_source = parse_counters(text, "vllm:prompt_tokens_by_source", "source")
         pre = parse_counters(text, "vllm:num_preemptions").get("", 0.0)
-        return cls(by_source.get("local_cache_hit", 0.0), by_source.get("external_kv_transfer", 0.0),
-                   by_source.get("local_compute", 0.0), pre)
+        return cls(
+            by_source.get("local_cache_hit", 0.0),
+            by_source.get("external_kv_transfer", 0.0),
+            by_source.get("local_compute", 0.0),
+            pre,
+        )
 
     @classmethod
     def settled(cls, port: int, timeout_s: float = 10.0) -> Counters:

@@ -40,16 +40,17 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvpack.tools.bench.timing import Row, gbps, hardware
 from kvpack.keys import chain_hash
+from kvpack.tools.bench.timing import Row, gbps, hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -127,7 +128,9 @@ def _host_pool(args: argparse.Namespace) -> Any:
         ks = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
         vs = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
         info = MHABufferInfo(
-            buffers=KVBuffers(k=tuple(ks), v=tuple(vs), k_data_ptrs=ptrs(ks), v_data_ptrs=ptrs(vs), layout=KVBufferLayout.NHD),
+            buffers=KVBuffers(
+                k=tuple(ks), v=tuple(vs), k_data_ptrs=ptrs(ks), v_data_ptrs=ptrs(vs), layout=KVBufferLayout.NHD
+            ),
             page_size=args.page_tokens,
             head_num=args.heads,
             head_dim=args.head_dim,
@@ -177,7 +180,9 @@ def _storage_config(extra: dict[str, Any] | None, args: argparse.Namespace) -> A
 
 def _controller(backend: Any, pool: Any) -> Any:
     """What SGLang's CacheController methods read from `self` on the storage path."""
-    return SimpleNamespace(storage_backend=backend, storage_host_pool=pool, mem_pool_host=pool, page_size=pool.page_size)
+    return SimpleNamespace(
+        storage_backend=backend, storage_host_pool=pool, mem_pool_host=pool, page_size=pool.page_size
+    )
 
 
 class _Op:
@@ -229,7 +234,9 @@ def _memcpy_timer(nbytes: int) -> Callable[[], float]:
     return once
 
 
-def _region_memcpy_timers(pool: Any, indices: torch.Tensor, nbytes: int) -> tuple[Callable[[], float], Callable[[], float]]:
+def _region_memcpy_timers(
+    pool: Any, indices: torch.Tensor, nbytes: int
+) -> tuple[Callable[[], float], Callable[[], float]]:
     """(store, load): seconds for one thread to copy every region of the pages at
     `indices` into one contiguous buffer, and back, one ``memmove`` per region."""
     ptrs, sizes = pool.get_page_buffer_meta(indices)
@@ -285,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     get_zero_copy = HiCacheController._page_get_zero_copy
     set_generic = HiCacheController._generic_page_set
     get_generic = HiCacheController._generic_page_get
-    dyn = {"backend_name": "kvpack", "module_path": "kvpack.sglang_plugin", "class_name": "KVPackStorage", "interface_v1": 1}
+    dyn = {
+        "backend_name": "kvpack",
+        "module_path": "kvpack.sglang_plugin",
+        "class_name": "KVPackStorage",
+        "interface_v1": 1,
+    }
 
     def kvpack_backend(tier: str) -> Any:
         extra = dict(dyn, io_threads=args.io_threads)
@@ -343,13 +355,19 @@ def main(argv: list[str] | None = None) -> int:
             memcpy_best["get"] = min(paired[1:])
             region_best["get"] = min(regions[1:])
         for e in entries:
-            results[f"{e.label} get (page cache)" if e.folder else f"{e.label} get"] = gbps(nbytes, min(get_times[e.label][1:]))
+            results[f"{e.label} get (page cache)" if e.folder else f"{e.label} get"] = gbps(
+                nbytes, min(get_times[e.label][1:])
+            )
         cold_entries = [e for e in entries if e.folder is not None]
         if cold_entries and not args.no_cold:
             cold: dict[str, list[float]] = {e.label: [] for e in cold_entries}
             for _ in range(max(2, args.repeats // 2)):
                 for e in cold_entries:
-                    ctl, fn, k = _controller(e.backend, pool), get_zero_copy if e.zero_copy else get_generic, keys[e.label]
+                    ctl, fn, k = (
+                        _controller(e.backend, pool),
+                        get_zero_copy if e.zero_copy else get_generic,
+                        keys[e.label],
+                    )
                     _drop_cache(e.folder)  # type: ignore[arg-type]
                     cold[e.label].append(_timed(lambda: fn(ctl, _Op, k, dst)))
             for e in cold_entries:
@@ -378,13 +396,35 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         Row("kvpack memory set", results["kvpack memory set"], "memcpy (paired)", memcpy_set),
         Row("kvpack memory get", results["kvpack memory get"], "memcpy (paired)", memcpy_get),
-        Row("kvpack memory set", results["kvpack memory set"], "region memcpy, 1 thread (paired)", gbps(nbytes, region_best["set"])),
-        Row("kvpack memory get", results["kvpack memory get"], "region memcpy, 1 thread (paired)", gbps(nbytes, region_best["get"])),
+        Row(
+            "kvpack memory set",
+            results["kvpack memory set"],
+            "region memcpy, 1 thread (paired)",
+            gbps(nbytes, region_best["set"]),
+        ),
+        Row(
+            "kvpack memory get",
+            results["kvpack memory get"],
+            "region memcpy, 1 thread (paired)",
+            gbps(nbytes, region_best["get"]),
+        ),
         Row("kvpack disk set (to flush)", results["kvpack disk set"], "sglang file set", results["sglang file set"]),
-        Row("kvpack disk get (page cache)", results["kvpack disk get (page cache)"], "sglang file get (page cache)", results["sglang file get (page cache)"]),
+        Row(
+            "kvpack disk get (page cache)",
+            results["kvpack disk get (page cache)"],
+            "sglang file get (page cache)",
+            results["sglang file get (page cache)"],
+        ),
     ]
     if not args.no_cold:
-        rows.append(Row("kvpack disk get (cold)", results["kvpack disk get (cold)"], "sglang file get (cold)", results["sglang file get (cold)"]))
+        rows.append(
+            Row(
+                "kvpack disk get (cold)",
+                results["kvpack disk get (cold)"],
+                "sglang file get (cold)",
+                results["sglang file get (cold)"],
+            )
+        )
     print(f"{'measured':34} {'GB/s':>7}   {'vs':34} {'GB/s':>7}   ratio")
     for r in rows:
         print(f"{r.what:34} {r.gbps:7.2f}   {r.baseline:34} {r.baseline_gbps:7.2f}   {r.ratio:5.2f}x")
@@ -392,8 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         cmd = "kvpack bench sglang " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.markdown, "a") as f:
-            f.write(f"\n### `{cmd.strip()}`\n\n{hardware()}; {args.kind} {args.layout} {args.dtype}, "
-                    f"{page // 1024} KiB pages, {n} pages a call\n\n| measured | GB/s | vs | GB/s | ratio |\n|---|---|---|---|---|\n")
+            f.write(
+                f"\n### `{cmd.strip()}`\n\n{hardware()}; {args.kind} {args.layout} {args.dtype}, "
+                f"{page // 1024} KiB pages, {n} pages a call\n\n| measured | GB/s | vs | GB/s | ratio "
+                "|\n|---|---|---|---|---|\n"
+            )
             for r in rows:
                 f.write(f"| {r.what} | {r.gbps:.2f} | {r.baseline} | {r.baseline_gbps:.2f} | {r.ratio:.2f}x |\n")
             f.write(f"| memcpy (1 thread, best sample) | {memcpy_gbps:.2f} | | | |\n")

@@ -267,7 +267,12 @@ def main(argv: list[str]) -> int:
     table, ok = report(rows)
     print(table)
     if args.out:
-        write_report(args.out, "kvpack bench spec: speculative decoding after a kvpack hit (real vLLM CPU engine)", command, table)
+        write_report(
+            args.out,
+            "kvpack bench spec: speculative decoding after a kvpack hit (real vLLM CPU engine)",
+            command,
+            table,
+        )
     return 0 if ok else 1
 
 

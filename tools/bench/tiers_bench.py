@@ -31,6 +31,7 @@ from kvpack.objects import Expectation, ObjectHeader, payload_checksum
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.memory import MemoryTier
+
 from .timing import best_seconds, gbps, hardware
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
@@ -43,13 +44,17 @@ def _items(nbytes: int, count: int, checksum: bool) -> tuple[list[PutItem], list
     items, exps = [], []
     for i, p in enumerate(payloads):
         chunk = f"{i:064x}"
-        header = ObjectHeader(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes, payload_checksum(p) if checksum else None)
+        header = ObjectHeader(
+            spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes, payload_checksum(p) if checksum else None
+        )
         items.append(PutItem(StoreKey("bench", spec.group_fingerprint, chunk, "kv"), header, memoryview(p)))
         exps.append(Expectation(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes))
     return items, exps, payloads
 
 
-def _tier_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], verify: bool, repeats: int) -> tuple[float, float]:
+def _tier_rates(
+    tier: Tier, items: list[PutItem], exps: list[Expectation], verify: bool, repeats: int
+) -> tuple[float, float]:
     total = sum(i.payload.nbytes for i in items)
     dsts = [np.empty(i.payload.nbytes, np.uint8) for i in items]
     keys = [i.key for i in items]
@@ -61,9 +66,7 @@ def _tier_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], verif
     return gbps(total, put_s), gbps(total, get_s)
 
 
-def _keyed_disk_rates(
-    tier: Tier, items: list[PutItem], exps: list[Expectation], repeats: int
-) -> tuple[float, float]:
+def _keyed_disk_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], repeats: int) -> tuple[float, float]:
     """Disk put/get the way `KVStore` runs them with an integrity key: seal, put; get unverified, check the MAC."""
     key = IntegrityKey(bytes(range(32)))
     total = sum(i.payload.nbytes for i in items)
@@ -149,7 +152,8 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
 
 def format_keyed_table(rows: list[dict[str, float | str]]) -> str:
     lines = [
-        "| size | disk put GB/s | keyed put GB/s (x unkeyed) | disk get GB/s (xxh3 verified) | keyed get GB/s (x unkeyed) |",
+        "| size | disk put GB/s | keyed put GB/s (x unkeyed) | disk get GB/s (xxh3 verified) | keyed get GB/s (x "
+        "unkeyed) |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
@@ -163,7 +167,8 @@ def format_keyed_table(rows: list[dict[str, float | str]]) -> str:
 
 def format_table(rows: list[dict[str, float | str]]) -> str:
     lines = [
-        "| size | memcpy GB/s | memory put GB/s (x memcpy) | memory get GB/s (x memcpy) | raw write GB/s | disk put GB/s (x raw) | raw read GB/s | disk get GB/s (x raw) |",
+        "| size | memcpy GB/s | memory put GB/s (x memcpy) | memory get GB/s (x memcpy) | raw write GB/s | disk "
+        "put GB/s (x raw) | raw read GB/s | disk get GB/s (x raw) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.timing import CpuSample, cpu_sample, write_report
-
 from kvpack.vllm_plugin.offline import drain, shutdown
 
 DECODE_STEPS = 32
@@ -252,7 +251,8 @@ def report(results: list[Result], prompts: int) -> str:
     for r in results:
         if r.decode_tps and r.name != "no connector":
             lines.append(
-                f"Decode after the first token: {r.name} {r.decode_tps:.1f} tokens/s, no connector {base_tps:.1f} tokens/s "
+                f"Decode after the first token: {r.name} {r.decode_tps:.1f} tokens/s, no connector {base_tps:.1f} "
+                "tokens/s "
                 f"({r.decode_tps / base_tps:.3f}x; {DECODE_STEPS} tokens per prompt, median)."
             )
     store, base_cpu = by["kvpack miss (store)"].cpu, by["no connector"].cpu

@@ -295,7 +295,10 @@ def security_probes(soak: Soak) -> str:
         soak.send("odd-salt", None, victim, cache_salt=salt)
     # pickle bombs under keys that requests will look up
     fp = soak.fingerprint()
-    notes = [f"{bad}/{len(BAD_TENANTS)} bad tenants served without the cache", f"{refused}/{len(BAD_SALTS)} bad salts got HTTP 400"]
+    notes = [
+        f"{bad}/{len(BAD_TENANTS)} bad tenants served without the cache",
+        f"{refused}/{len(BAD_SALTS)} bad salts got HTTP 400",
+    ]
     if fp is None:
         return "; ".join(notes + ["no fingerprint yet: bombs skipped"])
     bomb = _bomb_bytes(soak.sentinel)
@@ -336,7 +339,10 @@ def _planted_entries(soak: Soak, fp: str, prompt: tuple[int, ...], n: int) -> st
     os.symlink(outside, soak.disk_root / f"link-{n}")
     link = soak.send("planted-symlink", f"link-{n}", prompt)
     written = sum(1 for p in outside.rglob("*") if p.is_file())
-    return f"FIFO at an object path: {fifo.status}; symlinked tenant folder: {link.status}, {written} files written outside"
+    return (
+        f"FIFO at an object path: {fifo.status}; symlinked tenant folder: {link.status}, "
+        f"{written} files written outside"
+    )
 
 
 # -- the schedule ----------------------------------------------------------------------

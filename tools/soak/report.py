@@ -118,7 +118,7 @@ def compare(results: Iterable[Result], refs: dict[str, dict[str, Any]]) -> Compa
         if len(c.examples) < 5:
             c.examples.append(
                 f"{r.kind} tenant={r.tenant!r} len={len(r.prompt)} cached={r.cached_tokens}: first difference at "
-                f"token {pos} (reference margin {margin:.2e}); got {r.tokens[:pos + 2]} want {want[:pos + 2]}"
+                f"token {pos} (reference margin {margin:.2e}); got {r.tokens[: pos + 2]} want {want[: pos + 2]}"
             )
     return c
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.config import METRICS_PORT_SPAN as METRICS_PORTS
+
 from . import faults as F
 from .procs import HOST, MooncakeProcs, Tmpfs, free_port_range, mooncake_binaries, tree_rss
 from .reference import key_of
@@ -162,7 +163,9 @@ class Soak:
     def send(self, kind: str, tenant: Any, prompt: tuple[int, ...], cache_salt: Any = None) -> Result:
         assert self.server is not None
         res = Result(kind, str(tenant) if not isinstance(tenant, str) else tenant, tuple(prompt))
-        body = completion_body(self.server.served_name, prompt, self.cfg.max_tokens, tenant=tenant, cache_salt=cache_salt)
+        body = completion_body(
+            self.server.served_name, prompt, self.cfg.max_tokens, tenant=tenant, cache_salt=cache_salt
+        )
         stream_completion(self.server.port, body, res, self.cfg.request_timeout_s)
         with self._lock:
             self.results.append(res)
@@ -256,10 +259,12 @@ class Soak:
     def _wait_reference(self, proc: subprocess.Popen[bytes], timeout_s: float = 420.0) -> None:
         try:
             rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             proc.kill()
             proc.wait(10)
-            raise RuntimeError(f"the reference run did not finish in {timeout_s}s; see {self.work}/reference.log")
+            raise RuntimeError(
+                f"the reference run did not finish in {timeout_s}s; see {self.work}/reference.log"
+            ) from exc
         if rc != 0:
             tail = (self.work / "reference.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"the reference run failed (rc={rc}):\n{tail}")
@@ -454,9 +459,19 @@ class Soak:
             Row("  near-tie divergences (margin < 1e-3)", str(cmp.near_tie), "reported"),
             Row("hits: whole prompt / prefix only / miss", f"{whole} / {part} / {miss}"),
             Row("tokens reused by kvpack / prompt tokens", f"{hit_tokens} / {prompt_tokens}"),
-            Row("cross-tenant probes with a hit", f"{len(probe_hits)} of {len(probes)}", "0 (of >0)", not probe_hits and bool(probes)),
+            Row(
+                "cross-tenant probes with a hit",
+                f"{len(probe_hits)} of {len(probes)}",
+                "0 (of >0)",
+                not probe_hits and bool(probes),
+            ),
             Row("bad tenant names served, no cache", f"{len(bad_ok)}/{len(bad)}", "all", len(bad_ok) == len(bad)),
-            Row("bad cache_salt answered HTTP 400", f"{len(salt_400)}/{len(expected_400)}", "all", len(salt_400) == len(expected_400)),
+            Row(
+                "bad cache_salt answered HTTP 400",
+                f"{len(salt_400)}/{len(expected_400)}",
+                "all",
+                len(salt_400) == len(expected_400),
+            ),
             Row("store root holds only valid tenants", str(self._root_clean), "True", self._root_clean is True),
             Row(
                 "pickle bombs refused (bad_magic), never run",
@@ -477,7 +492,14 @@ class Soak:
             Row("partial hits by missing member", fmt_counter(partial) if exported else na),
             Row(
                 "connector stats (vLLM log)",
-                fmt_counter({k: v for k, v in xfer.items() if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")}) or "none",
+                fmt_counter(
+                    {
+                        k: v
+                        for k, v in xfer.items()
+                        if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")
+                    }
+                )
+                or "none",
             ),
             Row("longest step delay (all)", f"{longest:.3f}s"),
             Row("longest step delay outside every fault window (the machine's own noise)", f"{longest_quiet:.3f}s"),
@@ -487,9 +509,19 @@ class Soak:
                 f"< {cfg.delay_bound_s}s",
                 longest_down < cfg.delay_bound_s,
             ),
-            Row("server tree RSS: peak / growth after warm-up", f"{peak:.0f} / {growth:+.0f} MiB", f"< {cfg.memory_growth_bound_mib:.0f} MiB", growth < cfg.memory_growth_bound_mib),
+            Row(
+                "server tree RSS: peak / growth after warm-up",
+                f"{peak:.0f} / {growth:+.0f} MiB",
+                f"< {cfg.memory_growth_bound_mib:.0f} MiB",
+                growth < cfg.memory_growth_bound_mib,
+            ),
             Row("server alive and healthy at the end", str(server_alive), "True", server_alive),
-            Row("engine deaths / tracebacks in the server log", f"{log['engine_dead']} / {log['tracebacks']}", "0 / -", log["engine_dead"] == 0),
+            Row(
+                "engine deaths / tracebacks in the server log",
+                f"{log['engine_dead']} / {log['tracebacks']}",
+                "0 / -",
+                log["engine_dead"] == 0,
+            ),
         ]
         counts = dict(
             failed=[(r.kind, r.tenant, r.status, r.error[:200]) for r in failed],

@@ -46,7 +46,15 @@ What this tier adds to ``MooncakeDistributedStore``, and where:
 from __future__ import annotations
 
 from .codes import MOONCAKE_CODES, Code, CodeInfo, code_info, describe
-from .connection import BreakerState, CircuitBreaker, TierEvents, TierState, load_mooncake, supports_groups, supports_tenants
+from .connection import (
+    BreakerState,
+    CircuitBreaker,
+    TierEvents,
+    TierState,
+    load_mooncake,
+    supports_groups,
+    supports_tenants,
+)
 from .staging import plan_steps
 from .tier import MooncakeTier
 

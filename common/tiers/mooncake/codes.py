@@ -108,7 +108,9 @@ _OUTCOMES: dict[Code, tuple[TierStatus, bool]] = {
     Code.TENANT_NOT_EMPTY: (TierStatus.ERROR, False),
 }
 
-MOONCAKE_CODES: dict[int, CodeInfo] = {int(c): CodeInfo(c.name, status, trips) for c, (status, trips) in _OUTCOMES.items()}
+MOONCAKE_CODES: dict[int, CodeInfo] = {
+    int(c): CodeInfo(c.name, status, trips) for c, (status, trips) in _OUTCOMES.items()
+}
 """Every known code -> its outcome."""
 
 OBJECT_NOT_FOUND = int(Code.OBJECT_NOT_FOUND)

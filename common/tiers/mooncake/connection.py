@@ -255,7 +255,15 @@ class Connection:
     registered with the client once it is set up and unregistered before it is
     closed. Call `start()` once; `close()` is idempotent."""
 
-    def __init__(self, config: MooncakeTierConfig, store_cls: type, tenant_kw: bool, runner: LaneRunner, arena_addr: int, arena_nbytes: int) -> None:
+    def __init__(
+        self,
+        config: MooncakeTierConfig,
+        store_cls: type,
+        tenant_kw: bool,
+        runner: LaneRunner,
+        arena_addr: int,
+        arena_nbytes: int,
+    ) -> None:
         self.config = config
         self.timeout_s = config.timeout_ms / 1000.0
         self._store_cls = store_cls
@@ -436,7 +444,11 @@ class Connection:
             rc = self._probe_put()
             if rc != TENANT_NOT_REGISTERED:
                 self._set_state(TierState.READY)
-                log.warning("kvpack: Mooncake tier connected to %s (tenant %s)", self.config.master_server_address, self.config.tenant_id)
+                log.warning(
+                    "kvpack: Mooncake tier connected to %s (tenant %s)",
+                    self.config.master_server_address,
+                    self.config.tenant_id,
+                )
                 return
             if not warned:
                 log.error(

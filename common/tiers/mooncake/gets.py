@@ -174,13 +174,18 @@ class Gets:
         job: Job[GetResult] = Job(len(keys), len(steps), transfer, finish=finish, slots=SLOTS, slot_bytes=slot_bytes)
         state, results = self._conn.run(job)
         timeout_ms = self._conn.config.timeout_ms
-        out = [r if r is not None else GetResult(TierStatus.TIMEOUT, detail=f"no answer within {timeout_ms} ms") for r in results]
+        out = [
+            r if r is not None else GetResult(TierStatus.TIMEOUT, detail=f"no answer within {timeout_ms} ms")
+            for r in results
+        ]
         for key, res in zip(names, out):
             if res.status is TierStatus.REJECTED and res.reason in OVERWRITE_REASONS:
                 self._overwrite.mark(key)
         return out
 
-    def _transfer(self, slot: Slot, idx: list[int], names: list[str], budgets: Sequence[int]) -> tuple[list[Any], list[int], list[int]]:
+    def _transfer(
+        self, slot: Slot, idx: list[int], names: list[str], budgets: Sequence[int]
+    ) -> tuple[list[Any], list[int], list[int]]:
         """The Mooncake calls of one get step, into its slot: (views, addresses, codes or byte counts)."""
         conn = self._conn
         views, addrs = slot_buffers(slot, idx, budgets)
@@ -197,7 +202,11 @@ class Gets:
                 own = np.empty(size, dtype=np.uint8)
                 views[j] = own
                 addrs[j] = own.ctypes.data
-                got[j] = int(conn.call(lambda s: s.batch_get_into([step_names[j]], [own.ctypes.data], [size])[0], default=NOT_CALLED))
+                got[j] = int(
+                    conn.call(
+                        lambda s: s.batch_get_into([step_names[j]], [own.ctypes.data], [size])[0], default=NOT_CALLED
+                    )
+                )
         conn.note_codes(got)
         return views, addrs, got
 
@@ -234,7 +243,9 @@ class Gets:
         job.publish(step, idx, results)
 
 
-def check_staged(n: int, staged: Any, dst: Payload, exp: Expectation, verify: bool, fast: HeaderFastPath) -> tuple[GetResult, int]:
+def check_staged(
+    n: int, staged: Any, dst: Payload, exp: Expectation, verify: bool, fast: HeaderFastPath
+) -> tuple[GetResult, int]:
     """The outcome of one staged object of `n` bytes (or a negative code) and its
     header length; OK means its payload may be copied into `dst`."""
     if n < 0:
@@ -258,10 +269,20 @@ def check_staged(n: int, staged: Any, dst: Payload, exp: Expectation, verify: bo
             return GetResult(TierStatus.REJECTED, header, reason), 0
         header_len = header_length(raw)
         if n != header_len + header.payload_len:
-            return GetResult(TierStatus.REJECTED, header, RejectReason.TRUNCATED, f"{n} bytes for a {header.payload_len}-byte payload"), 0
+            return GetResult(
+                TierStatus.REJECTED,
+                header,
+                RejectReason.TRUNCATED,
+                f"{n} bytes for a {header.payload_len}-byte payload",
+            ), 0
     if payload_nbytes(dst) != header.payload_len:
         return (
-            GetResult(TierStatus.REJECTED, header, RejectReason.LENGTH, f"payload {header.payload_len} bytes, destination {payload_nbytes(dst)}"),
+            GetResult(
+                TierStatus.REJECTED,
+                header,
+                RejectReason.LENGTH,
+                f"payload {header.payload_len} bytes, destination {payload_nbytes(dst)}",
+            ),
             0,
         )
     if verify and header.checksum is not None and xxhash.xxh3_64_intdigest(raw[header_len:]) != header.checksum:

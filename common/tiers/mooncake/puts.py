@@ -27,7 +27,7 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,16 @@ class _Prep:
 
     __slots__ = ("key", "name", "header", "hdr", "hdr_len", "parts", "nbytes", "upsert", "direct")
 
-    def __init__(self, key: StoreKey, name: str, header: ObjectHeader, parts: tuple[memoryview, ...], nbytes: int, upsert: bool, direct: bool) -> None:
+    def __init__(
+        self,
+        key: StoreKey,
+        name: str,
+        header: ObjectHeader,
+        parts: tuple[memoryview, ...],
+        nbytes: int,
+        upsert: bool,
+        direct: bool,
+    ) -> None:
         self.key = key
         self.name = name
         self.header = header
@@ -100,7 +109,17 @@ class _Prep:
             if h.checksum is None:
                 parts = self.parts
                 csum = xxhash.xxh3_64_intdigest(parts[0]) if len(parts) == 1 else payload_checksum(parts)
-                h = ObjectHeader(h.fingerprint, h.tenant, h.chunk, h.member, h.token_count, h.payload_len, csum, h.token_ids, h.version)
+                h = ObjectHeader(
+                    h.fingerprint,
+                    h.tenant,
+                    h.chunk,
+                    h.member,
+                    h.token_count,
+                    h.payload_len,
+                    csum,
+                    h.token_ids,
+                    h.version,
+                )
             self.hdr = h.encode()
         except (ValueError, OverflowError, struct.error) as exc:
             log.warning("kvpack: Mooncake put of %s skipped: %s", self.name, exc)
@@ -131,7 +150,13 @@ class Puts:
     ``batch_put_from_multi_buffers`` (RDMA needs every payload in the arena)."""
 
     def __init__(
-        self, conn: Connection, staging: Staging, overwrite: OverwriteKeys, replicate_cls: type, groups: bool, direct_put: bool
+        self,
+        conn: Connection,
+        staging: Staging,
+        overwrite: OverwriteKeys,
+        replicate_cls: type,
+        groups: bool,
+        direct_put: bool,
     ) -> None:
         self._conn = conn
         self._staging = staging
@@ -183,14 +208,18 @@ class Puts:
             self._conn.call(lambda st: st.batch_remove(keys), default=None)
             self._conn.events.abandoned_puts_removed += len(keys)
 
-        job: Job[TierStatus] = Job(len(items), len(steps), transfer, prepare=prepare, on_abandoned=undo, slots=SLOTS, slot_bytes=slot_bytes)
+        job: Job[TierStatus] = Job(
+            len(items), len(steps), transfer, prepare=prepare, on_abandoned=undo, slots=SLOTS, slot_bytes=slot_bytes
+        )
         state, results = self._conn.run(job)
         for i in todo:
             r = results[i]
             statuses[i] = r if r is not None else TierStatus.TIMEOUT
         return statuses
 
-    def _prepare(self, slot: Slot, idx: list[int], prepared: list[_Prep | None], lane_budgets: Sequence[int]) -> _PutStep:
+    def _prepare(
+        self, slot: Slot, idx: list[int], prepared: list[_Prep | None], lane_budgets: Sequence[int]
+    ) -> _PutStep:
         """Stage one put step in its slot: checksums, headers, payload copies (no Mooncake call)."""
         preps: list[_Prep] = []
         dropped: list[int] = []
@@ -247,11 +276,12 @@ class Puts:
             cfg = self._replicate_config(st.groups, sel)
             sel_names = names if len(sel) == len(names) else [names[j] for j in sel]
             if mode == "put" and gather:
-                call: Callable[[Any], Any] = lambda s: s.batch_put_from_multi_buffers(sel_names, [buffers[j] for j in sel], [sizes[j] for j in sel], cfg)
+                fn = "batch_put_from_multi_buffers"
+                args: tuple[Any, ...] = (sel_names, [buffers[j] for j in sel], [sizes[j] for j in sel], cfg)
             else:
                 fn = "batch_upsert_from" if mode == "upsert" else "batch_put_from"
-                call = lambda s: getattr(s, fn)(sel_names, [buffers[j][0] for j in sel], [sizes[j][0] for j in sel], cfg)
-            got = conn.call(lambda s: list(call(s)), default=[NOT_CALLED] * len(sel))
+                args = (sel_names, [buffers[j][0] for j in sel], [sizes[j][0] for j in sel], cfg)
+            got = conn.call(lambda s: list(getattr(s, fn)(*args)), default=[NOT_CALLED] * len(sel))
             for j, c in zip(sel, got):
                 codes[j] = int(c)
         # Mooncake refuses an upsert that would change an object's group membership
@@ -261,7 +291,11 @@ class Puts:
             cfg = self._replicate_config(st.groups, stuck)
             conn.call(lambda s: s.batch_remove([names[j] for j in stuck], True), default=None)
             got = conn.call(
-                lambda s: list(s.batch_put_from([names[j] for j in stuck], [buffers[j][0] for j in stuck], [sizes[j][0] for j in stuck], cfg)),
+                lambda s: list(
+                    s.batch_put_from(
+                        [names[j] for j in stuck], [buffers[j][0] for j in stuck], [sizes[j][0] for j in stuck], cfg
+                    )
+                ),
                 default=[NOT_CALLED] * len(stuck),
             )
             for j, c in zip(stuck, got):

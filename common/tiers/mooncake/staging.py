@@ -51,7 +51,10 @@ class Staging:
         self.address: int = self.array.ctypes.data
         self.nbytes: int = self.array.nbytes
         self.lane_bytes = lane_bytes
-        self.lanes = [Lane(i, self.array[i * lane_bytes : (i + 1) * lane_bytes], self.address + i * lane_bytes) for i in range(workers)]
+        self.lanes = [
+            Lane(i, self.array[i * lane_bytes : (i + 1) * lane_bytes], self.address + i * lane_bytes)
+            for i in range(workers)
+        ]
 
     def slot_bytes(self, budgets: Sequence[int]) -> int:
         """Bytes of each ring slot for a call: a step's worth, or the largest object, within a lane."""
@@ -110,7 +113,9 @@ def round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_steps(slot_budgets: Sequence[int], xfer_bytes: Sequence[int], slot_cap: int, step_bytes: int) -> list[list[int]]:
+def plan_steps(
+    slot_budgets: Sequence[int], xfer_bytes: Sequence[int], slot_cap: int, step_bytes: int
+) -> list[list[int]]:
     """Split items (in order) into steps whose staging fits one slot of `slot_cap`
     bytes and whose transfers are about `step_bytes` each (even steps, up to a
     quarter over the target: 64 MiB of 64 KiB objects plus headers in 8 MiB

@@ -49,7 +49,9 @@ class MooncakeTier(Tier):
             )
         groups = cfg.use_groups and connection.supports_groups(replicate_cls)
         if cfg.use_groups and not groups:
-            log.warning("kvpack: the installed Mooncake has no ReplicateConfig.group_ids; groups are not leased together")
+            log.warning(
+                "kvpack: the installed Mooncake has no ReplicateConfig.group_ids; groups are not leased together"
+            )
         self.staging = Staging(cfg.staging_size, cfg.workers)
         """Registered with Mooncake after setup; one lane per worker."""
         self.runner = LaneRunner(cfg.workers, self.staging.lanes, max_queued=max(16, 8 * cfg.workers))

@@ -97,7 +97,9 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def server_argv(model: Path, port: int, extra_config: dict[str, object], page_size: int, dtype: str | None = None) -> list[str]:
+def server_argv(
+    model: Path, port: int, extra_config: dict[str, object], page_size: int, dtype: str | None = None
+) -> list[str]:
     """``sglang.launch_server`` on the CPU engine with HiCache L3 through the ``dynamic`` backend
     (`dtype`: SGLang's ``--dtype``; default its own choice, bf16 on the CPU)."""
     return [
@@ -230,7 +232,9 @@ class CpuServer:
         self.process.wait(timeout=10)
 
 
-def _launch(model: Path, extra_config: dict[str, object], log_path: Path, page_size: int, dtype: str | None = None) -> CpuServer:
+def _launch(
+    model: Path, extra_config: dict[str, object], log_path: Path, page_size: int, dtype: str | None = None
+) -> CpuServer:
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

@@ -40,19 +40,31 @@ LOGPROB_TOL = 1e-4
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.timeout(1800),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM venv's python in KVPACK_VLLM_PYTHON (scripts/test.sh sets it)"),
+    pytest.mark.skipif(
+        not VLLM_PYTHON, reason="needs the vLLM venv's python in KVPACK_VLLM_PYTHON (scripts/test.sh sets it)"
+    ),
 ]
 
 
 def vllm_run(model: Path, store: Path | None, log: Path) -> dict[str, object]:
     """`PROMPT` through a vLLM engine in its own process (kvpack on `store`; None: no connector)."""
     extra = None if store is None else {"tenant": TENANT, "disk": {"path": str(store)}}
-    spec = {"model": str(model), "extra": extra, "prompts": {"P": PROMPT}, "max_tokens": 8, "engine": {"block_size": PAGE_SIZE}}
+    spec = {
+        "model": str(model),
+        "extra": extra,
+        "prompts": {"P": PROMPT},
+        "max_tokens": 8,
+        "engine": {"block_size": PAGE_SIZE},
+    }
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
-    proc = subprocess.run([VLLM_PYTHON, str(ENGINE_RUN), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [VLLM_PYTHON, str(ENGINE_RUN), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=600
+    )
     log.write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, f"vLLM engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and line is not None, (
+        f"vLLM engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    )
     return json.loads(line[len("RESULT ") :])["P"]
 
 
@@ -61,7 +73,9 @@ def test_vllm_and_sglang_read_each_others_entries(tiny_llama: Path, tmp_path: Pa
     by_sglang, by_vllm = tmp_path / "by_sglang", tmp_path / "by_vllm"
     full_pages = PROMPT_TOKENS // PAGE_SIZE
     try:
-        with running_cpu_server(tiny_llama, kvpack_extra_config(by_sglang), tmp_path / "sglang1.log", page_size=PAGE_SIZE, dtype="float32") as server:
+        with running_cpu_server(
+            tiny_llama, kvpack_extra_config(by_sglang), tmp_path / "sglang1.log", page_size=PAGE_SIZE, dtype="float32"
+        ) as server:
             own = server.generate("no-cache /generate", PROMPT, GREEDY, return_logprob=True)
             began = time.monotonic()
             stored = wait_for_stored_pages(by_sglang, TENANT, "kv", full_pages, timeout_s=server.limits.backup_s)
@@ -79,7 +93,9 @@ def test_vllm_and_sglang_read_each_others_entries(tiny_llama: Path, tmp_path: Pa
     written = vllm_run(tiny_llama, by_vllm, tmp_path / "vllm_writes.log")
     assert written["cached"] == 0
     try:
-        with running_cpu_server(tiny_llama, kvpack_extra_config(by_vllm), tmp_path / "sglang2.log", page_size=PAGE_SIZE, dtype="float32") as server:
+        with running_cpu_server(
+            tiny_llama, kvpack_extra_config(by_vllm), tmp_path / "sglang2.log", page_size=PAGE_SIZE, dtype="float32"
+        ) as server:
             served = server.generate("/generate over vLLM's pages", PROMPT, GREEDY, return_logprob=True)
             tail = server.log_tail()
     except ServerError as exc:
@@ -87,4 +103,6 @@ def test_vllm_and_sglang_read_each_others_entries(tiny_llama: Path, tmp_path: Pa
     details = served["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) > 0, f"SGLang served nothing from vLLM's pages: {served['meta_info']}\n{tail}"
     assert served["output_ids"] == own["output_ids"]
-    print(f"vLLM reused {read['cached']} tokens of SGLang's pages; SGLang served {details['storage']} tokens from vLLM's")
+    print(
+        f"vLLM reused {read['cached']} tokens of SGLang's pages; SGLang served {details['storage']} tokens from vLLM's"
+    )

@@ -106,7 +106,9 @@ def test_repeated_prompt_is_served_from_kvpack_after_flush(tiny_llama: Path, tmp
     assert second["text"] == first["text"]
     drift = max_logprob_drift(first, second)
     assert drift <= LOGPROB_TOLERANCE, f"output logprobs differ by up to {drift}"
-    print(f"storage-served tokens: {details['storage']} of {PROMPT_TOKENS}; same greedy answer {first['text']!r}; logprob drift {drift}")
+    print(
+        f"storage-served tokens: {details['storage']} of {PROMPT_TOKENS}; same greedy answer {first['text']!r}; logprob drift {drift}"
+    )
     print(f"server start-up {server.start_s:.0f} s, step limits x{server.limits.slowdown:.1f}")
 
 

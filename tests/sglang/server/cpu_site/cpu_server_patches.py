@@ -115,7 +115,9 @@ class PostImportPatcher(importlib.abc.MetaPathFinder):
     def __init__(self, patches: dict[str, Patch]) -> None:
         self.patches = patches
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         patch = self.patches.get(fullname)
         if patch is None:
             return None

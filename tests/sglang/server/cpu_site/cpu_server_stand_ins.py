@@ -45,7 +45,9 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, names: Sequence[str]) -> None:
         self.names = frozenset(names)
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname.partition(".")[0] not in self.names:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)

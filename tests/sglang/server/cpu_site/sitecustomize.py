@@ -35,8 +35,8 @@ def _install() -> None:
     _load("kvpack_sglang_shim", _HERE.parents[1] / "kvpack_sglang_shim.py")
     here = str(_HERE)
     sys.path[:] = [p for p in sys.path if p != here] + [here]
-    import cpu_server_stand_ins
     import cpu_server_patches
+    import cpu_server_stand_ins
 
     cpu_server_stand_ins.install()
     cpu_server_patches.install()
