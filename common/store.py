@@ -6,7 +6,7 @@ and owns the policies that must hold on every tier:
 - lookup: one batched `contains` per tier for every (chunk, member) of a
   request; the answer is a `GroupLookup` (full / partial by member, and the
   tier holding each key of the hit), counted.
-- load: `prepare_load` -> `complete_load` (`kvpack.lifecycle`): each object
+- load: `prepare_load` -> `complete_load` (`kvpack.lifecycle`, `kvpack.reads`): each object
   from the tier the lookup found it in (pinned there when that is this
   process's memory), else read-through; `load` is read-through alone. Each
   object comes from the fastest tier that has it and passes every check; a
@@ -33,19 +33,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from .budget import WaitBudget
-from .config import ChecksumPolicy, KVPackConfig
+from .config import KVPackConfig
 from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
-from .integrity import IntegrityKey, check_loaded, seal_items
+from .integrity import IntegrityKey, seal_items
 from .keys import GroupKey, StoreKey
-from .lifecycle import LoadPlan, PlanBook, count_gone, count_lookup
+from .lifecycle import LoadPlan, PlanBook, count_lookup
 from .metrics import Metrics, Tally
-from .objects import Expectation, ObjectHeader, Payload, RejectReason, copy_parts_into, payload_checksum, payload_nbytes
+from .objects import ObjectHeader, copy_parts_into, payload_checksum
+from .reads import LoadItem, TierReads
 from .split_lookup import lookup_sets
 from .tails import TailSlots
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
@@ -54,28 +55,6 @@ from .tiers.parallel import RegionCopier
 from .writeback import WriteBack
 
 log = logging.getLogger("kvpack")
-
-INTEGRITY_REASONS = frozenset(
-    {
-        RejectReason.CHECKSUM,
-        RejectReason.TRUNCATED,
-        RejectReason.BAD_MAGIC,
-        RejectReason.HEADER_CHECKSUM,
-        RejectReason.GROUP,
-    }
-)
-"""Refusals that mean the stored bytes are damaged (not merely another
-writer's valid object): the damaged group is removed from that tier, so it is
-not looked up and refused again on every request, and the next store rewrites it."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadItem:
-    """One object to restore into the caller's buffer(s) `dst` (exactly its payload size)."""
-
-    key: StoreKey
-    dst: Payload
-    expected: Expectation
 
 
 class KVStore:
@@ -111,6 +90,9 @@ class KVStore:
         from .tiers.memory import MemoryTier
 
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
+        self._reads = TierReads(
+            self.tiers, self._memory, self.metrics, config.checksum, self._integrity, self._count_evictions
+        )
         self._lower = tuple(t for t in self.tiers if t is not self._memory)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
         if pin_timeout_s is None:
@@ -183,14 +165,6 @@ class KVStore:
         for (tier, tenant), (groups, nbytes) in counts.items():
             self.metrics.inc("evictions", groups, tier=tier, tenant=tenant)
             self.metrics.inc("evicted_bytes", nbytes, tier=tier, tenant=tenant)
-
-    def _verify(self, tier: Tier) -> bool:
-        policy = self.config.checksum
-        if policy is ChecksumPolicy.ALWAYS:
-            return True
-        if policy is ChecksumPolicy.NEVER:
-            return False
-        return tier is not self._memory  # BOUNDARY: objects that crossed a process or persistence boundary
 
     # -- lookup -------------------------------------------------------------------
 
@@ -358,7 +332,7 @@ class KVStore:
         """Restore each item, from the tier `plan` names first (read-through when it names
         none or that tier lost it), then release the plan's pins. Never raises."""
         try:
-            return self._load(items, [self._by_name.get(plan.located.get(it.key, "")) for it in items])
+            return self._reads.load(items, [self._by_name.get(plan.located.get(it.key, "")) for it in items])
         finally:
             self.release(plan)
 
@@ -373,94 +347,7 @@ class KVStore:
 
     def load(self, items: Sequence[LoadItem]) -> list[GetResult]:
         """Restore each item into its `dst`, fastest tier first (read-through). Never raises."""
-        return self._load(items, [None] * len(items))
-
-    def _load(self, items: Sequence[LoadItem], first: Sequence[Tier | None]) -> list[GetResult]:
-        """Each item from `first[i]` when set, then read-through from the other tiers."""
-        results: list[GetResult | None] = [None] * len(items)
-        for tier in self.tiers:
-            planned = [i for i, t in enumerate(first) if t is tier]
-            if planned:
-                self._load_from(tier, items, planned, results)
-        gone = [i for i, t in enumerate(first) if t is not None and results[i].status is TierStatus.MISS]  # type: ignore[union-attr]
-        for tier in self.tiers:
-            todo = [i for i, r in enumerate(results) if r is None or not r.ok]
-            if not todo:
-                break
-            todo = [i for i in todo if first[i] is not tier]
-            if todo:
-                self._load_from(tier, items, todo, results)
-        self._count_evictions()
-        if gone:
-            count_gone(
-                self.metrics, [items[i].key for i in gone], [first[i].name for i in gone], [results[i] for i in gone]
-            )  # type: ignore[union-attr]
-        final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
-        for item, res in zip(items, final):
-            if not res.ok:
-                self.metrics.inc("load_failures", tenant=item.key.tenant, status=res.status.value)
-        return final
-
-    def _load_from(
-        self, tier: Tier, items: Sequence[LoadItem], todo: Sequence[int], results: list[GetResult | None]
-    ) -> None:
-        """One batched get of `items[todo]` from `tier` into `results` (counted)."""
-        start = time.perf_counter()
-        got = self._safe_get(tier, [items[i] for i in todo])
-        self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
-        promote: list[PutItem] = []
-        damaged: list[GroupKey] = []
-        loaded: dict[str, int] = {}
-        promoting = tier is not self._memory and self._memory is not None
-        for i, res in zip(todo, got):
-            item = items[i]
-            if res.ok:
-                results[i] = res
-                header = res.header
-                tenant = item.key.tenant
-                loaded[tenant] = loaded.get(tenant, 0) + (
-                    header.payload_len if header is not None else payload_nbytes(item.dst)
-                )
-                if promoting and header is not None:
-                    promote.append(PutItem(item.key, header, item.dst))
-                continue
-            if res.status is TierStatus.REJECTED:
-                reason = res.reason.value if res.reason else "unknown"
-                self.metrics.inc("rejected_objects", tier=tier.name, reason=reason)
-                log.warning("kvpack: refused %s from %s: %s %s", item.key.as_str(), tier.name, reason, res.detail)
-                if res.reason in INTEGRITY_REASONS:
-                    damaged.append(item.key.group)
-            elif res.status is not TierStatus.MISS:
-                self.metrics.inc("tier_errors", tier=tier.name, status=res.status.value)
-            if results[i] is None or results[i].status is TierStatus.MISS:  # type: ignore[union-attr]
-                results[i] = res
-        for tenant, nbytes in loaded.items():
-            self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier.name)
-        if promote and self._memory is not None:
-            self._memory.put_from(promote)
-        if damaged:
-            self._remove_quietly(tier, damaged)
-
-    def _remove_quietly(self, tier: Tier, groups: Sequence[GroupKey]) -> None:
-        try:
-            tier.remove_groups(list(dict.fromkeys(groups)))
-        except Exception as exc:
-            log.warning("kvpack: removing damaged groups from %s failed: %s", tier.name, exc)
-
-    def _safe_get(self, tier: Tier, items: Sequence[LoadItem]) -> list[GetResult]:
-        try:
-            verify = self._verify(tier)
-            keyed = self._integrity is not None  # the MAC replaces the tier's own xxh3 check
-            dsts = [i.dst for i in items]
-            out = tier.get_into([i.key for i in items], dsts, [i.expected for i in items], verify and not keyed)
-            if len(out) != len(items):
-                raise RuntimeError(f"{tier.name}.get_into returned {len(out)} results for {len(items)}")
-            if self._integrity is not None:
-                out = check_loaded(self._integrity, dsts, out, tier is not self._memory, verify)
-            return out
-        except Exception as exc:
-            log.warning("kvpack: %s.get_into failed: %s", tier.name, exc)
-            return [GetResult(TierStatus.ERROR, detail=str(exc)) for _ in items]
+        return self._reads.load(items, [None] * len(items))
 
     # -- store --------------------------------------------------------------------
 
