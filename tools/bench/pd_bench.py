@@ -45,7 +45,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -53,11 +52,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpack.tools.bench.prom import EMPTY, Histogram, parse_histogram, parse_total, percentile, scrape
 from kvpack.tools.bench.serve_server import HOST, Counters, Server, free_port, http_call
 from kvpack.tools.bench.timing import publish
 
@@ -90,80 +89,6 @@ class Side:
 
 
 @dataclass(frozen=True)
-class Histogram:
-    """A Prometheus histogram summed over its label sets: cumulative bucket counts by upper bound."""
-
-    bounds: tuple[float, ...]
-    """Upper bounds, ascending, the last one +Inf."""
-    cumulative: tuple[float, ...]
-    total: float
-    count: float
-
-    def minus(self, other: Histogram) -> Histogram:
-        if other.bounds != self.bounds:
-            return self
-        cum = tuple(a - b for a, b in zip(self.cumulative, other.cumulative))
-        return Histogram(self.bounds, cum, self.total - other.total, self.count - other.count)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count > 0 else float("nan")
-
-    def quantile(self, q: float) -> float:
-        """``histogram_quantile``: linear within the bucket holding rank q * count (the lowest
-        bucket starts at 0); a rank in the +Inf bucket gives the highest finite bound."""
-        if self.count <= 0 or not self.bounds:
-            return float("nan")
-        rank = q * self.count
-        prev_bound, prev_cum = 0.0, 0.0
-        for bound, cum in zip(self.bounds, self.cumulative):
-            if cum >= rank:
-                if math.isinf(bound):
-                    return prev_bound
-                if cum == prev_cum:
-                    return bound
-                return prev_bound + (bound - prev_bound) * (rank - prev_cum) / (cum - prev_cum)
-            prev_bound, prev_cum = bound, cum
-        return prev_bound
-
-
-EMPTY = Histogram((), (), 0.0, 0.0)
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-
-
-def parse_histogram(text: str, name: str) -> Histogram:
-    """`name`'s ``_bucket`` / ``_sum`` / ``_count`` samples, summed over every label but ``le``."""
-    buckets: dict[float, float] = {}
-    total = count = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        value = float(m["value"])
-        if m["name"] == name + "_bucket":
-            le = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or "")).get("le", "+Inf")
-            bound = float("inf") if le in ("+Inf", "Inf") else float(le)
-            buckets[bound] = buckets.get(bound, 0.0) + value
-        elif m["name"] == name + "_sum":
-            total += value
-        elif m["name"] == name + "_count":
-            count += value
-    bounds = tuple(sorted(buckets))
-    return Histogram(bounds, tuple(buckets[b] for b in bounds), total, count)
-
-
-def parse_total(text: str, name: str) -> float:
-    """A counter's samples (``name`` or ``name_total``) summed over every label set."""
-    out = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is not None and m["name"] in (name, name + "_total"):
-            out += float(m["value"])
-    return out
-
-
-@dataclass(frozen=True)
 class ConsumerMetrics:
     """The decode instance's kvpack metrics, summed over its processes."""
 
@@ -174,7 +99,7 @@ class ConsumerMetrics:
 
     @classmethod
     def read(cls, ports: list[int]) -> ConsumerMetrics:
-        texts = [_scrape(p) or "" for p in ports]
+        texts = [scrape(p) or "" for p in ports]
         hists = [parse_histogram(t, WAIT) for t in texts]
         hists = [h for h in hists if h.bounds]
         wait = hists[0] if hists else EMPTY
@@ -220,7 +145,7 @@ class ServerTimes:
 
     @classmethod
     def read(cls, port: int) -> ServerTimes:
-        text = _scrape(port) or ""
+        text = scrape(port) or ""
         return cls({k: parse_histogram(text, name) for k, name in SERVER_TIMES.items()})
 
     def minus(self, other: ServerTimes) -> ServerTimes:
@@ -232,26 +157,9 @@ class ServerTimes:
         )
 
 
-def _scrape(port: int) -> str | None:
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=2) as resp:
-            return str(resp.read().decode(errors="replace"))
-    except OSError:
-        return None
-
-
 def kvpack_metric_ports(base: int) -> set[int]:
     """Ports of ``base .. base + METRICS_SPAN - 1`` that serve kvpack metrics now."""
-    return {p for p in range(base, base + METRICS_SPAN) if "kvpack_" in (_scrape(p) or "")}
-
-
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return {p for p in range(base, base + METRICS_SPAN) if "kvpack_" in (scrape(p) or "")}
 
 
 def stream_completion(port: int, body: dict[str, Any], timeout_s: float) -> Sample:

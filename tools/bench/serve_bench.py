@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.tools.bench.prom import percentile
 from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
 from kvpack.tools.bench.timing import publish
 
@@ -308,15 +309,6 @@ def _run_client(
     return dict(json.loads((out_dir / name).read_text()))
 
 
-def _percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 @dataclass
 class Bench:
     model: str
@@ -381,7 +373,7 @@ class Bench:
         return Row(
             name=name,
             ttft_median_s=statistics.median(ttfts) if ttfts else float("nan"),
-            ttft_p90_s=_percentile(ttfts, 90),
+            ttft_p90_s=percentile(ttfts, 90),
             completed=int(result.get("completed", 0)),
             requests=len(result.get("ttfts", [])),
             prompt_tokens=int(result.get("total_input_tokens", 0)),
