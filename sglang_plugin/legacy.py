@@ -1,0 +1,135 @@
+"""SGLang's legacy (generic) HiCache interface: whole pages by value, `get`/`set`/`exists`.
+
+SGLang calls it for host pools without a zero-copy layout. Each page is one object in
+SGLang's ``get_data_page(flat=True)`` order, a member of its own (``kvflat``), beside the
+zero-copy ``kv`` member in the same group. `KVPackStorage` (`kvpack.sglang_plugin.storage`)
+mixes this in; the attributes below are its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..keys import StoreKey
+from ..objects import Expectation, ObjectHeader
+from ..store import KVStore, LoadItem
+from ..tiers.base import PutItem, TierStatus
+from .pools import PoolBinding
+
+
+class LegacyPageInterface:
+    """`get`, `batch_get`, `set`, `batch_set`, `exists` over flat pages (see the module docstring)."""
+
+    _bindings: dict[str, PoolBinding]
+    mem_pool_host: Any
+    tenant: str
+    group_fingerprint: str
+    store: KVStore
+    _flat: _FlatMember | None = None
+
+    def _valid_chunks(self, keys: Sequence[str]) -> bool:
+        raise NotImplementedError
+
+    def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
+        raise NotImplementedError
+
+    def _flat_binding(self) -> _FlatMember | None:
+        kv = self._bindings.get("kv")
+        if kv is None or self.mem_pool_host is None:
+            return None
+        flat = self._flat
+        if flat is None:
+            flat = _FlatMember(kv, self.mem_pool_host)
+            self._flat = flat
+        return flat
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Legacy: one flat page (SGLang's ``get_data_page`` order) into `target_location`; None on a miss."""
+        out = self.batch_get([key], [target_location] if target_location is not None else None)
+        return out[0] if out else None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        try:
+            flat = self._flat_binding()
+            if flat is None or not self._valid_chunks(keys):
+                return [None] * len(keys)
+            targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in targets]
+            items = []
+            for key, t in zip(keys, targets):
+                dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None
+                if dst is None or dst.nbytes != flat.page_bytes:
+                    raise ValueError(
+                        f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}"
+                    )
+                items.append(
+                    LoadItem(
+                        StoreKey(self.tenant, self.group_fingerprint, key, flat.member),
+                        dst,
+                        flat.expect(self.tenant, key),
+                    )
+                )
+            results = self.store.load(items)
+            return [t if r.ok else None for t, r in zip(targets, results)]
+        except Exception as exc:
+            return self._data_path_error("batch_get", exc, [None] * len(keys))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        try:
+            flat = self._flat_binding()
+            if flat is None or values is None or not self._valid_chunks(keys):
+                return False
+            if not flat.writes:
+                return True
+            items = []
+            for key, value in zip(keys, values):
+                data = value.contiguous().view(torch.uint8).numpy()
+                if data.nbytes != flat.page_bytes:
+                    raise ValueError(f"legacy set value of {data.nbytes} bytes, page is {flat.page_bytes}")
+                header = ObjectHeader(
+                    flat.fingerprint, self.tenant, key, flat.member, flat.page_size, flat.page_bytes, None
+                )
+                items.append(
+                    PutItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), header, memoryview(data))
+                )
+            return all(st is TierStatus.OK for st in self.store.store(items))
+        except Exception as exc:
+            return self._data_path_error("batch_set", exc, False)
+
+    def exists(self, key: str) -> bool:
+        try:
+            flat = self._flat_binding()
+            kv = self._bindings.get("kv")
+            if kv is None or flat is None or not self._valid_chunks([key]):
+                return False
+            found = self.store.contains_members(self.tenant, self.group_fingerprint, [key], [kv.member, flat.member])[0]
+            return found[kv.member] or found[flat.member]
+        except Exception as exc:
+            return self._data_path_error("exists", exc, False)
+
+
+class _FlatMember:
+    """The legacy path's member: one page in SGLang's ``get_data_page(flat=True)`` order."""
+
+    def __init__(self, kv: PoolBinding, host_pool: Any) -> None:
+        page = host_pool.get_dummy_flat_data_page()
+        self.page_bytes = int(page.numel() * page.element_size())
+        self.page_size = kv.page_size
+        self.writes = kv.writes
+        self.member = kv.member.replace("kv", "kvflat", 1)
+        spec = kv.layout
+        self.fingerprint = replace(spec, layer_names=("kvflat",), layer_shape=(self.page_bytes,)).member_fingerprint
+
+    def expect(self, tenant: str, chunk: str) -> Expectation:
+        return Expectation(self.fingerprint, tenant, chunk, self.member, self.page_size, self.page_bytes)
