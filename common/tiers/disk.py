@@ -24,23 +24,23 @@ kvpack never touches what is not its own (`kvpack.tiers.disk_fs`):
   removal is counted with its reason (`DiskCounters.removed`). Folders are
   removed only when empty (`rmdir`), when the last object indexed in them goes.
 
-On start the index is rebuilt from the headers of the files present (entries
-survive a restart), newest groups first, as long as they fit this process's
-capacity without evicting anything: a second process with a smaller capacity
-indexes fewer groups but deletes none. Files whose header does not decode,
-names another path, or whose size differs from what the header claims are
-left alone, not indexed and counted (`startup_rejected`). Several processes
-may share one directory (a prefill and a decode instance): `contains` and
-`get_into` also find files that another process wrote after this one
-started. Capacity is enforced per process over whole groups (LRU/ARC, tenant
-shares); with several writers the bound is approximate.
+The index is persistent and shared by every process on the folder
+(`kvpack.tiers.disk_catalog`: SQLite in the folder, one row per object): open
+is O(1), `capacity` bounds the folder as a whole whatever the number of
+processes, and eviction (LRU over whole groups, tenant shares kept) deletes
+the victims' files after the transaction that unindexed them. A store without
+a complete index (written by an older kvpack, or its index file deleted) is
+indexed on a background thread by one process (`kvpack.tiers.disk_index`);
+until then a key the index does not know is looked up in the folder itself
+(its path follows from the key; a load verifies the file's own header), so
+the first request is served at once.
 
-Batches: capacity for a whole put batch is planned under the lock in one
-pass (`CapacityManager.admit`), then the files are checksummed and written,
+Batches: capacity for a whole put batch is planned in one index transaction
+(`Catalog.admit`), then the files are checksummed and written,
 and a get batch's files are read and verified, on `io_threads` threads
 (`kvpack.tiers.parallel`: file I/O releases the GIL). A file whose group was
-evicted while it was being written is removed again, so the index and the
-directory agree.
+evicted while it was being written (by this or another process) is removed
+again, so the index and the directory agree.
 
 Failures never raise: a vanished or unwritable directory is ERROR, a full
 disk NO_SPACE, a bad object REJECTED with its reason.
@@ -51,12 +51,12 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..eviction import CapacityManager, EvictionPolicy
-from ..eviction.manager import Admission
+from ..eviction import EvictionPolicy
 from ..keys import GroupKey, StoreKey
 from ..objects import (
     Expectation,
@@ -69,8 +69,9 @@ from ..objects import (
     payload_nbytes,
     payload_parts,
 )
-from . import disk_fs
+from . import disk_fs, disk_index
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from .disk_catalog import INDEX_NAME, Catalog, Victim
 from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
 from .disk_fs import UnsafeEntry
 from .parallel import IOThreads
@@ -117,34 +118,85 @@ class DiskTier(Tier):
         io_threads: int = 1,
         *,
         stale_temp_s: float = STALE_TEMP_S,
+        busy_timeout_s: float = 10.0,
+        open_scan_s: float = 0.5,
+        index_pace: Callable[[int], None] | None = None,
     ) -> None:
-        """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`disk_fs.open_store_root`)."""
+        """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`disk_fs.open_store_root`).
+
+        `policy` is accepted for the config's sake: the shared index orders eviction by LRU
+        (`kvpack.tiers.disk_catalog`). `busy_timeout_s` bounds a wait for another process's
+        index transaction. `open_scan_s` is how long opening waits for the folder scan
+        (`kvpack.tiers.disk_index`) before leaving it to its background thread. `index_pace` is a
+        test seam of that scan (`disk_index.build_index`)."""
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        del policy
         self._root_str, self._root_fd = disk_fs.open_store_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
         self._fsync = fsync
         self._stale_temp_s = stale_temp_s
+        self._capacity_bytes = capacity
+        self._quotas = dict(quotas or {})
         self._lock = threading.Lock()
         self._root_lock = threading.Lock()
         self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk")
-        self._capacity = CapacityManager(capacity, policy, quotas)
-        self._members: dict[GroupKey, set[StoreKey]] = {}
-        self._leaf_objects: dict[str, int] = {}
-        """Indexed objects per leaf folder (``tenant/fp/cc``); at 0 the empty folders are removed."""
+        self._catalog = Catalog(f"{self._root_str}/{INDEX_NAME}", busy_timeout_s)
         self._refused: dict[StoreKey, tuple[int, int]] = {}
-        """Keys whose file was refused, by the file's (inode, mtime_ns).
+        """Keys whose file was refused, by the file's (inode, mtime_ns); bounded.
 
-        `contains` skips them until the file changes.
-        """
+        The folder fallback of `contains` skips them until the file changes."""
         self.counters = DiskCounters()
         self.on_evict: Callable[[GroupKey, int], None] | None = None
-        from .disk_index import rebuild_index
-
-        rebuild_index(self)
+        self._complete = self._catalog.complete()
+        self._checked = time.monotonic()
+        self._builder: threading.Thread | None = None
+        self._start_build(index_pace, open_scan_s)
 
     @property
     def startup_rejected(self) -> int:
         return self.counters.startup_rejected
+
+    # -- the index build ---------------------------------------------------------
+
+    def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
+        """Scan the folder on a thread (`disk_index.build_index`), waiting for it at most `wait_s`;
+        a no-op while another process (or tier) on the folder scans it."""
+        try:
+            lock_fd = disk_index.try_build_lock(self._root_fd)
+        except OSError:
+            return
+        if lock_fd is None:
+            return  # another process builds it; `index_complete` notices when it is done
+
+        def run() -> None:
+            try:
+                disk_index.build_index(
+                    self._root_fd, self._catalog, self.counters, self._stale_temp_s, self._refuse_stat, pace
+                )
+                self._complete = True
+            finally:
+                os.close(lock_fd)
+
+        self._builder = threading.Thread(target=run, name="kvpack-disk-index", daemon=True)
+        self._builder.start()
+        self._builder.join(wait_s)
+
+    def index_complete(self) -> bool:
+        """Is the shared index complete (every file of the folder indexed)? Re-read at most twice a second."""
+        if not self._complete and time.monotonic() - self._checked > 0.5:
+            self._checked = time.monotonic()
+            self._complete = self._catalog.complete()
+        return self._complete
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Block until this process's background build ends (operator tools and benches, never an engine step)."""
+        builder = self._builder
+        if builder is not None:
+            builder.join(timeout)
+        self._checked = 0.0
+        return self.index_complete()
 
     # -- paths -------------------------------------------------------------------
 
@@ -162,55 +214,21 @@ class DiskTier(Tier):
             self._old_root_fds.append(self._root_fd)
             self._root_fd = fd
 
-    # -- index -------------------------------------------------------------------
+    # -- removal -----------------------------------------------------------------
 
-    def _index_locked(self, key: StoreKey) -> None:
-        """Record `key` as indexed (its capacity is already committed)."""
-        keys = self._members.get(key.group)
-        if keys is None:
-            self._members[key.group] = {key}
-        elif key in keys:
-            return
-        else:
-            keys.add(key)
-        leaf = _rel_leaf(key)
-        self._leaf_objects[leaf] = self._leaf_objects.get(leaf, 0) + 1
-        self._refused.pop(key, None)
-
-    def _admit_locked(self, key: StoreKey, nbytes: int) -> bool:
-        plan = self._capacity.reserve(key.group, key.tenant, key.member, nbytes)
-        if plan.admission is not Admission.ADMITTED:
-            return False
-        for victim in plan.victims:
-            self._drop_group_locked(victim, "evicted")  # type: ignore[arg-type]
-        self._capacity.commit(key.group, key.tenant, key.member, nbytes)
-        self._index_locked(key)
-        return True
-
-    def _drop_group_locked(self, group: GroupKey, reason: str) -> int:
-        """Forget `group` and delete its indexed files (proven kvpack's), counted under `reason`."""
-        members = self._capacity.release(group)
-        if reason == "evicted" and self.on_evict is not None:
-            self.on_evict(group, sum(members.values()))
-        keys = self._members.pop(group, set())
-        for k in keys:
-            if self._unlink_key(k):
-                self.counters.count_removed(reason)
-            self._leaf_gone_locked(k)
-        return len(keys)
-
-    def _leaf_gone_locked(self, key: StoreKey) -> None:
-        leaf = _rel_leaf(key)
-        left = self._leaf_objects.get(leaf, 0) - 1
-        if left > 0:
-            self._leaf_objects[leaf] = left
-            return
-        self._leaf_objects.pop(leaf, None)
-        _remove_empty_folders(self._root_fd, key)
-
-    def _evict_locked(self, groups: Sequence[GroupKey]) -> None:
-        for group in groups:
-            self._drop_group_locked(group, "evicted")
+    def _drop_victims(self, victims: Sequence[Victim], reason: str) -> int:
+        """Delete the files of groups already unindexed, counted under `reason`."""
+        removed = 0
+        for victim in victims:
+            if reason == "evicted" and self.on_evict is not None:
+                self.on_evict(victim.group, victim.nbytes)
+            for member in victim.members:
+                key = victim.group.member(member)
+                if self._unlink_key(key):
+                    self.counters.count_removed(reason)
+                removed += 1
+            _remove_empty_folders(self._root_fd, victim.group.member("kv"))
+        return removed
 
     def _unlink_key(self, key: StoreKey) -> bool:
         try:
@@ -225,30 +243,34 @@ class DiskTier(Tier):
         finally:
             os.close(dfd)
 
+    def _refuse_stat(self, key: StoreKey, st: os.stat_result | None) -> None:
+        with self._lock:
+            if len(self._refused) > 65536:
+                self._refused.clear()  # bounded: forgetting only makes contains() report a few more candidates
+            self._refused[key] = (st.st_ino, st.st_mtime_ns) if st is not None else (-1, -1)
+
     def _refuse(self, key: StoreKey, fd: int | None = None) -> None:
         """Remember that `key`'s file (as it is now) was refused, so `contains` stops reporting it."""
         try:
             st = os.fstat(fd) if fd is not None else None
         except OSError:
             st = None
-        with self._lock:
-            if len(self._refused) > 65536:
-                self._refused.clear()  # bounded: forgetting only makes contains() report a few more candidates
-            self._refused[key] = (st.st_ino, st.st_mtime_ns) if st is not None else (-1, -1)
+        self._refuse_stat(key, st)
 
     # -- reads -------------------------------------------------------------------
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """One indexed lookup per batch; while the index is incomplete, the keys it
+        does not know are looked for in the folder (their paths follow from the keys)."""
+        try:
+            known = self._catalog.lookup(keys)
+        except Exception:  # noqa: BLE001 - an unreadable index answers from the folder
+            known = [False] * len(keys)
+            self._complete = False
+        if all(known) or self.index_complete():
+            return known
         with self._lock:
-            members, refused = self._members, self._refused
-            known: list[bool] = []
-            marks: list[tuple[int, int] | None] = []
-            for k in keys:
-                group_keys = members.get(k.group)
-                ok = group_keys is not None and k in group_keys
-                known.append(ok)
-                marks.append(refused.get(k) if refused and not ok else None)
-        # Files written by another process sharing this directory.
+            marks = [None if ok else self._refused.get(k) for k, ok in zip(keys, known)]
         return [ok or self._present(k, mark) for k, ok, mark in zip(keys, known, marks)]
 
     def _present(self, key: StoreKey, refused: tuple[int, int] | None) -> bool:
@@ -305,17 +327,15 @@ class DiskTier(Tier):
             return [self._get_one(keys[i], dsts[i], expected[i], verify_checksum) for i in range(lo, hi)]
 
         results = self._io.split(len(keys), part)
-        with self._lock:
-            capacity = self._capacity
-            for key, res in zip(keys, results):
-                if not res.ok:
-                    continue
-                group = key.group
-                if capacity.has_member(group, key.member):
-                    capacity.touch(group)
-                else:
-                    assert res.header is not None
-                    self._admit_locked(key, res.header.payload_len)  # written by another process
+        hits = [k.group for k, r in zip(keys, results) if r.ok]
+        gone = [k for k, r in zip(keys, results) if r.status is TierStatus.MISS]
+        try:
+            if hits:
+                self._catalog.touch(hits)
+            if gone:
+                self._catalog.forget(gone)  # its file vanished: the bytes no longer count
+        except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
+            pass
         return results
 
     def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
@@ -362,17 +382,19 @@ class DiskTier(Tier):
                 statuses[i] = TierStatus.ERROR
             else:
                 by_tenant.setdefault(item.key.tenant, []).append(i)
-        with self._lock:
+        victims: list[Victim] = []
+        try:
             for tenant, idx in by_tenant.items():
-                keys = [items[i].key for i in idx]
-                admitted = self._capacity.admit(
-                    tenant, [(k.group, k.member, sizes[i]) for k, i in zip(keys, idx)], self._evict_locked
+                admitted, gone = self._catalog.admit(
+                    tenant, [(items[i].key, sizes[i]) for i in idx], self._capacity_bytes, self._quotas
                 )
-                for i, key, ok in zip(idx, keys, admitted):
-                    if not ok or not self._capacity.has_member(key.group, key.member):
-                        statuses[i] = TierStatus.NO_SPACE  # no room, or evicted by a later item of the batch
-                        continue
-                    self._index_locked(key)
+                victims += gone
+                for i, ok in zip(idx, admitted):
+                    if not ok:
+                        statuses[i] = TierStatus.NO_SPACE
+        except Exception:  # noqa: BLE001 - an index that cannot be written: nothing is stored
+            return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
+        self._drop_victims(victims, "evicted")
         todo = [i for i in range(n) if statuses[i] is TierStatus.OK]
 
         def part(lo: int, hi: int) -> list[TierStatus]:
@@ -380,20 +402,21 @@ class DiskTier(Tier):
 
         for i, status in zip(todo, self._io.split(len(todo), part)):
             statuses[i] = status
-        with self._lock:
-            for i in todo:
+        failed = [items[i].key.group for i in todo if statuses[i] is not TierStatus.OK]
+        if failed:
+            self._drop_victims(self._catalog.remove_groups(failed), "failed_write")
+        written = [i for i in todo if statuses[i] is TierStatus.OK]
+        try:
+            still = self._catalog.lookup([items[i].key for i in written])
+        except Exception:  # noqa: BLE001
+            still = [True] * len(written)
+        for i, indexed in zip(written, still):
+            if not indexed:  # evicted while it was written (a later put, another process)
                 key = items[i].key
-                group_keys = self._members.get(key.group)
-                indexed = group_keys is not None and key in group_keys
-                if statuses[i] is not TierStatus.OK:
-                    if indexed:
-                        self._drop_group_locked(key.group, "failed_write")
-                elif not indexed:  # evicted while it was written (a later item, a concurrent put)
-                    if self._unlink_key(key):
-                        self.counters.count_removed("evicted_while_written")
-                    if _rel_leaf(key) not in self._leaf_objects:
-                        _remove_empty_folders(self._root_fd, key)
-                    statuses[i] = TierStatus.NO_SPACE
+                if self._unlink_key(key):
+                    self.counters.count_removed("evicted_while_written")
+                _remove_empty_folders(self._root_fd, key)
+                statuses[i] = TierStatus.NO_SPACE
         return statuses
 
     def _write_item(self, item: PutItem) -> TierStatus:
@@ -470,26 +493,23 @@ class DiskTier(Tier):
             raise
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
-        with self._lock:
-            return sum(self._drop_group_locked(g, "removed") for g in groups)
+        try:
+            victims = self._catalog.remove_groups(groups)
+        except Exception:  # noqa: BLE001
+            return 0
+        return self._drop_victims(victims, "removed")
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(
-                used_bytes=self._capacity.used,
-                capacity_bytes=self._capacity.capacity,
-                objects=sum(len(m) for m in self._members.values()),
-                groups=len(self._members),
-            )
+        """The folder's usage (every process's objects): the index is shared."""
+        used, objects, groups = self._catalog.usage()
+        return TierUsage(used_bytes=used, capacity_bytes=self._capacity_bytes, objects=objects, groups=groups)
 
     def tenant_used(self, tenant: str) -> int:
-        with self._lock:
-            return self._capacity.tenant_used(tenant)
+        return self._catalog.tenant_used(tenant)
 
     def tenants(self) -> list[str]:
-        """Tenants with anything indexed (their tables exist only while they store something)."""
-        with self._lock:
-            return sorted({g.tenant for g in self._members})
+        """Tenants with anything indexed (their rows exist only while they store something)."""
+        return self._catalog.tenants()
 
     def close(self) -> None:
         self._io.close()
@@ -499,6 +519,8 @@ class DiskTier(Tier):
             except OSError:
                 pass
         self._old_root_fds.clear()
+        if self._builder is None or not self._builder.is_alive():
+            self._catalog.close()
 
 
 _MISS = GetResult(TierStatus.MISS)

@@ -1,4 +1,13 @@
-"""The disk tier's start-up scan: rebuild the index from the files present.
+"""The disk tier's folder scan: index (or re-check) the folder's files into the shared catalog.
+
+Run by one process per folder at a time (an ``flock`` on ``.kvpack-store.build``;
+the others skip it), on a background thread (the opener waits for it only a
+short budget, `DiskTier`'s ``open_scan_s``). For a store written before the
+persistent index (`kvpack.tiers.disk_catalog`), or whose index file was
+deleted, it builds the index while lookups are answered from the folder
+itself; for an indexed store it reconciles: files written by a crashed or
+older writer are indexed, indexed files damaged since are un-indexed, and
+stale temporaries are swept.
 
 Walks ``<root>/<tenant>/<fingerprint>/<cc>/`` from the root's directory fd,
 one ``O_NOFOLLOW`` folder at a time (a symlinked folder is skipped and
@@ -7,105 +16,132 @@ counted, never followed), and only through names a `StoreKey` could produce.
 For each object file: the header must decode, name exactly the path it is
 at, and claim a payload the file really holds (``size == data offset +
 payload_len``); anything else is left alone (not indexed, not deleted) and
-counted in `DiskCounters.startup_rejected`. Valid objects are indexed whole
-group by whole group, newest first, while they fit the tier's capacity
-without evicting anything (`DiskCounters.startup_unindexed` counts the rest),
-so opening a shared folder never deletes a valid object.
+counted in `DiskCounters.startup_rejected`. Valid objects are indexed without
+evicting anything (the folder may be over capacity until the next put evicts
+its oldest groups), so opening a shared folder never deletes a valid object.
 
 The only files removed are temporaries of exactly kvpack's random-name
-pattern (`disk_fs.is_temp_name`) that are regular files older than the
-tier's `stale_temp_s`, counted as ``stale_temp``.
+pattern (`disk_fs.is_temp_name`) that are regular files older than
+`stale_temp_s`, counted as ``stale_temp``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
-from ..eviction.manager import Admission
-from ..keys import GroupKey, StoreKey, validate_chunk_hash, validate_member, validate_tenant
+from ..keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
 from ..objects import ObjectRejected, RejectReason
 from . import disk_fs
+from .disk_catalog import Catalog
+from .disk_files import SUFFIX, data_offset, read_header_fd
 
-if TYPE_CHECKING:
-    from .disk import DiskTier
-
-
-@dataclass
-class _Group:
-    key: GroupKey
-    newest: float = 0.0
-    members: list[tuple[StoreKey, int]] = field(default_factory=list)
+BUILD_LOCK = ".kvpack-store.build"
+BATCH = 2000
+"""Objects indexed per transaction (keeps each one short next to the puts of other processes)."""
 
 
-def rebuild_index(tier: DiskTier) -> None:
-    """Fill `tier`'s index from its folder (see the module docstring). Never deletes an object."""
-    from .disk_files import SUFFIX, data_offset, read_header_fd
+class Counters(Protocol):
+    startup_rejected: int
 
-    groups: dict[GroupKey, _Group] = {}
+    def count_unsafe(self) -> None: ...
+
+    def count_removed(self, reason: str, n: int = 1) -> None: ...
+
+
+def try_build_lock(root_fd: int) -> int | None:
+    """An fd holding the folder's build lock, or None when another process holds it."""
+    fd = os.open(BUILD_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def build_index(
+    root_fd: int,
+    catalog: Catalog,
+    counters: Counters,
+    stale_temp_s: float,
+    refuse: Callable[[StoreKey, os.stat_result | None], None],
+    pace: Callable[[int], None] | None = None,
+) -> int:
+    """Index every valid object file of the folder into `catalog`, then mark it complete;
+    returns the objects found. `refuse` is told of each file left alone; `pace(n)` (a test
+    seam) is called after each leaf folder with the objects found so far. Never deletes an object."""
     now = time.time()
-    root_fd = tier._root_fd  # noqa: SLF001 - the tier's own helper
-    counters = tier.counters
+    found: list[tuple[StoreKey, int, int]] = []
+    rejected: list[StoreKey] = []
+
+    def reject(key: StoreKey, st: os.stat_result | None) -> None:
+        rejected.append(key)
+        refuse(key, st)
+
+    total = 0
     for tenant, fp, cc, dfd in _leaf_folders(root_fd, counters):
         try:
             names = os.listdir(dfd)
         except OSError:
-            continue
+            names = []
         for name in names:
             if disk_fs.is_temp_name(name):
-                _sweep_temp(dfd, name, now, tier._stale_temp_s, counters)  # noqa: SLF001
+                _sweep_temp(dfd, name, now, stale_temp_s, counters)
                 continue
             key = _key_of(tenant, fp, cc, name, SUFFIX)
             if key is None:
                 continue  # not a name kvpack writes: not ours to judge
-            try:
-                fd = disk_fs.open_regular(root_fd, f"{tenant}/{fp}/{cc}/{name}")
-            except disk_fs.UnsafeEntry:
-                counters.count_unsafe()
-                continue
-            except OSError:
-                continue
-            st: os.stat_result | None = None
-            try:
-                st = os.fstat(fd)
-                header = read_header_fd(fd)
-                if (header.tenant, header.chunk, header.member) != (key.tenant, key.chunk, key.member):
-                    raise ObjectRejected(RejectReason.GROUP, "header names another object")
-                if st.st_size != data_offset(header.encoded_len) + header.payload_len:
-                    raise ObjectRejected(RejectReason.TRUNCATED, "payload length does not match the file size")
-            except (ObjectRejected, OSError, ValueError):
-                counters.startup_rejected += 1
-                tier._refused[key] = (st.st_ino, st.st_mtime_ns) if st is not None else (-1, -1)  # noqa: SLF001
-                continue
-            finally:
-                os.close(fd)
-            group = groups.get(key.group)
-            if group is None:
-                group = groups[key.group] = _Group(key.group)
-            group.newest = max(group.newest, st.st_mtime)
-            group.members.append((key, header.payload_len))
+            entry = _check_file(root_fd, key, f"{tenant}/{fp}/{cc}/{name}", counters, reject)
+            if entry is not None:
+                found.append(entry)
         os.close(dfd)
-    _admit_newest_first(tier, list(groups.values()))
+        if len(found) >= BATCH or rejected:
+            catalog.add_found(found)
+            catalog.forget(rejected)  # indexed before, damaged since: no longer reported
+            total += len(found)
+            found, rejected = [], []
+        if pace is not None:
+            pace(total + len(found))
+    catalog.add_found(found)
+    catalog.forget(rejected)
+    catalog.mark_complete()
+    return total + len(found)
 
 
-def _admit_newest_first(tier: DiskTier, groups: list[_Group]) -> None:
-    """Index whole groups, newest first, while each fits without evicting anything."""
-    groups.sort(key=lambda g: g.newest, reverse=True)
-    capacity = tier._capacity  # noqa: SLF001
-    with tier._lock:  # noqa: SLF001
-        for group in groups:
-            requests = [(k.group, k.member, n) for k, n in group.members]
-            plan = capacity.reserve_many(group.key.tenant, requests)
-            if plan.admission is not Admission.ADMITTED or plan.victims:
-                tier.counters.startup_unindexed += 1
-                continue
-            capacity.commit_many(group.key.tenant, requests)
-            for k, _ in group.members:
-                tier._index_locked(k)  # noqa: SLF001
+def _check_file(
+    root_fd: int,
+    key: StoreKey,
+    rel: str,
+    counters: Counters,
+    refuse: Callable[[StoreKey, os.stat_result | None], None],
+) -> tuple[StoreKey, int, int] | None:
+    try:
+        fd = disk_fs.open_regular(root_fd, rel)
+    except disk_fs.UnsafeEntry:
+        counters.count_unsafe()
+        return None
+    except OSError:
+        return None
+    st: os.stat_result | None = None
+    try:
+        st = os.fstat(fd)
+        header = read_header_fd(fd)
+        if (header.tenant, header.chunk, header.member) != (key.tenant, key.chunk, key.member):
+            raise ObjectRejected(RejectReason.GROUP, "header names another object")
+        if st.st_size != data_offset(header.encoded_len) + header.payload_len:
+            raise ObjectRejected(RejectReason.TRUNCATED, "payload length does not match the file size")
+    except (ObjectRejected, OSError, ValueError):
+        counters.startup_rejected += 1
+        refuse(key, st)
+        return None
+    finally:
+        os.close(fd)
+    return key, header.payload_len, st.st_mtime_ns
 
 
 def _key_of(tenant: str, fp: str, cc: str, name: str, suffix: str) -> StoreKey | None:
@@ -124,7 +160,7 @@ def _key_of(tenant: str, fp: str, cc: str, name: str, suffix: str) -> StoreKey |
     return StoreKey(tenant, fp, chunk, member)
 
 
-def _sweep_temp(dfd: int, name: str, now: float, stale_s: float, counters) -> None:  # type: ignore[no-untyped-def]
+def _sweep_temp(dfd: int, name: str, now: float, stale_s: float, counters: Counters) -> None:
     st = disk_fs.lstat_regular(dfd, name)
     if st is None or now - st.st_mtime < stale_s:
         return  # a live writer's temporary (or not a regular file): leave it
@@ -135,7 +171,7 @@ def _sweep_temp(dfd: int, name: str, now: float, stale_s: float, counters) -> No
         pass
 
 
-def _subdirs(dfd: int, counters, valid) -> Iterator[tuple[str, int]]:  # type: ignore[no-untyped-def]
+def _subdirs(dfd: int, counters: Counters, valid: Callable[[str], object]) -> Iterator[tuple[str, int]]:
     """(name, fd) of each sub-folder of `dfd` whose name passes `valid`; symlinks refused, counted."""
     try:
         entries = list(os.scandir(dfd))
@@ -170,7 +206,7 @@ def _cc(name: str) -> str:
     return validate_chunk_hash(name)
 
 
-def _leaf_folders(root_fd: int, counters) -> Iterator[tuple[str, str, str, int]]:  # type: ignore[no-untyped-def]
+def _leaf_folders(root_fd: int, counters: Counters) -> Iterator[tuple[str, str, str, int]]:
     """(tenant, fingerprint, cc, fd) of every leaf folder; the caller closes each fd."""
     for tenant, tfd in _subdirs(root_fd, counters, validate_tenant):
         try:

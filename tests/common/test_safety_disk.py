@@ -34,8 +34,13 @@ def _disk(root: Path, capacity: int = 1 << 30, **kw: object) -> DiskTier:
     return DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), **kw)  # type: ignore[arg-type]
 
 
+def _ours(name: str) -> bool:
+    """The marker and the shared index beside it (``.kvpack-store.index``, its -wal/-shm, the build lock)."""
+    return name == MARKER or name.startswith(MARKER + ".")
+
+
 def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MARKER)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not _ours(p.name))
 
 
 def _dst() -> memoryview:
@@ -193,10 +198,14 @@ def test_a_second_process_with_a_smaller_capacity_deletes_nothing(tmp_path: Path
     assert big.put_from(items) == [TierStatus.OK] * 200
     small = _disk(tmp_path, capacity=16 * KIB)
     assert len(_files(tmp_path)) == 200
-    assert small.usage().objects == 16 and small.usage().used_bytes == 16 * KIB
-    assert small.counters.startup_unindexed == 184 and small.counters.removed == {}
-    # the newest groups are the ones indexed
-    assert small.contains([it.key for it in items[-16:]]) == [True] * 16
+    # one index per folder: the small process sees the folder's usage; opening removed nothing
+    assert small.usage().objects == 200 and small.counters.removed == {}
+    assert small.contains([it.key for it in items]) == [True] * 200
+    # its first put bounds the folder by its own capacity, oldest groups first
+    extra = make_item("t", chunk_id(999), seed=999)[0]
+    assert small.put_from([extra]) == [TierStatus.OK]
+    assert small.usage().used_bytes <= 16 * KIB and len(_files(tmp_path)) == 16
+    assert small.contains([it.key for it in items[-15:]] + [extra.key]) == [True] * 16
 
 
 def test_every_removal_is_counted_with_its_reason(tmp_path: Path) -> None:
@@ -315,7 +324,7 @@ def test_folders_of_a_tenant_with_nothing_stored_are_removed(tmp_path: Path) -> 
     assert len(dirs) == 8 * 3  # tenant/fingerprint/cc for the 8 that fit, nothing else
     assert len(tier.tenants()) == 8
     tier.remove_groups([make_item(f"salt-{n}", chunk_id(n))[0].key.group for n in range(32, 40)])
-    assert [p for p in tmp_path.iterdir()] == [tmp_path / MARKER]
+    assert [p for p in tmp_path.iterdir() if not _ours(p.name) or p.name == MARKER] == [tmp_path / MARKER]
 
 
 def test_walk_fallback_refuses_symlinks_like_openat2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,4 +351,4 @@ def test_processes_starting_on_one_new_folder_at_once_all_adopt_it(tmp_path: Pat
     for t in threads:
         t.join()
     assert errors == []
-    assert sorted(p.name for p in root.iterdir()) == [MARKER]
+    assert sorted(p.name for p in root.iterdir() if not _ours(p.name) or p.name == MARKER) == [MARKER]

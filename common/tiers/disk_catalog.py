@@ -1,0 +1,363 @@
+"""The disk tier's persistent, host-shared index: one SQLite file in the store folder.
+
+Every process that opens a store folder (a vLLM scheduler and its TP workers,
+several instances) shares this one index and its capacity authority, so
+opening is O(1) (nothing is scanned when the index is complete), the index
+costs no per-object Python objects, and `capacity` bounds the folder, not a
+process.
+
+Schema (``.kvpack-store.index``; SQLite in WAL mode, so readers never wait for
+a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
+`busy_timeout_s`):
+
+- ``groups(g, tenant, fp, chunk, nbytes, tick)``: one row per stored group;
+  ``g`` is a 16-byte BLAKE2b of ``tenant/fp/chunk``; ``tick`` (ns) orders
+  eviction (LRU over groups; an index on it makes the oldest cheap to find);
+- ``objects(g, member, nbytes)``: one row per object file;
+- ``tenants(tenant, used)``: bytes per tenant, updated in the same transaction
+  as every insert and delete, so ``SUM(used)`` is the folder's usage;
+- ``meta``: the schema version and ``complete`` once every file of an older
+  store was indexed (`kvpack.tiers.disk_index` builds it in the background).
+
+Invariants: a group row's ``nbytes`` is the sum of its objects', a tenant's
+``used`` the sum of its groups'; a row is inserted before its file is written
+and deleted before its file is unlinked (a crash leaves a row without a file,
+a miss that `forget` removes, or an orphan file of an evicted group, which is
+never loaded because loads verify the file's own header).
+
+Eviction is LRU over groups with the tenant shares of
+`kvpack.eviction.CapacityManager` (a tenant over its share evicts its own
+groups first; no other tenant is pushed below its share). The configured ARC
+policy is approximated by this shared LRU order: ARC's per-process ghost lists
+would not be shared, and the recency order is what all processes agree on.
+Reads do not write: touched groups are buffered and their ticks written in
+one transaction at most every `TOUCH_FLUSH_S` (or with the next put).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..keys import GroupKey, StoreKey
+
+INDEX_NAME = ".kvpack-store.index"
+"""Starts with the marker's name plus a dot: `disk_fs` treats it (and its -wal/-shm) as the marker's own."""
+SCHEMA_VERSION = "1"
+TOUCH_FLUSH_S = 1.0
+"""Buffered read touches are written at most this often (and with every put)."""
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS groups(g BLOB PRIMARY KEY, tenant TEXT NOT NULL, fp TEXT NOT NULL,"
+    " chunk TEXT NOT NULL, nbytes INTEGER NOT NULL, tick INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS groups_tick ON groups(tick)",
+    "CREATE TABLE IF NOT EXISTS objects(g BLOB NOT NULL, member TEXT NOT NULL, nbytes INTEGER NOT NULL,"
+    " PRIMARY KEY(g, member)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
+)
+
+
+def group_id(group: GroupKey) -> bytes:
+    """16-byte id of a group (the primary key of its row)."""
+    return hashlib.blake2b(f"{group.tenant}/{group.fingerprint}/{group.chunk}".encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """A group removed from the index: its files (one per member) are to be unlinked."""
+
+    group: GroupKey
+    members: tuple[str, ...]
+    nbytes: int
+
+
+class Catalog:
+    """One process's connection to the folder's index. Thread-safe (one lock per connection)."""
+
+    def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
+        """Open (or create) the index at `path`; a file of another schema version is emptied
+        and rebuilt from the folder (it is derived data: the object files are the truth)."""
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        with self._tx():
+            for stmt in _SCHEMA:
+                self._db.execute(stmt)
+            row = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                for table in ("groups", "objects", "tenants", "meta"):
+                    self._db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
+                self._db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
+        self._tick = 0
+        self._touched: dict[bytes, int] = {}
+        self._last_flush = time.monotonic()
+
+    # -- transactions --------------------------------------------------------------
+
+    class _Tx:
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self._db = db
+
+        def __enter__(self) -> sqlite3.Connection:
+            self._db.execute("BEGIN IMMEDIATE")
+            return self._db
+
+        def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+            self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+    def _tx(self) -> Catalog._Tx:
+        return Catalog._Tx(self._db)
+
+    # -- state ---------------------------------------------------------------------
+
+    def complete(self) -> bool:
+        """Is every file of the folder indexed (no background build needed or running)?"""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM meta WHERE k='complete'").fetchone() is not None
+
+    def mark_complete(self) -> None:
+        with self._lock, self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES('complete', '1')")
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM groups LIMIT 1").fetchone() is None
+
+    # -- reads ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: is it indexed? One ``SELECT ... IN`` per batch (no write)."""
+        ids = [group_id(k.group) for k in keys]
+        unique = list(dict.fromkeys(ids))
+        found: set[tuple[bytes, str]] = set()
+        with self._lock:
+            for lo in range(0, len(unique), 500):
+                part = unique[lo : lo + 500]
+                marks = ",".join("?" * len(part))
+                found.update(self._db.execute(f"SELECT g, member FROM objects WHERE g IN ({marks})", part))  # noqa: S608
+        return [(g, k.member) in found for g, k in zip(ids, keys)]
+
+    def _next_tick(self) -> int:
+        """Wall-clock ns, strictly increasing in this process (the LRU order of one batch is its order)."""
+        self._tick = max(self._tick + 1, time.time_ns())
+        return self._tick
+
+    def touch(self, groups: Iterable[GroupKey]) -> None:
+        """Buffer a read of `groups`; written with the next put or after `TOUCH_FLUSH_S`."""
+        with self._lock:
+            for group in groups:
+                self._touched[group_id(group)] = self._next_tick()
+            due = time.monotonic() - self._last_flush >= TOUCH_FLUSH_S
+        if due:
+            self.flush_touches()
+
+    def flush_touches(self) -> None:
+        with self._lock:
+            if self._touched:
+                with self._tx() as db:
+                    self._flush_locked(db)
+            self._last_flush = time.monotonic()
+
+    def _flush_locked(self, db: sqlite3.Connection) -> None:
+        rows = [(tick, g) for g, tick in self._touched.items()]
+        self._touched.clear()
+        db.executemany("UPDATE groups SET tick=? WHERE g=?", rows)
+
+    def usage(self) -> tuple[int, int, int]:
+        """(used bytes, objects, groups) of the whole folder."""
+        with self._lock:
+            used = self._db.execute("SELECT COALESCE(SUM(used), 0) FROM tenants").fetchone()[0]
+            objects = self._db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
+            groups = self._db.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
+        return int(used), int(objects), int(groups)
+
+    def tenant_used(self, tenant: str) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT used FROM tenants WHERE tenant=?", (tenant,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(r[0] for r in self._db.execute("SELECT tenant FROM tenants WHERE used > 0"))
+
+    # -- writes --------------------------------------------------------------------
+
+    def admit(
+        self,
+        tenant: str,
+        requests: Sequence[tuple[StoreKey, int]],
+        capacity: int,
+        quotas: dict[str, int],
+    ) -> tuple[list[bool], list[Victim]]:
+        """Index `tenant`'s (key, bytes) requests in one transaction, evicting whole groups
+        (never one of the batch) so the folder stays within `capacity`; per request, admitted?
+
+        The batch is admitted whole when it fits, else request by request."""
+        with self._lock, self._tx() as db:
+            self._flush_locked(db)
+            used = dict(db.execute("SELECT tenant, used FROM tenants"))
+            batch = {group_id(k.group) for k, _ in requests}
+            victims: list[Victim] = []
+            plan = self._plan(db, tenant, requests, capacity, quotas, used, batch)
+            if plan is not None:
+                victims += self._apply(db, tenant, requests, plan, used)
+                return [True] * len(requests), victims
+            admitted: list[bool] = []
+            for req in requests:
+                plan = self._plan(db, tenant, [req], capacity, quotas, used, {group_id(req[0].group)})
+                if plan is None:
+                    admitted.append(False)
+                    continue
+                victims += self._apply(db, tenant, [req], plan, used)
+                admitted.append(True)
+            # a later request may have evicted an earlier one's group: that one is not admitted
+            evicted = {group_id(v.group) for v in victims}
+            admitted = [ok and group_id(k.group) not in evicted for ok, (k, _) in zip(admitted, requests)]
+            return admitted, victims
+
+    def _deltas(self, db: sqlite3.Connection, requests: Sequence[tuple[StoreKey, int]]) -> int:
+        final: dict[tuple[bytes, str], int] = {}
+        for key, n in requests:
+            final[(group_id(key.group), key.member)] = n
+        delta = 0
+        for (g, member), n in final.items():
+            row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, member)).fetchone()
+            delta += n - (row[0] if row else 0)
+        return delta
+
+    def _plan(
+        self,
+        db: sqlite3.Connection,
+        tenant: str,
+        requests: Sequence[tuple[StoreKey, int]],
+        capacity: int,
+        quotas: dict[str, int],
+        used: dict[str, int],
+        batch: set[bytes],
+    ) -> list[bytes] | None:
+        """The victims that make room for `requests` (maybe none), or None when they cannot fit."""
+        if any(n > capacity for _, n in requests):
+            return None
+        delta = self._deltas(db, requests)
+        need = sum(used.values()) + delta - capacity
+        if need <= 0:
+            return []
+        after = dict(used)
+        after[tenant] = after.get(tenant, 0) + delta
+        chosen: list[bytes] = []
+        taken: set[bytes] = set()
+        freed = 0
+
+        def take(own_only: bool) -> None:
+            nonlocal freed
+            sql = "SELECT g, tenant, nbytes FROM groups" + (" WHERE tenant=?" if own_only else "") + " ORDER BY tick"
+            for g, owner, size in db.execute(sql, (tenant,) if own_only else ()):
+                if freed >= need:
+                    return
+                if g in batch or g in taken:
+                    continue
+                if owner != tenant and after.get(owner, 0) - size < quotas.get(owner, 0):
+                    continue  # would push another tenant below its guaranteed share
+                taken.add(g)
+                chosen.append(g)
+                freed += size
+                after[owner] = after.get(owner, 0) - size
+
+        if tenant in quotas and after[tenant] > quotas[tenant]:
+            take(own_only=True)
+        if freed < need:
+            take(own_only=False)
+        return chosen if freed >= need else None
+
+    def _apply(
+        self,
+        db: sqlite3.Connection,
+        tenant: str,
+        requests: Sequence[tuple[StoreKey, int]],
+        victims: list[bytes],
+        used: dict[str, int],
+    ) -> list[Victim]:
+        gone = [v for v in (self._delete_group(db, g, used) for g in victims) if v is not None]
+        for key, n in requests:
+            tick = self._next_tick()
+            g = group_id(key.group)
+            row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
+            delta = n - (row[0] if row else 0)
+            db.execute("INSERT OR REPLACE INTO objects VALUES(?, ?, ?)", (g, key.member, n))
+            db.execute(
+                "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
+                " nbytes=nbytes+excluded.nbytes, tick=excluded.tick",
+                (g, key.tenant, key.fingerprint, key.chunk, delta, tick),
+            )
+            used[tenant] = used.get(tenant, 0) + delta
+        db.execute("INSERT OR REPLACE INTO tenants VALUES(?, ?)", (tenant, used[tenant]))
+        return gone
+
+    def _delete_group(self, db: sqlite3.Connection, g: bytes, used: dict[str, int] | None = None) -> Victim | None:
+        row = db.execute("SELECT tenant, fp, chunk, nbytes FROM groups WHERE g=?", (g,)).fetchone()
+        if row is None:
+            return None
+        tenant, fp, chunk, nbytes = row
+        members = tuple(r[0] for r in db.execute("SELECT member FROM objects WHERE g=?", (g,)))
+        db.execute("DELETE FROM objects WHERE g=?", (g,))
+        db.execute("DELETE FROM groups WHERE g=?", (g,))
+        db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (nbytes, tenant))
+        db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (tenant,))
+        if used is not None:
+            used[tenant] = used.get(tenant, 0) - nbytes
+        return Victim(GroupKey(tenant, fp, chunk), members, nbytes)
+
+    def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
+        """Delete the groups' rows; returns those that were indexed."""
+        with self._lock, self._tx() as db:
+            return [v for v in (self._delete_group(db, group_id(g)) for g in groups) if v is not None]
+
+    def forget(self, keys: Sequence[StoreKey]) -> None:
+        """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow."""
+        with self._lock, self._tx() as db:
+            for key in keys:
+                g = group_id(key.group)
+                row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
+                if row is None:
+                    continue
+                db.execute("DELETE FROM objects WHERE g=? AND member=?", (g, key.member))
+                db.execute("UPDATE groups SET nbytes=nbytes-? WHERE g=?", (row[0], g))
+                db.execute("DELETE FROM groups WHERE g=? AND NOT EXISTS (SELECT 1 FROM objects WHERE g=?)", (g, g))
+                db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (row[0], key.tenant))
+                db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (key.tenant,))
+
+    def add_found(self, found: Sequence[tuple[StoreKey, int, int]]) -> None:
+        """Index files found in the folder (key, bytes, mtime ns) without evicting: the background build.
+        A key already indexed (written meanwhile by a put) is left as it is."""
+        with self._lock, self._tx() as db:
+            for key, n, tick in found:
+                g = group_id(key.group)
+                cur = db.execute("INSERT OR IGNORE INTO objects VALUES(?, ?, ?)", (g, key.member, n))
+                if cur.rowcount != 1:
+                    continue
+                db.execute(
+                    "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
+                    " nbytes=nbytes+excluded.nbytes, tick=MAX(tick, excluded.tick)",
+                    (g, key.tenant, key.fingerprint, key.chunk, n, tick),
+                )
+                db.execute(
+                    "INSERT INTO tenants VALUES(?, ?) ON CONFLICT(tenant) DO UPDATE SET used=used+excluded.used",
+                    (key.tenant, n),
+                )
+
+    def close(self) -> None:
+        try:
+            self.flush_touches()
+        except sqlite3.Error:
+            pass
+        with self._lock:
+            self._db.close()

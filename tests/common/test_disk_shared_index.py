@@ -1,0 +1,169 @@
+"""The disk tier's shared, persistent index: one capacity authority per folder across real
+processes, no start-up wait on a store that is not indexed yet, older stores opened or refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import chunk_id, expect, make_item
+
+from kvpack.config import EvictionPolicyName
+from kvpack.errors import ConfigError
+from kvpack.eviction import make_policy
+from kvpack.inspect_store import summarize
+from kvpack.tiers.base import TierStatus
+from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.disk_catalog import INDEX_NAME
+from kvpack.tiers.disk_fs import MARKER
+
+KIB = 1024
+TESTS = Path(__file__).resolve().parents[1]
+
+_WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from fixtures.builders import chunk_id, make_item
+from kvpack.config import EvictionPolicyName
+from kvpack.eviction import make_policy
+from kvpack.tiers.disk import DiskTier
+root, capacity, proc, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tier = DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), io_threads=2)
+for lo in range(0, count, 8):
+    ids = [proc * 100000 + i for i in range(lo, min(count, lo + 8))]
+    tier.put_from([make_item("t", chunk_id(i), seed=i)[0] for i in ids])
+tier.close()
+"""
+
+
+def _disk(root: Path, capacity: int = 1 << 30, **kw: object) -> DiskTier:
+    return DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), **kw)  # type: ignore[arg-type]
+
+
+def _drop_index(root: Path) -> None:
+    """Make `root` look like a store written before the persistent index (format 1 files only)."""
+    for p in root.iterdir():
+        if p.name.startswith(INDEX_NAME):
+            p.unlink()
+
+
+def test_three_processes_share_one_capacity_and_every_load_is_exact_or_a_miss(tmp_path: Path) -> None:
+    root, capacity, per_proc = tmp_path / "store", 64 * KIB, 192  # each process writes 3C
+    _disk(root, capacity).close()
+    code = _WRITER.format(tests=str(TESTS))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(root), str(capacity), str(p), str(per_proc)])
+        for p in range(3)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    held = sum(t.payload_bytes for t in summarize(root).tenants.values())
+    assert held <= 1.1 * capacity
+    reader = _disk(root, capacity)
+    assert reader.usage().used_bytes <= capacity
+    hits = 0
+    for p in range(3):
+        for i in range(per_proc):
+            item, payload = make_item("t", chunk_id(p * 100000 + i), seed=p * 100000 + i)
+            dst = np.zeros(KIB, np.uint8)
+            res = reader.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0]
+            if res.ok:
+                hits += 1
+                assert np.array_equal(dst, payload)
+            else:
+                assert res.status is TierStatus.MISS
+    assert 0.5 * capacity / KIB <= hits <= 1.1 * capacity / KIB
+
+
+def test_a_store_without_an_index_answers_before_its_index_is_built(tmp_path: Path) -> None:
+    writer = _disk(tmp_path)
+    items = [make_item("t", chunk_id(i), seed=i) for i in range(300)]
+    assert writer.put_from([it for it, _ in items]) == [TierStatus.OK] * 300
+    writer.close()
+    _drop_index(tmp_path)
+    gate, paced = threading.Event(), threading.Event()
+
+    def pace(found: int) -> None:  # the scan stops after its first leaf folder until the test lets it go
+        paced.set()
+        gate.wait(30)
+
+    opened = _disk(tmp_path, open_scan_s=0.05, index_pace=pace)
+    try:
+        assert paced.wait(10) and not opened.index_complete()
+        keys = [it.key for it, _ in items]
+        assert opened.contains(keys) == [True] * 300  # answered from the folder
+        assert opened.contains([make_item("t", chunk_id(5000))[0].key]) == [False]
+        item, payload = items[123]
+        dst = np.zeros(KIB, np.uint8)
+        assert opened.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0].ok
+        assert np.array_equal(dst, payload)
+        assert opened.put_from([make_item("t", chunk_id(4000), seed=4000)[0]]) == [TierStatus.OK]
+    finally:
+        gate.set()
+    assert opened.wait_indexed(30)
+    assert opened.usage().objects == 301 and opened.usage().used_bytes == 301 * KIB
+    assert _disk(tmp_path).contains([it.key for it, _ in items]) == [True] * 300
+
+
+def test_a_second_process_waits_for_no_scan_while_another_builds(tmp_path: Path) -> None:
+    writer = _disk(tmp_path)
+    items = [make_item("t", chunk_id(i), seed=i)[0] for i in range(50)]
+    writer.put_from(items)
+    writer.close()
+    _drop_index(tmp_path)
+    gate = threading.Event()
+    builder = _disk(tmp_path, open_scan_s=0.01, index_pace=lambda n: gate.wait(30))
+    try:
+        other = _disk(tmp_path, open_scan_s=5.0)  # the build lock is held: it does not scan, nor wait
+        assert not other.index_complete()
+        assert other.contains([it.key for it in items]) == [True] * 50
+    finally:
+        gate.set()
+    assert builder.wait_indexed(30)
+    assert other.wait_indexed(0) or other.usage().objects == 50
+
+
+def test_a_crashed_writers_file_is_indexed_and_a_damaged_one_unindexed_on_reopen(tmp_path: Path) -> None:
+    tier = _disk(tmp_path)
+    a, b = make_item("t", chunk_id(1), seed=1)[0], make_item("t", chunk_id(2), seed=2)[0]
+    tier.put_from([a, b])
+    tier.close()
+    # a file written whose row was lost (another store's file copied in), and a damaged one
+    orphan, _ = make_item("t", chunk_id(3), seed=3)
+    other = _disk(tmp_path / "other")
+    other.put_from([orphan])
+    os.makedirs(tier.path_of(orphan.key).parent, exist_ok=True)
+    tier.path_of(orphan.key).write_bytes(other.path_of(orphan.key).read_bytes())
+    tier.path_of(b.key).write_bytes(b"garbage")
+    reopened = _disk(tmp_path)
+    assert reopened.counters.startup_rejected == 1
+    assert reopened.contains([a.key, b.key, orphan.key]) == [True, False, True]
+    assert reopened.usage().used_bytes == 2 * KIB
+
+
+def test_an_index_of_another_schema_is_rebuilt_never_misread(tmp_path: Path) -> None:
+    import sqlite3
+
+    tier = _disk(tmp_path)
+    item, _ = make_item("t", chunk_id(1), seed=1)
+    tier.put_from([item])
+    tier.close()
+    db = sqlite3.connect(tmp_path / INDEX_NAME)
+    db.execute("UPDATE meta SET v='0' WHERE k='schema'")
+    db.execute("UPDATE tenants SET used=123456789")
+    db.commit()
+    db.close()
+    reopened = _disk(tmp_path)
+    assert reopened.wait_indexed(30)
+    assert reopened.usage().used_bytes == KIB and reopened.contains([item.key]) == [True]
+
+
+def test_a_store_of_another_format_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    (tmp_path / MARKER).write_text("kvpack store\nformat 0\n")
+    with pytest.raises(ConfigError) as err:
+        _disk(tmp_path)
+    assert err.value.field == "disk.path" and "another format" in str(err.value)
