@@ -5,7 +5,8 @@ chained keys of every full block of the request, then the stored tail after
 the last hit block (`KVStore.tails.find`): the longest common prefix with it,
 rounded down to `prefix_match_unit`. The count may end inside a block: the
 partial block is loaded whole and vLLM computes the rest into it. vLLM must
-compute at least one token, so a prompt stored whole hits n - 1 tokens.
+compute at least one token, so a prompt stored whole hits n - 1 tokens (n - 2 with a
+drafter model: `settings.min_prefill_tokens`).
 A hit whose every object is in the workers' memory (the index says so) and
 that is at most `sync_load_max_blocks` blocks is loaded inside the step that
 computes the rest of the prompt (vLLM's synchronous load: a memcpy before that
@@ -109,7 +110,7 @@ class LoadPlan:
     hashes: tuple[ChunkHash, ...]
     hit_chunks: int
     matched: int
-    """Tokens loadable from the store (capped at num_tokens - 1)."""
+    """Tokens loadable from the store (capped at num_tokens - `Scope.min_prefill_tokens`)."""
     tail: BlockRef | None
     """The tail object to load into block `hit_chunks`, when the match reaches into it."""
     full_chunks: int = 0
@@ -235,9 +236,10 @@ class SchedulerSide:
             self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
         matched = k * bs
         tail: BlockRef | None = None
-        if self.config.tail_reuse and k * bs < n - 1:
+        last = n - self.scope.min_prefill_tokens  # the most a hit may cover (vLLM computes the rest)
+        if self.config.tail_reuse and k * bs < last:
             parent = hashes[k - 1] if k else rs.seed
-            rest = tokens[k * bs : min(n - 1, (k + 1) * bs)]
+            rest = tokens[k * bs : min(last, (k + 1) * bs)]
             tm = self.store.tails.find(
                 rs.tenant, self.scope.fingerprint, parent, rest, members, self.config.prefix_match_unit, self._budget
             )
@@ -249,7 +251,7 @@ class SchedulerSide:
                     tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft, source=source
                 )  # blocks: at alloc
                 matched = k * bs + tm.tokens
-        matched = min(matched, n - 1)
+        matched = min(matched, last)
         partial = matched % bs
         matched -= partial % self.config.prefix_match_unit
         if tail is not None:
@@ -307,7 +309,7 @@ class SchedulerSide:
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
         full = min(handoff.tokens // bs, len(hashes))
-        matched = min(handoff.tokens, n - 1)
+        matched = min(handoff.tokens, n - self.scope.min_prefill_tokens)
         tail: BlockRef | None = None
         if matched > full * bs:
             if handoff.tail_chunk is None or not self.config.tail_reuse:

@@ -165,6 +165,9 @@ class Scope:
     heads: HeadSplit | None = None
     """Canonical objects (`vllm_plugin.canonical`): the KV heads over the TP ranks; members
     are head ranges (``kv``, ``kv_h0_1``...). None: engine-native objects, one per rank."""
+    min_prefill_tokens: int = 1
+    """The fewest prompt tokens a hit leaves vLLM to compute (`min_prefill_tokens`): 1, or 2
+    with a drafter that runs a model of its own."""
 
     @property
     def fingerprint(self) -> str:
@@ -244,6 +247,21 @@ DRAFT_MEMBER = "draft"
 _DRAFT_PREFIX = "draft_model."
 """Prefix of every layer a ``draft_model`` drafter registers (vLLM builds it under that prefix)."""
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def min_prefill_tokens(vllm_config: VllmConfig) -> int:
+    """The fewest prompt tokens a hit may leave vLLM to compute: 1, or 2 with a drafter that
+    runs a model of its own (`has_draft_kv`).
+
+    vLLM 0.32 shapes a request whose prefill step computes one token like a decode in the
+    drafter's first pass (the padded drafter batch: the request's query plus
+    ``num_speculative_tokens`` padding slots), and the drafter's first proposal for it is then
+    rejected whole: one draft round lost per hit, with correct tokens and no error. Measured
+    with vLLM's own prefix cache on the tiny test model (draft = copy of the target, 3
+    speculative tokens, 48 greedy tokens): a 513-token prompt hitting 512 accepts 36 of 39
+    draft tokens, 514 and 515 tokens (2 and 3 to prefill) accept 36 of 36. A hit one token
+    shorter costs one token of reuse and keeps every draft round."""
+    return 2 if has_draft_kv(vllm_config) else 1
 
 
 def has_draft_kv(vllm_config: VllmConfig) -> bool:
@@ -355,6 +373,7 @@ def make_scope(
             groups=groups,
             world=world,
             heads=split,
+            min_prefill_tokens=min_prefill_tokens(vllm_config),
         )
     spec = KVLayoutSpec(
         engine=f"vllm:{current_platform.device_type}",
@@ -377,6 +396,7 @@ def make_scope(
         draft_members=draft_members,
         groups=groups,
         world=world,
+        min_prefill_tokens=min_prefill_tokens(vllm_config),
     )
 
 
