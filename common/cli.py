@@ -32,6 +32,7 @@ BENCHES = {
     "spec": "kvpack.tools.bench.spec_bench",
     "serve": "kvpack.tools.bench.serve_bench",
     "pd": "kvpack.tools.bench.pd_bench",
+    "scale": "kvpack.tools.bench.scale_bench",
 }
 RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak", "proxy": "kvpack.tools.proxy"}
 

@@ -89,7 +89,8 @@ class DiskCounters:
     startup_rejected: int = 0
     """Files left alone at start-up: header unreadable, naming another path, or a size it does not have."""
     startup_unindexed: int = 0
-    """Valid groups left unindexed at start-up (they did not fit this process's capacity)."""
+    """Always 0 since the shared index: every valid file is indexed (the folder may be over capacity
+    until the next put evicts); kept for readers of the counters."""
     removed: dict[str, int] = field(default_factory=dict)
     """Files removed, by reason: evicted, removed (`remove_groups`: damaged or dropped by the
     store), failed_write (the rest of a group one of whose members could not be written),
@@ -189,6 +190,11 @@ class DiskTier(Tier):
             self._checked = time.monotonic()
             self._complete = self._catalog.complete()
         return self._complete
+
+    @property
+    def scans_here(self) -> bool:
+        """Did this process run the folder scan (it held the build lock at open)?"""
+        return self._builder is not None
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Block until this process's background build ends (operator tools and benches, never an engine step)."""

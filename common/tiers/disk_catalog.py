@@ -36,7 +36,9 @@ one transaction at most every `TOUCH_FLUSH_S` (or with the next put).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import sqlite3
 import threading
 import time
@@ -62,6 +64,19 @@ _SCHEMA = (
 )
 
 
+def _flock(fd: int, timeout_s: float) -> None:
+    """Take the exclusive lock on `fd` within `timeout_s` (TimeoutError), polling every 0.2 ms."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the disk index is held by another process") from None
+            time.sleep(0.0002)
+
+
 def group_id(group: GroupKey) -> bytes:
     """16-byte id of a group (the primary key of its row)."""
     return hashlib.blake2b(f"{group.tenant}/{group.fingerprint}/{group.chunk}".encode(), digest_size=16).digest()
@@ -83,6 +98,8 @@ class Catalog:
         """Open (or create) the index at `path`; a file of another schema version is emptied
         and rebuilt from the folder (it is derived data: the object files are the truth)."""
         self._lock = threading.Lock()
+        self._timeout_s = busy_timeout_s
+        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -104,18 +121,32 @@ class Catalog:
     # -- transactions --------------------------------------------------------------
 
     class _Tx:
-        def __init__(self, db: sqlite3.Connection) -> None:
-            self._db = db
+        """One write transaction, entered under the folder's writer ``flock`` first.
+
+        SQLite's own busy handler sleeps in growing steps (up to 100 ms) while
+        another process writes; waiting on the lock file instead hands the index
+        over as soon as the holder commits, so several writers do not idle."""
+
+        def __init__(self, db: sqlite3.Connection, lock_fd: int, timeout_s: float) -> None:
+            self._db, self._fd, self._timeout_s = db, lock_fd, timeout_s
 
         def __enter__(self) -> sqlite3.Connection:
-            self._db.execute("BEGIN IMMEDIATE")
+            _flock(self._fd, self._timeout_s)
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                raise
             return self._db
 
         def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
-            self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            try:
+                self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _tx(self) -> Catalog._Tx:
-        return Catalog._Tx(self._db)
+        return Catalog._Tx(self._db, self._lock_fd, self._timeout_s)
 
     # -- state ---------------------------------------------------------------------
 
@@ -361,3 +392,4 @@ class Catalog:
             pass
         with self._lock:
             self._db.close()
+            os.close(self._lock_fd)
