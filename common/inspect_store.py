@@ -1,7 +1,9 @@
 """Read-only summary of a disk store: what it holds per tenant, layout and member.
 
 Used by `kvpack inspect DIR`. It never modifies the folder (unlike opening a
-`DiskTier`, which deletes unreadable files) and never trusts a file: every
+`DiskTier`, which sweeps stale temporaries and writes its index) and reads the
+object files, not the shared index (``.kvpack-store.index``, whose presence it
+reports), so it shows what a rebuilt index would hold. It never trusts a file: every
 header is decoded and self-checked; files that fail are counted as unreadable,
 and so are symlinks, FIFOs and anything else that is not a regular file inside
 the store (opened non-blocking: nothing planted there can hang the command).
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from .objects import HEADER_PREFIX_BYTES, ObjectRejected, decode_header, header_length
 from .tiers.disk import SUFFIX
+from .tiers.disk_catalog import INDEX_NAME
 
 
 @dataclass
@@ -35,11 +38,14 @@ class StoreSummary:
     root: Path
     tenants: dict[str, TenantSummary] = field(default_factory=dict)
     unreadable: list[Path] = field(default_factory=list)
+    indexed: bool = False
+    """The folder has the disk tier's shared index file (a store of an older kvpack has not)."""
 
     def to_dict(self) -> dict[str, object]:
         return {
             "root": str(self.root),
             "unreadable": len(self.unreadable),
+            "index": self.indexed,
             "tenants": {
                 t.tenant: {
                     "layouts": len(t.fingerprints),
@@ -74,7 +80,7 @@ def _read_header_prefix(path: Path, inside: Path) -> bytes:
 
 
 def summarize(root: Path) -> StoreSummary:
-    summary = StoreSummary(root)
+    summary = StoreSummary(root, indexed=(root / INDEX_NAME).is_file())
     inside = root.resolve()
     for path in sorted(root.glob(f"*/*/*/*{SUFFIX}")):
         try:
@@ -97,7 +103,8 @@ def summarize(root: Path) -> StoreSummary:
 
 
 def format_summary(summary: StoreSummary) -> str:
-    lines = [f"kvpack store at {summary.root}"]
+    index = "shared index present" if summary.indexed else "no index yet (built when the disk tier opens it)"
+    lines = [f"kvpack store at {summary.root} ({index})"]
     if not summary.tenants:
         lines.append("  (empty)")
     for t in sorted(summary.tenants.values(), key=lambda t: t.tenant):
