@@ -153,6 +153,8 @@ class DiskTier(Tier):
         self._complete = self._catalog.complete()
         self._checked = time.monotonic()
         self._builder: threading.Thread | None = None
+        self.scan_seconds: float | None = None
+        """How long this process's folder scan took, once it ended (None: not scanned here, or still running)."""
         self._start_build(index_pace, open_scan_s)
 
     @property
@@ -171,12 +173,15 @@ class DiskTier(Tier):
         if lock_fd is None:
             return  # another process builds it; `index_complete` notices when it is done
 
+        started = time.monotonic()
+
         def run() -> None:
             try:
                 disk_index.build_index(
                     self._root_fd, self._catalog, self.counters, self._stale_temp_s, self._refuse_stat, pace
                 )
                 self._complete = True
+                self.scan_seconds = time.monotonic() - started
             finally:
                 os.close(lock_fd)
 
