@@ -58,11 +58,13 @@ from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, RejectReason
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
+from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tiers.base import GetResult, PutItem, TierStatus
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadTenant",
     "ChecksumPolicy",
     "ChunkHash",
     "ConfigError",
@@ -84,10 +86,13 @@ __all__ = [
     "ObjectHeader",
     "PutItem",
     "RejectReason",
+    "RequestScope",
     "StoreKey",
     "TailMatch",
+    "TenantSource",
     "TierStatus",
     "chain_hash",
     "chunk_hashes",
+    "resolve_tenant",
     "tail_chunk",
 ]

@@ -17,28 +17,27 @@ fingerprints and member names independently.
   coverage its attention type needs (`cache_groups`).
 - draft layers: which registered KV layers belong to the drafter, told apart by
   the speculative config, never by position alone (`split_draft_layers`).
-- tenant and chain seed of a request: ``kv_transfer_params["kvpack_tenant"]``
-  when the config trusts it (`request_scope`), else ``cache_salt``, else
-  ``config.tenant``; the salt (and a LoRA adapter) seed the key chain so salted
-  prompts never share keys.
+- tenant and chain seed of a request (`request_scope`): its engine facts
+  (``cache_salt``, ``kv_transfer_params["kvpack_tenant"]`` and its signature, the
+  LoRA adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which holds
+  the policy (trusted names, signed names, the salt's scope, the default).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpack import BadTenant as BadTenant  # re-exported: the scheduler imports it from here
+from kvpack import RequestScope, TenantSource, resolve_tenant
 from kvpack.canonical import group_spec as canonical_group
 from kvpack.config import DraftPlacementMode, KVPackConfig
 from kvpack.errors import ConfigError
 from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
 from kvpack.heads import HeadRange, HeadSplit
-from kvpack.keys import ChunkHash, seed_hash, tenant_signature_ok, validate_tenant
 from kvpack.layout import KVLayoutSpec
 from kvpack.model_identity import model_identity
 
@@ -403,21 +402,8 @@ def make_scope(
 # -- requests ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RequestScope:
-    """A request's tenant and the seed of its key chain (None: unsalted)."""
-
-    tenant: str
-    seed: ChunkHash | None
-
-
-class BadTenant(ValueError):
-    """The request names a tenant kvpack refuses; the request runs without the cache."""
-
-
 TENANT_SIG_PARAM = "kvpack_tenant_sig"
 """Key of ``kv_transfer_params`` with a front end's signature of ``kvpack_tenant`` (`tenant_signing_key`)."""
-_untrusted_logged = threading.Event()
 
 
 def request_scope(
@@ -425,73 +411,24 @@ def request_scope(
     config: KVPackConfig | str,
     on_untrusted: Callable[[str], None] | None = None,
 ) -> RequestScope:
-    """Tenant and chain seed of `request`. Raises BadTenant for an invalid tenant name.
-
-    The tenant is ``kv_transfer_params["kvpack_tenant"]`` only when the operator
-    trusts whoever set it (`KVPackConfig.trusted_tenants` lists the name, or
-    ``"*"``; or ``kvpack_tenant_sig`` is its signature under
-    `KVPackConfig.tenant_signing_key`): any HTTP client of vLLM's OpenAI server
-    can send that parameter. Otherwise the parameter is ignored (`on_untrusted`
-    is called with it, and it is logged once per process) and the tenant is the
-    salt's own scope, else `config.tenant`. A bare tenant name as `config`
-    trusts no parameter."""
-    default_tenant = config if isinstance(config, str) else config.tenant
+    """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
+    ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
+    adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which decides.
+    Raises BadTenant for an invalid trusted tenant name."""
     params: dict[str, Any] = getattr(request, "kv_transfer_params", None) or {}
-    salt = getattr(request, "cache_salt", None) or ""
-    asked = params.get(TENANT_PARAM) if isinstance(params, dict) else None
-    tenant = None
-    if asked is not None:
-        if not isinstance(config, str) and _trusted(config, asked, params.get(TENANT_SIG_PARAM)):
-            tenant = asked
-        else:
-            if on_untrusted is not None:
-                on_untrusted(str(asked)[:64])
-            if not _untrusted_logged.is_set():
-                _untrusted_logged.set()
-                log.warning(
-                    "kvpack: ignoring kv_transfer_params[%r] of request %s (and of any later request): the config "
-                    "trusts no client-chosen tenant (set trusted_tenants or tenant_signing_key behind a front end "
-                    "that sets it)",
-                    TENANT_PARAM,
-                    getattr(request, "request_id", "?"),
-                )
-    if tenant is None and salt:
-        tenant = salt if _valid_tenant(salt) else "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:16]
-    if tenant is None:
-        tenant = default_tenant
-    try:
-        validate_tenant(tenant)
-    except ValueError as exc:
-        raise BadTenant(str(exc)) from None
-    seed_parts = []
-    if salt:
-        seed_parts.append(f"salt={salt}")
+    if not isinstance(params, dict):
+        params = {}
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        seed_parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
-    seed = seed_hash("\x00".join(seed_parts)) if seed_parts else None
-    return RequestScope(tenant=tenant, seed=seed)
-
-
-def _trusted(config: KVPackConfig, tenant: object, signature: object) -> bool:
-    """May a request choose `tenant` (see `request_scope`)? Under ``"*"`` anything the
-    front end sends is its word, a malformed name included (then refused as BadTenant)."""
-    if "*" in config.trusted_tenants:
-        return True
-    if not isinstance(tenant, str):
-        return False
-    if tenant in config.trusted_tenants:
-        return True
-    key = config.signing_key_bytes()
-    return bool(key) and tenant_signature_ok(key, tenant, signature)
-
-
-def _valid_tenant(name: str) -> bool:
-    try:
-        validate_tenant(name)
-        return True
-    except ValueError:
-        return False
+    adapter = "" if lora is None else f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+    source = TenantSource(
+        salt=getattr(request, "cache_salt", None) or "",
+        named=params.get(TENANT_PARAM),
+        signature=params.get(TENANT_SIG_PARAM),
+        adapter=adapter,
+        named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
+        request_id=str(getattr(request, "request_id", "?")),
+    )
+    return resolve_tenant(source, config, on_untrusted)
 
 
 def cacheable(request: Request) -> bool:

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import fake_request  # noqa: E402
 
-from kvpack.vllm_plugin import settings  # noqa: E402
+from kvpack import tenancy  # noqa: E402
 from kvpack.vllm_plugin.settings import BadTenant, request_scope  # noqa: E402
 
 KEY = "5e" * 32
@@ -42,7 +42,7 @@ def _request(tenant: Any = None, salt: str | None = None, sig: str | None = None
 
 
 def test_client_chosen_tenant_is_ignored_by_default(caplog: pytest.LogCaptureFixture) -> None:
-    settings._untrusted_logged.clear()  # noqa: SLF001 - logged once per process: reset for this test
+    tenancy._untrusted_logged.clear()  # noqa: SLF001 - logged once per process: reset for this test
     config = KVPackConfig()
     seen: list[str] = []
     with caplog.at_level(logging.WARNING, logger="kvpack.vllm"):
