@@ -71,7 +71,7 @@ from ..objects import (
 )
 from . import disk_fs, disk_index
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .disk_catalog import INDEX_NAME, Catalog, Victim
+from .disk_catalog import Victim, open_catalog
 from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
 from .disk_fs import UnsafeEntry
 from .parallel import IOThreads
@@ -143,7 +143,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._root_lock = threading.Lock()
         self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk")
-        self._catalog = Catalog(f"{self._root_str}/{INDEX_NAME}", busy_timeout_s)
+        self._catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s)
         self._refused: dict[StoreKey, tuple[int, int]] = {}
         """Keys whose file was refused, by the file's (inode, mtime_ns); bounded.
 

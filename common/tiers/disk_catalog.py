@@ -40,11 +40,13 @@ import fcntl
 import hashlib
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..keys import GroupKey, StoreKey
 
 INDEX_NAME = ".kvpack-store.index"
@@ -393,3 +395,25 @@ class Catalog:
         with self._lock:
             self._db.close()
             os.close(self._lock_fd)
+
+
+def open_catalog(root: str, root_fd: int, busy_timeout_s: float) -> Catalog:
+    """The folder's shared index; ConfigError naming ``disk.path`` when its files are not
+    regular files (a planted symlink is never opened) or it is not a readable index."""
+    for name in (INDEX_NAME, *(INDEX_NAME + s for s in ("-wal", "-shm", ".lock"))):
+        try:
+            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ConfigError("disk.path", f"{root}/{name}: {exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError("disk.path", f"{root}/{name} is not a regular file (kvpack's index is refused)")
+    try:
+        return Catalog(f"{root}/{INDEX_NAME}", busy_timeout_s)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(
+            "disk.path",
+            f"{root}/{INDEX_NAME} is not a readable kvpack index ({exc}); delete it (and its -wal, -shm) "
+            "to have it rebuilt from the object files",
+        ) from None

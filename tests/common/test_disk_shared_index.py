@@ -168,3 +168,20 @@ def test_a_store_of_another_format_is_refused_with_a_clear_message(tmp_path: Pat
     with pytest.raises(ConfigError) as err:
         _disk(tmp_path)
     assert err.value.field == "disk.path" and "another format" in str(err.value)
+
+
+def test_a_symlinked_or_unreadable_index_is_refused_clearly_and_nothing_is_written_there(tmp_path: Path) -> None:
+    root, outside = tmp_path / "store", tmp_path / "precious.db"
+    _disk(root).close()
+    _drop_index(root)
+    outside.write_bytes(b"not yours")
+    (root / INDEX_NAME).symlink_to(outside)
+    with pytest.raises(ConfigError) as err:
+        _disk(root)
+    assert err.value.field == "disk.path" and "not a regular file" in str(err.value)
+    assert outside.read_bytes() == b"not yours"
+    (root / INDEX_NAME).unlink()
+    (root / INDEX_NAME).write_bytes(b"garbage, not SQLite" * 100)
+    with pytest.raises(ConfigError) as err:
+        _disk(root)
+    assert "delete it" in str(err.value)
