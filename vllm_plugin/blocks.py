@@ -10,7 +10,9 @@ The copies are `kvpack.ops.gather_blocks` / `scatter_blocks` (C++ kernel on
 the CPU, CUDA kernel on a GPU, torch fallback) over `PagedKV` views built once
 at registration; the layout is read from the tensors, never assumed (vLLM CPU
 ``[blocks, heads, block_size, 2*head]``; GPU ``[2, blocks, ...]`` gives two
-segments). Whole blocks are copied, so the ISA-dependent order inside a CPU
+segments). Every copy is launched on a `kvpack.staging.Lane` (the side stream of its
+direction on a GPU, with pinned host rows and device scratch; inline on the CPU).
+Whole blocks are copied, so the ISA-dependent order inside a CPU
 block never matters. Layers of different shapes (a draft model with other
 head counts) form separate runs of equal layers, each copied by one call.
 """
@@ -24,6 +26,7 @@ import torch
 
 from kvpack.errors import LayoutError
 from kvpack.ops import PagedKV, gather_blocks, scatter_blocks
+from kvpack.staging import Direction, Lane, cpu_lane
 
 
 @dataclass(frozen=True)
@@ -69,30 +72,63 @@ class BlockLayout:
         slot = sum(r.layout.slot_bytes for r in runs)
         return cls(tuple(runs), num_blocks, slot, tuple(desc))
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Blocks `block_ids` -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8, contiguous)."""
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor, lane: Lane | None = None) -> None:
+        """Blocks `block_ids` -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8, contiguous),
+        launched on `lane` (`kvpack.staging`: the save side stream on a GPU; inline without one).
+        Several runs on a GPU gather into device scratch rows (column by column), then one
+        contiguous async copy into `out`; all on the lane, so the host never touches `out`
+        before the lane's event."""
+        lane = lane if lane is not None else cpu_lane(Direction.SAVE)
+        ids = list(block_ids)
         if len(self.runs) == 1:
-            gather_blocks(self.runs[0], block_ids, out.view(-1))
+            run0 = self.runs[0]
+            lane.launch(lambda: _gather(run0, ids, out.view(-1), lane))
             return
+        same = out.device == self.runs[0].device
+        rows = out if same else lane.scratch(len(ids), self.slot_bytes)
         off = 0
         for run in self.runs:
             w = run.layout.slot_bytes
-            part = torch.empty((len(block_ids), w), dtype=torch.uint8, device=out.device)
-            gather_blocks(run, block_ids, part.view(-1))
-            out[:, off : off + w].copy_(part)
+            part = lane.scratch(len(ids), w)
+            cols = rows[:, off : off + w]
+            lane.launch(lambda run=run, part=part: _gather(run, ids, part.view(-1), lane))
+            lane.launch(lambda cols=cols, part=part: cols.copy_(part))
+            off += w
+        if not same:
+            lane.launch(lambda: out.copy_(rows, non_blocking=True))
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, lane: Lane | None = None) -> None:
+        """Rows of `src` (contiguous) -> blocks, launched on `lane` (see `gather`); `src`
+        stays untouched until the lane's event (`kvpack.staging.Staged`)."""
+        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        ids = list(block_ids)
+        if not src.is_contiguous():
+            raise ValueError("kvpack: staging rows to scatter must be contiguous")
+        lane.keep(src)
+        if len(self.runs) == 1:
+            run0 = self.runs[0]
+            lane.launch(lambda: _scatter(run0, ids, src.view(-1), lane))
+            return
+        rows = src
+        if src.device != self.runs[0].device:
+            rows = lane.scratch(len(ids), self.slot_bytes)
+            lane.launch(lambda: rows.copy_(src, non_blocking=True))
+        off = 0
+        for run in self.runs:
+            w = run.layout.slot_bytes
+            part = lane.scratch(len(ids), w)
+            cols = rows[:, off : off + w]
+            lane.launch(lambda cols=cols, part=part: part.copy_(cols))
+            lane.launch(lambda run=run, part=part: _scatter(run, ids, part.view(-1), lane))
             off += w
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Rows of `src` -> blocks `block_ids`."""
-        src = src.contiguous()
-        if len(self.runs) == 1:
-            scatter_blocks(self.runs[0], block_ids, src.view(-1))
-            return
-        off = 0
-        for run in self.runs:
-            w = run.layout.slot_bytes
-            scatter_blocks(run, block_ids, src[:, off : off + w].contiguous().view(-1))
-            off += w
+
+def _gather(run: PagedKV, ids: list[int], out: torch.Tensor, lane: Lane) -> None:
+    gather_blocks(run, ids, out, stream=lane.stream)
+
+
+def _scatter(run: PagedKV, ids: list[int], src: torch.Tensor, lane: Lane) -> None:
+    scatter_blocks(run, ids, src, stream=lane.stream)
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from kvpack.errors import LayoutError
 from kvpack.heads import HeadRange, HeadSplit
 from kvpack.ops import PagedKV
 from kvpack.ops.canonical import CanonicalGeometry, paged_geometry, vllm_cpu_geometry
+from kvpack.staging import Direction, Lane, cpu_lane
 
 from .packing import find_packing
 
@@ -71,18 +72,27 @@ class CanonicalBlocks:
     def object_bytes(self, heads: HeadRange) -> int:
         return self.geometry.object_bytes(heads.size)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Blocks -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8): objects of `own`."""
-        self.geometry.copy(block_ids, out.view(-1), gather=True, obj_heads=self.own.size)
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor, lane: Lane | None = None) -> None:
+        """Blocks -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8): objects of `own`,
+        launched on `lane` (`kvpack.staging`; inline without one)."""
+        lane = lane if lane is not None else cpu_lane(Direction.SAVE)
+        ids, flat = list(block_ids), out.view(-1)
+        lane.launch(lambda: self.geometry.copy(ids, flat, gather=True, obj_heads=self.own.size, stream=lane.stream))
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Rows of `src` (objects of `own`) -> blocks."""
-        self.geometry.copy(block_ids, src.contiguous().view(-1), gather=False, obj_heads=self.own.size)
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, lane: Lane | None = None) -> None:
+        """Rows of `src` (contiguous objects of `own`) -> blocks, launched on `lane`."""
+        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        ids, flat = list(block_ids), lane.keep(src).contiguous().view(-1)
+        lane.launch(lambda: self.geometry.copy(ids, flat, gather=False, obj_heads=self.own.size, stream=lane.stream))
 
-    def scatter_from(self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange) -> None:
+    def scatter_from(
+        self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, lane: Lane | None = None
+    ) -> None:
         """Rows of `src`, objects of the range `stored`: heads `part` (inside both `stored`
-        and `own`) -> this worker's blocks."""
-        self.geometry.scatter_heads(block_ids, src, stored, part, self.own)
+        and `own`) -> this worker's blocks, launched on `lane`."""
+        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        ids, rows = list(block_ids), lane.keep(src)
+        lane.launch(lambda: self.geometry.scatter_heads(ids, rows, stored, part, self.own, stream=lane.stream))
 
     @classmethod
     def from_tensors(

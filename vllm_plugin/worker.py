@@ -52,6 +52,7 @@ from kvpack.heads import HeadRange
 from kvpack.keys import GroupKey, StoreKey
 from kvpack.objects import Expectation, ObjectHeader
 from kvpack.ops import load_extension, region_copier
+from kvpack.staging import CpuDevice, Lane, Staged, Staging
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem, TierStatus
 
@@ -120,6 +121,9 @@ class WorkerSide:
         self.store = store or KVStore.from_config(config, region_copier=region_copier)
         self.layout: WorkerLayout | None = None
         """What this worker copies; fixed by `register_kv_caches` (None before)."""
+        self.staging = Staging(CpuDevice())
+        """Where staging rows live and which stream copies run on (`kvpack.staging`): set for
+        the cache's device by `register_kv_caches` (pinned rows and side streams on a GPU)."""
         self._lock = threading.Lock()
         self._loads: dict[str, _LoadTask] = {}
         self._done_recving: set[str] = set()
@@ -138,7 +142,7 @@ class WorkerSide:
         self._saves_queued = 0
         self._saves_done = 0
         self._load_q: queue.Queue[_LoadTask | None] = queue.Queue()
-        self._save_q: queue.Queue[tuple[TransferJob, list[PutItem] | None] | None] = queue.Queue()
+        self._save_q: queue.Queue[tuple[TransferJob, list[_Captured] | None] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvpack-vllm-load", daemon=True),
             threading.Thread(target=self._save_loop, name="kvpack-vllm-save", daemon=True),
@@ -164,6 +168,9 @@ class WorkerSide:
         # be this process's first AMX use, which Linux refuses with SIGILL (cpu_features)
         request_amx_permission()
         load_extension()  # build or load the copy kernels now, not inside the first load's time bound
+        first = next(iter(kv_caches.values()), None)
+        if first is not None:  # on the model runner's thread: its current stream is the compute stream
+            self.staging = Staging.for_tensor(first)
         self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
 
     # -- per step ---------------------------------------------------------------
@@ -207,7 +214,7 @@ class WorkerSide:
         if self.layout is None:
             return
         for job in meta.saves:
-            items: list[PutItem] | None = None
+            items: list[_Captured] | None = None
             if job.capture:
                 try:
                     items = self._gather(job)
@@ -414,12 +421,15 @@ class WorkerSide:
         gone = sum(1 for r in results if r.status is TierStatus.MISS)
         if gone:  # the scheduler's lookup found these: evicted (or never landed) before the load
             self._count("missing_at_load", gone)
+        staged: Staged | None = None
         with self._lock:
             if task.cancelled:
                 return
             if ok:
-                self._scatter(job, good, plans, restore_draft)
+                staged = self._scatter(job, good, plans, restore_draft)
             task.failed_blocks = failed
+        if staged is not None:
+            staged.release()  # the scatter completed: only now may the load be reported done
         tokens = sum(_tokens_used(job.blocks[i]) for i in ok)
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
@@ -443,9 +453,12 @@ class WorkerSide:
             entry = self._save_q.get()
             if entry is None:
                 return
-            job, items = entry
+            job, captured = entry
             try:
-                self._put(job, items if items is not None else self._gather(job))
+                captured = captured if captured is not None else self._gather(job)
+                self._put(job, self._items(job, captured))
+                for c in captured:
+                    c.staged.release()
             except Exception as exc:  # a failed save is a future miss, never an engine error
                 log.warning("kvpack: save for %s failed: %s", job.req_id, exc)
                 self._count("save_errors")
@@ -464,17 +477,25 @@ class WorkerSide:
         that overlaps this rank's heads, each with the part of it this rank keeps."""
         blocks = slot.layout
         if source == 0 or not slot.sources:
-            staging = torch.empty((len(wanted), blocks.slot_bytes), dtype=torch.uint8)
+            staging = self.staging.rows(len(wanted), blocks.slot_bytes)
             return [_MemberLoad(slot, wanted, staging, slot.member, slot.fingerprint)]
         assert isinstance(blocks, CanonicalBlocks)
         out = []
         for obj in slot.sources[source]:
-            staging = torch.empty((len(wanted), blocks.object_bytes(obj.heads)), dtype=torch.uint8)
+            staging = self.staging.rows(len(wanted), blocks.object_bytes(obj.heads))
             out.append(_MemberLoad(slot, wanted, staging, obj.member, obj.fingerprint, (obj.heads, obj.part)))
         return out
 
-    def _scatter(self, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool) -> None:
-        """Loaded rows -> blocks, member by member (called under the lock, never after a cancel)."""
+    def _scatter(self, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool) -> Staged:
+        """Loaded rows -> blocks, member by member, launched on the load lane (called under the
+        lock, never after a cancel); the caller releases the result before reporting done."""
+        return self.staging.scatter(
+            plans[0].staging, lambda _rows, lane: self._scatter_on(lane, job, good, plans, restore_draft)
+        )
+
+    def _scatter_on(
+        self, lane: Lane, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool
+    ) -> None:
         layout = self.layout
         assert layout is not None
         packed_target_only = (
@@ -486,14 +507,14 @@ class WorkerSide:
             if not sel:
                 continue
             ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
-            rows = staging[sel] if len(sel) < len(wanted) else staging
+            rows = self.staging.copy_rows(staging[sel]) if len(sel) < len(wanted) else staging
             if plan.heads is not None:
                 assert isinstance(slot.layout, CanonicalBlocks)
-                slot.layout.scatter_from(ids, rows, *plan.heads)
+                slot.layout.scatter_from(ids, rows, *plan.heads, lane=lane)
             elif packed_target_only and slot.group == 0 and not slot.draft:
-                layout.target.scatter(ids, rows[:, : layout.target.slot_bytes].contiguous())
+                layout.target.scatter(ids, self.staging.copy_rows(rows[:, : layout.target.slot_bytes]), lane)
             else:
-                slot.layout.scatter(ids, rows)
+                slot.layout.scatter(ids, rows, lane)
         if layout.draft_member is None or layout.draft is None:
             return
         # target_only: chunks loaded without their draft member get empty draft state
@@ -503,35 +524,46 @@ class WorkerSide:
             if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK
         ]
         if empty:
-            layout.draft.scatter(empty, torch.zeros((len(empty), layout.draft.slot_bytes), dtype=torch.uint8))
+            layout.draft.scatter(empty, self.staging.zeros(len(empty), layout.draft.slot_bytes), lane)
 
-    def _gather(self, job: TransferJob) -> list[PutItem]:
-        """Copy the job's blocks into fresh staging rows: one `PutItem` per chunk and member.
+    def _gather(self, job: TransferJob) -> list[_Captured]:
+        """Launch the copy of the job's blocks into fresh staging rows, one batch per member
+        (on the save lane: on a GPU the host reads them only after `_items` waited).
 
         Sidecar draft members come first, so a chunk's ``kv`` never lands without them."""
         assert self.layout is not None
         slots = [s for s in self.layout.members if s.writes and (not s.draft or keep_draft_on_save())]
         slots.sort(key=lambda s: not s.draft)
-        items: list[PutItem] = []
+        out: list[_Captured] = []
         for slot in slots:
             refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
             if not refs:
                 continue
-            staging = torch.empty((len(refs), slot.layout.slot_bytes), dtype=torch.uint8)
-            slot.layout.gather([ref.block_ids[slot.group] for ref in refs], staging)
-            rows = staging.numpy()
-            for i, ref in enumerate(refs):
+            ids = [ref.block_ids[slot.group] for ref in refs]
+            layout = slot.layout
+            staged = self.staging.gather(
+                len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
+            )
+            out.append(_Captured(slot, refs, staged))
+        return out
+
+    def _items(self, job: TransferJob, captured: list[_Captured]) -> list[PutItem]:
+        """One `PutItem` per chunk and member of gathered rows (waits for each gather's event)."""
+        items: list[PutItem] = []
+        for c in captured:
+            rows = c.staged.host_rows()
+            for i, ref in enumerate(c.refs):
                 header = ObjectHeader(
-                    fingerprint=slot.fingerprint,
+                    fingerprint=c.slot.fingerprint,
                     tenant=job.tenant,
                     chunk=ref.chunk,
-                    member=slot.member,
+                    member=c.slot.member,
                     token_count=ref.token_count,
                     payload_len=rows.shape[1],
                     checksum=None,
                     token_ids=ref.token_ids,
                 )
-                items.append(PutItem(self._key(job.tenant, ref.chunk, slot.member), header, memoryview(rows[i])))
+                items.append(PutItem(self._key(job.tenant, ref.chunk, c.slot.member), header, memoryview(rows[i])))
         return items
 
     def _put(self, job: TransferJob, items: list[PutItem]) -> None:
@@ -592,6 +624,15 @@ class _MemberLoad:
     member: str
     fingerprint: str
     heads: tuple[HeadRange, HeadRange] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Captured:
+    """One member's gathered rows of a save: `staged` row i is chunk `refs[i]`."""
+
+    slot: MemberLayout
+    refs: list[BlockRef]
+    staged: Staged
 
 
 def _tokens_used(ref: BlockRef) -> int:

@@ -136,11 +136,16 @@ class CanonicalGeometry:
         cache_h0: int = 0,
         n_heads: int | None = None,
         use_kernel: bool | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Blocks <-> objects: object i (``staging`` row i, `object_bytes(obj_heads)` bytes)
         is block ``block_ids[i]``; heads ``[obj_h0, obj_h0 + n_heads)`` of the object are
         heads ``[cache_h0, cache_h0 + n_heads)`` of the cache. Other object bytes are left
-        as they are. `use_kernel` forces (True) or forbids (False) the C++ kernel."""
+        as they are. `use_kernel` forces (True) or forbids (False) the C++ kernel.
+
+        On a GPU everything runs on `stream` (default: the current stream), asynchronously:
+        the base table is uploaded once per device and cached, the block ids go through
+        pinned memory with ``non_blocking`` (no host stall behind queued work)."""
         n = obj_heads - obj_h0 if n_heads is None else n_heads
         if not (0 <= obj_h0 and n > 0 and obj_h0 + n <= obj_heads and 0 <= cache_h0 and cache_h0 + n <= self.heads):
             raise ValueError(
@@ -157,34 +162,58 @@ class CanonicalGeometry:
         if not ids:
             return
         kernel = use_kernel if use_kernel is not None else self._kernel_usable(staging)
-        if kernel:
-            status = load_extension()
-            device = self.tensors[0].device
-            if not status.available or (device.type == "cuda" and not status.has_cuda):
-                raise RuntimeError(f"kvpack.ops: the {device.type} kernel is unavailable ({status.reason})")
-            table = torch.tensor(self.bases, dtype=torch.int64, device=device)
-            index = torch.tensor(ids, dtype=torch.int64, device=device)
-            fields = self._fields(obj_heads, obj_h0, cache_h0, n)
-            if device.type != "cuda":
-                torch.ops.kvpack.canonical_copy(list(self.tensors), table, index, staging, fields, 16, 0, gather)
-                return
-            with torch.cuda.device(device):
-                stream = torch.cuda.current_stream(device)
-                torch.ops.kvpack.canonical_copy(
-                    list(self.tensors),
-                    table,
-                    index,
-                    staging,
-                    fields,
-                    self.ptr_alignment(),
-                    int(stream.cuda_stream),
-                    gather,
-                )
+        device = self.tensors[0].device
+        if device.type != "cuda":
+            if kernel:
+                self._kernel(ids, staging, gather, (obj_heads, obj_h0, cache_h0, n), 0)
+            else:
+                _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
             return
-        _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
+        with torch.cuda.device(device):
+            s = stream if stream is not None else torch.cuda.current_stream(device)
+            with torch.cuda.stream(s):
+                if kernel:
+                    self._kernel(ids, staging, gather, (obj_heads, obj_h0, cache_h0, n), int(s.cuda_stream))
+                else:
+                    _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
+
+    def _kernel(self, ids: list[int], staging: torch.Tensor, gather: bool, heads: tuple[int, ...], raw: int) -> None:
+        status = load_extension()
+        device = self.tensors[0].device
+        if not status.available or (device.type == "cuda" and not status.has_cuda):
+            raise RuntimeError(f"kvpack.ops: the {device.type} kernel is unavailable ({status.reason})")
+        fields = self._fields(*heads)
+        if device.type != "cuda":
+            table = self._table(device)
+            index = torch.tensor(ids, dtype=torch.int64)
+            torch.ops.kvpack.canonical_copy(list(self.tensors), table, index, staging, fields, 16, 0, gather)
+            return
+        index = _upload_ids(ids, device)
+        table = self._table(device)
+        torch.ops.kvpack.canonical_copy(
+            list(self.tensors), table, index, staging, fields, self.ptr_alignment(), raw, gather
+        )
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """The segment base table on `device`: uploaded once (synchronously), then cached."""
+        cache: dict[str, torch.Tensor] = self.__dict__.setdefault("_tables", {})
+        key = str(device)
+        table = cache.get(key)
+        if table is None:
+            table = torch.tensor(self.bases, dtype=torch.int64).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # once: later launches on any stream may read it
+            cache[key] = table
+        return table
 
     def scatter_heads(
-        self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, own: HeadRange
+        self,
+        block_ids: Sequence[int],
+        src: torch.Tensor,
+        stored: HeadRange,
+        part: HeadRange,
+        own: HeadRange,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Rows of `src`, objects of the model's heads `stored`: their heads `part` (inside
         `stored` and `own`) into the blocks of a cache that holds the heads `own`."""
@@ -196,6 +225,7 @@ class CanonicalGeometry:
             obj_h0=part.start - stored.start,
             cache_h0=part.start - own.start,
             n_heads=part.size,
+            stream=stream,
         )
 
     def emulate_cuda(
@@ -311,7 +341,8 @@ def _torch_copy(
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[geo.elem_bytes]
     objs = staging[: len(ids) * geo.object_bytes(obj_heads)].view(word)
     objs = objs.view(len(ids), geo.num_layers, geo.num_kv, obj_heads, geo.tokens, geo.head_dim)
-    index = torch.tensor(ids, dtype=torch.int64, device=geo.tensors[0].device)
+    device = geo.tensors[0].device
+    index = _upload_ids(ids, device) if device.type == "cuda" else torch.tensor(ids, dtype=torch.int64)
     for layer in range(geo.num_layers):
         for kv in range(geo.num_kv):
             view = _elem_view(geo, layer, kv)[:, cache_h0 : cache_h0 + n]
@@ -322,6 +353,12 @@ def _torch_copy(
                 dst.copy_(view[index].reshape(len(ids), n, geo.tokens, geo.head_dim).to(dst.device))
             else:  # one indexed write through the strided view (repeated ids: unspecified winner)
                 view.index_put_((index,), dst.to(view.device).reshape(shape))
+
+
+def _upload_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on a CUDA `device`: pinned host copy, non-blocking on the current stream
+    (torch keeps the pinned buffer until that copy completed)."""
+    return torch.tensor(ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePacking) -> CanonicalGeometry:
