@@ -76,6 +76,8 @@ class LegacyPageInterface:
                     )
                 )
             results = self.store.load(items)
+            loaded = sum(1 for r in results if r.ok)
+            self.store.metrics.inc("loaded_tokens", loaded * flat.page_size, tenant=self.tenant)
             return [t if r.ok else None for t, r in zip(targets, results)]
         except Exception as exc:
             return self._data_path_error("batch_get", exc, [None] * len(keys))

@@ -409,6 +409,8 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
                 ok[p] = next(results).ok and ok[p]
         for pages, _, finish in loads:
             finish([ok[p] for p in pages])
+        if name == "kv":  # tokens restored into the engine, once per page (not per pool of it)
+            self.metrics.inc("loaded_tokens", sum(ok) * binding.page_size, tenant=self.tenant)
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
