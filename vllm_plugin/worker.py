@@ -50,7 +50,7 @@ from kvpack.exit_flush import flush_on_exit, forget
 from kvpack.groups import DraftPlacement
 from kvpack.heads import HeadRange
 from kvpack.keys import GroupKey, StoreKey
-from kvpack.objects import Expectation, ObjectHeader
+from kvpack.objects import Expectation
 from kvpack.ops import load_extension, region_copier
 from kvpack.staging import CpuDevice, Lane, Staged, Staging
 from kvpack.store import KVStore, LoadItem
@@ -59,6 +59,7 @@ from kvpack.tiers.base import PutItem, TierStatus
 from .canonical import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
+from .saves import Captured, gather_members, put_items
 from .settings import Scope
 
 if TYPE_CHECKING:
@@ -122,8 +123,7 @@ class WorkerSide:
         self.layout: WorkerLayout | None = None
         """What this worker copies; fixed by `register_kv_caches` (None before)."""
         self.staging = Staging(CpuDevice())
-        """Where staging rows live and which stream copies run on (`kvpack.staging`): set for
-        the cache's device by `register_kv_caches` (pinned rows and side streams on a GPU)."""
+        """Staging rows and copy streams (`kvpack.staging`) for the cache's device, set at registration."""
         self._lock = threading.Lock()
         self._loads: dict[str, _LoadTask] = {}
         self._done_recving: set[str] = set()
@@ -142,7 +142,7 @@ class WorkerSide:
         self._saves_queued = 0
         self._saves_done = 0
         self._load_q: queue.Queue[_LoadTask | None] = queue.Queue()
-        self._save_q: queue.Queue[tuple[TransferJob, list[_Captured] | None] | None] = queue.Queue()
+        self._save_q: queue.Queue[tuple[TransferJob, list[Captured] | None] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvpack-vllm-load", daemon=True),
             threading.Thread(target=self._save_loop, name="kvpack-vllm-save", daemon=True),
@@ -214,7 +214,7 @@ class WorkerSide:
         if self.layout is None:
             return
         for job in meta.saves:
-            items: list[_Captured] | None = None
+            items: list[Captured] | None = None
             if job.capture:
                 try:
                     items = self._gather(job)
@@ -426,7 +426,9 @@ class WorkerSide:
             if task.cancelled:
                 return
             if ok:
-                staged = self._scatter(job, good, plans, restore_draft)
+                staged = self.staging.scatter(
+                    plans[0].staging, lambda _rows, lane: self._scatter(lane, job, good, plans, restore_draft)
+                )
             task.failed_blocks = failed
         if staged is not None:
             staged.release()  # the scatter completed: only now may the load be reported done
@@ -486,16 +488,11 @@ class WorkerSide:
             out.append(_MemberLoad(slot, wanted, staging, obj.member, obj.fingerprint, (obj.heads, obj.part)))
         return out
 
-    def _scatter(self, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool) -> Staged:
-        """Loaded rows -> blocks, member by member, launched on the load lane (called under the
-        lock, never after a cancel); the caller releases the result before reporting done."""
-        return self.staging.scatter(
-            plans[0].staging, lambda _rows, lane: self._scatter_on(lane, job, good, plans, restore_draft)
-        )
-
-    def _scatter_on(
+    def _scatter(
         self, lane: Lane, job: TransferJob, good: list[bool], plans: list[_MemberLoad], restore_draft: bool
     ) -> None:
+        """Loaded rows -> blocks, member by member, launched on the load `lane` (called under
+        the lock, never after a cancel; the caller waits for the lane's event before done)."""
         layout = self.layout
         assert layout is not None
         packed_target_only = (
@@ -526,45 +523,17 @@ class WorkerSide:
         if empty:
             layout.draft.scatter(empty, self.staging.zeros(len(empty), layout.draft.slot_bytes), lane)
 
-    def _gather(self, job: TransferJob) -> list[_Captured]:
-        """Launch the copy of the job's blocks into fresh staging rows, one batch per member
-        (on the save lane: on a GPU the host reads them only after `_items` waited).
-
-        Sidecar draft members come first, so a chunk's ``kv`` never lands without them."""
+    def _gather(self, job: TransferJob) -> list[Captured]:
+        """Launch the copy of the job's blocks into fresh staging rows (`saves.gather_members`;
+        sidecar draft members first, so a chunk's ``kv`` never lands without them)."""
         assert self.layout is not None
         slots = [s for s in self.layout.members if s.writes and (not s.draft or keep_draft_on_save())]
         slots.sort(key=lambda s: not s.draft)
-        out: list[_Captured] = []
-        for slot in slots:
-            refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
-            if not refs:
-                continue
-            ids = [ref.block_ids[slot.group] for ref in refs]
-            layout = slot.layout
-            staged = self.staging.gather(
-                len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
-            )
-            out.append(_Captured(slot, refs, staged))
-        return out
+        return gather_members(self.staging, slots, job)
 
-    def _items(self, job: TransferJob, captured: list[_Captured]) -> list[PutItem]:
+    def _items(self, job: TransferJob, captured: list[Captured]) -> list[PutItem]:
         """One `PutItem` per chunk and member of gathered rows (waits for each gather's event)."""
-        items: list[PutItem] = []
-        for c in captured:
-            rows = c.staged.host_rows()
-            for i, ref in enumerate(c.refs):
-                header = ObjectHeader(
-                    fingerprint=c.slot.fingerprint,
-                    tenant=job.tenant,
-                    chunk=ref.chunk,
-                    member=c.slot.member,
-                    token_count=ref.token_count,
-                    payload_len=rows.shape[1],
-                    checksum=None,
-                    token_ids=ref.token_ids,
-                )
-                items.append(PutItem(self._key(job.tenant, ref.chunk, c.slot.member), header, memoryview(rows[i])))
-        return items
+        return put_items(captured, job, self._key)
 
     def _put(self, job: TransferJob, items: list[PutItem]) -> None:
         start = time.perf_counter()
@@ -624,15 +593,6 @@ class _MemberLoad:
     member: str
     fingerprint: str
     heads: tuple[HeadRange, HeadRange] | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class _Captured:
-    """One member's gathered rows of a save: `staged` row i is chunk `refs[i]`."""
-
-    slot: MemberLayout
-    refs: list[BlockRef]
-    staged: Staged
 
 
 def _tokens_used(ref: BlockRef) -> int:

@@ -1,0 +1,67 @@
+"""A save's copies: blocks of each member gathered into staging rows on the save lane
+(`kvpack.staging`), then, on the thread that stores them, read as `PutItem`s.
+
+On a GPU the gather runs on the save side stream after the compute stream (the step's
+forward) and the rows are pinned; `put_items` reads them only after the gather's event.
+On the CPU the gather ran inline and the rows are plain host memory (zero-copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpack.keys import StoreKey
+from kvpack.objects import ObjectHeader
+from kvpack.staging import Staged, Staging
+from kvpack.tiers.base import PutItem
+
+from .metadata import NO_BLOCK, BlockRef, TransferJob
+from .registration import MemberLayout
+
+
+@dataclass(frozen=True, eq=False)
+class Captured:
+    """One member's gathered rows of a save: `staged` row i is chunk `refs[i]`."""
+
+    slot: MemberLayout
+    refs: list[BlockRef]
+    staged: Staged
+
+
+def gather_members(staging: Staging, slots: Sequence[MemberLayout], job: TransferJob) -> list[Captured]:
+    """Launch the gather of `job`'s blocks of each member `slots` (in that order) into
+    fresh staging rows; nothing is read here."""
+    out: list[Captured] = []
+    for slot in slots:
+        refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
+        if not refs:
+            continue
+        ids = [ref.block_ids[slot.group] for ref in refs]
+        layout = slot.layout
+        staged = staging.gather(
+            len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
+        )
+        out.append(Captured(slot, refs, staged))
+    return out
+
+
+def put_items(
+    captured: Sequence[Captured], job: TransferJob, key: Callable[[str, str, str], StoreKey]
+) -> list[PutItem]:
+    """One `PutItem` per chunk and member, over the rows (each waits for its gather's event)."""
+    items: list[PutItem] = []
+    for c in captured:
+        rows = c.staged.host_rows()
+        for i, ref in enumerate(c.refs):
+            header = ObjectHeader(
+                fingerprint=c.slot.fingerprint,
+                tenant=job.tenant,
+                chunk=ref.chunk,
+                member=c.slot.member,
+                token_count=ref.token_count,
+                payload_len=rows.shape[1],
+                checksum=None,
+                token_ids=ref.token_ids,
+            )
+            items.append(PutItem(key(job.tenant, ref.chunk, c.slot.member), header, memoryview(rows[i])))
+    return items
