@@ -10,7 +10,8 @@ Schema (``.kvpack-store.index``; SQLite in WAL mode, so readers never wait for
 a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
 `busy_timeout_s`):
 
-- ``groups(g, tenant, fp, chunk, nbytes, tick)``: one row per stored group;
+- ``groups(g, tenant, fp, chunk, nbytes, tick)``: one row per stored group
+  (``fp`` and ``chunk`` as bytes when they are lowercase hex, else text);
   ``g`` is a 16-byte BLAKE2b of ``tenant/fp/chunk``; ``tick`` (ns) orders
   eviction (LRU over groups; an index on it makes the oldest cheap to find);
 - ``objects(g, member, nbytes)``: one row per object file;
@@ -77,6 +78,19 @@ def _flock(fd: int, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("the disk index is held by another process") from None
             time.sleep(0.0002)
+
+
+def _pack(text: str) -> str | bytes:
+    """A lowercase hex name as its bytes (half the index space), anything else (``-tail`` chunks) as text."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        return text
+    return raw if raw.hex() == text else text
+
+
+def _unpack(value: str | bytes) -> str:
+    return value.hex() if isinstance(value, bytes) else value
 
 
 def group_id(group: GroupKey) -> bytes:
@@ -329,7 +343,7 @@ class Catalog:
             db.execute(
                 "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
                 " nbytes=nbytes+excluded.nbytes, tick=excluded.tick",
-                (g, key.tenant, key.fingerprint, key.chunk, delta, tick),
+                (g, key.tenant, _pack(key.fingerprint), _pack(key.chunk), delta, tick),
             )
             used[tenant] = used.get(tenant, 0) + delta
         db.execute("INSERT OR REPLACE INTO tenants VALUES(?, ?)", (tenant, used[tenant]))
@@ -347,7 +361,7 @@ class Catalog:
         db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (tenant,))
         if used is not None:
             used[tenant] = used.get(tenant, 0) - nbytes
-        return Victim(GroupKey(tenant, fp, chunk), members, nbytes)
+        return Victim(GroupKey(tenant, _unpack(fp), _unpack(chunk)), members, nbytes)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
         """Delete the groups' rows; returns those that were indexed."""
@@ -380,7 +394,7 @@ class Catalog:
                 db.execute(
                     "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
                     " nbytes=nbytes+excluded.nbytes, tick=MAX(tick, excluded.tick)",
-                    (g, key.tenant, key.fingerprint, key.chunk, n, tick),
+                    (g, key.tenant, _pack(key.fingerprint), _pack(key.chunk), n, tick),
                 )
                 db.execute(
                     "INSERT INTO tenants VALUES(?, ?) ON CONFLICT(tenant) DO UPDATE SET used=used+excluded.used",
