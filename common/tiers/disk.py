@@ -76,6 +76,9 @@ from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, writ
 from .disk_fs import UnsafeEntry
 from .parallel import IOThreads
 
+WRITE_GRACE_S = 60.0
+"""A load that misses an indexed object forgets its row only when the group was last written
+(or read) longer ago than this: another process may be writing the file right now."""
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
 
@@ -344,7 +347,8 @@ class DiskTier(Tier):
             if hits:
                 self._catalog.touch(hits)
             if gone:
-                self._catalog.forget(gone)  # its file vanished: the bytes no longer count
+                # its file vanished (not a write still in progress): the bytes no longer count
+                self._catalog.forget(gone, time.time_ns() - int(WRITE_GRACE_S * 1e9))
         except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
             pass
         return results

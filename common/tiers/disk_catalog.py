@@ -368,11 +368,19 @@ class Catalog:
         with self._lock, self._tx() as db:
             return [v for v in (self._delete_group(db, group_id(g)) for g in groups) if v is not None]
 
-    def forget(self, keys: Sequence[StoreKey]) -> None:
-        """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow."""
+    def forget(self, keys: Sequence[StoreKey], written_before_ns: int | None = None) -> None:
+        """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow.
+
+        With `written_before_ns`, only rows of groups last written or read before it: a row
+        is indexed before its file is renamed into place, so a younger row may be a write
+        in progress in another process, whose file is still to come."""
         with self._lock, self._tx() as db:
             for key in keys:
                 g = group_id(key.group)
+                if written_before_ns is not None:
+                    tick = db.execute("SELECT tick FROM groups WHERE g=?", (g,)).fetchone()
+                    if tick is None or tick[0] >= written_before_ns:
+                        continue
                 row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
                 if row is None:
                     continue

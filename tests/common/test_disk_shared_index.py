@@ -185,3 +185,20 @@ def test_a_symlinked_or_unreadable_index_is_refused_clearly_and_nothing_is_writt
     with pytest.raises(ConfigError) as err:
         _disk(root)
     assert "delete it" in str(err.value)
+
+
+def test_a_miss_on_a_young_row_keeps_it_a_write_in_progress_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpack.tiers import disk as disk_mod
+
+    writer, reader = _disk(tmp_path), _disk(tmp_path)
+    item, _ = make_item("t", chunk_id(1), seed=1)
+    writer.put_from([item])
+    writer.path_of(item.key).unlink()  # as between another process's index row and its rename
+    dst = memoryview(np.zeros(KIB, np.uint8))
+    assert reader.get_into([item.key], [dst], [expect(item)], True)[0].status is TierStatus.MISS
+    assert reader.contains([item.key]) == [True] and reader.usage().used_bytes == KIB
+    monkeypatch.setattr(disk_mod, "WRITE_GRACE_S", 0.0)
+    assert reader.get_into([item.key], [dst], [expect(item)], True)[0].status is TierStatus.MISS
+    assert reader.contains([item.key]) == [False] and reader.usage().used_bytes == 0
