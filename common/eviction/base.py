@@ -11,8 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator
 
-from ..config import EvictionPolicyName
-
 
 class EvictionPolicy(ABC):
     """Orders resident groups for eviction. Keys are any hashable group id."""
@@ -40,14 +38,3 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __len__(self) -> int: ...
-
-
-def make_policy(name: EvictionPolicyName) -> EvictionPolicy:
-    from .arc import ARCPolicy
-    from .lru import LRUPolicy
-
-    if name is EvictionPolicyName.LRU:
-        return LRUPolicy()
-    if name is EvictionPolicyName.ARC:
-        return ARCPolicy()
-    raise ValueError(f"unknown eviction policy {name!r}")  # pragma: no cover

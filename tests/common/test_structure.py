@@ -1,4 +1,5 @@
-"""The tree keeps its shape: the core imports no engine, adapter or tool; no module is huge.
+"""The tree keeps its shape: the core imports no engine, adapter or tool; no module is huge;
+no import circles; the adapters reach the core through its public names (docs/ARCHITECTURE.md).
 
 Read from the source with `ast` (nothing is imported), so a lazy import inside a
 function, a `TYPE_CHECKING` block or an `importlib.import_module("...")` with a
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "common"  # import kvpack
 # folders of the shipped package (pyproject.toml's package-dir) whose modules must stay readable
 PACKAGE_FOLDERS = ("common", "vllm_plugin", "sglang_plugin", "tools")
-# what the engine-neutral core must never import (DESIGN.md: adapters import the core, not the reverse;
+# what the engine-neutral core must never import (docs/ARCHITECTURE.md: adapters import the core, not the reverse;
 # the operator tools in tools/ are reached by the CLI by module name only)
 FORBIDDEN = ("vllm", "sglang", "kvpack.vllm_plugin", "kvpack.sglang_plugin", "kvpack.tools")
 MAX_LINES = 600
@@ -115,3 +116,198 @@ def test_test_modules_have_unique_basenames() -> None:
         seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"test modules sharing a basename: {clashes}"
+
+
+# -- the product import graph -------------------------------------------------------
+
+TOPS = {"common": "kvpack", "vllm_plugin": "kvpack.vllm_plugin", "sglang_plugin": "kvpack.sglang_plugin"}
+TOPS["tools"] = "kvpack.tools"
+PUBLIC = ("kvpack", "kvpack.ops")
+"""What an adapter may import from the core: the package's public names and the kernels' entry."""
+
+ADAPTER_CORE_IMPORTS: dict[str, frozenset[str]] = {
+    # the core modules each adapter still imports besides PUBLIC (issue 28). This list may only
+    # shrink: an adapter importing a core module not listed here fails; a listed module no
+    # longer imported is printed, to be deleted from here.
+    "vllm_plugin": frozenset(
+        {
+            "kvpack.budget",
+            "kvpack.canonical",
+            "kvpack.config",
+            "kvpack.cpu_features",
+            "kvpack.errors",
+            "kvpack.exit_flush",
+            "kvpack.groups",
+            "kvpack.heads",
+            "kvpack.keys",
+            "kvpack.layout",
+            "kvpack.model_identity",
+            "kvpack.objects",
+            "kvpack.ops.canonical",
+            "kvpack.staging",  # the GPU staging API (issue 28, in progress): public once kvpack exports it
+            "kvpack.store",
+            "kvpack.tiers.base",
+            "kvpack.tiers.factory",
+        }
+    ),
+    "sglang_plugin": frozenset(
+        {
+            "kvpack.canonical",
+            "kvpack.config",
+            "kvpack.cpu_features",
+            "kvpack.errors",
+            "kvpack.groups",
+            "kvpack.heads",
+            "kvpack.keys",
+            "kvpack.layout",
+            "kvpack.model_identity",
+            "kvpack.objects",
+            "kvpack.ops.canonical",
+            "kvpack.store",
+            "kvpack.tiers.base",
+        }
+    ),
+}
+
+
+KNOWN_CIRCLES: list[list[str]] = [
+    # the kernels' engineer (issue 28, GPU staging / ops work in progress): _build's CUDA smoke launch
+    # imports copy._geometry lazily while copy imports _build; to be removed by moving the geometry
+    ["kvpack.ops._build", "kvpack.ops.copy"],
+]
+"""Circles known and owned by work in progress; may only shrink (an entry no longer a circle is fine)."""
+
+
+def _modules(root: Path = ROOT, tops: dict[str, str] = TOPS) -> dict[str, Path]:
+    """Every product module's name -> its source file."""
+    return {
+        _module_of(path, root / folder, top): path
+        for folder, top in tops.items()
+        for path in sorted((root / folder).rglob("*.py"))
+    }
+
+
+def _type_only_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes under an ``if TYPE_CHECKING:`` block: imports that never run."""
+    nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes.update(id(inner) for inner in node.body for inner in ast.walk(inner))
+    return nodes
+
+
+def _runtime_edges(module: str, path: Path, modules: dict[str, Path], *, typing: bool = False) -> set[str]:
+    """The product modules `module` imports when it runs, at any depth (lazy imports count,
+    ``TYPE_CHECKING`` blocks only with `typing`). ``from pkg import name`` is an edge to
+    ``pkg.name`` when that is a module, else to ``pkg``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = set() if typing else _type_only_nodes(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                source = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in modules:
+                    out.add(full)
+                elif source in modules:
+                    out.add(source)
+    out.discard(module)
+    return out
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            step = next(successors, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph.get(step, ())))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
+    # the check itself: base's lazy import of lru (the old eviction circle) closes a loop
+    pkg = tmp_path / "common" / "eviction"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("def make():\n    from .lru import LRU\n    return LRU()\n")
+    (pkg / "lru.py").write_text("from .base import make\n")
+    (pkg / "arc.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .base import make\n")
+    modules = _modules(tmp_path, {"common": "kvpack"})
+    graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
+    assert _circles(graph) == [["kvpack.eviction.base", "kvpack.eviction.lru"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_product_imports_have_no_circles() -> None:
+    # a circle makes import order matter and hides which layer owns what (issue 28)
+    modules = _modules()
+    graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
+    circles = [c for c in _circles(graph) if c not in KNOWN_CIRCLES]
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_adapters_import_only_public_core_names() -> None:
+    # the adapters reach the core through `kvpack` and `kvpack.ops` (issue 28); what they still
+    # import besides is ADAPTER_CORE_IMPORTS, which may not grow
+    modules = _modules()
+    for folder, allowed in ADAPTER_CORE_IMPORTS.items():
+        top = TOPS[folder]
+        pairs: dict[str, set[str]] = {}
+        for name, path in modules.items():
+            if name == top or name.startswith(top + "."):
+                for target in _runtime_edges(name, path, modules, typing=True):
+                    if target == "kvpack" or (target.startswith("kvpack.") and not target.startswith(top)):
+                        pairs.setdefault(target, set()).add(name)
+        internal = {target: users for target, users in pairs.items() if target not in PUBLIC}
+        print(
+            f"{folder}: {len(internal)} core-internal modules allowlisted in use "
+            f"({sum(len(u) for u in internal.values())} file pairs), {len(allowed)} listed"
+        )
+        new = {target: sorted(users) for target, users in internal.items() if target not in allowed}
+        assert not new, f"{folder} imports core-internal modules (use a public kvpack name): {new}"
+        stale = sorted(allowed - set(internal))
+        if stale:
+            print(f"{folder}: no longer imported, delete from ADAPTER_CORE_IMPORTS: {stale}")
