@@ -123,7 +123,14 @@ def test_fake_kernels_registered() -> None:
     status = load_extension()
     if not status.available:
         pytest.skip(status.reason)
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._library.simple_registry import singleton
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    for op in ("gather_blocks", "scatter_blocks", "canonical_copy"):  # a fake kernel per op, from our loader
+        kernel = singleton.find(f"kvpack::{op}").fake_impl.kernel
+        assert kernel is not None, f"kvpack::{op} has no fake kernel"
+        assert "ops/_build.py" in kernel.source.replace("\\", "/"), kernel.source
+    assert singleton.find("kvpack::no_such_op").fake_impl.kernel is None  # the lookup can say no
 
     layer = torch.zeros(4, 2, 3, 8)
     with FakeTensorMode() as mode:
@@ -132,8 +139,11 @@ def test_fake_kernels_registered() -> None:
         ids = torch.zeros(2, dtype=torch.int64)
         out = torch.empty(2 * 2 * 3 * 8 * 4, dtype=torch.uint8)
         geometry = [1, 1, 192, 2, 96, 3, 32, 32, 0, 0, 3, 4]
-        torch.ops.kvpack.gather_blocks([fake_layer], table, ids, out, geometry, 16, 0)
-        torch.ops.kvpack.scatter_blocks([fake_layer], table, ids, out, geometry, 16, 0)
+        # the ops run on fake tensors (no data, no native kernel) and, as their schema says, return nothing
+        assert torch.ops.kvpack.gather_blocks([fake_layer], table, ids, out, geometry, 16, 0) is None
+        assert torch.ops.kvpack.scatter_blocks([fake_layer], table, ids, out, geometry, 16, 0) is None
+        assert isinstance(out, FakeTensor) and isinstance(fake_layer, FakeTensor)
+    assert not layer.any()  # the real tensor behind the fake one was never written
 
 
 def test_opcheck_schema_and_fake() -> None:
