@@ -14,7 +14,15 @@ builds nothing and needs no CUDA.
 """
 
 from ._build import ExtensionStatus, load_extension, region_copier
-from .copy import Backend, gather_blocks, scatter_blocks, select_backend, staging_bytes_per_block
+from .copy import (
+    Backend,
+    UploadedIds,
+    gather_blocks,
+    scatter_blocks,
+    select_backend,
+    staging_bytes_per_block,
+    upload_ids,
+)
 from .layout import KVLayout, KVLayoutKind, LayoutError, LoopDim
 from .paged import PagedKV
 
@@ -32,4 +40,6 @@ __all__ = [
     "scatter_blocks",
     "select_backend",
     "staging_bytes_per_block",
+    "UploadedIds",
+    "upload_ids",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -28,7 +29,28 @@ class Backend(str, Enum):
     TORCH = "torch"  # pure torch (index_select / index_copy_), always available
 
 
-BlockIds = Sequence[int] | torch.Tensor
+@dataclass(frozen=True, eq=False)
+class UploadedIds:
+    """Block ids already on the cache's device (`upload_ids`): a call given these launches
+    without a host-to-device copy of its ids (benchmarks time the kernel alone; a caller
+    that copies the same blocks again reuses them). `ids` is the host copy (validation)."""
+
+    ids: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+BlockIds = Sequence[int] | torch.Tensor | UploadedIds
+
+
+def upload_ids(kv: PagedKV | Sequence[torch.Tensor], block_ids: Sequence[int]) -> UploadedIds:
+    """`block_ids` as int64 on the cache's device (through pinned memory, non_blocking, on
+    the current stream: order the first use after it, or synchronize once)."""
+    kv = as_paged(kv)
+    ids = tuple(int(b) for b in block_ids)
+    t = torch.tensor(ids, dtype=torch.int64)
+    if kv.device.type == "cuda":
+        t = t.pin_memory().to(kv.device, non_blocking=True)
+    return UploadedIds(ids, t)
 
 
 def staging_bytes_per_block(kv: PagedKV | Sequence[torch.Tensor]) -> int:
@@ -47,6 +69,8 @@ def select_backend(kv: PagedKV) -> Backend:
 
 
 def _block_id_list(block_ids: BlockIds) -> list[int]:
+    if isinstance(block_ids, UploadedIds):
+        return list(block_ids.ids)
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
             raise ValueError(
@@ -147,9 +171,12 @@ def _run(
             (gather_reference if gather else scatter_reference)(kv, ids, staging, first_token_offset, last)
             return chosen
         op = torch.ops.kvpack.gather_blocks if gather else torch.ops.kvpack.scatter_blocks
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        if kv.device.type == "cuda":
-            ids_t = ids_t.pin_memory().to(kv.device, non_blocking=True)
+        if isinstance(block_ids, UploadedIds):
+            ids_t = block_ids.tensor
+        else:
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            if kv.device.type == "cuda":
+                ids_t = ids_t.pin_memory().to(kv.device, non_blocking=True)
         align = vector_alignment(kv.address_alignment(), staging.data_ptr())
         op(
             list(kv.tensors),
