@@ -32,7 +32,8 @@ groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
 would not be shared, and the recency order is what all processes agree on.
 Reads do not write: touched groups are buffered and their ticks written in
-one transaction at most every `TOUCH_FLUSH_S` (or with the next put).
+one transaction at most every `TOUCH_FLUSH_S` (or with the next put), at most
+`MAX_TOUCHES` of them (LRU over a sample of the reads beyond that rate).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ INDEX_NAME = ".kvpack-store.index"
 SCHEMA_VERSION = "1"
 TOUCH_FLUSH_S = 1.0
 """Buffered read touches are written at most this often (and with every put)."""
+MAX_TOUCHES = 2048
+"""Groups touched per flush at most: each dirties a page of ``groups`` and two of its tick index,
+so the read path's writes stay bounded (about 25 MB of WAL a second at the worst) however fast
+a process reads; reads beyond it in one `TOUCH_FLUSH_S` do not refresh their group's tick."""
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL) WITHOUT ROWID",
@@ -201,8 +206,11 @@ class Catalog:
     def touch(self, groups: Iterable[GroupKey]) -> None:
         """Buffer a read of `groups`; written with the next put or after `TOUCH_FLUSH_S`."""
         with self._lock:
+            touched = self._touched
             for group in groups:
-                self._touched[group_id(group)] = self._next_tick()
+                if len(touched) >= MAX_TOUCHES:
+                    break  # a sample of the reads: the rest keep their older tick this round
+                touched[group_id(group)] = self._next_tick()
             due = time.monotonic() - self._last_flush >= TOUCH_FLUSH_S
         if due:
             self.flush_touches()
