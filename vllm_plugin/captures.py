@@ -17,7 +17,10 @@ after the forward, and stores them in the background. So:
 What a step stores: the full chunks it completes; the prompt's partial last
 block as a tail object with its token ids, in the step that computes the
 prompt's last token; and, in a step that may end the request by length
-(``max_tokens``), the computed part of the last block as a tail. Only
+(``max_tokens``), the computed part of the last block as a tail. A request
+that ends otherwise (EOS, a stop token or string, an abort) has its last
+partial block saved at finish (`finish_tail`): vLLM keeps that one block until
+the workers report the save. Only
 accepted tokens count: draft tokens scheduled for verification may be
 rejected, so a chunk is complete when ``computed + scheduled - drafts``
 covers it. Chunks this request did not compute (vLLM's own prefix-cache
@@ -28,7 +31,7 @@ partial tails only with the state vLLM hands over at finish
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -126,11 +129,7 @@ class CaptureTracker:
         if not run.block_ids or (end <= start and not tail_at):
             run.next_chunk = max(run.next_chunk, end)
             return []
-        need = max(end, tail_at // bs)  # full chunks: a tail's parent is chunk tail_at // bs - 1
-        if len(run.hashes) < need:
-            parent = run.hashes[-1] if run.hashes else run.scope.seed
-            tokens = list(request.all_token_ids[len(run.hashes) * bs : need * bs])
-            run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
+        self._hash_to(run, max(end, tail_at // bs))  # full chunks: a tail's parent is chunk tail_at // bs - 1
         refs = []
         for i in range(start, end):
             ids = tuple(block_at(group_blocks, i) for group_blocks in run.block_ids)
@@ -142,6 +141,32 @@ class CaptureTracker:
             if tail is not None:
                 refs.append(tail)
         return [TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True)] if refs else []
+
+    def finish_tail(self, run: _Running, block_ids: Sequence[Sequence[int]]) -> BlockRef | None:
+        """The tail a finished request leaves (EOS, stop, abort): the computed tokens of its
+        last, partial block, ``c * bs .. n`` with n = the tokens whose KV it computed (the
+        last sampled token has none). None: tails are off, n ends on a block boundary (that
+        chunk was captured), the tail is stored already (a length finish captured it), or a
+        chunk before it was never stored (the tail could not be reached)."""
+        if self.place_tail is None:
+            return None
+        request = run.request
+        n = min(int(request.num_computed_tokens), len(request.all_token_ids) - 1)
+        c = n // self.block_size
+        if n <= run.tail_end or n % self.block_size == 0 or run.next_chunk < c:
+            return None
+        if any(block_ids):
+            run.block_ids = [list(ids) for ids in block_ids]
+        self._hash_to(run, c)
+        return self._tail_ref(run, n)
+
+    def _hash_to(self, run: _Running, chunks: int) -> None:
+        """Extend `run.hashes` to the first `chunks` chunks of the request."""
+        bs = self.block_size
+        if len(run.hashes) < chunks:
+            parent = run.hashes[-1] if run.hashes else run.scope.seed
+            tokens = list(run.request.all_token_ids[len(run.hashes) * bs : chunks * bs])
+            run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
 
     def _tail_end(self, request: Request, done: int, drafts: int) -> int:
         """Tokens covered by a tail this step should store (0: none): the prompt's, in the

@@ -124,6 +124,11 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         meta = self._connector_metadata
         if isinstance(meta, KVPackConnectorMetadata):
+            # saves at request finish (blocks vLLM keeps, nothing this step computes) go first:
+            # a load in this step (a follow-up turn hitting that tail) waits for them
+            finished = [job for job in meta.saves if not job.capture]
+            if finished:
+                self.worker.queue_saves(KVPackConnectorMetadata([], finished))
             has_forward = getattr(forward_context, "attn_metadata", None) is not None
             self.worker.start_step(meta, has_forward)
 
@@ -139,7 +144,9 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         meta = self._connector_metadata
         if isinstance(meta, KVPackConnectorMetadata):
-            self.worker.queue_saves(meta)
+            captures = [job for job in meta.saves if job.capture]  # the rest went in start_load_kv
+            if captures:
+                self.worker.queue_saves(KVPackConnectorMetadata([], captures))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

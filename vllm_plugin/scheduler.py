@@ -24,7 +24,12 @@ prompt, the tail of a request that may end by length; the workers copy them
 right after that step's forward. The scheduler counts them as in the
 workers' memory at once (`_expect_in_memory`), so the next request with the
 same prefix hits while the first still decodes. `request_finished` saves
-nothing (but a Mamba state vLLM hands over) and never delays a free.
+the last partial block of a request that ended otherwise (EOS, stop, abort:
+`CaptureTracker.finish_tail`) and a Mamba state vLLM hands over: it returns
+``delay_free_blocks`` (vLLM keeps that request's blocks), the workers queue the
+save before the next step's loads (`KVPackConnector.start_load_kv`), copy it
+on their save thread, off the forward, and report it through `get_finished`,
+which frees the blocks; vLLM keeps stepping until then.
 
 Prefill/decode disaggregation (`handoff`): a request with vLLM's
 ``do_remote_decode`` gets, at finish, the ``kv_transfer_params`` of a
@@ -497,8 +502,10 @@ class SchedulerSide:
     def _finish(
         self, request: Request, block_ids: Sequence[Sequence[int]], partial_tails: list[PartialTail] | None
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request. Every chunk and tail it computed was saved in the step that
-        computed it (`captures`); only a Mamba state handed over at finish is saved here."""
+        """Forget the request. Every chunk it computed was saved in the step that computed
+        it (`captures`); saved here, with the blocks kept until the workers report it: the
+        last partial block of a request that did not end by length (`finish_tail`), and a
+        Mamba state handed over at finish."""
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
         run = self._captures.forget(req_id)
@@ -514,6 +521,15 @@ class SchedulerSide:
             handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
             self._count("pd_handoffs_sent")
             return False, handoff.to_params()
+        if self.can_save and run is not None and not partial_tails:
+            tail = self._captures.finish_tail(run, block_ids)
+            if tail is None:
+                return False, None
+            job = TransferJob(req_id, run.scope.tenant, (tail,))
+            self._pending_saves.append(job)
+            self._expect_in_memory(job)  # a follow-up turn in the next step hits it (the load waits for it)
+            self._count("save_blocks", 1)
+            return True, None
         if not self.can_save or not partial_tails:
             return False, None
         rs = plan.scope if plan is not None else self._scope_of(request)

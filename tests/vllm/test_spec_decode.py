@@ -130,8 +130,10 @@ def baseline(tiny_llama: Path, tiny_llama_draft: Path) -> dict[str, SpecRun]:
 
 
 def _store_engine(target: Path, draft: Path, extra: dict[str, Any], runs: list[tuple[str, bool]]) -> dict[str, SpecRun]:
-    """One storing engine: each (prompt, keep_draft) once (saved in the steps that computed it,
-    so while the seam's patch is on)."""
+    """One storing engine: each (prompt, keep_draft) once, saved in the steps that computed it,
+    so while the seam's patch is on; but a request's last partial block is saved at its finish,
+    in the next run's first step (`CaptureTracker.finish_tail`), under that run's seam: a prompt
+    stored without its draft goes first, so no later run's seam drops a kept draft's tail."""
     import kvpack.vllm_plugin.worker as worker
 
     llm = spec_llm(target, draft, kv_config(extra, "kv_producer"))
@@ -174,7 +176,7 @@ def packed_hits(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path
 @pytest.fixture(scope="module")
 def sidecar_stored(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], baseline) -> dict[str, SpecRun]:  # type: ignore[no-untyped-def]
     extra = {"disk": {"path": str(stores["sidecar"])}, "draft_placement": "sidecar"}
-    return _store_engine(tiny_llama, tiny_llama_draft, extra, [("A", True), ("C", False)])
+    return _store_engine(tiny_llama, tiny_llama_draft, extra, [("C", False), ("A", True)])
 
 
 def _sidecar_hit_engine(target: Path, draft: Path, store: Path, policy: str) -> Iterator[Any]:
