@@ -267,10 +267,7 @@ class Staging:
         return Staged(self.device, rows, event, lane.kept)
 
 
-CPU_STAGING = Staging(CpuDevice())
-"""The CPU's staging (stateless): the default where no lane is given."""
-
-
 def cpu_lane(direction: Direction) -> Lane:
-    """A lane that runs launches inline on the current stream (callers that pass none)."""
+    """A lane that runs launches inline on the current stream, with no event (callers that
+    pass none: CPU caches, tests, tools that synchronize themselves)."""
     return Lane(CpuDevice(), direction)
