@@ -27,7 +27,7 @@ def group_spec(model: str, dtype: str, chunk_tokens: int) -> KVLayoutSpec:
     return KVLayoutSpec(engine=ENGINE, model=model, dtype=dtype.removeprefix("torch."), chunk_tokens=chunk_tokens)
 
 
-def member_fingerprint(group: KVLayoutSpec, split: HeadSplit, heads: HeadRange, num_layers: int) -> str:
+def head_range_fingerprint(group: KVLayoutSpec, split: HeadSplit, heads: HeadRange, num_layers: int) -> str:
     """The header fingerprint of the object holding `heads` of `num_layers` layers (a reader
     computes it for any writer's range)."""
     spec = KVLayoutSpec(
@@ -61,7 +61,7 @@ def split_sources(
     fingerprints: fixed for an engine's lifetime, so computed once at registration."""
     return tuple(
         tuple(
-            StoredRange(stored, part, split.member(stored), member_fingerprint(group, split, stored, num_layers))
+            StoredRange(stored, part, split.member(stored), head_range_fingerprint(group, split, stored, num_layers))
             for stored, part in sources(own, partition)
         )
         for partition in split.partitions()

@@ -292,7 +292,7 @@ class PoolBinding:
             self.member = split.member(own)
             self.page_bytes = geo.object_bytes(own.size)
             self.layout = group
-            self.member_fingerprint = canonical.member_fingerprint(group, split, own, geo.num_layers)
+            self.member_fingerprint = canonical.head_range_fingerprint(group, split, own, geo.num_layers)
             self.sources = canonical.split_sources(group, split, own, geo.num_layers)
             self.writes = split.writes(par.tp_rank)  # a replicated head is stored by its first rank
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.canonical import StoredRange, split_sources
-from kvpack.canonical import member_fingerprint as canonical_member_fingerprint
+from kvpack.canonical import StoredRange, head_range_fingerprint, split_sources
 from kvpack.errors import LayoutError
 from kvpack.groups import DraftPlacement
 from kvpack.layout import KVLayoutSpec
@@ -124,7 +123,7 @@ def register_layout(
     kv_layout = layout(kv_names)
     kv = MemberLayout(
         member_name(position.rank, position.world),
-        member_fingerprint(vllm_config, scope, position, kv_caches, kv_names, kv_layout, "kv"),
+        native_member_fingerprint(vllm_config, scope, position, kv_caches, kv_names, kv_layout, "kv"),
         kv_layout,
         0,
     )
@@ -133,7 +132,9 @@ def register_layout(
     draft_member = None
     if draft_layout is not None and placement is DraftPlacement.SIDECAR:
         draft_member = member_name(position.rank, position.world, DRAFT_MEMBER)
-        fingerprint = member_fingerprint(vllm_config, scope, position, kv_caches, draft, draft_layout, DRAFT_MEMBER)
+        fingerprint = native_member_fingerprint(
+            vllm_config, scope, position, kv_caches, draft, draft_layout, DRAFT_MEMBER
+        )
         members.append(MemberLayout(draft_member, fingerprint, draft_layout, 0, draft=True))
     log.info(
         "kvpack: %d KV layers registered (%d draft, %s), %d blocks, %d bytes per object, member %s%s",
@@ -161,7 +162,7 @@ def _register_canonical(
     isa = block_byte_facts(vllm_config, names, device).cpu_attn_isa
     blocks = CanonicalBlocks.from_tensors([kv_caches[n] for n in names], num_blocks, split, own, isa)
     member = split.member(own)
-    fingerprint = canonical_member_fingerprint(scope.spec, split, own, blocks.geometry.num_layers)
+    fingerprint = head_range_fingerprint(scope.spec, split, own, blocks.geometry.num_layers)
     sources = split_sources(scope.spec, split, own, blocks.geometry.num_layers)
     kv = MemberLayout(member, fingerprint, blocks, 0, writes=split.writes(position.tp_rank), sources=sources)
     log.info(
@@ -193,7 +194,9 @@ def _register_groups(
         tensors = [t for n in names for t in _layer_tensors(kv_caches[n])]
         layout = BlockLayout.from_tensors(tensors, num_blocks)
         member = member_name(position.rank, position.world, group.member_base)
-        fingerprint = member_fingerprint(vllm_config, scope, position, kv_caches, names, layout, group.member_base)
+        fingerprint = native_member_fingerprint(
+            vllm_config, scope, position, kv_caches, names, layout, group.member_base
+        )
         members.append(MemberLayout(member, fingerprint, layout, group.index))
         log.info(
             "kvpack: KV cache group %d (%s, %s coverage): %d layers, %d bytes per object, member %s",
@@ -212,7 +215,7 @@ def _register_groups(
     return WorkerLayout(tuple(members), members[0].layout)
 
 
-def member_fingerprint(
+def native_member_fingerprint(
     vllm_config: VllmConfig,
     scope: Scope,
     position: RankPosition,
