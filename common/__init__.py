@@ -8,11 +8,12 @@ calls into the types below.
     from kvpack import KVPackConfig, KVStore
     store = KVStore.from_config(KVPackConfig.from_dict({"disk": {"path": "/tmp/kv"}}))
 
-Glossary (one name per idea; ../shared/DESIGN.md's terms):
+Glossary (one name per idea; docs/ARCHITECTURE.md has the full one, the layers and
+the life of a stored block):
 
 - tenant: the security boundary. A validated name (`keys.validate_tenant`) in
-  every key, quota and metric; from the request (vLLM ``kv_transfer_params``
-  or ``cache_salt``) or the config.
+  every key, quota and metric; decided by `tenancy.resolve_tenant` from the
+  request's facts (a trusted named tenant, the salt's scope) or the config.
 - chunk: a run of tokens of one engine block (vLLM block = SGLang page), named
   by its chunk hash (`ChunkHash`, `chain_hash`: parent hash + token ids).
 - layout: everything a writer and a reader of one member must agree on
