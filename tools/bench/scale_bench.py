@@ -17,7 +17,9 @@ and report:
 - ``hit_ms`` / ``miss_ms``: median `contains` of 64 stored / absent keys;
 - ``get_obj_s``: `get_into` of batches of 64 stored objects, objects/s (one process).
 
-``--legacy`` also opens each store with its index deleted (a store written by
+``--index-only`` fills only the index, N rows and no object files (for an N
+whose files this machine cannot write in time): open, memory and lookups at N,
+no gets. ``--legacy`` also opens each store with its index deleted (a store written by
 an older kvpack): first answer from the folder while one process builds it.
 """
 
@@ -36,13 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
+from kvpack.config import DiskTierConfig, EvictionPolicyName, KVPackConfig, MemoryTierConfig
+from kvpack.eviction import make_policy
 from kvpack.keys import StoreKey
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk_catalog import INDEX_NAME
+from kvpack.tiers.disk_catalog import INDEX_NAME, Catalog
 
 FP_GROUP = "a" * 32
 FP_MEMBER = "b" * 32
@@ -78,7 +81,18 @@ def write_part(root: str, lo: int, hi: int, payload: int) -> None:
     store.close()
 
 
-def open_and_probe(root: str, n: int, payload: int, measure: bool) -> dict[str, float]:
+def fill_index(root: str, n: int, payload: int) -> None:
+    """Index-only fill: N rows straight into the folder's index, no object files (`--index-only`)."""
+    DiskTier(root, 1 << 50, make_policy(EvictionPolicyName.LRU)).close()
+    catalog = Catalog(f"{root}/{INDEX_NAME}")
+    tick = time.time_ns()
+    for lo in range(0, n, 20_000):
+        catalog.add_found([(_key(i), payload, tick) for i in range(lo, min(n, lo + 20_000))])
+    catalog.mark_complete()
+    catalog.close()
+
+
+def open_and_probe(root: str, n: int, payload: int, measure: bool, gets: bool = True) -> dict[str, float]:
     """Worker: open the store, answer a first lookup, then (if `measure`) time lookups and gets."""
     rss0 = _rss()
     t0 = time.perf_counter()
@@ -99,11 +113,12 @@ def open_and_probe(root: str, n: int, payload: int, measure: bool) -> dict[str, 
             out[name] = statistics.median(times) * 1e3
         dsts = [memoryview(np.empty(payload, np.uint8)) for _ in range(64)]
         got, s = 0, time.perf_counter()
-        while time.perf_counter() - s < 2.0:
+        while gets and time.perf_counter() - s < 2.0:
             keys = [_key(int(i)) for i in rng.integers(0, n, 64)]
             exps = [Expectation(FP_MEMBER, TENANT, k.chunk, "kv", 16, payload) for k in keys]
             got += sum(r.ok for r in tier.get_into(keys, dsts, exps, True))
-        out["get_obj_s"] = got / (time.perf_counter() - s)
+        if gets:
+            out["get_obj_s"] = got / (time.perf_counter() - s)
         out["rss_scan_mb"] = (_rss() - rss0) / 1e6
     if tier.wait_indexed(3600.0) and tier.scan_seconds is not None:
         out["full_index_s"] = tier.scan_seconds
@@ -122,9 +137,14 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
     )
 
 
-def _run_case(root: Path, n: int, procs: int, payload: int, legacy: bool) -> dict[str, float]:
+def _run_case(root: Path, n: int, procs: int, payload: int, legacy: bool, index_only: bool) -> dict[str, float]:
     row: dict[str, float] = {"n": n, "procs": procs}
-    if not legacy:
+    if index_only:
+        shutil.rmtree(root, ignore_errors=True)
+        t0 = time.perf_counter()
+        fill_index(str(root), n, payload)
+        row["index_fill_s"] = time.perf_counter() - t0
+    elif not legacy:
         shutil.rmtree(root, ignore_errors=True)
         t0 = time.perf_counter()
         bounds = [(n * p // procs, n * (p + 1) // procs) for p in range(procs)]
@@ -137,7 +157,8 @@ def _run_case(root: Path, n: int, procs: int, payload: int, legacy: bool) -> dic
         for p in root.iterdir():
             if p.name.startswith(INDEX_NAME):
                 p.unlink()
-    probes = [_spawn(["open", str(root), str(n), str(payload), str(int(p == 0))]) for p in range(procs)]
+    gets = str(int(not index_only))
+    probes = [_spawn(["open", str(root), str(n), str(payload), str(int(p == 0)), gets]) for p in range(procs)]
     results = [json.loads(p.communicate()[0]) for p in probes]
     row["open_first_s"] = max(r["open_first_s"] for r in results)
     row["first_hits_min"] = min(r["first_hits"] for r in results)
@@ -155,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "write":
             write_part(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
             return 0
-        print(json.dumps(open_and_probe(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1")))
+        print(json.dumps(open_and_probe(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4] == "1")))
         return 0
     parser = argparse.ArgumentParser(prog="kvpack bench scale", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[10_000, 100_000])
@@ -163,15 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", type=int, default=256, help="bytes per object (files are 4 KiB + this)")
     parser.add_argument("--dir", default=None, help="folder for the stores (default: a temporary one)")
     parser.add_argument("--legacy", action="store_true", help="also open each store with its index deleted")
+    parser.add_argument(
+        "--index-only",
+        action="store_true",
+        help="fill only the index (no object files): open, memory and lookups at N when N files would not fit",
+    )
     args = parser.parse_args(argv)
     base = Path(args.dir or tempfile.mkdtemp(prefix="kvpack-scale-"))
     try:
         for n in args.n:
             for procs in args.procs:
                 root = base / f"n{n}-p{procs}"
-                print(json.dumps(_run_case(root, n, procs, args.payload, False)), flush=True)
-                if args.legacy:
-                    print(json.dumps({"legacy": 1, **_run_case(root, n, procs, args.payload, True)}), flush=True)
+                row = _run_case(root, n, procs, args.payload, False, args.index_only)
+                print(json.dumps({"index_only": 1, **row} if args.index_only else row), flush=True)
+                if args.legacy and not args.index_only:
+                    print(json.dumps({"legacy": 1, **_run_case(root, n, procs, args.payload, True, False)}), flush=True)
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         if args.dir is None:
