@@ -33,6 +33,7 @@ BENCHES = {
     "serve": "kvpack.tools.bench.serve_bench",
     "pd": "kvpack.tools.bench.pd_bench",
     "scale": "kvpack.tools.bench.scale_bench",
+    "chat": "kvpack.tools.bench.chat_bench",
 }
 RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak", "proxy": "kvpack.tools.proxy"}
 
