@@ -8,7 +8,10 @@ contiguous staging buffers, all layers in one call.
     scatter_blocks(kv, ids, out)                            # staging -> cache
 
 Staging layout (uint8): ``[block_i][layer][segment][outer][inner][row_bytes]``;
-see ``kvpack.ops.layout``. Backends: CUDA kernel, C++ kernel, pure torch; the
+see ``kvpack.ops.layout``. For a cache on a GPU, adapters stage through
+``kvpack.staging`` (pinned rows, a side stream per direction, an event per batch)
+and pass its lane's stream as ``stream=``; `upload_ids` puts a batch's ids on the
+device once. Backends: CUDA kernel, C++ kernel, pure torch; the
 kernels are JIT-built on first use (``kvpack.ops._build``). Importing this module
 builds nothing and needs no CUDA.
 """
