@@ -190,6 +190,10 @@ class KVStore:
     def wait_warm(self) -> bool:
         return all([t.wait_warm() for t in self.tiers])
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Every tier's `Tier.wait_ready` (each up to `timeout_s`); True when all are usable."""
+        return all([t.wait_ready(timeout_s) for t in self.tiers])
+
     def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.
         With a `budget`, remote tiers are skipped once it is spent (see `kvpack.budget`)."""

@@ -516,12 +516,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Wait (bounded) until tiers that connect in the background (Mooncake) are up."""
-        ok = True
-        for tier in self.store.tiers:
-            wait = getattr(tier, "wait_ready", None)
-            if wait is not None:
-                ok = bool(wait(timeout_s)) and ok
-        return ok
+        return self.store.wait_ready(timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (bounded) until every accepted page reached every tier."""

@@ -128,6 +128,12 @@ class Tier(ABC):
         True when the tier is usable. Never called on an engine's step."""
         return True
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s` until the tier is usable; True when it is. The caller's
+        bound, for tests, tools and an operator's start-up check; unlike `wait_warm` it also
+        waits past a failed first attempt. Never called on an engine's step."""
+        return True
+
     def close(self) -> None:  # noqa: B027 (optional hook: most tiers hold nothing to release)
         """Release resources; later calls answer UNAVAILABLE or MISS."""
 
