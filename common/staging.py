@@ -252,19 +252,22 @@ class Staging:
 
     def gather(self, rows: int, width: int, fn: Callable[[torch.Tensor, Lane], None]) -> Staged:
         """Fresh host rows filled by `fn` on the save lane; read them through the result."""
-        out = self.device.host_rows(rows, width)
-        with self.lane(Direction.SAVE) as lane:
-            fn(out, lane)
-            event = self.device.record(Direction.SAVE)
-        return Staged(self.device, out, event, lane.kept)
+        return self._batch(Direction.SAVE, self.device.host_rows(rows, width), fn)
 
     def scatter(self, rows: torch.Tensor, fn: Callable[[torch.Tensor, Lane], None]) -> Staged:
         """Host rows `rows` copied by `fn` on the load lane; wait or release the result
         before reporting the load done or reusing `rows`."""
-        with self.lane(Direction.LOAD) as lane:
-            fn(rows, lane)
-            event = self.device.record(Direction.LOAD)
-        return Staged(self.device, rows, event, lane.kept)
+        return self._batch(Direction.LOAD, rows, fn)
+
+    def _batch(self, direction: Direction, rows: torch.Tensor, fn: Callable[[torch.Tensor, Lane], None]) -> Staged:
+        with self.lane(direction) as lane:
+            try:
+                fn(rows, lane)
+            except BaseException:
+                # what was launched before the failure still runs: free nothing before it ends
+                Staged(self.device, rows, self.device.record(direction), lane.kept).release()
+                raise
+            return Staged(self.device, rows, self.device.record(direction), lane.kept)
 
 
 def cpu_lane(direction: Direction) -> Lane:

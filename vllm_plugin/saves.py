@@ -32,16 +32,21 @@ def gather_members(staging: Staging, slots: Sequence[MemberLayout], job: Transfe
     """Launch the gather of `job`'s blocks of each member `slots` (in that order) into
     fresh staging rows; nothing is read here."""
     out: list[Captured] = []
-    for slot in slots:
-        refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
-        if not refs:
-            continue
-        ids = [ref.block_ids[slot.group] for ref in refs]
-        layout = slot.layout
-        staged = staging.gather(
-            len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
-        )
-        out.append(Captured(slot, refs, staged))
+    try:
+        for slot in slots:
+            refs = [ref for ref in job.blocks if ref.block_ids[slot.group] != NO_BLOCK]
+            if not refs:
+                continue
+            ids = [ref.block_ids[slot.group] for ref in refs]
+            layout = slot.layout
+            staged = staging.gather(
+                len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
+            )
+            out.append(Captured(slot, refs, staged))
+    except BaseException:
+        for c in out:  # launched already: their rows are freed only after their events
+            c.staged.release()
+        raise
     return out
 
 
