@@ -77,7 +77,9 @@ def resolve_tenant(
     tenant: str | None = None
     if source.named is not None:
         if not isinstance(config, str) and tenant_trusted(config, source.named, source.signature):
-            tenant = source.named  # type: ignore[assignment]  # validated below (a non-str is refused)
+            if not isinstance(source.named, str):
+                raise BadTenant(f"tenant must be a string, got {type(source.named).__name__}")
+            tenant = source.named  # validated below
         else:
             if on_untrusted is not None:
                 on_untrusted(str(source.named)[:64])
@@ -96,7 +98,7 @@ def resolve_tenant(
         tenant = default_tenant
     try:
         validate_tenant(tenant)
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         raise BadTenant(str(exc)) from None
     seed_parts = []
     if salt:
