@@ -52,7 +52,7 @@ the life of a stored block):
 
 from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
 from .errors import ConfigError, KVPackError, LayoutError
-from .groups import DraftPlacement, GroupLookup, MemberRole, MemberSpec
+from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes
 from .layout import KVLayoutSpec
 from .metrics import Metrics
@@ -69,6 +69,7 @@ __all__ = [
     "ChecksumPolicy",
     "ChunkHash",
     "ConfigError",
+    "Coverage",
     "DraftPlacement",
     "DraftPolicy",
     "Expectation",

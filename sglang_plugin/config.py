@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import KVPackConfig
-from ..errors import ConfigError
+from .. import ConfigError, KVPackConfig
 
 SGLANG_KEYS = frozenset(
     {

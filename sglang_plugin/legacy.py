@@ -14,10 +14,7 @@ from typing import Any
 
 import torch
 
-from ..keys import StoreKey
-from ..objects import Expectation, ObjectHeader
-from ..store import KVStore, LoadItem
-from ..tiers.base import PutItem, TierStatus
+from .. import Expectation, KVStore, LoadItem, ObjectHeader, PutItem, StoreKey, TierStatus
 from .pools import PoolBinding
 
 

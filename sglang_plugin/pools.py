@@ -33,12 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import canonical
-from ..errors import LayoutError
-from ..groups import MemberRole, MemberSpec
+from .. import KVLayoutSpec, LayoutError, MemberRole, MemberSpec, canonical
 from ..heads import HeadRange, HeadSplit
 from ..keys import validate_member
-from ..layout import KVLayoutSpec
 from ..model_identity import model_identity
 from ..objects import Payload
 from ..ops import PagedKV

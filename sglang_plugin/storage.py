@@ -62,14 +62,21 @@ from typing import Any
 
 import torch
 
+from .. import (
+    Coverage,
+    Expectation,
+    KVLayoutSpec,
+    KVStore,
+    LoadItem,
+    MemberRole,
+    MemberSpec,
+    ObjectHeader,
+    PutItem,
+    StoreKey,
+    TierStatus,
+)
 from ..cpu_features import request_amx_permission
-from ..groups import Coverage, MemberRole, MemberSpec
-from ..keys import StoreKey
-from ..layout import KVLayoutSpec
-from ..objects import Expectation, ObjectHeader
 from ..ops import load_extension, region_copier
-from ..store import KVStore, LoadItem
-from ..tiers.base import PutItem, TierStatus
 from .config import split_extra_config
 from .legacy import LegacyPageInterface
 from .pools import ParallelInfo, PoolBinding, canonical_group, checkpoint_kv_heads, pool_name, sglang_model_identity

@@ -153,18 +153,12 @@ ADAPTER_CORE_IMPORTS: dict[str, frozenset[str]] = {
     "sglang_plugin": frozenset(
         {
             "kvpack.canonical",
-            "kvpack.config",
             "kvpack.cpu_features",
-            "kvpack.errors",
-            "kvpack.groups",
             "kvpack.heads",
             "kvpack.keys",
-            "kvpack.layout",
             "kvpack.model_identity",
             "kvpack.objects",
             "kvpack.ops.canonical",
-            "kvpack.store",
-            "kvpack.tiers.base",
         }
     ),
 }
