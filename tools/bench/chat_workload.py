@@ -226,8 +226,9 @@ def plot(path: str | Path, runs: list[SetupRun], title: str) -> None:
         if not stats:
             continue
         xs = [s.round for s in stats]
-        ax.plot(xs, [s.mean_s for s in stats], marker="o", label=run.name)
-        ax.fill_between(xs, [s.p50_s for s in stats], [s.p90_s for s in stats], alpha=0.12)
+        (line,) = ax.plot(xs, [s.mean_s for s in stats], marker="o", label=run.name)
+        ax.fill_between(xs, [s.p50_s for s in stats], [s.p90_s for s in stats], color=line.get_color(), alpha=0.12)
+        ax.set_xticks(xs)
     ax.set_xlabel("round")
     ax.set_ylabel("TTFT, mean (s); band p50-p90")
     ax.set_title(title, fontsize=10)
