@@ -542,10 +542,10 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
             for k, v in value.items()
         }
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, path, is_size)
+        return _coerce(members[0], value, path, is_size)
     if tp is int and is_size:
         try:
             return parse_size(value)

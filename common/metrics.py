@@ -197,9 +197,9 @@ class Metrics:
             for name, series in self._values.items():
                 labels = self._specs[name].labels
                 out[name] = {_fmt(labels, k): v for k, v in series.items()}
-            for name, series in self._hist.items():
+            for name, hists in self._hist.items():
                 labels = self._specs[name].labels
-                for k, (count, total, peak) in series.items():
+                for k, (count, total, peak) in hists.items():
                     key = _fmt(labels, k)
                     out.setdefault(f"{name}_count", {})[key] = count
                     out.setdefault(f"{name}_sum", {})[key] = total

@@ -90,7 +90,7 @@ def payload_parts(payload: Payload | bytes | np.ndarray) -> tuple[memoryview, ..
 
 
 def _as_bytes(buf: memoryview | bytes | np.ndarray) -> memoryview:
-    view = memoryview(buf)
+    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
@@ -99,13 +99,13 @@ def _as_bytes(buf: memoryview | bytes | np.ndarray) -> memoryview:
 def payload_nbytes(payload: Payload | bytes | np.ndarray) -> int:
     if isinstance(payload, tuple):
         return sum(memoryview(p).nbytes for p in payload)
-    return memoryview(payload).nbytes
+    return payload.nbytes if isinstance(payload, np.ndarray) else memoryview(payload).nbytes
 
 
 def payload_checksum(payload: Payload | bytes | np.ndarray) -> int:
     """xxh3_64 of the payload bytes (of the regions in order, if several)."""
     if not isinstance(payload, tuple):
-        return xxhash.xxh3_64_intdigest(payload)
+        return xxhash.xxh3_64_intdigest(payload.data if isinstance(payload, np.ndarray) else payload)
     hasher = xxhash.xxh3_64()
     for part in payload:
         hasher.update(part)

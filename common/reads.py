@@ -92,9 +92,8 @@ class TierReads:
                 self._load_from(tier, items, todo, results)
         self._after_batch()
         if gone:
-            count_gone(
-                self.metrics, [items[i].key for i in gone], [first[i].name for i in gone], [results[i] for i in gone]
-            )  # type: ignore[union-attr]
+            gone_from = [t.name for i in gone if (t := first[i]) is not None]  # every i in gone has a first tier
+            count_gone(self.metrics, [items[i].key for i in gone], gone_from, [results[i] for i in gone])
         final = [r if r is not None else GetResult(TierStatus.MISS) for r in results]
         for item, res in zip(items, final):
             if not res.ok:

@@ -281,12 +281,12 @@ class KVStore:
         presence = [{m: where[ci * n + mi] is not None for mi, m in enumerate(names)} for ci in range(len(chunks))]
         result = resolve_lookup(presence, members, self.config.draft_policy)
         column = {m: mi for mi, m in enumerate(names)}
-        located = {
-            keys[j]: where[j]
-            for ci in range(result.hit_chunks)
-            for m in result.members_to_load(ci)
-            if where[j := ci * n + column[m]] is not None
-        }
+        located: dict[StoreKey, str] = {}
+        for ci in range(result.hit_chunks):
+            for m in result.members_to_load(ci):
+                j = ci * n + column[m]
+                if (tier_name := where[j]) is not None:
+                    located[keys[j]] = tier_name
         return replace(result, located=located)
 
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
@@ -413,7 +413,7 @@ class KVStore:
             if queued is item:  # the memory tier holds no copy: take one for the queue
                 owned = np.empty(item.nbytes, dtype=np.uint8)
                 copy_parts_into(owned, item.payload)
-                queued = PutItem(item.key, item.header, memoryview(owned))
+                queued = PutItem(item.key, item.header, owned.data)
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
 

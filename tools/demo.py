@@ -223,10 +223,10 @@ def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolera
         "(single runs: a loaded or another machine moves these several-fold; the reuse and the check below do not move)"
     )
     summary = summarize(store)
-    for t in summary.tenants.values():
+    for ts in summary.tenants.values():
         print(
-            f"disk store {store}: tenant {t.tenant}: {len(t.groups)} groups, {t.objects} objects "
-            f"({t.tails} partial-block tails), {t.payload_bytes / 2**20:.1f} MiB"
+            f"disk store {store}: tenant {ts.tenant}: {len(ts.groups)} groups, {ts.objects} objects "
+            f"({ts.tails} partial-block tails), {ts.payload_bytes / 2**20:.1f} MiB"
         )
     print(
         f"new engine, repeated prompts: greedy tokens identical to the no-cache run, logprobs within "

@@ -68,8 +68,10 @@ def _backend_name(layer: Any) -> str:
 
 def _scale(layer: Any, attr: str) -> str:
     value = getattr(layer, attr, None)
+    if value is None:
+        return UNKNOWN
     try:
-        return f"{float(value):.9g}" if value is not None else UNKNOWN
+        return f"{float(value):.9g}"
     except (TypeError, ValueError):
         try:
             return ",".join(f"{float(v):.9g}" for v in value.flatten().tolist())

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvpack.keys import GroupKey, StoreKey
-from kvpack.objects import Expectation, ObjectHeader
+from kvpack.objects import Expectation, ObjectHeader, Payload
 from kvpack.tiers.base import GetResult, PutItem, Tier, TierStatus, TierUsage
 
 from .metadata import StoredObject
@@ -83,7 +83,7 @@ class ReportedMemoryIndex(Tier):
     def get_into(
         self,
         keys: Sequence[StoreKey],
-        dsts: Sequence[memoryview],
+        dsts: Sequence[Payload],
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:

@@ -33,8 +33,9 @@ write-back queue); the arena checks, so slots are neither reused early nor lost.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -124,7 +125,7 @@ class MemoryTier(Tier):
         """`borrow` for a batch, under one lock."""
         with self._lock:
             entries = [self._objects.get(k) for k in keys]
-        return [(e.header, memoryview(e.data).toreadonly()) if e is not None else None for e in entries]
+        return [(e.header, e.data.data.toreadonly()) if e is not None else None for e in entries]
 
     def get_into(
         self,
@@ -157,7 +158,7 @@ class MemoryTier(Tier):
                 results.append(GetResult(TierStatus.REJECTED, header, reason))
                 continue
             try:  # inlined `_byte_arrays`
-                parts = [frombuffer(p, u8) for p in dst] if type(dst) is tuple else [frombuffer(dst, u8)]
+                parts = [frombuffer(p, u8) for p in dst] if isinstance(dst, tuple) else [frombuffer(dst, u8)]
             except (ValueError, TypeError):
                 parts = _byte_arrays(dst)
             size = parts[0].nbytes if len(parts) == 1 else sum([p.nbytes for p in parts])
@@ -183,12 +184,12 @@ class MemoryTier(Tier):
         del pairs
         if verify_checksum:
             for i in copied:
-                header = results[i].header
-                assert header is not None
-                if header.checksum is not None:
-                    bad = check_payload(header, dsts[i])
+                copied_header = results[i].header
+                assert copied_header is not None
+                if copied_header.checksum is not None:
+                    bad = check_payload(copied_header, dsts[i])
                     if bad is not None:
-                        results[i] = GetResult(TierStatus.REJECTED, header, bad)
+                        results[i] = GetResult(TierStatus.REJECTED, copied_header, bad)
         return results
 
     # -- writes --------------------------------------------------------------
@@ -208,7 +209,9 @@ class MemoryTier(Tier):
         for item in items:
             payload = item.payload
             try:  # inlined `_byte_arrays` (a call per item adds up at hundreds of pages)
-                arrays = [frombuffer(p, u8) for p in payload] if type(payload) is tuple else [frombuffer(payload, u8)]
+                arrays = (
+                    [frombuffer(p, u8) for p in payload] if isinstance(payload, tuple) else [frombuffer(payload, u8)]
+                )
             except (ValueError, TypeError):
                 arrays = _byte_arrays(payload)
             parts.append(arrays)
@@ -293,8 +296,9 @@ class MemoryTier(Tier):
                     self._arena.release(old.data)
         return statuses
 
-    def _evict_locked(self, gids: Sequence[str]) -> None:
-        self._drop_groups_locked(gids, evicted=True)
+    def _evict_locked(self, gids: Sequence[Hashable]) -> None:
+        # The capacity manager hands back victims among the groups this tier admitted: its str gids.
+        self._drop_groups_locked(cast("Sequence[str]", gids), evicted=True)
 
     def _drop_groups_locked(self, gids: Sequence[str], evicted: bool = False) -> int:
         """Forget whole groups and hand their slots back; returns objects removed."""
@@ -363,7 +367,7 @@ def _byte_arrays(payload: Payload) -> list[np.ndarray]:
     """A payload's regions as 1-D uint8 arrays over the caller's memory (no copy)."""
     frombuffer = np.frombuffer
     try:
-        if type(payload) is tuple:
+        if isinstance(payload, tuple):
             return [frombuffer(p, _U8) for p in payload]
         return [frombuffer(payload, _U8)]
     except (ValueError, TypeError):  # e.g. a non-contiguous view: take the general path

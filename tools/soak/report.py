@@ -35,13 +35,13 @@ def parse_server_log(text: str) -> dict[str, Any]:
         refused_tenants[m.group(1)] += 1
     xfer: Counter[str] = Counter()
     for line in text.splitlines():
-        m = XFER_RE.search(line)
-        if not m:
+        xm = XFER_RE.search(line)
+        if not xm:
             continue
-        for part in m.group(1).split(","):
+        for part in xm.group(1).split(","):
             k, _, v = part.strip().partition("=")
             try:
-                xfer[k] += float(v)
+                xfer[k] += float(v)  # type: ignore[assignment]  # typeshed: Counter values are int; floats sum fine
             except ValueError:
                 pass
     return {
@@ -83,7 +83,7 @@ def by_labels(prom: dict[str, float], metric: str, labels: Sequence[str]) -> Cou
         if name != want:
             continue
         found = dict(LABEL_RE.findall(rest))
-        out[tuple(found.get(label, "") for label in labels)] += value
+        out[tuple(found.get(label, "") for label in labels)] += value  # type: ignore[assignment]  # as in xfer above
     return out
 
 
