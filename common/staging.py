@@ -59,7 +59,7 @@ class StagingDevice(Protocol):
 
     def wait_compute(self, direction: Direction) -> None: ...
 
-    def launch(self, direction: Direction, fn: Callable[[], None]) -> None: ...
+    def launch(self, direction: Direction, fn: Callable[[], object]) -> None: ...
 
     def record(self, direction: Direction) -> Any: ...
 
@@ -88,7 +88,7 @@ class CpuDevice:
     def wait_compute(self, direction: Direction) -> None:
         return None
 
-    def launch(self, direction: Direction, fn: Callable[[], None]) -> None:
+    def launch(self, direction: Direction, fn: Callable[[], object]) -> None:
         fn()
 
     def record(self, direction: Direction) -> None:
@@ -129,7 +129,7 @@ class CudaDevice:
     def wait_compute(self, direction: Direction) -> None:
         self._streams[direction].wait_stream(self.compute)
 
-    def launch(self, direction: Direction, fn: Callable[[], None]) -> None:
+    def launch(self, direction: Direction, fn: Callable[[], object]) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self._streams[direction]):
             fn()
 
@@ -171,7 +171,7 @@ class Lane:
         """The stream handle for kvpack.ops' ``stream=`` (None on the CPU)."""
         return self.device.stream(self.direction)
 
-    def launch(self, fn: Callable[[], None]) -> None:
+    def launch(self, fn: Callable[[], object]) -> None:
         self.device.launch(self.direction, fn)
 
     def scratch(self, rows: int, width: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ POISON = 0xA5
 @dataclass
 class FakeEvent:
     direction: Direction
-    pending: list[Callable[[], None]]
+    pending: list[Callable[[], object]]
     done: bool = False
 
 
@@ -41,10 +41,10 @@ class RecordingDevice:
     ops: list[tuple[object, ...]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     pinned_ptrs: set[int] = field(default_factory=set)
-    compute_queue: list[Callable[[], None]] = field(default_factory=list)
-    _queues: dict[Direction, list[Callable[[], None]]] = field(default_factory=dict)
+    compute_queue: list[Callable[[], object]] = field(default_factory=list)
+    _queues: dict[Direction, list[Callable[[], object]]] = field(default_factory=dict)
 
-    def queue_compute(self, fn: Callable[[], None]) -> None:
+    def queue_compute(self, fn: Callable[[], object]) -> None:
         """Work of the forward not yet run (it runs when a side stream waits on compute)."""
         self.compute_queue.append(fn)
 
@@ -67,7 +67,7 @@ class RecordingDevice:
         for fn in queued:
             fn()
 
-    def launch(self, direction: Direction, fn: Callable[[], None]) -> None:
+    def launch(self, direction: Direction, fn: Callable[[], object]) -> None:
         self.ops.append(("launch", direction))
         self._queues.setdefault(direction, []).append(fn)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -91,8 +92,8 @@ class BlockLayout:
             w = run.layout.slot_bytes
             part = lane.scratch(len(ids), w)
             cols = rows[:, off : off + w]
-            lane.launch(lambda run=run, part=part: _gather(run, ids, part.view(-1), lane))
-            lane.launch(lambda cols=cols, part=part: cols.copy_(part))
+            _launch_gather(lane, run, ids, part)
+            lane.launch(partial(cols.copy_, part))
             off += w
         if not same:
             lane.launch(lambda: out.copy_(rows, non_blocking=True))
@@ -118,9 +119,17 @@ class BlockLayout:
             w = run.layout.slot_bytes
             part = lane.scratch(len(ids), w)
             cols = rows[:, off : off + w]
-            lane.launch(lambda cols=cols, part=part: part.copy_(cols))
-            lane.launch(lambda run=run, part=part: _scatter(run, ids, part.view(-1), lane))
+            lane.launch(partial(part.copy_, cols))
+            _launch_scatter(lane, run, ids, part)
             off += w
+
+
+def _launch_gather(lane: Lane, run: PagedKV, ids: list[int], part: torch.Tensor) -> None:
+    lane.launch(lambda: _gather(run, ids, part.view(-1), lane))
+
+
+def _launch_scatter(lane: Lane, run: PagedKV, ids: list[int], part: torch.Tensor) -> None:
+    lane.launch(lambda: _scatter(run, ids, part.view(-1), lane))
 
 
 def _gather(run: PagedKV, ids: list[int], out: torch.Tensor, lane: Lane) -> None:

@@ -59,7 +59,8 @@ class KVPackConnectorStats(KVConnectorStats):
     """Counters of one interval (hit tokens, blocks loaded/saved, failures), summed over workers."""
 
     def reset(self) -> None:
-        self.data = {}
+        fresh: dict[str, Any] = {}
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():

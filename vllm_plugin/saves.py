@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvpack.keys import StoreKey
 from kvpack.objects import ObjectHeader
@@ -39,9 +40,7 @@ def gather_members(staging: Staging, slots: Sequence[MemberLayout], job: Transfe
                 continue
             ids = [ref.block_ids[slot.group] for ref in refs]
             layout = slot.layout
-            staged = staging.gather(
-                len(refs), layout.slot_bytes, lambda rows, lane, layout=layout, ids=ids: layout.gather(ids, rows, lane)
-            )
+            staged = staging.gather(len(refs), layout.slot_bytes, partial(layout.gather, ids))
             out.append(Captured(slot, refs, staged))
     except BaseException:
         for c in out:  # launched already: their rows are freed only after their events
