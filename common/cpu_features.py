@@ -75,7 +75,7 @@ def request_amx_permission() -> AmxPermission:
     return result
 
 
-def _syscall():  # type: ignore[no-untyped-def]
+def _syscall():
     """libc's ``syscall`` (restype long), or None where there is none."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).syscall
@@ -85,7 +85,7 @@ def _syscall():  # type: ignore[no-untyped-def]
     return fn
 
 
-def _tile_data_permitted(syscall) -> bool:  # type: ignore[no-untyped-def]
+def _tile_data_permitted(syscall) -> bool:
     mask = ctypes.c_ulong(0)
     ok = syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0
     return ok and bool(mask.value & (1 << XFEATURE_XTILEDATA))

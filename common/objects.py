@@ -219,7 +219,7 @@ def header_length(prefix: bytes | memoryview) -> int:
 HEADER_PREFIX_BYTES = _PREFIX.size
 
 
-def decode_header(buf: bytes | memoryview) -> ObjectHeader:
+def decode_header(buf: bytes | bytearray | memoryview) -> ObjectHeader:
     """Decode and self-check a header from the start of `buf`. Raises ObjectRejected."""
     view = memoryview(buf)
     header_len = header_length(view[: _PREFIX.size])

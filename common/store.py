@@ -102,7 +102,7 @@ class KVStore:
         self._evictions: list[tuple[str, str, int]] = []
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
-                tier.on_evict = self._evict_counter(tier.name)  # type: ignore[attr-defined]
+                tier.on_evict = self._evict_counter(tier.name)
         threads = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
         self._writeback = WriteBack(
             threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower)
@@ -137,7 +137,7 @@ class KVStore:
         keep it cheap and never call back into the store."""
         self._evict_listeners.append(listener)
 
-    def _evict_counter(self, tier: str):  # type: ignore[no-untyped-def]
+    def _evict_counter(self, tier: str) -> Callable[[GroupKey, int], None]:
         def on_evict(group: GroupKey, nbytes: int) -> None:
             # Runs under the tier's lock, once per evicted group: note it now (an
             # atomic append), count it when the calling batch ends (`_count_evictions`).

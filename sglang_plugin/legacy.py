@@ -56,8 +56,8 @@ class LegacyPageInterface:
             flat = self._flat_binding()
             if flat is None or not self._valid_chunks(keys):
                 return [None] * len(keys)
-            targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in targets]
+            given = list(target_locations) if target_locations is not None else [None] * len(keys)
+            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given]
             items = []
             for key, t in zip(keys, targets):
                 dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None

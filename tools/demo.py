@@ -62,7 +62,7 @@ def _model_dtype(model: Path) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "float32")
 
 
-def _engine(model: Path, kv: dict[str, Any] | None):  # type: ignore[no-untyped-def]
+def _engine(model: Path, kv: dict[str, Any] | None):
     from vllm import LLM
 
     # vLLM on CPU downcasts fp32 checkpoints to bf16 unless told the dtype.
@@ -91,7 +91,7 @@ def _run(name: str, model: Path, kv: dict[str, Any] | None, prompts: list[list[i
     for n in (64, 2048, 2048):  # warm-up with unrelated tokens: the first prefills of a process are slow
         llm.generate([{"prompt_token_ids": [5 + n % 7] * n}], first, use_tqdm=False)
     all_prompts = list(prompts)
-    for ids in all_prompts + [None]:  # type: ignore[list-item]
+    for ids in all_prompts + [None]:
         if ids is None:  # follow-up turn: question + the engine's own first answer + a new question
             q_ids, (answer, _) = all_prompts[followup_of], run.outputs[followup_of]
             ids = q_ids + answer + [11, 12, 13, 14]

@@ -13,7 +13,7 @@ def mooncake_binaries() -> tuple[str, str] | None:
     """Paths of (mooncake_master, mooncake_client) shipped in the installed
     Mooncake package, or None when it is not installed or lacks them."""
     try:
-        import mooncake  # type: ignore[import-not-found]
+        import mooncake
     except ImportError:
         return None
     pkg = Path(mooncake.__file__).parent

@@ -26,7 +26,7 @@ VOCAB_WORDS = 2000
 _DONE = "kvpack_model.json"
 
 
-def _train_tokenizer(path: Path, vocab_words: int):  # type: ignore[no-untyped-def]
+def _train_tokenizer(path: Path, vocab_words: int):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -105,7 +105,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         _LIVE.add(self)
 
     @property
-    def store(self):  # type: ignore[no-untyped-def]
+    def store(self):
         """This process's `KVStore` (scheduler view or worker store)."""
         side = self.scheduler or self.worker
         assert side is not None

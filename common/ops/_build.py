@@ -259,15 +259,15 @@ def _register_fakes() -> None:
     """Meta/fake kernels: the copy ops only mutate an argument and return nothing."""
 
     @torch.library.register_fake("kvpack::gather_blocks")
-    def _gather_fake(tensors, ptr_table, block_ids, out, geometry, ptr_align, stream) -> None:  # type: ignore[no-untyped-def]
+    def _gather_fake(tensors, ptr_table, block_ids, out, geometry, ptr_align, stream) -> None:
         return None
 
     @torch.library.register_fake("kvpack::scatter_blocks")
-    def _scatter_fake(tensors, ptr_table, block_ids, src, geometry, ptr_align, stream) -> None:  # type: ignore[no-untyped-def]
+    def _scatter_fake(tensors, ptr_table, block_ids, src, geometry, ptr_align, stream) -> None:
         return None
 
     @torch.library.register_fake("kvpack::canonical_copy")
-    def _canonical_fake(tensors, ptr_table, block_ids, staging, geometry, ptr_align, stream, gather) -> None:  # type: ignore[no-untyped-def]
+    def _canonical_fake(tensors, ptr_table, block_ids, staging, geometry, ptr_align, stream, gather) -> None:
         return None
 
 

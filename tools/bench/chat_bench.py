@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> tuple[list[SetupRun], str]:
         (Setup.VLLM_PC, True, None),
         (Setup.KVPACK, True, kv),
     ):
-        runs.append(_guarded(lambda n=name, p=pc, c=cfg: bench.run_setup(n, p, c), name))  # type: ignore[misc]
+        runs.append(_guarded(lambda n=name, p=pc, c=cfg: bench.run_setup(n, p, c), name))
     if args.no_lmcache:
         runs.append(SetupRun(Setup.LMCACHE, skipped="--no-lmcache"))
     else:
@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> tuple[list[SetupRun], str]:
 
 def _guarded(fn: Any, name: str) -> SetupRun:
     try:
-        return fn()  # type: ignore[no-any-return]
+        return fn()
     except Exception as exc:  # one set-up's failure is a line in the report; the others still run
         print(f"[chat bench] {name} failed: {exc}", file=sys.stderr, flush=True)
         return SetupRun(name, skipped=f"failed: {str(exc).splitlines()[0][:200]}")

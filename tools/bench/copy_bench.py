@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -80,8 +81,8 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     }
     for b in backends:
         group = serial if b is Backend.CPP else threaded
-        group[f"cpu gather {b.value}"] = lambda b=b: gather_blocks(kv, ids, staging, backend=b)
-        group[f"cpu scatter {b.value}"] = lambda b=b: scatter_blocks(kv, ids, staging, backend=b)
+        group[f"cpu gather {b.value}"] = partial(gather_blocks, kv, ids, staging, backend=b)
+        group[f"cpu scatter {b.value}"] = partial(scatter_blocks, kv, ids, staging, backend=b)
     canonical = _canonical_fns(layers, ids, staging, args) if load_extension().available else {}
     serial.update(canonical)
     best = _interleaved_best(threaded, args.repeats) | _interleaved_best(serial, args.repeats)
@@ -94,10 +95,10 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
         if name not in canonical
     ]
     rows += [Row(name, gbps(nbytes, t), "memcpy (1 thread)", base_1t) for name, t in best.items() if "cpp" in name]
-    for name, t in best.items():
+    for name, secs in best.items():
         op = "gather" if "gather" in name else "scatter"
-        if name in canonical and native[op] is not None:
-            rows.append(Row(name, gbps(nbytes, t), f"engine-native {op} (cpp)", gbps(nbytes, native[op])))  # type: ignore[arg-type]
+        if name in canonical and (native_s := native[op]) is not None:
+            rows.append(Row(name, gbps(nbytes, secs), f"engine-native {op} (cpp)", gbps(nbytes, native_s)))
     return rows
 
 
@@ -123,10 +124,8 @@ def _canonical_fns(
         heads = geo.heads
         for level in levels:
             for op in ("gather", "scatter"):
-                fns[f"canonical {op} ({isa} packing, {level.name.lower()})"] = (
-                    lambda g=geo, gather=op == "gather", level=level: g.copy_at_simd(
-                        ids, staging, gather=gather, obj_heads=heads, simd=level
-                    )
+                fns[f"canonical {op} ({isa} packing, {level.name.lower()})"] = partial(
+                    geo.copy_at_simd, ids, staging, gather=op == "gather", obj_heads=heads, simd=level
                 )
     return fns
 

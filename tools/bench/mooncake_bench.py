@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             dviews = [memoryview(dst[i * size : (i + 1) * size]) for i in range(n)]
             ptrs = [src.ctypes.data + i * size for i in range(n)]
             dptrs = [dst.ctypes.data + i * size for i in range(n)]
-            t = {k: [] for k in ("rp", "rg", "gp", "gg", "kp", "kg", "kgc")}
+            t: dict[str, list[float]] = {k: [] for k in ("rp", "rg", "gp", "gg", "kp", "kg", "kgc")}
             for r in range(args.repeats):
                 rkeys = [f"bench/raw/{label}/{r}/{i}" for i in range(n)]
                 gkeys = [f"bench/rawg/{label}/{r}/{i}" for i in range(n)]
@@ -254,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = [StoreKey("default", fp, f"look-{i}", "kv") for i in range(1000)]
         small = np.zeros(64, dtype=np.uint8)
         tier.put_from(
-            [
-                PutItem(k, ObjectHeader(fp, "default", k.chunk, "kv", 16, 64, None), memoryview(small))
-                for k in keys[:500]
-            ]
+            [PutItem(k, ObjectHeader(fp, "default", k.chunk, "kv", 16, 64, None), small.data) for k in keys[:500]]
         )
         names = [k.as_str() for k in keys]
         lr, lk = [], []

@@ -70,13 +70,13 @@ def write_part(root: str, lo: int, hi: int, payload: int) -> None:
     """Worker: put objects lo..hi-1 through one store (batches of `BATCH`)."""
     store = KVStore.from_config(_config(Path(root), 1 << 50), write_back=False)
     data = np.random.default_rng(lo).integers(0, 256, payload, dtype=np.uint8)
-    checksum = payload_checksum(memoryview(data))
+    checksum = payload_checksum(data.data)
     for start in range(lo, hi, BATCH):
         items = []
         for i in range(start, min(hi, start + BATCH)):
             k = _key(i)
             header = ObjectHeader(FP_MEMBER, TENANT, k.chunk, "kv", 16, payload, checksum)
-            items.append(PutItem(k, header, memoryview(data)))
+            items.append(PutItem(k, header, data.data))
         store.store(items)
     store.close()
 
@@ -111,7 +111,7 @@ def open_and_probe(root: str, n: int, payload: int, measure: bool, gets: bool = 
                 store.contains(keys)
                 times.append(time.perf_counter() - s)
             out[name] = statistics.median(times) * 1e3
-        dsts = [memoryview(np.empty(payload, np.uint8)) for _ in range(64)]
+        dsts = [np.empty(payload, np.uint8).data for _ in range(64)]
         got, s = 0, time.perf_counter()
         while gets and time.perf_counter() - s < 2.0:
             keys = [_key(int(i)) for i in rng.integers(0, n, 64)]

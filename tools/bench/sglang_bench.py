@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpack.keys import chain_hash
+from kvpack.keys import ChunkHash, chain_hash
 from kvpack.tools.bench.timing import Row, gbps, hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -98,7 +98,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _keys(n: int, seed: int, page_tokens: int) -> list[str]:
     rng = np.random.default_rng(seed)
-    out, parent = [], None
+    out: list[str] = []
+    parent: ChunkHash | None = None
     for _ in range(n):
         parent = chain_hash(parent, rng.integers(0, 32000, size=page_tokens))
         out.append(parent)

@@ -98,9 +98,7 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path]:
     return target, draft
 
 
-def _engine(  # type: ignore[no-untyped-def]
-    target: Path, draft: Path, spec_tokens: int, max_len: int, kv: dict[str, Any] | None = None, **kw: Any
-):
+def _engine(target: Path, draft: Path, spec_tokens: int, max_len: int, kv: dict[str, Any] | None = None, **kw: Any):
     from vllm import LLM
 
     args: dict[str, Any] = dict(
@@ -188,7 +186,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         shutil.rmtree(d, ignore_errors=True)
     rows: list[Row] = []
 
-    def engine(kv: dict[str, Any] | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+    def engine(kv: dict[str, Any] | None = None, **kw: Any):
         llm = _engine(target, draft, args.spec_tokens, max_len, kv, **kw)
         _measure(llm, "warm-up", warm, 32)  # a new engine's first steps are slow: keep them out of every row
         return llm

@@ -27,7 +27,7 @@ from kvpack.eviction import make_policy
 from kvpack.integrity import IntegrityKey, check_loaded, seal_items
 from kvpack.keys import StoreKey
 from kvpack.layout import KVLayoutSpec
-from kvpack.objects import Expectation, ObjectHeader, payload_checksum
+from kvpack.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.memory import MemoryTier
@@ -47,7 +47,7 @@ def _items(nbytes: int, count: int, checksum: bool) -> tuple[list[PutItem], list
         header = ObjectHeader(
             spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes, payload_checksum(p) if checksum else None
         )
-        items.append(PutItem(StoreKey("bench", spec.group_fingerprint, chunk, "kv"), header, memoryview(p)))
+        items.append(PutItem(StoreKey("bench", spec.group_fingerprint, chunk, "kv"), header, p.data))
         exps.append(Expectation(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes))
     return items, exps, payloads
 
@@ -55,10 +55,10 @@ def _items(nbytes: int, count: int, checksum: bool) -> tuple[list[PutItem], list
 def _tier_rates(
     tier: Tier, items: list[PutItem], exps: list[Expectation], verify: bool, repeats: int
 ) -> tuple[float, float]:
-    total = sum(i.payload.nbytes for i in items)
-    dsts = [np.empty(i.payload.nbytes, np.uint8) for i in items]
+    total = sum(payload_nbytes(i.payload) for i in items)
+    dsts = [np.empty(payload_nbytes(i.payload), np.uint8) for i in items]
     keys = [i.key for i in items]
-    views = [memoryview(d) for d in dsts]
+    views = [d.data for d in dsts]
     put_s = best_seconds(lambda: tier.put_from(items), repeats)
     results = tier.get_into(keys, views, exps, verify)
     assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
@@ -69,8 +69,8 @@ def _tier_rates(
 def _keyed_disk_rates(tier: Tier, items: list[PutItem], exps: list[Expectation], repeats: int) -> tuple[float, float]:
     """Disk put/get the way `KVStore` runs them with an integrity key: seal, put; get unverified, check the MAC."""
     key = IntegrityKey(bytes(range(32)))
-    total = sum(i.payload.nbytes for i in items)
-    dsts = [memoryview(np.empty(i.payload.nbytes, np.uint8)) for i in items]
+    total = sum(payload_nbytes(i.payload) for i in items)
+    dsts = [np.empty(payload_nbytes(i.payload), np.uint8).data for i in items]
     keys = [i.key for i in items]
 
     def get() -> None:
@@ -102,7 +102,7 @@ def _raw_file_rates(folder: Path, payloads: list[np.ndarray], repeats: int) -> t
             tmp = path.with_name(path.name + ".tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.write(fd, memoryview(p))
+                os.write(fd, p.data)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -112,7 +112,7 @@ def _raw_file_rates(folder: Path, payloads: list[np.ndarray], repeats: int) -> t
     def read() -> None:
         for path, d in zip(paths, dsts):
             with open(path, "rb", buffering=0) as f:
-                f.readinto(memoryview(d))
+                f.readinto(d.data)
 
     total = sum(p.nbytes for p in payloads)
     w = gbps(total, best_seconds(write, repeats))

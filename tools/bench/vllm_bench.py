@@ -94,7 +94,7 @@ def _prompts(seed: int, count: int, n: int) -> list[list[int]]:
     return [[rng.randint(3, 1999) for _ in range(n)] for _ in range(count)]
 
 
-def _engine(model: Path, kv: dict[str, Any] | None, max_len: int):  # type: ignore[no-untyped-def]
+def _engine(model: Path, kv: dict[str, Any] | None, max_len: int):
     from vllm import LLM
 
     kw: dict[str, Any] = dict(

@@ -17,6 +17,7 @@ budget (Mooncake answers INVALID_PARAMS) is read once more at its exact size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import methodcaller
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,7 @@ class Gets:
         conn = self._conn
         lane_bytes = self._staging.lane_bytes
         out: list[ObjectHeader | None] = [None] * len(names)
-        sizes = [int(conn.call(lambda s, k=k: s.get_size(k), default=NOT_CALLED)) for k in names]
+        sizes = [int(conn.call(methodcaller("get_size", k), default=NOT_CALLED)) for k in names]
         conn.note_codes(sizes)
         todo = [i for i, sz in enumerate(sizes) if sz >= HEADER_PREFIX_BYTES]
         slot = PEEK_BYTES
