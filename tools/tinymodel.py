@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 VOCAB_WORDS = 2000
 """Words in the tokenizer's vocabulary (plus a few special tokens)."""
@@ -97,10 +98,13 @@ def build_tiny_llama(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = _train_tokenizer(tmp, VOCAB_WORDS)
+    # The SGLang venv's transformers knows only `torch_dtype`; newer ones take it as the old name of `dtype` (and
+    # their typed signature lists only `dtype`), so it goes in untyped.
+    by_old_name: dict[str, Any] = {"torch_dtype": dtype}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=spec["intermediate"],
+        intermediate_size=intermediate or hidden * 2,  # spec["intermediate"]
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -110,7 +114,7 @@ def build_tiny_llama(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype=dtype,
+        **by_old_name,
     )
     if layer_types is not None:
         config.sliding_window = sliding_window

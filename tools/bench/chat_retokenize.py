@@ -34,7 +34,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model))
-        stops = [int(tok.convert_tokens_to_ids(f"w{i}")) for i in range(0, 2000, 50)]  # 40 words: ~2% a token
+        # 40 words: ~2% a token; each is one token, so one id
+        stops = [int(cast(int, tok.convert_tokens_to_ids(f"w{i}"))) for i in range(0, 2000, 50)]
         port = _free_port()
         kv = {
             "kv_connector": "KVPackConnector",

@@ -57,7 +57,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvpack.tools.bench.prom import percentile
 from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
@@ -271,7 +271,7 @@ def _traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
     args = _client_args(_client_argv(model, 0, w, seed))
     random.seed(seed)
     tok = get_tokenizer(model)
-    return [list(tok(r.prompt).input_ids) for r in get_samples(args, tok)]
+    return [list(tok(cast(str, r.prompt)).input_ids) for r in get_samples(args, tok)]  # these datasets give text
 
 
 def _run_client(

@@ -29,7 +29,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
 
 
 def key_of(prompt: Sequence[int]) -> str:
@@ -40,13 +43,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    from vllm.inputs import TokensPrompt
+
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=spec["model"],
         kv_cache_memory_bytes=256 << 20,
         max_model_len=int(spec["max_model_len"]),
-        dtype=str(spec.get("dtype", "auto")),
+        dtype=cast("ModelDType", str(spec.get("dtype", "auto"))),  # vLLM checks the value
         enforce_eager=True,
         enable_prefix_caching=False,
         seed=0,
@@ -55,7 +60,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     outputs: dict[str, Any] = {}
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         replies = []
         for p, out in zip(prompts, outs):
             comp = out.outputs[0]
