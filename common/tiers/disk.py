@@ -446,7 +446,8 @@ class DiskTier(Tier):
         A folder removed meanwhile (an emptied leaf, another process, the whole
         root) is recreated and the write retried, a bounded number of times."""
         leaf, name = _rel_leaf(key), _file_name(key)
-        buffers = [header + bytes(data_offset(len(header)) - len(header)), *payload_parts(payload)]
+        buffers: list[bytes | memoryview] = [header + bytes(data_offset(len(header)) - len(header))]
+        buffers += payload_parts(payload)
         for _attempt in range(3):
             root_fd = self._root_fd
             try:

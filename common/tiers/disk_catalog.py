@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 
 from ..errors import ConfigError
 from ..keys import GroupKey, StoreKey
@@ -160,7 +161,9 @@ class Catalog:
                 raise
             return self._db
 
-        def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        def __exit__(
+            self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        ) -> None:
             try:
                 self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
             finally:

@@ -27,6 +27,7 @@ import re
 import secrets
 import stat
 import struct
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -165,7 +166,7 @@ def root_removed(fd: int) -> bool:
 # -- opening beneath the root ----------------------------------------------------
 
 
-def _load_openat2():  # type: ignore[no-untyped-def]
+def _load_openat2() -> Any:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.syscall
