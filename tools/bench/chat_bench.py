@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> tuple[list[SetupRun], str]:
     plan = chat_plan(shape, args.seed) if isinstance(shape, ChatShape) else longdoc_plan(shape, args.seed)
     per_token = _kv_bytes_per_token(model) * (2 if draft else 1)
     conv_blocks = math.ceil(shape.conversation_tokens() / BLOCK_SIZE) + 1
-    blocks = max(shape.concurrency * conv_blocks, math.ceil(shape.total_tokens() * args.kv_cache_fraction / BLOCK_SIZE))
+    blocks = max(shape.resident() * conv_blocks, math.ceil(shape.total_tokens() * args.kv_cache_fraction / BLOCK_SIZE))
     root = Path(args.store_dir or tempfile.mkdtemp(prefix="kvpack-chat-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     template = root / "chat-template.jinja"

@@ -57,6 +57,10 @@ class ChatShape:
         """Distinct tokens of every conversation at its end (the shared system prompt counted once)."""
         return self.system_words + self.users * (self.conversation_tokens() - self.system_words)
 
+    def resident(self) -> int:
+        """Conversations the engine's KV cache must hold at once: every user in flight."""
+        return self.concurrency
+
 
 @dataclass(frozen=True)
 class DocShape:
@@ -75,6 +79,10 @@ class DocShape:
 
     def total_tokens(self) -> int:
         return self.docs * self.conversation_tokens()
+
+    def resident(self) -> int:
+        """Two documents at once (queries in flight on one document share its blocks; more wait)."""
+        return min(2, self.docs)
 
 
 @dataclass(frozen=True)
