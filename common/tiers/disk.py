@@ -36,7 +36,9 @@ until then a key the index does not know is looked up in the folder itself
 the first request is served at once.
 
 Batches: capacity for a whole put batch is planned in one index transaction
-(`Catalog.admit`), then the files are checksummed and written,
+(`Catalog.admit`, rows not ready: no lookup finds them), then the files are
+checksummed and written and the written ones marked ready in one more
+(`Catalog.mark_ready`),
 and a get batch's files are read and verified, on `io_threads` threads
 (`kvpack.tiers.parallel`: file I/O releases the GIL). A file whose group was
 evicted while it was being written (by this or another process) is removed
@@ -71,14 +73,13 @@ from ..objects import (
 )
 from . import disk_fs, disk_index
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .disk_catalog import Victim, open_catalog
+from .disk_catalog import WRITE_GRACE_S, Victim, open_catalog
 from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
 from .disk_fs import UnsafeEntry
 from .parallel import IOThreads
 
-WRITE_GRACE_S = 60.0
-"""A load that misses an indexed object forgets its row only when the group was last written
-(or read) longer ago than this: another process may be writing the file right now."""
+# WRITE_GRACE_S (from `kvpack.tiers.disk_catalog`): a row not ready this long after its admission is a
+# crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
 
@@ -181,7 +182,13 @@ class DiskTier(Tier):
         def run() -> None:
             try:
                 disk_index.build_index(
-                    self._root_fd, self._catalog, self.counters, self._stale_temp_s, self._refuse_stat, pace
+                    self._root_fd,
+                    self._catalog,
+                    self.counters,
+                    self._stale_temp_s,
+                    self._refuse_stat,
+                    pace,
+                    WRITE_GRACE_S,
                 )
                 self._complete = True
                 self.scan_seconds = time.monotonic() - started
@@ -347,7 +354,8 @@ class DiskTier(Tier):
             if hits:
                 self._catalog.touch(hits)
             if gone:
-                # its file vanished (not a write still in progress): the bytes no longer count
+                # a ready row's file vanished (removed behind kvpack's back): the row and its bytes go
+                # now; a row not ready is a write in progress unless older than the grace
                 self._catalog.forget(gone, time.time_ns() - int(WRITE_GRACE_S * 1e9))
         except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
             pass
@@ -421,9 +429,9 @@ class DiskTier(Tier):
         if failed:
             self._drop_victims(self._catalog.remove_groups(failed), "failed_write")
         written = [i for i in todo if statuses[i] is TierStatus.OK]
-        try:
-            still = self._catalog.lookup([items[i].key for i in written])
-        except Exception:  # noqa: BLE001
+        try:  # one short transaction: from now on the written objects are found (`contains`)
+            still = self._catalog.mark_ready([items[i].key for i in written])
+        except Exception:  # noqa: BLE001 - left not ready: unseen until a scan finds them whole
             still = [True] * len(written)
         for i, indexed in zip(written, still):
             if not indexed:  # evicted while it was written (a later put, another process)

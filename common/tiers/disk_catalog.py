@@ -14,17 +14,23 @@ a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
   (``fp`` and ``chunk`` as bytes when they are lowercase hex, else text);
   ``g`` is a 16-byte BLAKE2b of ``tenant/fp/chunk``; ``tick`` (ns) orders
   eviction (LRU over groups; an index on it makes the oldest cheap to find);
-- ``objects(g, member, nbytes)``: one row per object file;
+- ``objects(g, member, nbytes, ready, since)``: one row per object file; ``ready`` is 0 from
+  `Catalog.admit` until its writer marks the file written (`Catalog.mark_ready`), 1 after (and for
+  files the folder scan found); ``since`` is the wall-clock ns of that last change (admitted, or ready);
 - ``tenants(tenant, used)``: bytes per tenant, updated in the same transaction
   as every insert and delete, so ``SUM(used)`` is the folder's usage;
 - ``meta``: the schema version and ``complete`` once every file of an older
   store was indexed (`kvpack.tiers.disk_index` builds it in the background).
 
-Invariants: a group row's ``nbytes`` is the sum of its objects', a tenant's
-``used`` the sum of its groups'; a row is inserted before its file is written
-and deleted before its file is unlinked (a crash leaves a row without a file,
-a miss that `forget` removes, or an orphan file of an evicted group, which is
-never loaded because loads verify the file's own header).
+Invariants: a group row's ``nbytes`` is the sum of its objects' (ready or not: a row being
+written holds its bytes), a tenant's ``used`` the sum of its groups'; a row is inserted (not
+ready) before its file is written and deleted before its file is unlinked; `lookup` sees only
+ready rows, so no process finds an object whose file is still to come. A ready row's file
+exists unless something outside kvpack removed it: a load miss on it `forget`s it at once, and
+the folder scan at open drops ready rows whose file it did not find (`sweep_unseen`). A row
+still not ready `WRITE_GRACE_S` after its admission is a crashed writer's, dropped the same
+ways (or marked ready when the scan finds its file whole). An orphan file of an evicted group
+is never loaded because loads verify the file's own header.
 
 Eviction is LRU over groups with the tenant shares of
 `kvpack.eviction.CapacityManager` (a tenant over its share evicts its own
@@ -54,7 +60,9 @@ from ..keys import GroupKey, StoreKey
 
 INDEX_NAME = ".kvpack-store.index"
 """Starts with the marker's name plus a dot: `disk_fs` treats it (and its -wal/-shm) as the marker's own."""
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+WRITE_GRACE_S = 60.0
+"""A row not ready this long after its admission is a crashed writer's (no write takes this long)."""
 TOUCH_FLUSH_S = 1.0
 """Buffered read touches are written at most this often (and with every put)."""
 MAX_TOUCHES = 2048
@@ -68,7 +76,7 @@ _SCHEMA = (
     " chunk TEXT NOT NULL, nbytes INTEGER NOT NULL, tick INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS groups_tick ON groups(tick)",
     "CREATE TABLE IF NOT EXISTS objects(g BLOB NOT NULL, member TEXT NOT NULL, nbytes INTEGER NOT NULL,"
-    " PRIMARY KEY(g, member)) WITHOUT ROWID",
+    " ready INTEGER NOT NULL, since INTEGER NOT NULL, PRIMARY KEY(g, member)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
 )
 
@@ -127,14 +135,14 @@ class Catalog:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         with self._tx():
+            self._db.execute(_SCHEMA[0])
+            row = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            if row is not None and row[0] != SCHEMA_VERSION:
+                for table in ("groups", "objects", "tenants", "meta"):
+                    self._db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
             for stmt in _SCHEMA:
                 self._db.execute(stmt)
-            row = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
-            elif row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "meta"):
-                    self._db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
+            if row is None or row[0] != SCHEMA_VERSION:
                 self._db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
         self._tick = 0
         self._touched: dict[bytes, int] = {}
@@ -190,7 +198,7 @@ class Catalog:
     # -- reads ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Per key: is it indexed? One ``SELECT ... IN`` per batch (no write)."""
+        """Per key: is it indexed and its file written (ready)? One ``SELECT ... IN`` per batch (no write)."""
         ids = [group_id(k.group) for k in keys]
         unique = list(dict.fromkeys(ids))
         found: set[tuple[bytes, str]] = set()
@@ -198,7 +206,7 @@ class Catalog:
             for lo in range(0, len(unique), 500):
                 part = unique[lo : lo + 500]
                 marks = ",".join("?" * len(part))
-                found.update(self._db.execute(f"SELECT g, member FROM objects WHERE g IN ({marks})", part))  # noqa: S608
+                found.update(self._db.execute(f"SELECT g, member FROM objects WHERE g IN ({marks}) AND ready=1", part))  # noqa: S608
         return [(g, k.member) in found for g, k in zip(ids, keys)]
 
     def _next_tick(self) -> int:
@@ -345,12 +353,13 @@ class Catalog:
         used: dict[str, int],
     ) -> list[Victim]:
         gone = [v for v in (self._delete_group(db, g, used) for g in victims) if v is not None]
+        now = time.time_ns()
         for key, n in requests:
             tick = self._next_tick()
             g = group_id(key.group)
             row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
             delta = n - (row[0] if row else 0)
-            db.execute("INSERT OR REPLACE INTO objects VALUES(?, ?, ?)", (g, key.member, n))
+            db.execute("INSERT OR REPLACE INTO objects VALUES(?, ?, ?, 0, ?)", (g, key.member, n, now))
             db.execute(
                 "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
                 " nbytes=nbytes+excluded.nbytes, tick=excluded.tick",
@@ -379,20 +388,34 @@ class Catalog:
         with self._lock, self._tx() as db:
             return [v for v in (self._delete_group(db, group_id(g)) for g in groups) if v is not None]
 
-    def forget(self, keys: Sequence[StoreKey], written_before_ns: int | None = None) -> None:
+    def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Mark the rows of `keys` ready (their files are written), in one transaction; per key,
+        was it still indexed (False: evicted or removed while it was written)?"""
+        if not keys:
+            return []
+        with self._lock, self._tx() as db:
+            now = time.time_ns()
+            return [
+                db.execute(
+                    "UPDATE objects SET ready=1, since=? WHERE g=? AND member=?", (now, group_id(k.group), k.member)
+                ).rowcount
+                == 1
+                for k in keys
+            ]
+
+    def forget(self, keys: Sequence[StoreKey], stale_before_ns: int) -> None:
         """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow.
 
-        With `written_before_ns`, only rows of groups last written or read before it: a row
-        is indexed before its file is renamed into place, so a younger row may be a write
-        in progress in another process, whose file is still to come."""
+        A ready row goes at once (its file was written, so a miss means it is gone); a row
+        not ready only when admitted before `stale_before_ns` (a crashed writer's): a younger
+        one is a write in progress, maybe in another process, whose file is still to come."""
         with self._lock, self._tx() as db:
             for key in keys:
                 g = group_id(key.group)
-                if written_before_ns is not None:
-                    tick = db.execute("SELECT tick FROM groups WHERE g=?", (g,)).fetchone()
-                    if tick is None or tick[0] >= written_before_ns:
-                        continue
-                row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
+                row = db.execute(
+                    "SELECT nbytes FROM objects WHERE g=? AND member=? AND (ready=1 OR since<?)",
+                    (g, key.member, stale_before_ns),
+                ).fetchone()
                 if row is None:
                     continue
                 db.execute("DELETE FROM objects WHERE g=? AND member=?", (g, key.member))
@@ -401,14 +424,21 @@ class Catalog:
                 db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (row[0], key.tenant))
                 db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (key.tenant,))
 
-    def add_found(self, found: Sequence[tuple[StoreKey, int, int]]) -> None:
-        """Index files found in the folder (key, bytes, mtime ns) without evicting: the background build.
-        A key already indexed (written meanwhile by a put) is left as it is."""
+    def add_found(self, found: Sequence[tuple[StoreKey, int, int]], stale_before_ns: int | None = None) -> None:
+        """Index files found in the folder (key, bytes, mtime ns), ready, without evicting: the background
+        build. A key already indexed (written meanwhile by a put) is left as it is, except a row not
+        ready admitted before `stale_before_ns` (its writer crashed after the rename): marked ready."""
         with self._lock, self._tx() as db:
+            now = time.time_ns()
             for key, n, tick in found:
                 g = group_id(key.group)
-                cur = db.execute("INSERT OR IGNORE INTO objects VALUES(?, ?, ?)", (g, key.member, n))
+                cur = db.execute("INSERT OR IGNORE INTO objects VALUES(?, ?, ?, 1, ?)", (g, key.member, n, now))
                 if cur.rowcount != 1:
+                    if stale_before_ns is not None:
+                        db.execute(
+                            "UPDATE objects SET ready=1, since=? WHERE g=? AND member=? AND ready=0 AND since<?",
+                            (now, g, key.member, stale_before_ns),
+                        )
                     continue
                 db.execute(
                     "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
@@ -419,6 +449,81 @@ class Catalog:
                     "INSERT INTO tenants VALUES(?, ?) ON CONFLICT(tenant) DO UPDATE SET used=used+excluded.used",
                     (key.tenant, n),
                 )
+
+    # -- the folder scan's reconcile ---------------------------------------------------
+
+    def begin_scan(self) -> None:
+        """Start recording the files a folder scan sees (a temp table of this connection, on disk)."""
+        with self._lock:
+            self._db.execute("DROP TABLE IF EXISTS temp.scan_seen")
+            self._db.execute(
+                "CREATE TEMP TABLE scan_seen(g BLOB NOT NULL, member TEXT NOT NULL, PRIMARY KEY(g, member))"
+                " WITHOUT ROWID"
+            )
+
+    def note_seen(self, keys: Sequence[StoreKey]) -> None:
+        """Record object files the scan saw (valid or not); writes only this connection's temp table."""
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO temp.scan_seen VALUES(?, ?)", [(group_id(k.group), k.member) for k in keys]
+            )
+
+    def sweep_unseen(self, scan_began_ns: int, stale_before_ns: int) -> int:
+        """Unindex the rows whose file the scan (`begin_scan`, `note_seen`) did not see: ready rows
+        ready before `scan_began_ns` (their file existed before the scan, so it would have been
+        seen), and rows not ready admitted before `stale_before_ns` (crashed writes); returns how many.
+
+        Set-based: the candidates are found in 256 slices of the key space, each one read
+        statement (no write lock, this connection's lock held per slice only), then re-checked
+        and removed, bytes and all, in one write transaction (a row re-admitted or readied
+        meanwhile no longer qualifies and stays)."""
+        live = "((o.ready=1 AND o.since<?) OR (o.ready=0 AND o.since<?))"
+        with self._lock:
+            self._db.execute("DROP TABLE IF EXISTS temp.scan_unseen")
+            self._db.execute(
+                "CREATE TEMP TABLE scan_unseen(g BLOB NOT NULL, member TEXT NOT NULL, PRIMARY KEY(g, member))"
+                " WITHOUT ROWID"
+            )
+        for b in range(256):
+            lo, hi = bytes([b]), bytes([b + 1]) if b < 255 else b"\xff" * 17  # every 16-byte id is below
+            with self._lock:
+                self._db.execute(
+                    "INSERT INTO temp.scan_unseen SELECT o.g, o.member FROM main.objects o"
+                    f" WHERE o.g>=? AND o.g<? AND {live} AND NOT EXISTS"  # noqa: S608 - fixed text
+                    " (SELECT 1 FROM temp.scan_seen s WHERE s.g=o.g AND s.member=o.member)",
+                    (lo, hi, scan_began_ns, stale_before_ns),
+                )
+        with self._lock, self._tx() as db:
+            db.execute("DROP TABLE IF EXISTS temp.scan_gone")
+            db.execute(
+                "CREATE TEMP TABLE scan_gone(g BLOB NOT NULL, member TEXT NOT NULL, nbytes INTEGER NOT NULL,"
+                " tenant TEXT NOT NULL, PRIMARY KEY(g, member)) WITHOUT ROWID"
+            )
+            db.execute(
+                "INSERT INTO temp.scan_gone SELECT o.g, o.member, o.nbytes, gr.tenant FROM temp.scan_unseen u"
+                " JOIN main.objects o ON o.g=u.g AND o.member=u.member"
+                f" JOIN main.groups gr ON gr.g=o.g WHERE {live}",  # noqa: S608 - fixed text
+                (scan_began_ns, stale_before_ns),
+            )
+            n = int(db.execute("SELECT COUNT(*) FROM temp.scan_gone").fetchone()[0])
+            if n:
+                db.executemany(
+                    "UPDATE tenants SET used=used-? WHERE tenant=?",
+                    db.execute("SELECT SUM(nbytes), tenant FROM temp.scan_gone GROUP BY tenant").fetchall(),
+                )
+                db.execute(
+                    "UPDATE groups SET nbytes=nbytes-(SELECT SUM(k.nbytes) FROM temp.scan_gone k"
+                    " WHERE k.g=groups.g) WHERE g IN (SELECT g FROM temp.scan_gone)"
+                )
+                db.execute("DELETE FROM objects WHERE (g, member) IN (SELECT g, member FROM temp.scan_gone)")
+                db.execute(
+                    "DELETE FROM groups WHERE g IN (SELECT g FROM temp.scan_gone)"
+                    " AND NOT EXISTS (SELECT 1 FROM objects o WHERE o.g=groups.g)"
+                )
+                db.execute("DELETE FROM tenants WHERE used<=0")
+            for table in ("scan_gone", "scan_unseen", "scan_seen"):
+                db.execute(f"DROP TABLE temp.{table}")  # noqa: S608 - fixed names
+        return n
 
     def close(self) -> None:
         try:

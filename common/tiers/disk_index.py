@@ -6,8 +6,13 @@ short budget, `DiskTier`'s ``open_scan_s``). For a store written before the
 persistent index (`kvpack.tiers.disk_catalog`), or whose index file was
 deleted, it builds the index while lookups are answered from the folder
 itself; for an indexed store it reconciles: files written by a crashed or
-older writer are indexed, indexed files damaged since are un-indexed, and
-stale temporaries are swept.
+older writer are indexed (a crashed writer's row not marked ready is marked
+so), indexed files damaged since are un-indexed, rows whose file the scan did
+not see are un-indexed (`Catalog.sweep_unseen`: ready before the scan began,
+so a file deleted while no kvpack process ran is not found by the next one;
+or never marked ready and older than the write grace), and stale temporaries
+are swept. The sweep is skipped when a folder could not be listed (an
+unlisted file is not a missing one).
 
 Walks ``<root>/<tenant>/<fingerprint>/<cc>/`` from the root's directory fd,
 one ``O_NOFOLLOW`` folder at a time (a symlinked folder is skipped and
@@ -38,7 +43,7 @@ from typing import Protocol
 from ..keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
 from ..objects import ObjectRejected, RejectReason
 from . import disk_fs
-from .disk_catalog import Catalog
+from .disk_catalog import WRITE_GRACE_S, Catalog
 from .disk_files import SUFFIX, data_offset, read_header_fd
 
 BUILD_LOCK = ".kvpack-store.build"
@@ -72,24 +77,35 @@ def build_index(
     stale_temp_s: float,
     refuse: Callable[[StoreKey, os.stat_result | None], None],
     pace: Callable[[int], None] | None = None,
+    write_grace_s: float = WRITE_GRACE_S,
 ) -> int:
-    """Index every valid object file of the folder into `catalog`, then mark it complete;
-    returns the objects found. `refuse` is told of each file left alone; `pace(n)` (a test
-    seam) is called after each leaf folder with the objects found so far. Never deletes an object."""
+    """Index every valid object file of the folder into `catalog`, unindex the rows whose
+    file it did not see, then mark it complete; returns the objects found. `refuse` is told of
+    each file left alone; `pace(n)` (a test seam) is called after each leaf folder with the
+    objects found so far. A row not ready is a write in progress for `write_grace_s` after its
+    admission. Never deletes an object."""
     now = time.time()
+    began_ns = time.time_ns()
+    stale_ns = began_ns - int(write_grace_s * 1e9)
     found: list[tuple[StoreKey, int, int]] = []
     rejected: list[StoreKey] = []
+    seen: list[StoreKey] = []
+    unlisted: list[str] = []
+    catalog.begin_scan()
 
     def reject(key: StoreKey, st: os.stat_result | None) -> None:
         rejected.append(key)
         refuse(key, st)
 
     total = 0
-    for tenant, fp, cc, dfd in _leaf_folders(root_fd, counters):
+    for tenant, fp, cc, dfd in _leaf_folders(root_fd, counters, unlisted):
         try:
             names = os.listdir(dfd)
+        except FileNotFoundError:
+            names = []
         except OSError:
             names = []
+            unlisted.append(f"{tenant}/{fp}/{cc}")
         for name in names:
             if disk_fs.is_temp_name(name):
                 _sweep_temp(dfd, name, now, stale_temp_s, counters)
@@ -97,19 +113,24 @@ def build_index(
             key = _key_of(tenant, fp, cc, name, SUFFIX)
             if key is None:
                 continue  # not a name kvpack writes: not ours to judge
+            seen.append(key)
             entry = _check_file(root_fd, key, f"{tenant}/{fp}/{cc}/{name}", counters, reject)
             if entry is not None:
                 found.append(entry)
         os.close(dfd)
-        if len(found) >= BATCH or rejected:
-            catalog.add_found(found)
-            catalog.forget(rejected)  # indexed before, damaged since: no longer reported
+        if len(found) >= BATCH or len(seen) >= BATCH or rejected:
+            catalog.add_found(found, stale_ns)
+            catalog.forget(rejected, stale_ns)  # indexed before, damaged since: no longer reported
+            catalog.note_seen(seen)
             total += len(found)
-            found, rejected = [], []
+            found, rejected, seen = [], [], []
         if pace is not None:
             pace(total + len(found))
-    catalog.add_found(found)
-    catalog.forget(rejected)
+    catalog.add_found(found, stale_ns)
+    catalog.forget(rejected, stale_ns)
+    catalog.note_seen(seen)
+    if not unlisted:
+        catalog.sweep_unseen(began_ns, stale_ns)
     catalog.mark_complete()
     _release_heap()
     return total + len(found)
@@ -182,11 +203,15 @@ def _sweep_temp(dfd: int, name: str, now: float, stale_s: float, counters: Count
         pass
 
 
-def _subdirs(dfd: int, counters: Counters, valid: Callable[[str], object]) -> Iterator[tuple[str, int]]:
-    """(name, fd) of each sub-folder of `dfd` whose name passes `valid`; symlinks refused, counted."""
+def _subdirs(
+    dfd: int, counters: Counters, valid: Callable[[str], object], unlisted: list[str]
+) -> Iterator[tuple[str, int]]:
+    """(name, fd) of each sub-folder of `dfd` whose name passes `valid`; symlinks refused, counted.
+    A folder that cannot be listed or opened is appended to `unlisted`."""
     try:
         entries = list(os.scandir(dfd))
     except OSError:
+        unlisted.append(str(dfd))
         return
     for entry in entries:
         name = entry.name
@@ -196,7 +221,10 @@ def _subdirs(dfd: int, counters: Counters, valid: Callable[[str], object]) -> It
             continue
         try:
             mode = entry.stat(follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue  # removed meanwhile (emptied by an eviction): nothing of it is indexed
         except OSError:
+            unlisted.append(name)
             continue
         if stat.S_ISLNK(mode):
             counters.count_unsafe()
@@ -205,8 +233,13 @@ def _subdirs(dfd: int, counters: Counters, valid: Callable[[str], object]) -> It
             continue
         try:
             fd = disk_fs.open_dir(dfd, name)
-        except OSError:
+        except disk_fs.UnsafeEntry:
             counters.count_unsafe()
+            continue
+        except FileNotFoundError:
+            continue
+        except OSError:
+            unlisted.append(name)
             continue
         yield name, fd
 
@@ -217,13 +250,14 @@ def _cc(name: str) -> str:
     return validate_chunk_hash(name)
 
 
-def _leaf_folders(root_fd: int, counters: Counters) -> Iterator[tuple[str, str, str, int]]:
-    """(tenant, fingerprint, cc, fd) of every leaf folder; the caller closes each fd."""
-    for tenant, tfd in _subdirs(root_fd, counters, validate_tenant):
+def _leaf_folders(root_fd: int, counters: Counters, unlisted: list[str]) -> Iterator[tuple[str, str, str, int]]:
+    """(tenant, fingerprint, cc, fd) of every leaf folder; the caller closes each fd; folders
+    that could not be listed or opened are appended to `unlisted`."""
+    for tenant, tfd in _subdirs(root_fd, counters, validate_tenant, unlisted):
         try:
-            for fp, ffd in _subdirs(tfd, counters, validate_chunk_hash):
+            for fp, ffd in _subdirs(tfd, counters, validate_chunk_hash, unlisted):
                 try:
-                    for cc, cfd in _subdirs(ffd, counters, _cc):
+                    for cc, cfd in _subdirs(ffd, counters, _cc, unlisted):
                         yield tenant, fp, cc, cfd
                 finally:
                     os.close(ffd)

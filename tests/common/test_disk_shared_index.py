@@ -17,7 +17,7 @@ from kvpack.config import EvictionPolicyName
 from kvpack.errors import ConfigError
 from kvpack.eviction import make_policy
 from kvpack.inspect_store import summarize
-from kvpack.tiers.base import TierStatus
+from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk_catalog import INDEX_NAME
 from kvpack.tiers.disk_fs import MARKER
@@ -187,18 +187,99 @@ def test_a_symlinked_or_unreadable_index_is_refused_clearly_and_nothing_is_writt
     assert "delete it" in str(err.value)
 
 
-def test_a_miss_on_a_young_row_keeps_it_a_write_in_progress_elsewhere(
+class _HeldWrite:
+    """Holds every file write of the process (kvpack's `write_all`) until `release`: the window
+    between a put's index row and its file, as another process in the middle of a put sees it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvpack.tiers import disk as disk_mod
+
+        self.entered, self._gate = threading.Event(), threading.Event()
+        real = disk_mod.write_all
+
+        def held(fd: int, buffers: list[bytes | memoryview]) -> None:
+            self.entered.set()
+            self._gate.wait(30)
+            real(fd, buffers)
+
+        monkeypatch.setattr(disk_mod, "write_all", held)
+        self.statuses: list[list[TierStatus]] = []
+        self._thread: threading.Thread | None = None
+
+    def put(self, tier: DiskTier, items: list[PutItem]) -> None:
+        self._thread = threading.Thread(target=lambda: self.statuses.append(tier.put_from(items)))
+        self._thread.start()
+        assert self.entered.wait(10)
+
+    def release(self) -> list[TierStatus]:
+        self._gate.set()
+        assert self._thread is not None
+        self._thread.join(30)
+        return self.statuses[0]
+
+
+def test_an_object_being_written_is_not_found_by_another_process_until_its_file_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer, reader = _disk(tmp_path), _disk(tmp_path)
+    item, payload = make_item("t", chunk_id(1), seed=1)
+    held = _HeldWrite(monkeypatch)
+    held.put(writer, [item])
+    dst = np.zeros(KIB, np.uint8)
+    try:
+        assert reader.contains([item.key]) == [False]  # indexed (admitted), its file still to come
+        assert reader.usage().used_bytes == KIB  # its bytes are reserved all the same
+        assert reader.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0].status is TierStatus.MISS
+        assert reader.usage().used_bytes == KIB  # a miss on a write in progress keeps its row
+    finally:
+        assert held.release() == [TierStatus.OK]
+    assert reader.contains([item.key]) == [True]
+    assert reader.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0].ok
+    assert np.array_equal(dst, payload)
+
+
+def test_a_miss_on_a_written_object_forgets_it_at_once(tmp_path: Path) -> None:
+    writer, reader = _disk(tmp_path), _disk(tmp_path)
+    item, _ = make_item("t", chunk_id(1), seed=1)
+    assert writer.put_from([item]) == [TierStatus.OK]
+    writer.path_of(item.key).unlink()  # removed behind kvpack's back (an operator, a crash)
+    dst = memoryview(np.zeros(KIB, np.uint8))
+    assert reader.get_into([item.key], [dst], [expect(item)], True)[0].status is TierStatus.MISS
+    assert reader.contains([item.key]) == [False] and reader.usage().used_bytes == 0
+    assert writer.contains([item.key]) == [False]
+
+
+def test_a_file_deleted_while_no_process_had_the_store_open_is_not_found_after_reopening(tmp_path: Path) -> None:
+    tier = _disk(tmp_path)
+    items = [make_item("t", chunk_id(i), seed=i)[0] for i in range(3)]
+    items.append(make_item("t", chunk_id(1), member="v", seed=9)[0])  # a second member of group 1
+    assert tier.put_from(items) == [TierStatus.OK] * 4
+    tier.close()
+    tier.path_of(items[1].key).unlink()
+    reopened = _disk(tmp_path, open_scan_s=30.0)  # opening waits for the reconcile scan (at most this long)
+    assert reopened.contains([it.key for it in items]) == [True, False, True, True]
+    usage = reopened.usage()
+    assert (usage.used_bytes, usage.objects, usage.groups) == (3 * KIB, 3, 3)
+    assert reopened.tenant_used("t") == 3 * KIB
+
+
+def test_a_crashed_writers_row_is_dropped_by_the_scan_after_the_grace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvpack.tiers import disk as disk_mod
 
-    writer, reader = _disk(tmp_path), _disk(tmp_path)
+    writer = _disk(tmp_path)
+    kept, _ = make_item("t", chunk_id(2), seed=2)
+    assert writer.put_from([kept]) == [TierStatus.OK]
     item, _ = make_item("t", chunk_id(1), seed=1)
-    writer.put_from([item])
-    writer.path_of(item.key).unlink()  # as between another process's index row and its rename
-    dst = memoryview(np.zeros(KIB, np.uint8))
-    assert reader.get_into([item.key], [dst], [expect(item)], True)[0].status is TierStatus.MISS
-    assert reader.contains([item.key]) == [True] and reader.usage().used_bytes == KIB
-    monkeypatch.setattr(disk_mod, "WRITE_GRACE_S", 0.0)
-    assert reader.get_into([item.key], [dst], [expect(item)], True)[0].status is TierStatus.MISS
-    assert reader.contains([item.key]) == [False] and reader.usage().used_bytes == 0
+    held = _HeldWrite(monkeypatch)
+    held.put(writer, [item])  # never ends while the next process opens: as a writer that crashed
+    try:
+        assert _disk(tmp_path, open_scan_s=30.0).usage().used_bytes == 2 * KIB  # young: a write in progress
+        monkeypatch.setattr(disk_mod, "WRITE_GRACE_S", 0.0)
+        reopened = _disk(tmp_path, open_scan_s=30.0)
+        assert reopened.usage().used_bytes == KIB and reopened.contains([kept.key, item.key]) == [True, False]
+    finally:
+        statuses = held.release()
+    assert statuses == [TierStatus.NO_SPACE]  # its row was dropped meanwhile: the late file is removed again
+    assert not writer.path_of(item.key).exists()
