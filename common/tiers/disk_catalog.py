@@ -130,23 +130,53 @@ class Catalog:
         self._lock = threading.Lock()
         self._timeout_s = busy_timeout_s
         self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        with self._tx():
-            self._db.execute(_SCHEMA[0])
-            row = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
-            if row is not None and row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "meta"):
-                    self._db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
-            for stmt in _SCHEMA:
-                self._db.execute(stmt)
-            if row is None or row[0] != SCHEMA_VERSION:
-                self._db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
+        # Set-up runs under the writer lock: turning a new file to WAL needs it alone (SQLite answers
+        # "database is locked" at once, not after its busy timeout, while another opener reads it).
+        _flock(self._lock_fd, busy_timeout_s)
+        db: sqlite3.Connection | None = None
+        try:
+            db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+            self._db = db
+            deadline = time.monotonic() + busy_timeout_s
+            while True:
+                try:
+                    self._set_up(busy_timeout_s)
+                    break
+                except sqlite3.OperationalError as exc:  # SQLite answers some lock waits at once
+                    if "locked" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+        except BaseException:
+            if db is not None:
+                db.close()
+            os.close(self._lock_fd)  # releases the lock too
+            raise
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         self._tick = 0
         self._touched: dict[bytes, int] = {}
         self._last_flush = time.monotonic()
+
+    def _set_up(self, busy_timeout_s: float) -> None:
+        """WAL mode and the schema (the caller holds the writer lock)."""
+        db = self._db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute(_SCHEMA[0])
+            row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            if row is not None and row[0] != SCHEMA_VERSION:
+                for table in ("groups", "objects", "tenants", "meta"):
+                    db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
+            for stmt in _SCHEMA:
+                db.execute(stmt)
+            if row is None or row[0] != SCHEMA_VERSION:
+                db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     # -- transactions --------------------------------------------------------------
 
