@@ -551,11 +551,12 @@ class Soak:
 
     def _root_is_clean(self) -> bool | None:
         from kvpack.keys import validate_tenant
+        from kvpack.tiers.disk_fs import MARKER
 
         if not self.disk_root.is_dir():
             return None
         for entry in self.disk_root.iterdir():
-            if entry.name == ".kvpack-store":  # the store folder's own marker
+            if entry.name == MARKER or entry.name.startswith(MARKER + "."):  # the marker, the index beside it
                 continue
             try:
                 validate_tenant(entry.name)
