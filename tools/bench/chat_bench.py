@@ -64,9 +64,9 @@ from kvpack.tools.bench.chat_workload import (
     plot,
 )
 from kvpack.tools.bench.chat_workload import words as make_words
-from kvpack.tools.bench.prom import parse_total, scrape
+from kvpack.tools.bench.prom import parse_counters, parse_total
 from kvpack.tools.bench.serve_bench import _kv_bytes_per_token
-from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Server, free_port, http_call, parse_counters
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Server, free_port, http_call, scrape
 from kvpack.tools.bench.timing import publish
 
 PEERS = Path(os.path.expanduser("~/.cache/kvpack/peers"))

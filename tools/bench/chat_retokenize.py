@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
+
+from kvpack.tools.bench.serve_server import free_port
 
 TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
@@ -55,12 +56,6 @@ class Turn:
     prev_finish: str
     first_diff: tuple[int, int] | None
     """(turn k's token, turn k+1's token) at the first position they differ (None: kept)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(str(model))
         # 40 words: ~2% a token; each is one token, so one id
         stops = [int(cast(int, tok.convert_tokens_to_ids(f"w{i}"))) for i in range(0, 2000, 50)]
-        port = _free_port()
+        port = free_port()
         kv = {
             "kv_connector": "KVPackConnector",
             "kv_role": "kv_both",

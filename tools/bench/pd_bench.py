@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpack.tools.bench.prom import EMPTY, Histogram, parse_histogram, parse_total, percentile, scrape
-from kvpack.tools.bench.serve_server import HOST, Counters, Server, free_port, http_call
+from kvpack.tools.bench.prom import EMPTY, Histogram, parse_histogram, parse_total, percentile
+from kvpack.tools.bench.serve_server import HOST, Counters, Server, free_port, http_call, scrape
 from kvpack.tools.bench.timing import publish
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-import urllib.request
 from dataclasses import dataclass
-
-from kvpack.tools.bench.serve_server import HOST
 
 
 @dataclass(frozen=True)
@@ -74,23 +71,22 @@ def parse_histogram(text: str, name: str) -> Histogram:
     return Histogram(bounds, tuple(buckets[b] for b in bounds), total, count)
 
 
-def parse_total(text: str, name: str) -> float:
-    """A counter's samples (``name`` or ``name_total``) summed over every label set."""
-    out = 0.0
+def parse_counters(text: str, name: str, label: str | None = None) -> dict[str, float]:
+    """Sum a Prometheus counter's samples over every other label, keyed by `label`'s value ("" when None)."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
-        if m is not None and m["name"] in (name, name + "_total"):
-            out += float(m["value"])
+        if m is None or m["name"] not in (name, name + "_total"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+        key = labels.get(label, "") if label else ""
+        out[key] = out.get(key, 0.0) + float(m["value"])
     return out
 
 
-def scrape(port: int) -> str | None:
-    """The ``/metrics`` text of the server on `port` of this host (None: nothing answered in 2 s)."""
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=2) as resp:
-            return str(resp.read().decode(errors="replace"))
-    except OSError:
-        return None
+def parse_total(text: str, name: str) -> float:
+    """A counter's samples (``name`` or ``name_total``) summed over every label set."""
+    return sum(parse_counters(text, name).values())
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvpack.tools.bench.prom import parse_counters
 
 HOST = "127.0.0.1"
 BLOCK_SIZE = 128
@@ -163,20 +164,10 @@ def http_call(
         return 0, ""
 
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-
-
-def parse_counters(text: str, name: str, label: str | None = None) -> dict[str, float]:
-    """Sum a Prometheus counter's samples over every other label, keyed by `label`'s value ("" when None)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or m["name"] not in (name, name + "_total"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        key = labels.get(label, "") if label else ""
-        out[key] = out.get(key, 0.0) + float(m["value"])
-    return out
+def scrape(port: int) -> str | None:
+    """The ``/metrics`` text of the server on `port` of this host (None: nothing answered in 2 s)."""
+    status, text = http_call("GET", port, "/metrics", timeout=2.0)
+    return text if status == 200 else None
 
 
 @dataclass(frozen=True)
