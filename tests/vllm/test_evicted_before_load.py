@@ -16,7 +16,6 @@ worker's next report arrives.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from vllm_helpers import (
     Run,
     bare_worker,
     close_llm,
+    finished_load,
     kv_config,
     make_llm,
     metric,
@@ -55,16 +55,6 @@ def _worker(tmp_path: Path) -> WorkerSide:
     return bare_worker(config, BS)
 
 
-def _finish(worker: WorkerSide, req_id: str) -> set[str]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        _, recving, failed = worker.get_finished()
-        if req_id in recving:
-            return failed
-        time.sleep(0.01)
-    raise AssertionError(f"load {req_id} never finished")
-
-
 def test_worker_counts_an_object_gone_from_the_tier_the_lookup_named(tmp_path: Path) -> None:
     worker = _worker(tmp_path)
     cache = torch.randn((8, 2, BS, 2 * 32))
@@ -80,7 +70,7 @@ def test_worker_counts_an_object_gone_from_the_tier_the_lookup_named(tmp_path: P
         cache[5].zero_()
         load = TransferJob("r", "default", (BlockRef(CHUNK, (5,), BS, tiers=(("kv", "memory"),)),))
         worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
-        assert _finish(worker, "r") == set()
+        assert finished_load(worker, "r") == set()
         assert torch.equal(cache[5], want)  # read from disk instead
         assert worker.store.metrics.value("evicted_before_load", tier="memory") == 1
         assert worker.store.metrics.value("load_failures") == 0

@@ -10,7 +10,6 @@ kernel), read before the copy landed, or released while it still ran.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from kvpack.staging_record import RecordingDevice
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import bare_worker  # noqa: E402
+from vllm_helpers import bare_worker, finished_load  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.worker import WorkerSide  # noqa: E402
@@ -41,16 +40,6 @@ def _worker(tmp_path: Path) -> tuple[WorkerSide, torch.Tensor]:
     return worker, cache
 
 
-def _finish(worker: WorkerSide, req_id: str) -> set[str]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        _, recving, failed = worker.get_finished()
-        if req_id in recving:
-            return failed
-        time.sleep(0.01)
-    raise AssertionError(f"load {req_id} never finished")
-
-
 def _ops(dev: RecordingDevice, direction: Direction) -> list[str]:
     return [str(op[0]) for op in dev.ops if len(op) > 1 and op[1] == direction]
 
@@ -64,7 +53,7 @@ def _save(worker: WorkerSide, block: int) -> None:
 def _load(worker: WorkerSide, block: int) -> set[str]:
     job = TransferJob("r", "default", (BlockRef(CHUNK, (block,), BS, tiers=(("kv", "memory"),)),))
     worker.start_step(KVPackConnectorMetadata(loads=[job]), has_forward=True)
-    return _finish(worker, "r")
+    return finished_load(worker, "r")
 
 
 def test_a_save_gathers_after_the_forward_and_stores_rows_only_after_the_gather_event(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -124,6 +125,18 @@ def no_cache_run(model: Path, ids: list[int]) -> Run:
         return run(llm, ids)
     finally:
         close_llm(llm)
+
+
+def finished_load(worker: Any, req_id: str, timeout_s: float = 10.0) -> set[str]:
+    """Poll a bare `WorkerSide.get_finished` until `req_id`'s load is reported (at most
+    `timeout_s`); the request ids whose blocks failed. AssertionError if it never is."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.get_finished()
+        if req_id in recving:
+            return set(failed)
+        time.sleep(0.01)
+    raise AssertionError(f"load {req_id} never finished")
 
 
 def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignore[no-untyped-def]
