@@ -115,6 +115,21 @@ def test_targets_and_report() -> None:
     assert "| vLLM PC + kvpack | 2 | 1 | 0.400 |" in text and "disk 12" in text and "3 of 3" in text
 
 
+def test_report_shows_kvpack_loaded_tokens_beside_vllms_external_count_and_says_what_each_counts() -> None:
+    kv = SetupRun("vLLM PC + kvpack", [_r(1, 1.0), _r(2, 0.5)])
+    kv.tiers = {"prompt tokens": 300, "external": 100, "kvpack loaded tokens": 96, "kvpack memory (tokens)": 128}
+    text = report([_run("no cache", 2.0, 2.0), kv])
+    header = next(line for line in text.splitlines() if "kvpack loaded tokens" in line and line.startswith("|"))
+    row = next(line for line in text.splitlines() if line.startswith("| vLLM PC + kvpack | 0.500"))
+    cells = dict(zip(header.split("|"), row.split("|")))
+    assert cells[" external (vLLM's count) "] == " 100 "
+    assert cells[" kvpack loaded tokens "] == " 96 "
+    assert cells[" kvpack objects read by tier (block-tokens) "] == " memory 128 "
+    assert "not comparable" in text
+    plain = next(line for line in text.splitlines() if line.startswith("| no cache | 2.000"))
+    assert dict(zip(header.split("|"), plain.split("|")))[" kvpack loaded tokens "] == " - "
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "ttft.png"
     plot(out, [_run("no cache", 2.0, 2.0), _run("vLLM PC + kvpack", 2.0, 0.4), SetupRun("x", skipped="y")], "t")

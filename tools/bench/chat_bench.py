@@ -25,7 +25,9 @@ rate per round.
 
 Per set-up: TTFT per round (mean, p50, p90; the client's streamed responses),
 prompt tokens per source over the run (``vllm:prefix_cache_hits``,
-``vllm:external_prefix_cache_hits``; kvpack's ``kvpack_loaded_bytes`` per tier),
+``vllm:external_prefix_cache_hits``; kvpack's ``kvpack_loaded_tokens``, the
+tokens its loads restored into the engine, and ``kvpack_loaded_bytes`` per tier
+/ KV bytes per token: every object read counted whole, a tail's block included),
 and answers equal to the no-cache run's. Servers are stopped by PID.
 """
 
@@ -83,6 +85,24 @@ SIZES: dict[str, dict[str, ChatShape | DocShape]] = {
         "longdoc": DocShape(4, 3000, 4, 32, 16, 8),
     },
 }
+
+
+DTYPES = ("float32", "bfloat16")
+"""``--dtype`` choices. bf16 on CPU changes greedy tokens with the batch shape, so a cached prompt's
+answer may differ from one prefill's; the answers check needs fp32."""
+
+
+def _model(base: Path, size: str, dtype: str) -> Path:
+    """The bench's model built in `dtype` (its config's ``torch_dtype``, which vLLM, the KV bytes per
+    token and the connectors read). The shared models keep their names (``bench-llama`` is bf16,
+    ``tiny`` fp32); the other dtype gets a folder of its own, so no other bench's model is rebuilt."""
+    from kvpack.tools.tinymodel import BENCH_SIZES, build_tiny_llama
+
+    if size == "bench":
+        name = "bench-llama" if dtype == BENCH_SIZES["dtype"] else f"bench-llama-{dtype}"
+        sizes: dict[str, Any] = dict(BENCH_SIZES, dtype=dtype)
+        return build_tiny_llama(base / name, **sizes)
+    return build_tiny_llama(base / ("tiny" if dtype == "float32" else f"tiny-{dtype}"), dtype=dtype)
 
 
 class Setup:
@@ -203,6 +223,8 @@ class Bench:
     template: Path
     draft: str
     bytes_per_token: int
+    dtype: str
+    """vLLM's ``--dtype`` for every server (the model is also built in it, see `_model`)."""
     start_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
 
@@ -215,7 +237,7 @@ class Bench:
     def run_setup(
         self, name: str, prefix_caching: bool, kvpack: dict[str, Any] | None, lmcache_port: int = 0
     ) -> SetupRun:
-        extra = ["--chat-template", str(self.template), *self._spec_args()]
+        extra = ["--chat-template", str(self.template), "--dtype", self.dtype, *self._spec_args()]
         env: tuple[tuple[str, str], ...] = ()
         if lmcache_port:
             cfg = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port}
@@ -267,6 +289,8 @@ class Bench:
             "vLLM prefix cache": total.get("vllm:prefix_cache_hits", 0.0),
             "external": total.get("vllm:external_prefix_cache_hits", 0.0),
         }
+        if kvpack is not None:
+            run.tiers["kvpack loaded tokens"] = total.get("kvpack loaded tokens", 0.0)
         for k, v in total.items():
             if k.startswith("kvpack ") and k.endswith(" bytes"):
                 run.tiers[k[: -len(" bytes")] + " (tokens)"] = v / self.bytes_per_token
@@ -347,6 +371,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SIZES), default="issue", help="workload sizes (small: a smoke run)")
     p.add_argument("--model-size", choices=("tiny", "bench"), default="bench", help="the tiny model or the bench one")
     p.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvpack/models"))
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the model's and every server's dtype (float32: answers comparable with the no-cache run on CPU)",
+    )
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="engine KV cache / the workload's tokens")
     p.add_argument("--spec", action="store_true", help="speculative decoding with a draft model (copy of the target)")
     p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache set-up")
@@ -360,10 +390,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> tuple[list[SetupRun], str]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", HOST)
-    from kvpack.tools.tinymodel import build_bench_llama, build_tiny_llama, copy_model
+    from kvpack.tools.tinymodel import copy_model
 
-    base = Path(args.model_dir)
-    model = build_bench_llama(base / "bench-llama") if args.model_size == "bench" else build_tiny_llama(base / "tiny")
+    model = _model(Path(args.model_dir), args.model_size, args.dtype)
     draft = str(copy_model(model, Path(str(model) + "-draft"))) if args.spec else ""
     shape = SIZES[args.size][args.workload]
     plan = chat_plan(shape, args.seed) if isinstance(shape, ChatShape) else longdoc_plan(shape, args.seed)
@@ -384,12 +413,13 @@ def run(args: argparse.Namespace) -> tuple[list[SetupRun], str]:
         template,
         draft,
         per_token,
+        args.dtype,
     )
     turns = sum(len(r) for r in plan.rounds)
     setup = (
         f"Workload `{args.workload}` ({args.size}): {shape}; {len(plan.rounds)} rounds, {turns} turns; "
         f"about {shape.total_tokens()} distinct tokens. Engine KV cache {blocks} blocks of {BLOCK_SIZE} = "
-        f"{blocks * BLOCK_SIZE} tokens. Model {model.name} ({per_token} KV bytes/token"
+        f"{blocks * BLOCK_SIZE} tokens. Model {model.name}, {args.dtype} ({per_token} KV bytes/token"
         f"{', target + draft, 3 speculative tokens' if draft else ''}). Answers end at max_tokens drawn per turn "
         f"(or EOS). CPU shared with other engineers (2 cores)."
     )

@@ -20,6 +20,15 @@ NO_CACHE, VLLM_PC, KVPACK, LMCACHE, RESTART = (
 )
 
 
+COLUMNS = (
+    "Columns: *external* is vLLM's ``external_prefix_cache_hits`` (prompt tokens a connector supplied, "
+    "as vLLM counts them); *kvpack loaded tokens* is kvpack's ``kvpack_loaded_tokens`` (tokens its loads "
+    "restored into the engine's blocks); *kvpack objects read by tier* is ``kvpack_loaded_bytes{tier}`` / KV "
+    "bytes per token: every object read, counted as whole blocks (a tail object counts its full block), so it "
+    "is larger than the tokens used and is not comparable with vLLM's count."
+)
+
+
 def targets(runs: list[SetupRun]) -> list[tuple[str, str, float, bool]]:
     """(what, wanted, measured, met) for each target whose set-ups ran."""
     by = {r.name: r for r in runs if not r.skipped}
@@ -51,23 +60,25 @@ def report(runs: list[SetupRun]) -> str:
             lines.append(f"| {run.name} | {s.round} | {s.n} | {s.mean_s:.3f} | {s.p50_s:.3f} | {s.p90_s:.3f} | {acc} |")
     lines += [
         "",
-        "| set-up | mean TTFT rounds >= 2 (s) | prompt tokens | from vLLM prefix cache | external (connector) | "
-        "kvpack by tier (tokens) | answers equal no cache | failed turns |",
-        "|---|---|---|---|---|---|---|---|",
+        "| set-up | mean TTFT rounds >= 2 (s) | prompt tokens | from vLLM prefix cache | external (vLLM's count) | "
+        "kvpack loaded tokens | kvpack objects read by tier (block-tokens) | answers equal no cache | failed turns |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if run.skipped:
             continue
-        kv = ", ".join(f"{k[7:-9]} {v:.0f}" for k, v in sorted(run.tiers.items()) if k.startswith("kvpack "))
+        kv = ", ".join(f"{k[7:-9]} {v:.0f}" for k, v in sorted(run.tiers.items()) if k.endswith(" (tokens)"))
+        loaded = f"{t['kvpack loaded tokens']:.0f}" if "kvpack loaded tokens" in (t := run.tiers) else "-"
         eq = "-" if ref is None else "{} of {}".format(*answers_equal(run.results, ref.results))
         fails = sum(1 for r in run.results if r.error)
-        t = run.tiers
         lines.append(
             f"| {run.name} | {mean_from_round(run.results):.3f} | {t.get('prompt tokens', 0):.0f} | "
-            f"{t.get('vLLM prefix cache', 0):.0f} | {t.get('external', 0):.0f} | {kv or '-'} | {eq} | {fails} |"
+            f"{t.get('vLLM prefix cache', 0):.0f} | {t.get('external', 0):.0f} | {loaded} | {kv or '-'} | "
+            f"{eq} | {fails} |"
         )
     lines += ["", "| target | wanted | measured | status |", "|---|---|---|---|"]
     for what, wanted, v, met in targets(runs):
         status = "no data" if math.isnan(v) else "met" if met else "not met"
         lines.append(f"| {what} | {wanted} | {v:.3f} | {status} |")
+    lines += ["", COLUMNS]
     return "\n".join(lines)
