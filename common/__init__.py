@@ -50,51 +50,79 @@ the life of a stored block):
   and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
-from .config import ChecksumPolicy, DraftPolicy, KVPackConfig
+from .budget import WaitBudget
+from .canonical import StoredRange, head_range_fingerprint, split_sources
+from .canonical import group_spec as canonical_group_spec
+from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig
 from .errors import ConfigError, KVPackError, LayoutError
-from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec
-from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes
+from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
+from .heads import HeadRange, HeadSplit
+from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout import KVLayoutSpec
 from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, RejectReason
+from .model_identity import model_identity
+from .objects import Expectation, ObjectHeader, Payload, RejectReason
+from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tiers.base import GetResult, PutItem, TierStatus
+from .tiers.reported import ReportedMemoryIndex, ReportedObject
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BadTenant",
     "ChecksumPolicy",
+    "ChunkFacts",
     "ChunkHash",
     "ConfigError",
     "Coverage",
     "DraftPlacement",
+    "DraftPlacementMode",
     "DraftPolicy",
     "Expectation",
     "GetResult",
     "GroupKey",
     "GroupLookup",
+    "HeadRange",
+    "HeadSplit",
     "KVLayoutSpec",
     "KVPackConfig",
     "KVPackError",
     "KVStore",
     "LayoutError",
+    "LoadBatch",
     "LoadItem",
+    "MemberObject",
     "MemberRole",
     "MemberSpec",
     "Metrics",
     "ObjectHeader",
+    "ObjectIO",
+    "Payload",
     "PutItem",
     "RejectReason",
+    "ReportedMemoryIndex",
+    "ReportedObject",
     "RequestScope",
+    "SaveResult",
+    "Session",
     "StoreKey",
+    "StoredRange",
     "TailMatch",
     "TenantSource",
     "TierStatus",
+    "WaitBudget",
+    "canonical_group_spec",
     "chain_hash",
     "chunk_hashes",
+    "head_range_fingerprint",
+    "model_identity",
     "resolve_tenant",
+    "split_sources",
+    "start_engine_process",
     "tail_chunk",
+    "tail_usable",
+    "validate_member",
 ]

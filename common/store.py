@@ -131,6 +131,19 @@ class KVStore:
         tiers = build_tiers(config, copy_threads=copy_threads, region_copier=region_copier)
         return cls(config, tiers, metrics, write_back=write_back)
 
+    @classmethod
+    def reader(cls, config: KVPackConfig, leading: Sequence[Tier], metrics: Metrics | None = None) -> KVStore:
+        """A lookup-only store: `leading` tiers (e.g. a view of another process's memory
+        tier, vLLM's scheduler) before the lower tiers the config enables (no memory tier
+        of its own); no write-back threads, `store` refuses."""
+        return cls(config, [*leading, *build_tiers(config, include_memory=False)], metrics, read_only=True)
+
+    def in_memory(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: held by this process's memory tier now (all False without one)."""
+        if self._memory is None:
+            return [False] * len(keys)
+        return self._memory.contains(keys)
+
     def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
         """Call `listener(tier_name, group, nbytes)` for every group a bounded tier
         evicts (e.g. to tell another process's index). Runs under the tier's lock:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import Expectation, KVStore, LoadItem, ObjectHeader, PutItem, StoreKey, TierStatus
+from .. import KVStore, MemberObject, Session
 from .pools import PoolBinding
 
 
@@ -24,7 +24,7 @@ class LegacyPageInterface:
     _bindings: dict[str, PoolBinding]
     mem_pool_host: Any
     tenant: str
-    group_fingerprint: str
+    session: Session
     store: KVStore
     _flat: _FlatMember | None = None
 
@@ -58,21 +58,15 @@ class LegacyPageInterface:
                 return [None] * len(keys)
             given = list(target_locations) if target_locations is not None else [None] * len(keys)
             targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given]
-            items = []
-            for key, t in zip(keys, targets):
+            dsts = []
+            for t in targets:
                 dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None
                 if dst is None or dst.nbytes != flat.page_bytes:
                     raise ValueError(
                         f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}"
                     )
-                items.append(
-                    LoadItem(
-                        StoreKey(self.tenant, self.group_fingerprint, key, flat.member),
-                        dst,
-                        flat.expect(self.tenant, key),
-                    )
-                )
-            results = self.store.load(items)
+                dsts.append(dst)
+            results = self.session.load(self.session.page_reads(self.tenant, flat.obj, keys, dsts))
             loaded = sum(1 for r in results if r.ok)
             self.store.metrics.inc("loaded_tokens", loaded * flat.page_size, tenant=self.tenant)
             return [t if r.ok else None for t, r in zip(targets, results)]
@@ -91,18 +85,13 @@ class LegacyPageInterface:
                 return False
             if not flat.writes:
                 return True
-            items = []
-            for key, value in zip(keys, values):
+            pages = []
+            for value in values:
                 data = value.contiguous().view(torch.uint8).numpy()
                 if data.nbytes != flat.page_bytes:
                     raise ValueError(f"legacy set value of {data.nbytes} bytes, page is {flat.page_bytes}")
-                header = ObjectHeader(
-                    flat.fingerprint, self.tenant, key, flat.member, flat.page_size, flat.page_bytes, None
-                )
-                items.append(
-                    PutItem(StoreKey(self.tenant, self.group_fingerprint, key, flat.member), header, memoryview(data))
-                )
-            return all(st is TierStatus.OK for st in self.store.store(items))
+                pages.append(memoryview(data))
+            return all(self.session.save_pages(self.tenant, flat.obj, keys, lambda todo: [pages[i] for i in todo]))
         except Exception as exc:
             return self._data_path_error("batch_set", exc, False)
 
@@ -112,7 +101,7 @@ class LegacyPageInterface:
             kv = self._bindings.get("kv")
             if kv is None or flat is None or not self._valid_chunks([key]):
                 return False
-            found = self.store.contains_members(self.tenant, self.group_fingerprint, [key], [kv.member, flat.member])[0]
+            found = self.session.contains_members(self.tenant, [key], [kv.member, flat.member])[0]
             return found[kv.member] or found[flat.member]
         except Exception as exc:
             return self._data_path_error("exists", exc, False)
@@ -129,6 +118,4 @@ class _FlatMember:
         self.member = kv.member.replace("kv", "kvflat", 1)
         spec = kv.layout
         self.fingerprint = replace(spec, layer_names=("kvflat",), layer_shape=(self.page_bytes,)).member_fingerprint
-
-    def expect(self, tenant: str, chunk: str) -> Expectation:
-        return Expectation(self.fingerprint, tenant, chunk, self.member, self.page_size, self.page_bytes)
+        self.obj = MemberObject(self.member, self.fingerprint, self.page_size, self.page_bytes)

@@ -33,13 +33,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import KVLayoutSpec, LayoutError, MemberRole, MemberSpec, canonical
-from ..heads import HeadRange, HeadSplit
-from ..keys import validate_member
-from ..model_identity import model_identity
-from ..objects import Payload
-from ..ops import PagedKV
-from ..ops.canonical import CanonicalGeometry, paged_geometry
+from .. import (
+    HeadRange,
+    HeadSplit,
+    KVLayoutSpec,
+    LayoutError,
+    MemberObject,
+    MemberRole,
+    MemberSpec,
+    Payload,
+    StoredRange,
+    canonical_group_spec,
+    head_range_fingerprint,
+    model_identity,
+    split_sources,
+    validate_member,
+)
+from ..ops import CanonicalGeometry, PagedKV, paged_geometry
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 """MHA host layouts whose KV pool is stored as canonical objects (`kvpack.canonical`)."""
@@ -184,7 +194,7 @@ def canonical_group(host_pool: Any, par: ParallelInfo, layout_name: str) -> KVLa
     if canonical_kv("kv", host_pool, par, layout_name) is None:
         return None
     dtype = str(getattr(host_pool, "dtype", "unknown"))
-    return canonical.group_spec(par.model, dtype, int(getattr(host_pool, "page_size", 1) or 1))
+    return canonical_group_spec(par.model, dtype, int(getattr(host_pool, "page_size", 1) or 1))
 
 
 @dataclass(frozen=True)
@@ -276,23 +286,25 @@ class PoolBinding:
         self.member_fingerprint = self.layout.member_fingerprint
         self.canonical = canonical_kv(name, host_pool, par, layout_name)
         """The pool as canonical objects (shared with vLLM); None: SGLang's own page bytes."""
-        self.sources: tuple[tuple[canonical.StoredRange, ...], ...] = ()
+        self.sources: tuple[tuple[StoredRange, ...], ...] = ()
         """Canonical pools: per head split a writer at some TP size stores (this pool's own,
         all heads in one object, first), its objects (`kvpack.canonical.split_sources`)."""
         self.own: HeadRange | None = None
         """Canonical pools: the model's KV heads this rank holds (global indices)."""
         if self.canonical is not None:
             geo = self.canonical
-            group = canonical.group_spec(par.model, dtype, self.page_size)
+            group = canonical_group_spec(par.model, dtype, self.page_size)
             split, own = rank_heads(geo, par)  # type: ignore[misc]  # canonical_kv checked it
             self.own = own
             self.member = split.member(own)
             self.page_bytes = geo.object_bytes(own.size)
             self.layout = group
-            self.member_fingerprint = canonical.head_range_fingerprint(group, split, own, geo.num_layers)
-            self.sources = canonical.split_sources(group, split, own, geo.num_layers)
+            self.member_fingerprint = head_range_fingerprint(group, split, own, geo.num_layers)
+            self.sources = split_sources(group, split, own, geo.num_layers)
             self.writes = split.writes(par.tp_rank)  # a replicated head is stored by its first rank
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
+        self.obj = MemberObject(self.member, self.member_fingerprint, self.page_size, self.page_bytes)
+        """The pool's object per page, as the session saves and loads it (`kvpack.session`)."""
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
 
@@ -328,7 +340,7 @@ class PoolBinding:
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
     def range_load_buffers(
-        self, host_indices: torch.Tensor, n_pages: int, obj: canonical.StoredRange
+        self, host_indices: torch.Tensor, n_pages: int, obj: StoredRange
     ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
         """`load_buffers` for objects of the head range `obj.heads` (a writer at another TP
         size): rows of its size; the heads `obj.part` this rank holds are scattered into

@@ -55,28 +55,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .. import (
-    Coverage,
-    Expectation,
-    KVLayoutSpec,
-    KVStore,
-    LoadItem,
-    MemberRole,
-    MemberSpec,
-    ObjectHeader,
-    PutItem,
-    StoreKey,
-    TierStatus,
-)
-from ..cpu_features import request_amx_permission
-from ..ops import load_extension, region_copier
+from .. import Coverage, KVLayoutSpec, LoadItem, MemberObject, MemberRole, MemberSpec, Payload, Session
 from .config import split_extra_config
 from .legacy import LegacyPageInterface
 from .pools import ParallelInfo, PoolBinding, canonical_group, checkpoint_kv_heads, pool_name, sglang_model_identity
@@ -98,9 +83,6 @@ log = logging.getLogger("kvpack.sglang")
 ADAPTER = "sglang"
 """`tier` label of metrics the adapter itself records (bad arguments, exceptions)."""
 
-MAX_LOCATED = 1 << 16
-"""Page locations remembered between a lookup and its load (each page's key and tier name)."""
-
 
 class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     """See the module docstring."""
@@ -121,28 +103,22 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             kv_heads=checkpoint_kv_heads(storage_config.model_name),
         )
         self.tenant = self.config.tenant
-        # A batch's copies and file I/O run on io_threads threads inside the tiers;
-        # the backend itself makes one store call per SGLang call. Memory-tier stores
-        # use kvpack's native region copy (streaming stores) when the extension builds
-        # (here, at start-up: once per machine, cached); else numpy copies.
-        load_extension()
-        # SGLang's CPU attention may use AMX tiles first in a short step over restored pages
-        request_amx_permission()
-        # write-through: SGLang calls batch_set from its own backup thread (never its forward
-        # path) and takes True as stored, and at shutdown it SIGKILLs the scheduler process
-        # (kill_process_tree), so nothing may be left queued once True is returned
-        self.store = KVStore.from_config(
-            self.config, copy_threads=max(1, self.config.io_threads), region_copier=region_copier, write_back=False
-        )
+        # A batch's copies and file I/O run on io_threads threads inside the tiers; the
+        # backend makes one store call per SGLang call. The session's start-up builds the
+        # copy kernels (memory-tier stores use the native region copy) and asks for AMX
+        # (SGLang's CPU attention may use AMX tiles first in a short step over restored
+        # pages). Write-through: SGLang calls batch_set from its own backup thread (never
+        # its forward path) and takes True as stored, and at shutdown it SIGKILLs the
+        # scheduler process (kill_process_tree), so nothing may be left queued once True
+        # is returned.
+        self.session = Session.start(self.config, copy_threads=max(1, self.config.io_threads), write_back=False)
+        self.store = self.session.store
         self.metrics = self.store.metrics
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
         self._bindings: dict[str, PoolBinding] = {}
         self._binding_errors: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._located: OrderedDict[StoreKey, str] = OrderedDict()
-        """Page key -> the tier the last lookup found it in (`_remember`), taken by `_get`."""
-        self.group_fingerprint = ""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
             self.tenant,
@@ -170,17 +146,15 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             if getattr(mem_pool_host, "kv_buffer", None) is not None
             else None
         )
-        self.group_fingerprint = (
-            shared
-            or KVLayoutSpec(
-                engine=f"sglang:{layout}",
-                model=self.par.model,
-                dtype=dtype,
-                chunk_tokens=page_size,
-                tp_size=self.par.tp_size,
-                pp_size=self.par.pp_size,
-            )
-        ).group_fingerprint
+        group = shared or KVLayoutSpec(
+            engine=f"sglang:{layout}",
+            model=self.par.model,
+            dtype=dtype,
+            chunk_tokens=page_size,
+            tp_size=self.par.tp_size,
+            pp_size=self.par.pp_size,
+        )
+        self.session.bind_group(group.group_fingerprint)
         self.page_size = page_size
         if getattr(mem_pool_host, "kv_buffer", None) is not None:
             self._bind("kv", mem_pool_host)
@@ -281,10 +255,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             pools.setdefault(b.member, (b, replace(b.spec, coverage=Coverage.TRAILING, window_chunks=window)))
         specs = [spec for _, spec in pools.values()]
         alternatives, names = self._other_splits(specs)
-        lookup = self.store.lookup(
-            self.tenant, self.group_fingerprint, keys, specs, self.page_size, alternatives=alternatives
-        )
-        self._remember(lookup.located)
+        lookup = self.session.lookup(self.tenant, keys, specs, self.page_size, alternatives=alternatives)
         hits: dict[str, int] = {}
         for m, c in lookup.member_hits.items():
             pool = pools[m][0].name if m in pools else names[m]
@@ -305,22 +276,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             out.append([m for spec in specs for m in (members if spec.name == kv.member else [spec])])
         return out, names
 
-    def _remember(self, located: Mapping[StoreKey, str]) -> None:
-        """Where a lookup found each page, for the `_get` that follows it (bounded, oldest dropped)."""
-        if not located:
-            return
-        with self._lock:
-            hints = self._located
-            hints.update(located)
-            for key in located:
-                hints.move_to_end(key)
-            while len(hints) > MAX_LOCATED:
-                hints.popitem(last=False)
+    @property
+    def group_fingerprint(self) -> str:
+        """Every page's group fingerprint (fixed by `register_mem_pool_host`; "" before)."""
+        return self.session.group_fingerprint
 
     def _valid_chunks(self, keys: Sequence[str]) -> bool:
         try:
-            for k in keys:
-                StoreKey(self.tenant, self.group_fingerprint or "0", k, "kv")
+            self.session.check_chunks(keys)
         except (ValueError, TypeError) as exc:
             self.metrics.inc("tier_errors", tier=ADAPTER, status="bad_key")
             log.warning("kvpack: SGLang page key refused: %s", exc)
@@ -379,37 +342,29 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     # -- copies -------------------------------------------------------------------
 
-    def _store_keys(self, binding: PoolBinding | None, name: str, keys: list[str], op: str) -> list[StoreKey] | None:
-        """The pages' store keys (each validated once), or None when the pool
-        is unknown or a key is refused (counted and logged)."""
+    def _usable(self, binding: PoolBinding | None, name: str, keys: list[str], op: str) -> bool:
+        """Whether the pool is bound and every page key is a valid chunk hash (a refusal is
+        counted and logged)."""
         if binding is None:
             why = self._binding_errors.get(name, "not registered")
             self.metrics.inc("tier_errors", tier=ADAPTER, status="unknown_pool")
             log.warning("kvpack: %s on pool %s refused: %s", op, name, why)
-            return None
-        try:
-            return StoreKey.batch(self.tenant, self.group_fingerprint, keys, binding.member)
-        except (ValueError, TypeError) as exc:
-            self.metrics.inc("tier_errors", tier=ADAPTER, status="bad_key")
-            log.warning("kvpack: SGLang page key refused: %s", exc)
-            return None
+            return False
+        return self._valid_chunks(keys)
 
     def _get(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        """One `KVStore.prepare_load` / `complete_load` for the whole batch, straight into
+        """One `Session.prepare_load` / `complete_load` for the whole batch, straight into
         the host pool's pages, each from the tier the lookup found it in."""
         n = len(keys)
         if n == 0:
             return []
-        skeys = self._store_keys(binding, name, keys, "get")
-        if skeys is None:
+        if not self._usable(binding, name, keys, "get"):
             return [False] * n
         assert binding is not None
-        loads = self._page_loads(binding, keys, skeys, host_indices)
+        loads = self._page_loads(binding, keys, host_indices)
         items = [item for _, part, _ in loads for item in part]
-        with self._lock:  # where the lookup found these pages: a page gone from there is counted
-            hints = {it.key: t for it in items if (t := self._located.pop(it.key, None)) is not None}
-        plan = self.store.prepare_load(hints)
-        results = iter(self.store.complete_load(plan, items))
+        # the session takes the tier its lookup found each page in: a page gone from there is counted
+        results = iter(self.session.complete_load(self.session.prepare_load(items)))
         ok = [True] * n
         for pages, part, _ in loads:  # a page is restored only when every object of it loaded
             for p, _item in zip(pages, part):
@@ -423,7 +378,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return ok
 
     def _page_loads(
-        self, binding: PoolBinding, keys: list[str], skeys: list[StoreKey], host_indices: torch.Tensor
+        self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor
     ) -> list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool]], None]]]:
         """Per object of the pages (the pages it covers, its load items, what to call with
         those pages' results): the pool's own member, or, for pages the lookup found as
@@ -438,75 +393,50 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             names = [keys[i] for i in pages]
             if split == 0:
                 payloads, finish = binding.load_buffers(idx, len(pages))
-                expected = Expectation.batch(
-                    binding.member_fingerprint,
-                    self.tenant,
-                    names,
-                    binding.member,
-                    binding.page_size,
-                    binding.page_bytes,
-                )
-                out.append((pages, list(map(LoadItem, [skeys[i] for i in pages], payloads, expected)), finish))
+                out.append((pages, self.session.page_reads(self.tenant, binding.obj, names, payloads), finish))
                 continue
             for obj in binding.sources[split]:
                 payloads, finish = binding.range_load_buffers(idx, len(pages), obj)
-                rkeys = StoreKey.batch(self.tenant, self.group_fingerprint, names, obj.member)
-                expected = Expectation.batch(
-                    obj.fingerprint,
-                    self.tenant,
-                    names,
-                    obj.member,
-                    binding.page_size,
-                    len(payloads[0]) if payloads else 0,
-                )
-                out.append((pages, list(map(LoadItem, rkeys, payloads, expected)), finish))
+                member = MemberObject(obj.member, obj.fingerprint, binding.page_size)  # bytes: the range's buffers
+                out.append((pages, self.session.page_reads(self.tenant, member, names, payloads), finish))
         return out
 
     def _located_splits(self, binding: PoolBinding, keys: list[str]) -> list[int]:
         """Per page, the head split the last lookup found it under (0: the pool's own member,
         and pages no lookup found)."""
+        located = self.session.was_located
         out = []
-        with self._lock:
-            for key in keys:
-                split = 0
-                if StoreKey(self.tenant, self.group_fingerprint, key, binding.member) not in self._located:
-                    split = next(
-                        (
-                            s
-                            for s, objects in enumerate(binding.sources[1:], start=1)
-                            if StoreKey(self.tenant, self.group_fingerprint, key, objects[0].member) in self._located
-                        ),
-                        0,
-                    )
-                out.append(split)
+        for key in keys:
+            split = 0
+            if not located(self.tenant, key, binding.member):
+                split = next(
+                    (
+                        s
+                        for s, objects in enumerate(binding.sources[1:], start=1)
+                        if located(self.tenant, key, objects[0].member)
+                    ),
+                    0,
+                )
+            out.append(split)
         return out
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        """Pages `KVStore.prepare_store` says are still to store go to one `complete_store`,
+        """Pages the session's de-duplication says are still to store (`Session.save_pages`),
         read in place from the host pool."""
         n = len(keys)
         if n == 0:
             return []
-        skeys = self._store_keys(binding, name, keys, "set")
-        if skeys is None:
+        if not self._usable(binding, name, keys, "set"):
             return [False] * n
         assert binding is not None
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
-        wanted = set(self.store.prepare_store(skeys))
-        todo = [i for i in range(n) if skeys[i] in wanted]
-        if len(todo) < n:
-            skeys, keys = [skeys[i] for i in todo], [keys[i] for i in todo]
-            host_indices = host_indices.reshape(n, -1)[todo].reshape(-1)
-        payloads = binding.store_payloads(host_indices, len(todo)) if todo else []
-        headers = ObjectHeader.batch(
-            binding.member_fingerprint, self.tenant, keys, binding.member, binding.page_size, binding.page_bytes
-        )
-        items = list(map(PutItem, skeys, headers, payloads))
-        ok = [True] * n
-        for i, st in zip(todo, self.store.complete_store(items) if items else []):
-            ok[i] = st is TierStatus.OK
-        return ok
+
+        def payloads_of(todo: Sequence[int]) -> list[Payload]:
+            idx = host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)
+            return binding.store_payloads(idx, len(todo))
+
+        return self.session.save_pages(self.tenant, binding.obj, keys, payloads_of)
 
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         self.metrics.inc("tier_errors", tier=ADAPTER, status="exception")

@@ -25,9 +25,8 @@ from functools import partial
 
 import torch
 
-from kvpack.errors import LayoutError
-from kvpack.ops import PagedKV, gather_blocks, scatter_blocks
-from kvpack.staging import Direction, Lane, cpu_lane
+from kvpack import LayoutError
+from kvpack.ops import Direction, Lane, PagedKV, cpu_lane, gather_blocks, scatter_blocks
 
 
 @dataclass(frozen=True)

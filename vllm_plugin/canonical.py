@@ -24,11 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.errors import LayoutError
-from kvpack.heads import HeadRange, HeadSplit
-from kvpack.ops import PagedKV
-from kvpack.ops.canonical import CanonicalGeometry, paged_geometry, vllm_cpu_geometry
-from kvpack.staging import Direction, Lane, cpu_lane
+from kvpack import HeadRange, HeadSplit, LayoutError
+from kvpack.ops import CanonicalGeometry, Direction, Lane, PagedKV, cpu_lane, paged_geometry, vllm_cpu_geometry
 
 from .packing import find_packing
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpack.keys import ChunkHash, chunk_hashes
+from kvpack import ChunkHash, chunk_hashes
 
 from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
 from .settings import RequestScope

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvpack import ReportedObject
+
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
 
@@ -89,14 +91,8 @@ class KVPackConnectorMetadata(KVConnectorMetadata):
     saves: list[TransferJob] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """An object a worker put into its memory tier (a tail carries its token ids)."""
-
-    key: str
-    token_count: int
-    payload_len: int
-    token_ids: tuple[int, ...] | None = None
+StoredObject = ReportedObject
+"""An object a worker put into its memory tier (`kvpack.ReportedObject`)."""
 
 
 @dataclass

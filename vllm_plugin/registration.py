@@ -21,10 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.canonical import StoredRange, head_range_fingerprint, split_sources
-from kvpack.errors import LayoutError
-from kvpack.groups import DraftPlacement
-from kvpack.layout import KVLayoutSpec
+from kvpack import (
+    DraftPlacement,
+    KVLayoutSpec,
+    LayoutError,
+    MemberObject,
+    StoredRange,
+    head_range_fingerprint,
+    split_sources,
+)
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
@@ -76,6 +81,11 @@ class MemberLayout:
     sources: tuple[tuple[StoredRange, ...], ...] = ()
     """Canonical objects: per head split (`BlockRef.source`), the stored objects this
     rank's heads are read from (`kvpack.canonical.split_sources`); () for native objects."""
+
+    @property
+    def obj(self) -> MemberObject:
+        """This member's object, as the session saves and loads it (`kvpack.session`)."""
+        return MemberObject(self.member, self.fingerprint)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,19 @@
 """A save's copies: blocks of each member gathered into staging rows on the save lane
-(`kvpack.staging`), then, on the thread that stores them, read as `PutItem`s.
+(`kvpack.ops.Staging`), then, on the thread that stores them, read as the session's
+objects (`kvpack.ObjectIO`: the core builds their keys and headers).
 
 On a GPU the gather runs on the save side stream after the compute stream (the step's
-forward) and the rows are pinned; `put_items` reads them only after the gather's event.
+forward) and the rows are pinned; `save_objects` reads them only after the gather's event.
 On the CPU the gather ran inline and the rows are plain host memory (zero-copy)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kvpack.keys import StoreKey
-from kvpack.objects import ObjectHeader
-from kvpack.staging import Staged, Staging
-from kvpack.tiers.base import PutItem
+from kvpack import ChunkFacts, ObjectIO
+from kvpack.ops import Staged, Staging
 
 from .metadata import NO_BLOCK, BlockRef, TransferJob
 from .registration import MemberLayout
@@ -49,23 +48,14 @@ def gather_members(staging: Staging, slots: Sequence[MemberLayout], job: Transfe
     return out
 
 
-def put_items(
-    captured: Sequence[Captured], job: TransferJob, key: Callable[[str, str, str], StoreKey]
-) -> list[PutItem]:
-    """One `PutItem` per chunk and member, over the rows (each waits for its gather's event)."""
-    items: list[PutItem] = []
+def save_objects(captured: Sequence[Captured], job: TransferJob) -> list[ObjectIO]:
+    """One object per chunk and member, over the rows (each waits for its gather's event)."""
+    out: list[ObjectIO] = []
     for c in captured:
         rows = c.staged.host_rows()
-        for i, ref in enumerate(c.refs):
-            header = ObjectHeader(
-                fingerprint=c.slot.fingerprint,
-                tenant=job.tenant,
-                chunk=ref.chunk,
-                member=c.slot.member,
-                token_count=ref.token_count,
-                payload_len=rows.shape[1],
-                checksum=None,
-                token_ids=ref.token_ids,
-            )
-            items.append(PutItem(key(job.tenant, ref.chunk, c.slot.member), header, memoryview(rows[i])))
-    return items
+        obj = c.slot.obj
+        out += [
+            ObjectIO(ChunkFacts(ref.chunk, ref.token_count, ref.token_ids), obj, memoryview(rows[i]))
+            for i, ref in enumerate(c.refs)
+        ]
+    return out

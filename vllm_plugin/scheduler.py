@@ -74,17 +74,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpack.budget import WaitBudget
-from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage, MemberRole, MemberSpec, tail_usable
-from kvpack.keys import ChunkHash, StoreKey, chunk_hashes
-from kvpack.store import KVStore
-from kvpack.tiers.base import Tier
-from kvpack.tiers.factory import build_tiers
+from kvpack import (
+    ChunkHash,
+    Coverage,
+    KVPackConfig,
+    MemberRole,
+    MemberSpec,
+    ReportedMemoryIndex,
+    Session,
+    WaitBudget,
+    chunk_hashes,
+    tail_usable,
+)
 
 from .captures import CaptureTracker
 from .handoff import Handoff, HandoffError, wants_remote_decode
-from .index import ReportedMemoryIndex
 from .metadata import (
     NO_BLOCK,
     NULL_BLOCK,
@@ -152,9 +156,9 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self.index = ReportedMemoryIndex()
-        tiers: list[Tier] = [self.index] if config.memory.enabled else []
         # a lookup view: the workers write, this process only reads (no write-back threads)
-        self.store = KVStore(config, tiers + build_tiers(config, include_memory=False), read_only=True)
+        self.session = Session.reader(config, [self.index] if config.memory.enabled else [], scope.fingerprint)
+        self.store = self.session.store
         self.members = scope.member_specs()
         self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
@@ -232,7 +236,7 @@ class SchedulerSide:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        result = self.store.lookup(rs.tenant, self.scope.fingerprint, hashes, members, bs, self._budget, alternatives)
+        result = self.session.lookup(rs.tenant, hashes, members, bs, self._budget, alternatives)
         k = result.hit_chunks
         sources = result.chunk_sets or (0,) * k
         source = sources[-1] if k else 0  # the tail: under the split of the chunk before it
@@ -378,11 +382,7 @@ class SchedulerSide:
             for m in members
             if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)
         ]
-        return all(
-            self.index.contains(
-                [StoreKey(plan.scope.tenant, self.scope.fingerprint, plan.tail.chunk, m) for m in names]
-            )
-        )
+        return all(self.index.contains([self.session.key(plan.scope.tenant, plan.tail.chunk, m) for m in names]))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -453,7 +453,7 @@ class SchedulerSide:
                 members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
                 expected += [
                     StoredObject(
-                        StoreKey(job.tenant, self.scope.fingerprint, ref.chunk, m).as_str(),
+                        self.session.key(job.tenant, ref.chunk, m).as_str(),
                         ref.token_count,
                         0,
                         ref.token_ids,

@@ -32,14 +32,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack import BadTenant as BadTenant  # re-exported: the scheduler imports it from here
-from kvpack import RequestScope, TenantSource, resolve_tenant
-from kvpack.canonical import group_spec as canonical_group
-from kvpack.config import DraftPlacementMode, KVPackConfig
-from kvpack.errors import ConfigError
-from kvpack.groups import Coverage, DraftPlacement, MemberRole, MemberSpec
-from kvpack.heads import HeadRange, HeadSplit
-from kvpack.layout import KVLayoutSpec
-from kvpack.model_identity import model_identity
+from kvpack import (
+    ConfigError,
+    Coverage,
+    DraftPlacement,
+    DraftPlacementMode,
+    HeadRange,
+    HeadSplit,
+    KVLayoutSpec,
+    KVPackConfig,
+    MemberRole,
+    MemberSpec,
+    RequestScope,
+    TenantSource,
+    model_identity,
+    resolve_tenant,
+)
+from kvpack import canonical_group_spec as canonical_group
 
 from .canonical import head_split
 

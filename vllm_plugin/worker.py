@@ -44,22 +44,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack.config import KVPackConfig
-from kvpack.cpu_features import request_amx_permission
-from kvpack.exit_flush import flush_on_exit, forget
-from kvpack.groups import DraftPlacement
-from kvpack.heads import HeadRange
-from kvpack.keys import GroupKey, StoreKey
-from kvpack.objects import Expectation
-from kvpack.ops import load_extension, region_copier
-from kvpack.staging import CpuDevice, Lane, Staged, Staging
-from kvpack.store import KVStore, LoadItem
-from kvpack.tiers.base import PutItem, TierStatus
+from kvpack import (
+    ChunkFacts,
+    DraftPlacement,
+    GroupKey,
+    HeadRange,
+    KVPackConfig,
+    KVStore,
+    LoadItem,
+    MemberObject,
+    ObjectIO,
+    Session,
+    TierStatus,
+    start_engine_process,
+)
+from kvpack.ops import CpuDevice, Lane, Staged, Staging
 
 from .canonical import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
-from .saves import Captured, gather_members, put_items
+from .saves import Captured, gather_members, save_objects
 from .settings import Scope
 
 if TYPE_CHECKING:
@@ -117,9 +121,12 @@ class WorkerSide:
         self.scope = scope
         self.vllm_config = vllm_config
         self.position = RankPosition.of_this_process(vllm_config)
-        # stores copy into the memory tier with kvpack's native region copy once the ops
-        # extension is loaded (the first block gather loads it), else with numpy
-        self.store = store or KVStore.from_config(config, region_copier=region_copier)
+        # the session builds every key, header and expectation; its store copies into the
+        # memory tier with kvpack's native region copy once the kernels are loaded
+        self.session = (
+            Session(store, scope.fingerprint) if store is not None else Session.start(config, scope.fingerprint)
+        )
+        self.store = self.session.store
         self.layout: WorkerLayout | None = None
         """What this worker copies; fixed by `register_kv_caches` (None before)."""
         self.staging = Staging(CpuDevice())
@@ -149,7 +156,6 @@ class WorkerSide:
         ]
         for t in self._threads:
             t.start()
-        self._memory = next((t for t in self.store.tiers if t.name == "memory"), None)
 
         def on_evict(tier: str, group: GroupKey, nbytes: int) -> None:
             if tier == "memory":
@@ -157,17 +163,16 @@ class WorkerSide:
 
         self.store.add_evict_listener(on_evict)
         # saves queued here (not yet handed to the store) must reach it before exit too
-        flush_on_exit(self, config.shutdown_flush_s)
+        self.session.flush_at_exit(self, config.shutdown_flush_s)
 
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Fix this worker's `WorkerLayout` (raises LayoutError at start-up for a cache kvpack
         cannot copy)."""
-        # before the first forward: a 1-token step over a restored prefix would otherwise
-        # be this process's first AMX use, which Linux refuses with SIGILL (cpu_features)
-        request_amx_permission()
-        load_extension()  # build or load the copy kernels now, not inside the first load's time bound
+        # before the first forward: AMX permission (a 1-token step over a restored prefix may
+        # be this process's first AMX use) and the copy kernels, not in the first load's bound
+        start_engine_process()
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
             self.staging = Staging.for_tensor(first)
@@ -299,9 +304,6 @@ class WorkerSide:
 
     # -- background work --------------------------------------------------------
 
-    def _key(self, tenant: str, chunk: str, member: str) -> StoreKey:
-        return StoreKey(tenant, self.scope.fingerprint, chunk, member)
-
     def _load_loop(self) -> None:
         while True:
             task = self._load_q.get()
@@ -314,21 +316,6 @@ class WorkerSide:
                 task.failed_blocks = {b for ref in task.job.blocks for b in ref.blocks}
             finally:
                 task.done.set()
-
-    def _load_item(self, tenant: str, ref: BlockRef, member: str, fingerprint: str, dst: memoryview) -> LoadItem:
-        return LoadItem(
-            self._key(tenant, ref.chunk, member),
-            dst,
-            Expectation(
-                fingerprint=fingerprint,
-                tenant=tenant,
-                chunk=ref.chunk,
-                member=member,
-                token_count=None if ref.token_ids is not None else ref.token_count,
-                payload_len=len(dst),
-                token_ids_prefix=ref.token_ids,
-            ),
-        )
 
     def _wait_for_earlier_saves(self, task: _LoadTask, bound_s: float) -> None:
         """Wait (at most `bound_s` from the load's start) until the saves queued before this
@@ -380,7 +367,7 @@ class WorkerSide:
         layout = self.layout
         assert layout is not None  # loads are queued only after registration
         plans: list[_MemberLoad] = []
-        items: list[LoadItem] = []
+        objects: list[ObjectIO] = []
         for slot in layout.members:
             wanted = [
                 i
@@ -390,15 +377,15 @@ class WorkerSide:
             for source in sorted({job.blocks[i].source for i in wanted}):  # a request may mix head splits
                 of_split = [i for i in wanted if job.blocks[i].source == source]
                 for part in self._member_loads(slot, of_split, source):
-                    rows = part.staging.numpy()
-                    items += [
-                        self._load_item(job.tenant, job.blocks[i], part.member, part.fingerprint, memoryview(rows[j]))
-                        for j, i in enumerate(of_split)
+                    rows, obj = part.staging.numpy(), MemberObject(part.member, part.fingerprint)
+                    objects += [
+                        ObjectIO(ChunkFacts(b.chunk, b.token_count, b.token_ids), obj, memoryview(rows[j]))
+                        for j, b in enumerate(job.blocks[i] for i in of_split)
                     ]
                     plans.append(part)
-        plan = self.store.prepare_load(
-            {self._key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers}
-        )
+        items = self.session.reads(job.tenant, objects)
+        hints = {self.session.key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers}
+        batch = self.session.prepare_load(items, hints)
         try:
             self._wait_for_earlier_saves(
                 task, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s
@@ -406,10 +393,10 @@ class WorkerSide:
             if job.handoff_wait_s > 0:
                 self._wait_for_handoff(task, items)
         except BaseException:
-            self.store.release(plan)
+            self.session.release(batch)
             raise
         start = time.perf_counter()
-        results = self.store.complete_load(plan, items)
+        results = self.session.complete_load(batch)
         good = [True] * n
         pos = 0
         for part in plans:
@@ -458,7 +445,7 @@ class WorkerSide:
             job, captured = entry
             try:
                 captured = captured if captured is not None else self._gather(job)
-                self._put(job, self._items(job, captured))
+                self._put(job, save_objects(captured, job))
                 for c in captured:
                     c.staged.release()
             except Exception as exc:  # a failed save is a future miss, never an engine error
@@ -531,23 +518,21 @@ class WorkerSide:
         slots.sort(key=lambda s: not s.draft)
         return gather_members(self.staging, slots, job)
 
-    def _items(self, job: TransferJob, captured: list[Captured]) -> list[PutItem]:
-        """One `PutItem` per chunk and member of gathered rows (waits for each gather's event)."""
-        return put_items(captured, job, self._key)
-
-    def _put(self, job: TransferJob, items: list[PutItem]) -> None:
+    def _put(self, job: TransferJob, objects: list[ObjectIO]) -> None:
+        """Store the objects as given: the scheduler decided what to save (one capture per
+        chunk, `captures`) and a tail slot is rewritten in place, so no de-duplication here.
+        What this worker's memory tier now holds is reported to the scheduler's view."""
         start = time.perf_counter()
-        self.store.store(items)
+        saved = self.session.save(job.tenant, objects, dedupe=False)
         self._count("saved_blocks", len(job.blocks))
-        self._count("saved_bytes", sum(it.header.payload_len for it in items))
+        self._count("saved_bytes", sum(it.header.payload_len for it in saved.items))
         self._count("save_seconds", time.perf_counter() - start)
-        if self._memory is not None:
-            present = self._memory.contains([it.key for it in items])
-            stored = [
-                StoredObject(it.key.as_str(), it.header.token_count, it.header.payload_len, it.header.token_ids)
-                for it, ok in zip(items, present)
-                if ok
-            ]
+        stored = [
+            StoredObject(it.key.as_str(), it.header.token_count, it.header.payload_len, it.header.token_ids)
+            for it, held in zip(saved.items, saved.in_memory)
+            if held
+        ]
+        if stored:
             with self._lock:
                 self._reported_stored.extend(stored)
 
@@ -577,7 +562,7 @@ class WorkerSide:
         self._save_q.put(None)  # after every queued save: the save thread stores them first
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        forget(self)
+        self.session.forget_at_exit(self)
         self.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
 

@@ -16,7 +16,9 @@ kernels are JIT-built on first use (``kvpack.ops._build``). Importing this modul
 builds nothing and needs no CUDA.
 """
 
+from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, cpu_lane
 from ._build import ExtensionStatus, load_extension, region_copier
+from .canonical import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 from .copy import (
     Backend,
     UploadedIds,
@@ -31,6 +33,18 @@ from .paged import PagedKV
 
 __all__ = [
     "Backend",
+    "CanonicalGeometry",
+    "CpuDevice",
+    "CudaDevice",
+    "Direction",
+    "Lane",
+    "Staged",
+    "Staging",
+    "StagingDevice",
+    "TilePacking",
+    "cpu_lane",
+    "paged_geometry",
+    "vllm_cpu_geometry",
     "ExtensionStatus",
     "KVLayout",
     "KVLayoutKind",

@@ -125,43 +125,9 @@ TOPS["tools"] = "kvpack.tools"
 PUBLIC = ("kvpack", "kvpack.ops")
 """What an adapter may import from the core: the package's public names and the kernels' entry."""
 
-ADAPTER_CORE_IMPORTS: dict[str, frozenset[str]] = {
-    # the core modules each adapter still imports besides PUBLIC (issue 28). This list may only
-    # shrink: an adapter importing a core module not listed here fails; a listed module no
-    # longer imported is printed, to be deleted from here.
-    "vllm_plugin": frozenset(
-        {
-            "kvpack.budget",
-            "kvpack.canonical",
-            "kvpack.config",
-            "kvpack.cpu_features",
-            "kvpack.errors",
-            "kvpack.exit_flush",
-            "kvpack.groups",
-            "kvpack.heads",
-            "kvpack.keys",
-            "kvpack.layout",
-            "kvpack.model_identity",
-            "kvpack.objects",
-            "kvpack.ops.canonical",
-            "kvpack.staging",  # the GPU staging API (issue 28, in progress): public once kvpack exports it
-            "kvpack.store",
-            "kvpack.tiers.base",
-            "kvpack.tiers.factory",
-        }
-    ),
-    "sglang_plugin": frozenset(
-        {
-            "kvpack.canonical",
-            "kvpack.cpu_features",
-            "kvpack.heads",
-            "kvpack.keys",
-            "kvpack.model_identity",
-            "kvpack.objects",
-            "kvpack.ops.canonical",
-        }
-    ),
-}
+BUILT_BY_THE_CORE = frozenset({"StoreKey", "GroupKey", "ObjectHeader", "Expectation", "PutItem", "LoadItem"})
+"""What only the core builds (`kvpack.session`): an adapter that built one by hand would hold
+key, header or expectation policy (issue 28)."""
 
 
 KNOWN_CIRCLES: list[list[str]] = [
@@ -190,10 +156,25 @@ def _type_only_nodes(tree: ast.AST) -> set[int]:
     return nodes
 
 
+def _package_names(package: str, modules: dict[str, Path]) -> set[str]:
+    """Names a package's ``__init__`` binds with ``from .module import name`` (at its top level)."""
+    path = modules.get(package)
+    if path is None or path.name != "__init__.py":
+        return set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for alias in node.names
+    }
+
+
 def _runtime_edges(module: str, path: Path, modules: dict[str, Path], *, typing: bool = False) -> set[str]:
     """The product modules `module` imports when it runs, at any depth (lazy imports count,
     ``TYPE_CHECKING`` blocks only with `typing`). ``from pkg import name`` is an edge to
-    ``pkg.name`` when that is a module, else to ``pkg``."""
+    ``pkg.name`` when that is a module the package does not shadow with a name of its own
+    (``kvpack.model_identity``: the package binds the function of that name), else to ``pkg``."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = set() if typing else _type_only_nodes(tree)
@@ -211,7 +192,7 @@ def _runtime_edges(module: str, path: Path, modules: dict[str, Path], *, typing:
                 source = node.module or ""
             for alias in node.names:
                 full = f"{source}.{alias.name}"
-                if full in modules:
+                if full in modules and alias.name not in _package_names(source, modules):
                     out.add(full)
                 elif source in modules:
                     out.add(source)
@@ -284,24 +265,47 @@ def test_product_imports_have_no_circles() -> None:
 
 
 def test_adapters_import_only_public_core_names() -> None:
-    # the adapters reach the core through `kvpack` and `kvpack.ops` (issue 28); what they still
-    # import besides is ADAPTER_CORE_IMPORTS, which may not grow
+    # the adapters reach the core through `kvpack` and `kvpack.ops` only (issue 28)
     modules = _modules()
-    for folder, allowed in ADAPTER_CORE_IMPORTS.items():
-        top = TOPS[folder]
-        pairs: dict[str, set[str]] = {}
+    for folder, top in TOPS.items():
+        if folder not in ("vllm_plugin", "sglang_plugin"):
+            continue
+        internal: dict[str, set[str]] = {}
         for name, path in modules.items():
             if name == top or name.startswith(top + "."):
                 for target in _runtime_edges(name, path, modules, typing=True):
-                    if target == "kvpack" or (target.startswith("kvpack.") and not target.startswith(top)):
-                        pairs.setdefault(target, set()).add(name)
-        internal = {target: users for target, users in pairs.items() if target not in PUBLIC}
-        print(
-            f"{folder}: {len(internal)} core-internal modules allowlisted in use "
-            f"({sum(len(u) for u in internal.values())} file pairs), {len(allowed)} listed"
-        )
-        new = {target: sorted(users) for target, users in internal.items() if target not in allowed}
-        assert not new, f"{folder} imports core-internal modules (use a public kvpack name): {new}"
-        stale = sorted(allowed - set(internal))
-        if stale:
-            print(f"{folder}: no longer imported, delete from ADAPTER_CORE_IMPORTS: {stale}")
+                    core = target == "kvpack" or (target.startswith("kvpack.") and not target.startswith(top))
+                    if core and target not in PUBLIC:
+                        internal.setdefault(target, set()).add(name)
+        assert not internal, f"{folder} imports core-internal modules (use a public kvpack name): {internal}"
+
+
+def _hand_built(source: str) -> list[tuple[int, str]]:
+    """(line, class) of every call that builds a `BUILT_BY_THE_CORE` object: ``X(...)`` or ``X.batch(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "batch":
+            func = func.value
+        if isinstance(func, ast.Name) and func.id in BUILT_BY_THE_CORE:
+            found.append((node.lineno, func.id))
+    return found
+
+
+def test_adapters_build_no_keys_headers_or_expectations() -> None:
+    # the session builds them from engine facts; StoreKey(...) or ObjectHeader.batch(...)
+    # in an adapter is key or header policy in the wrong layer (issue 28)
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {name}"
+        for folder in ("vllm_plugin", "sglang_plugin")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, name in _hand_built(path.read_text())
+    ]
+    assert not found, "adapters build core objects by hand (use kvpack.Session): " + ", ".join(found)
+
+
+def test_the_build_check_sees_a_hand_built_key() -> None:
+    source = "from kvpack import StoreKey, Session\nk = StoreKey.batch('t', 'f', ['c'], 'kv')\ns = Session(store)\n"
+    assert _hand_built(source) == [(2, "StoreKey")]

@@ -1,12 +1,14 @@
-"""The scheduler side's view of the workers' host-memory tiers.
+"""Another process's host-memory tier, seen through that process's reports.
 
-In vLLM's default mode the scheduler runs in the engine-core process and the
-workers elsewhere, so the scheduler cannot ask the workers' memory tiers
-directly. Workers report every object they put into memory and every group
-their memory evicts (`KVPackWorkerMetadata`); this `Tier` answers `contains`
-and `peek_headers` from those reports, so `KVStore.lookup` and
-`KVStore.tails` see memory like any other tier. It never holds payloads:
-`get_into` answers MISS (loads run on the workers, which hold the data).
+An engine whose lookups run in one process and whose copies run in others
+(vLLM: the scheduler in the engine-core process, the workers elsewhere) cannot
+ask the workers' memory tiers directly. The workers report every object they put
+into memory (`ReportedObject`) and every group their memory evicts; this `Tier`
+answers `contains` and `peek_headers` from those reports, so `KVStore.lookup` and
+`KVStore.tails` see memory like any other tier. Its name is the memory tier's
+(``memory``): a lookup's located hint "memory" sends the worker's load to its own
+memory tier. It never holds payloads: `get_into` answers MISS (loads run in the
+processes that hold the data).
 
 A stale entry (evicted after the report was sent) costs one failed load,
 which the connector reports to vLLM as a load error (recompute), never a
@@ -18,16 +20,26 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from kvpack.keys import GroupKey, StoreKey
-from kvpack.objects import Expectation, ObjectHeader, Payload
-from kvpack.tiers.base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from ..keys import GroupKey, StoreKey
+from ..objects import Expectation, ObjectHeader, Payload
+from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 
-from .metadata import StoredObject
+
+@dataclass(frozen=True)
+class ReportedObject:
+    """An object a process put into its memory tier (a tail carries its token ids).
+    `key` is `StoreKey.as_str()`; `payload_len` in bytes."""
+
+    key: str
+    token_count: int
+    payload_len: int
+    token_ids: tuple[int, ...] | None = None
 
 
 class ReportedMemoryIndex(Tier):
-    """Index of the workers' memory tiers, fed by their reports. Bounded (oldest dropped)."""
+    """Index of other processes' memory tiers, fed by their reports. Bounded (oldest dropped)."""
 
     name = "memory"
 
@@ -39,7 +51,7 @@ class ReportedMemoryIndex(Tier):
 
     # -- reports -------------------------------------------------------------
 
-    def apply(self, stored: Sequence[StoredObject], evicted: Sequence[str]) -> None:
+    def apply(self, stored: Sequence[ReportedObject], evicted: Sequence[str]) -> None:
         with self._lock:
             for group_str in evicted:
                 try:

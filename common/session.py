@@ -1,0 +1,374 @@
+"""Session: the one door an engine adapter uses into the core (issue 28).
+
+An adapter hands a session engine facts only: which tenant, which chunks (SGLang's
+page hashes, vLLM's chained block hashes), which member object it registered once
+(`MemberObject`: member name, member fingerprint, tokens and bytes per chunk), and the
+buffers to copy from or into. The session builds every `StoreKey`, `ObjectHeader`,
+`Expectation`, `PutItem` and `LoadItem`; remembers where a lookup found each object
+(`LocatedHints`, bounded) for the load that follows in the same process;
+de-duplicates saves through `KVStore.prepare_store` -> `complete_store`; and runs an
+engine process's start-up steps (`start_engine_process`). Adapters never build keys,
+headers or expectations themselves (tests/common/test_structure.py holds it).
+
+Two shapes of call, one behaviour:
+
+- page batches (`save_pages`, `page_reads`): many chunks of one member with one
+  token count and one payload size, built with the batch builders (about 5x cheaper
+  per object than one constructor call each: SGLang sends hundreds of pages a call);
+- objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
+  partial block's token count, a tail's token ids), vLLM's blocks and tails.
+
+Loads are two-phase, as the store's are: `prepare_load` pins what is in this
+process's memory and fixes the tier to read each object from (the hints given, else
+the ones this session's own lookups remembered); `complete_load` reads and releases.
+An adapter may wait between the two (vLLM waits for earlier saves and for a
+prefill instance's handoff); `release` gives the pins back without reading.
+
+Thread-safe: the hints are behind a lock; everything else is the store's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .budget import WaitBudget
+from .config import KVPackConfig
+from .cpu_features import request_amx_permission
+from .exit_flush import Flushable, flush_on_exit, forget
+from .groups import GroupLookup, MemberSpec
+from .keys import StoreKey, validate_chunk_hash
+from .lifecycle import LoadPlan
+from .objects import Expectation, ObjectHeader, Payload, payload_nbytes
+from .reads import LoadItem
+from .store import KVStore
+from .tiers.base import GetResult, PutItem, Tier, TierStatus
+
+MAX_LOCATED = 1 << 16
+"""Object locations a session remembers between a lookup and its load (key + tier name each)."""
+
+
+def start_engine_process() -> None:
+    """An engine process's start-up steps, before its first forward (idempotent).
+
+    Ask Linux for AMX tile state (a short step over restored KV may be the
+    process's first AMX use, which the kernel refuses with SIGILL otherwise:
+    `kvpack.cpu_features`), and build or load the copy kernels now, not inside
+    the first load's time bound (`kvpack.ops.load_extension`: cached per machine,
+    never raises; without it the torch fallback copies). Imports torch: `import
+    kvpack` itself stays light for the operator tools."""
+    from .ops import load_extension
+
+    request_amx_permission()
+    load_extension()
+
+
+@dataclass(frozen=True, slots=True)
+class MemberObject:
+    """One member's object per chunk, as an adapter registered it once.
+
+    `fingerprint` is the member fingerprint every header carries and every load
+    requires; `chunk_tokens` the tokens of a whole page (the page calls' token count;
+    the object calls take each chunk's own, `ChunkFacts`); `payload_len` the bytes of
+    one object (None: the caller's buffer says, e.g. a head range of another TP size)."""
+
+    member: str
+    fingerprint: str
+    chunk_tokens: int = 0
+    payload_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFacts:
+    """One chunk of a save or load with its own token facts.
+
+    `token_count`: tokens the object holds (a whole chunk, or a partial block's
+    computed part). `token_ids`: a tail's ids (stored in its header; a load requires
+    the stored ids to start with them); None for a whole chunk."""
+
+    chunk: str
+    token_count: int
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectIO:
+    """One object to save or load: a chunk's facts, the member's object and the buffer
+    (the payload to store, or the destination of exactly the object's payload size)."""
+
+    facts: ChunkFacts
+    obj: MemberObject
+    buffer: Payload
+
+
+@dataclass
+class LoadBatch:
+    """A prepared load: the items (one per object, in the caller's order) and the store's plan."""
+
+    items: list[LoadItem]
+    plan: LoadPlan
+    keys: list[StoreKey] = field(default_factory=list)
+
+
+class LocatedHints:
+    """Where lookups found each object (key -> tier name), for the load that follows.
+
+    Bounded to `capacity` keys, the oldest dropped first; a load takes (removes) the
+    hints of what it reads. Thread-safe."""
+
+    def __init__(self, capacity: int = MAX_LOCATED) -> None:
+        self._capacity = capacity
+        self._hints: OrderedDict[StoreKey, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, located: Mapping[StoreKey, str]) -> None:
+        if not located or self._capacity <= 0:
+            return
+        with self._lock:
+            hints = self._hints
+            hints.update(located)
+            for key in located:
+                hints.move_to_end(key)
+            while len(hints) > self._capacity:
+                hints.popitem(last=False)
+
+    def take(self, keys: Sequence[StoreKey]) -> dict[StoreKey, str]:
+        with self._lock:
+            return {k: t for k in keys if (t := self._hints.pop(k, None)) is not None}
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._hints
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._hints)
+
+
+class Session:
+    """One engine process's door into the core (see the module docstring).
+
+    `group_fingerprint` scopes every key (the layout's group fingerprint); an adapter
+    that learns it at registration sets it with `bind_group` before its first call."""
+
+    def __init__(self, store: KVStore, group_fingerprint: str = "", hints: LocatedHints | None = None) -> None:
+        self.store = store
+        self.group_fingerprint = group_fingerprint
+        self.hints = hints if hints is not None else LocatedHints()
+
+    @classmethod
+    def start(
+        cls, config: KVPackConfig, group_fingerprint: str = "", *, copy_threads: int = 1, write_back: bool = True
+    ) -> Session:
+        """An engine process's session: `start_engine_process`, then the store the config
+        enables, whose memory-tier copies use the native region copy once the kernels loaded."""
+        from .ops import region_copier
+
+        start_engine_process()
+        store = KVStore.from_config(
+            config, copy_threads=copy_threads, region_copier=region_copier, write_back=write_back
+        )
+        return cls(store, group_fingerprint)
+
+    @classmethod
+    def reader(cls, config: KVPackConfig, leading: Sequence[Tier], group_fingerprint: str = "") -> Session:
+        """A lookup-only session (vLLM's scheduler process): `leading` tiers (a view of
+        another process's memory) before the lower tiers the config enables; stores refused.
+        It remembers no locations: its lookups' `GroupLookup.located` travel to the
+        processes that load (as `prepare_load` hints)."""
+        return cls(KVStore.reader(config, leading), group_fingerprint, LocatedHints(capacity=0))
+
+    def bind_group(self, group_fingerprint: str) -> None:
+        self.group_fingerprint = group_fingerprint
+
+    @staticmethod
+    def flush_at_exit(owner: Flushable, timeout_s: float) -> None:
+        """Have `owner.flush_before_exit` run before the process exits (bounded by
+        `timeout_s`; `kvpack.exit_flush`): an adapter's own queue of saves not yet handed
+        to the store must reach it too. The store registers itself."""
+        flush_on_exit(owner, timeout_s)
+
+    @staticmethod
+    def forget_at_exit(owner: Flushable) -> None:
+        """Undo `flush_at_exit` (the owner closed and flushed already)."""
+        forget(owner)
+
+    # -- keys -----------------------------------------------------------------------
+
+    def key(self, tenant: str, chunk: str, member: str) -> StoreKey:
+        return StoreKey(tenant, self.group_fingerprint, chunk, member)
+
+    def keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
+        """Validated keys of `chunks` for one member (ValueError names a bad field)."""
+        return StoreKey.batch(tenant, self.group_fingerprint, chunks, member)
+
+    @staticmethod
+    def check_chunks(chunks: Sequence[str]) -> None:
+        """Raise ValueError (naming it) for a chunk that is not a valid chunk hash."""
+        for chunk in chunks:
+            validate_chunk_hash(chunk)
+
+    # -- lookup ---------------------------------------------------------------------
+
+    def contains_members(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
+        """Per chunk, per member: stored on any tier (`KVStore.contains_members`)."""
+        return self.store.contains_members(tenant, self.group_fingerprint, chunks, members)
+
+    def lookup(
+        self,
+        tenant: str,
+        chunks: Sequence[str],
+        members: Sequence[MemberSpec],
+        chunk_tokens: int,
+        budget: WaitBudget | None = None,
+        alternatives: Sequence[Sequence[MemberSpec]] = (),
+    ) -> GroupLookup:
+        """`KVStore.lookup` in this session's group; remembers where each key of the hit
+        was found, for a `prepare_load` in this process without hints of its own."""
+        result = self.store.lookup(
+            tenant, self.group_fingerprint, chunks, members, chunk_tokens, budget, alternatives=alternatives
+        )
+        self.hints.remember(result.located)
+        return result
+
+    def was_located(self, tenant: str, chunk: str, member: str) -> bool:
+        """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
+        return self.key(tenant, chunk, member) in self.hints
+
+    # -- load -----------------------------------------------------------------------
+
+    def page_reads(
+        self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]
+    ) -> list[LoadItem]:
+        """Load items of whole pages of one member (batch-built), one per chunk and `dsts` entry."""
+        keys = self.keys(tenant, chunks, obj.member)
+        size = obj.payload_len if obj.payload_len is not None else (_nbytes(dsts[0]) if dsts else 0)
+        expected = Expectation.batch(obj.fingerprint, tenant, chunks, obj.member, obj.chunk_tokens, size)
+        return list(map(LoadItem, keys, dsts, expected))
+
+    def reads(self, tenant: str, objects: Sequence[ObjectIO]) -> list[LoadItem]:
+        """Load items of objects with their own token facts: a tail requires its stored
+        ids to start with `ChunkFacts.token_ids` (any count), a block its exact count."""
+        return [
+            LoadItem(
+                self.key(tenant, o.facts.chunk, o.obj.member),
+                o.buffer,
+                Expectation(
+                    fingerprint=o.obj.fingerprint,
+                    tenant=tenant,
+                    chunk=o.facts.chunk,
+                    member=o.obj.member,
+                    token_count=None if o.facts.token_ids is not None else o.facts.token_count,
+                    payload_len=_nbytes(o.buffer),
+                    token_ids_prefix=o.facts.token_ids,
+                ),
+            )
+            for o in objects
+        ]
+
+    def prepare_load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> LoadBatch:
+        """Pin and place `items` (`KVStore.prepare_load`): each read first from the tier in
+        `hints` (another process's lookup: vLLM's scheduler), else the tier this session's
+        lookup remembered; pair with `complete_load` or `release`."""
+        keys = [it.key for it in items]
+        located = dict(hints) if hints is not None else self.hints.take(keys)
+        return LoadBatch(list(items), self.store.prepare_load(located), keys)
+
+    def complete_load(self, batch: LoadBatch) -> list[GetResult]:
+        """Read every item of `batch` into its buffer (a miss or a refused object is a
+        result, never an exception) and release its pins."""
+        return self.store.complete_load(batch.plan, batch.items)
+
+    def release(self, batch: LoadBatch) -> None:
+        self.store.release(batch.plan)
+
+    def load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> list[GetResult]:
+        """`prepare_load` then `complete_load`, nothing to wait for in between."""
+        return self.complete_load(self.prepare_load(items, hints))
+
+    # -- save -----------------------------------------------------------------------
+
+    def save_pages(
+        self,
+        tenant: str,
+        obj: MemberObject,
+        chunks: Sequence[str],
+        payloads_of: Callable[[Sequence[int]], Sequence[Payload]],
+    ) -> list[bool]:
+        """Store whole pages of one member, de-duplicated: `KVStore.prepare_store` picks the
+        pages on no tier and not being stored by another caller; `payloads_of(indices)`
+        gives just those pages' payloads (in place, e.g. host-pool regions); one
+        `complete_store`. Per page: True when stored now or already stored."""
+        n = len(chunks)
+        if n == 0:
+            return []
+        keys = self.keys(tenant, chunks, obj.member)
+        wanted = set(self.store.prepare_store(keys))
+        todo = [i for i in range(n) if keys[i] in wanted]
+        ok = [True] * n
+        if not todo:
+            return ok
+        payloads = payloads_of(todo)
+        size = obj.payload_len if obj.payload_len is not None else _nbytes(payloads[0])
+        headers = ObjectHeader.batch(
+            obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, size
+        )
+        items = list(map(PutItem, [keys[i] for i in todo], headers, payloads))
+        for i, st in zip(todo, self.store.complete_store(items)):
+            ok[i] = st is TierStatus.OK
+        return ok
+
+    def save(self, tenant: str, objects: Sequence[ObjectIO], *, dedupe: bool = True) -> SaveResult:
+        """Store objects with their own token facts (vLLM's blocks and tails).
+
+        `dedupe`: through `prepare_store` -> `complete_store` (what is stored, or being
+        stored by another caller, is skipped and reported stored). False stores every
+        object as given: a caller that decided itself what to save, or rewrites a tail
+        slot in place. `SaveResult.in_memory`: per object, whether this process's
+        memory tier holds it now (what a scheduler-side view is told)."""
+        items = [
+            PutItem(
+                self.key(tenant, o.facts.chunk, o.obj.member),
+                ObjectHeader(
+                    fingerprint=o.obj.fingerprint,
+                    tenant=tenant,
+                    chunk=o.facts.chunk,
+                    member=o.obj.member,
+                    token_count=o.facts.token_count,
+                    payload_len=_nbytes(o.buffer),
+                    checksum=None,
+                    token_ids=o.facts.token_ids,
+                ),
+                o.buffer,
+            )
+            for o in objects
+        ]
+        statuses = [TierStatus.OK] * len(items)
+        if dedupe:
+            wanted = set(self.store.prepare_store([it.key for it in items]))
+            todo = [i for i, it in enumerate(items) if it.key in wanted]
+            for i, st in zip(todo, self.store.complete_store([items[i] for i in todo])):
+                statuses[i] = st
+        else:
+            statuses = self.store.store(items)
+        in_memory = self.store.in_memory([it.key for it in items])
+        return SaveResult(items, statuses, in_memory)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What `Session.save` did, per object in the caller's order."""
+
+    items: list[PutItem]
+    statuses: list[TierStatus]
+    in_memory: list[bool]
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(it.header.payload_len for it, st in zip(self.items, self.statuses) if st is TierStatus.OK)
+
+
+def _nbytes(buffer: Payload) -> int:
+    return buffer.nbytes if isinstance(buffer, memoryview) else payload_nbytes(buffer)
