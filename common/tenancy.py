@@ -8,7 +8,8 @@ and the operator's config; the core decides. The rules (issue 15, docs/ARCHITECT
   the config trusts whoever set it (`KVPackConfig.trusted_tenants` lists the name,
   or ``"*"``; or the signature is the name's HMAC under
   `KVPackConfig.tenant_signing_key`). Otherwise it is ignored: `on_untrusted` is
-  called with it (the adapter counts it) and it is logged once per process.
+  called with it (the adapter counts it) and it is logged, once per `warned` event
+  the caller holds (one per scheduler: not per request, and no process-wide state).
 - Else the salt's own scope: the salt itself when it is a valid tenant name, else
   ``salt-<16 hex of its SHA-256>``.
 - Else the config's default tenant.
@@ -30,9 +31,6 @@ from .config import KVPackConfig
 from .keys import ChunkHash, seed_hash, tenant_signature_ok, validate_tenant
 
 log = logging.getLogger("kvpack.tenancy")
-
-_untrusted_logged = threading.Event()
-"""Set once an ignored tenant name was logged: one warning per process, not per request."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +67,12 @@ def resolve_tenant(
     source: TenantSource,
     config: KVPackConfig | str,
     on_untrusted: Callable[[str], None] | None = None,
+    warned: threading.Event | None = None,
 ) -> RequestScope:
     """Tenant and chain seed of one request (module docstring). Raises BadTenant for an
-    invalid trusted name. A bare tenant name as `config` trusts no named tenant."""
+    invalid trusted name. A bare tenant name as `config` trusts no named tenant.
+    `warned`: set once an ignored name was logged, so a caller that keeps one logs it
+    once (None: logged every time)."""
     default_tenant = config if isinstance(config, str) else config.tenant
     salt = source.salt or ""
     tenant: str | None = None
@@ -83,8 +84,9 @@ def resolve_tenant(
         else:
             if on_untrusted is not None:
                 on_untrusted(str(source.named)[:64])
-            if not _untrusted_logged.is_set():
-                _untrusted_logged.set()
+            if warned is None or not warned.is_set():
+                if warned is not None:
+                    warned.set()
                 log.warning(
                     "kvpack: ignoring %s of request %s (and of any later request): the config trusts no "
                     "client-chosen tenant (set trusted_tenants or tenant_signing_key behind a front end that "

@@ -70,8 +70,8 @@ worst a tail is written again).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
@@ -89,6 +89,7 @@ from kvpack import (
 
 from .captures import CaptureTracker
 from .handoff import Handoff, HandoffError, wants_remote_decode
+from .hit_plan import HitPlan, PartialTail
 from .metadata import (
     NO_BLOCK,
     NULL_BLOCK,
@@ -110,40 +111,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpack.vllm")
 
 
-@dataclass(frozen=True)
-class LoadPlan:
-    """The outcome of one request's lookup (memoised: vLLM may ask more than once)."""
-
-    num_tokens: int
-    scope: RequestScope | None
-    hashes: tuple[ChunkHash, ...]
-    hit_chunks: int
-    matched: int
-    """Tokens loadable from the store (capped at num_tokens - `Scope.min_prefill_tokens`)."""
-    tail: BlockRef | None
-    """The tail object to load into block `hit_chunks`, when the match reaches into it."""
-    full_chunks: int = 0
-    """Leading hit chunks with every member; chunks `full_chunks..hit_chunks` lack
-    the sidecar draft (target_only) and load the target member only."""
-    handoff: bool = False
-    """A prefill instance's prompt (`handoff`): loaded with a bounded wait for objects
-    still landing, not found by a lookup."""
-    sources: tuple[int, ...] = ()
-    """Canonical objects: per hit chunk, the head split that holds it (`BlockRef.source`)."""
-    tiers: tuple[tuple[tuple[str, str], ...], ...] = ()
-    """Per hit chunk, (member, tier) where the lookup found each member (`BlockRef.tiers`)."""
-
-
-@dataclass(frozen=True)
-class PartialTail:
-    """A Mamba state vLLM handed over at request finish (`register_finished_partial_tail`)."""
-
-    group: int
-    block_id: int
-    boundary: int
-    """Tokens the state covers."""
-
-
 class SchedulerSide:
     def __init__(
         self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0
@@ -162,7 +129,7 @@ class SchedulerSide:
         self.members = scope.member_specs()
         self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
-        self._plans: dict[str, LoadPlan] = {}
+        self._plans: dict[str, HitPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
         self._sync_loads: set[str] = set()
@@ -171,6 +138,7 @@ class SchedulerSide:
         self._pending_saves: list[TransferJob] = []
         self._stats: dict[str, float] = {}
         self._held_logged = False
+        self._untrusted_warned = threading.Event()
         self._bad_tenants_logged: set[str] = set()
         self._handoff_errors: set[str] = set()
         """Handoff refusals already logged (each distinct reason once)."""
@@ -190,7 +158,8 @@ class SchedulerSide:
         if not cacheable(request):
             return None
         try:
-            return request_scope(request, self.config, lambda _asked: self._count("untrusted_tenant"))
+            count = lambda _asked: self._count("untrusted_tenant")  # noqa: E731
+            return request_scope(request, self.config, count, self._untrusted_warned)
         except BadTenant as exc:
             if request.request_id not in self._bad_tenants_logged:
                 self._bad_tenants_logged.add(request.request_id)
@@ -198,23 +167,23 @@ class SchedulerSide:
             self._count("bad_tenant")
             return None
 
-    def plan(self, request: Request) -> LoadPlan:
+    def plan(self, request: Request) -> HitPlan:
         n = int(request.num_tokens)
         cached = self._plans.get(request.request_id)
         if cached is not None and cached.num_tokens == n:
             return cached
         rs = self._scope_of(request)
         if rs is None:
-            plan = LoadPlan(n, None, (), 0, 0, None)
+            plan = HitPlan(n, None, (), 0, 0, None)
         elif request.request_id in self._failed:  # a load failed once: recompute, never retry
-            plan = LoadPlan(n, rs, (), 0, 0, None)
+            plan = HitPlan(n, rs, (), 0, 0, None)
         else:
             handoff = self._handoff_of(request, rs)
             plan = self._handoff_plan(request, rs, n, *handoff) if handoff else self._lookup_any(request, rs, n)
         self._plans[request.request_id] = plan
         return plan
 
-    def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> LoadPlan:
+    def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> HitPlan:
         """The lookup under the engine's own members; canonical objects written at another
         TP size are other head splits (`kvpack.heads`), looked up in the same (one counted)
         lookup, each chunk from the first split that holds all of it (`kvpack.split_lookup`)."""
@@ -232,7 +201,7 @@ class SchedulerSide:
         n: int,
         members: Sequence[MemberSpec],
         alternatives: Sequence[Sequence[MemberSpec]] = (),
-    ) -> LoadPlan:
+    ) -> HitPlan:
         bs = self.scope.block_size
         tokens = list(request.all_token_ids[:n])
         hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
@@ -274,7 +243,7 @@ class SchedulerSide:
         for key, tier in result.located.items():  # the tier of each key of the hit, for the workers' loads
             found.setdefault(key.chunk, []).append((key.member, tier))
         tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
-        return LoadPlan(
+        return HitPlan(
             n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers
         )
 
@@ -290,7 +259,7 @@ class SchedulerSide:
             handoff.check(self.scope.fingerprint, rs.tenant)
             return handoff, self._handoff_split(handoff)
         except HandoffError as exc:
-            self._count("pd_refused")
+            self._count("handoff_refused")
             if str(exc) not in self._handoff_errors:
                 self._handoff_errors.add(str(exc))
                 log.error("kvpack: prefill/decode handoff refused (request %s): %s", request.request_id, exc)
@@ -310,7 +279,7 @@ class SchedulerSide:
             )
         return index
 
-    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff, source: int) -> LoadPlan:
+    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff, source: int) -> HitPlan:
         """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at
         most), as the objects of the head split `source` it wrote (a prefill instance at
         another TP size)."""
@@ -327,8 +296,8 @@ class SchedulerSide:
                 used = tuple(tokens[full * bs : matched])
                 tail = BlockRef(handoff.tail_chunk, (), handoff.tokens - full * bs, used, source=source)
                 self.store.metrics.inc("tail_hit_tokens", len(used), tenant=rs.tenant)
-        self._count("pd_handoffs")
-        return LoadPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True, sources=(source,) * full)
+        self._count("handoff_planned")
+        return HitPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True, sources=(source,) * full)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
@@ -365,7 +334,7 @@ class SchedulerSide:
         self._sync_loads.discard(request.request_id)
         return plan.matched - num_computed_tokens, True
 
-    def _loads_in_step(self, plan: LoadPlan) -> bool:
+    def _loads_in_step(self, plan: HitPlan) -> bool:
         """Whether `plan` loads synchronously: one KV cache group (vLLM takes block-level
         failures), not a handoff, at most `sync_load_max_blocks` blocks, and every object
         (chunks and tail) in the workers' memory as far as their reports say."""
@@ -519,7 +488,7 @@ class SchedulerSide:
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ranges = len(self._splits[0]) if self._splits else 0
             handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
-            self._count("pd_handoffs_sent")
+            self._count("handoff_sent")
             return False, handoff.to_params()
         if self.can_save and run is not None and not partial_tails:
             tail = self._captures.finish_tail(run, block_ids)

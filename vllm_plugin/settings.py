@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -419,6 +420,7 @@ def request_scope(
     request: Request,
     config: KVPackConfig | str,
     on_untrusted: Callable[[str], None] | None = None,
+    warned: threading.Event | None = None,
 ) -> RequestScope:
     """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
     ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
@@ -437,7 +439,7 @@ def request_scope(
         named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
         request_id=str(getattr(request, "request_id", "?")),
     )
-    return resolve_tenant(source, config, on_untrusted)
+    return resolve_tenant(source, config, on_untrusted, warned)
 
 
 def cacheable(request: Request) -> bool:

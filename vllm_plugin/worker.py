@@ -343,11 +343,11 @@ class WorkerSide:
                 break
             time.sleep(0.005)
         waited = time.monotonic() - task.started
-        self._count("pd_wait_seconds", waited)
+        self._count("handoff_wait_seconds", waited)
         self.store.metrics.observe("handoff_wait_seconds", waited, tenant=task.job.tenant)
         self.store.metrics.inc("handoff_loads", tenant=task.job.tenant)
         if missing:
-            self._count("pd_missing_objects", len(missing))
+            self._count("handoff_missing", len(missing))
             self.store.metrics.inc("handoff_missing", len(missing), tenant=task.job.tenant)
             log.warning(
                 "kvpack: %d of %d objects of %s had not landed after pd_wait_ms; vLLM recomputes from the first",
