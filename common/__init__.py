@@ -59,7 +59,7 @@ from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpe
 from .heads import HeadRange, HeadSplit
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout import KVLayoutSpec
-from .metrics import Metrics
+from .metrics import Metrics, MetricsInterval
 from .model_identity import model_identity
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
@@ -98,6 +98,7 @@ __all__ = [
     "MemberRole",
     "MemberSpec",
     "Metrics",
+    "MetricsInterval",
     "ObjectHeader",
     "ObjectIO",
     "Payload",

@@ -100,6 +100,30 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("lookup_seconds", "Lookup latency", ("tenant",), Kind.HISTOGRAM),
     MetricSpec("load_seconds", "Batch load latency", ("tier",), Kind.HISTOGRAM),
     MetricSpec("store_seconds", "Batch store latency", ("tier",), Kind.HISTOGRAM),
+    # what an engine adapter counts around the core calls (vLLM's connector reports these,
+    # with everything above, as its interval stats: `MetricsInterval`)
+    MetricSpec("untrusted_tenants", "Requests whose client-chosen tenant was ignored (not trusted)", ()),
+    MetricSpec("bad_tenants", "Requests run without the cache: a trusted tenant name was invalid", ()),
+    MetricSpec("other_split_hits", "Hits on objects another TP size stored (canonical head ranges)", ()),
+    MetricSpec("external_hit_tokens", "Tokens the engine accepted as loaded from kvpack", ("tenant",)),
+    MetricSpec("load_requests", "Requests handed to the workers to load", ()),
+    MetricSpec("sync_load_requests", "Requests whose hit is loaded inside the engine step", ()),
+    MetricSpec("sync_load_failures", "Loads inside the step that failed (recomputed)", ()),
+    MetricSpec("save_blocks_planned", "Blocks the scheduler asked the workers to save", ()),
+    MetricSpec("saved_blocks", "Blocks the workers saved", ()),
+    MetricSpec("save_errors", "Saves that failed (a future miss, never an engine error)", ()),
+    MetricSpec("save_dropped_at_exit", "Saves still queued when the exit flush's bound ran out (lost)", ()),
+    MetricSpec("loaded_blocks", "Blocks restored into the engine", ()),
+    MetricSpec("loaded_draft_blocks", "Blocks restored with their draft-model KV", ()),
+    MetricSpec("loaded_without_draft_blocks", "Blocks restored without draft KV (target_only policy)", ()),
+    MetricSpec("failed_blocks", "Blocks a load could not restore (recomputed)", ()),
+    MetricSpec("load_error_blocks", "Blocks reported to the engine as load errors", ()),
+    MetricSpec("load_timeouts", "Loads cancelled after io_timeout_ms (recomputed)", ()),
+    MetricSpec("load_waits_for_saves_timed_out", "Loads that stopped waiting for earlier saves at their bound", ()),
+    MetricSpec("missing_at_load", "Objects a lookup found that no tier had at load", ()),
+    MetricSpec("handoff_planned", "Prefill/decode handoffs planned by a decode instance", ()),
+    MetricSpec("handoff_refused", "Handoff parameters refused (the request ran without the handoff)", ()),
+    MetricSpec("handoff_sent", "Prompts a prefill instance stored for a decode instance", ()),
 )
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -166,7 +190,8 @@ class Metrics:
         if amount == 0:
             return
         values = self._labels(name, labels)
-        self._prom[name].labels(*values).inc(amount)  # type: ignore[union-attr]
+        prom = self._prom[name]
+        (prom.labels(*values) if values else prom).inc(amount)  # type: ignore[union-attr]
         with self._lock:
             self._values[name][values] += amount
 
@@ -206,6 +231,17 @@ class Metrics:
                     out.setdefault(f"{name}_max", {})[key] = peak
         return out
 
+    def totals(self) -> dict[str, float]:
+        """Every counter summed over its label sets, and each histogram's ``_count`` and ``_sum``."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for name, series in self._values.items():
+                out[name] = sum(series.values())
+            for name, hists in self._hist.items():
+                out[f"{name}_count"] = sum(h[0] for h in hists.values())
+                out[f"{name}_sum"] = sum(h[1] for h in hists.values())
+        return out
+
     def serve_prometheus(self, port: int, span: int = 1, addr: str = "127.0.0.1") -> int | None:
         """Expose this registry over HTTP on the first free port of
         ``port .. port + span - 1`` (loopback by default). Returns the port, or
@@ -236,6 +272,23 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class MetricsInterval:
+    """What `metrics` counted since the last `take`: one counter system for an engine's own
+    per-interval stats hook (vLLM's ``KVConnectorStats``) and Prometheus alike."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def take(self) -> dict[str, float]:
+        """``{name: increase}`` of every total that changed since the last call (see `Metrics.totals`)."""
+        totals = self._metrics.totals()
+        with self._lock:
+            last, self._last = self._last, totals
+        return {k: v - last.get(k, 0.0) for k, v in totals.items() if v != last.get(k, 0.0)}
 
 
 class Tally:

@@ -80,6 +80,7 @@ from kvpack import (
     KVPackConfig,
     MemberRole,
     MemberSpec,
+    MetricsInterval,
     ReportedMemoryIndex,
     Session,
     WaitBudget,
@@ -136,7 +137,8 @@ class SchedulerSide:
         """Requests whose hit, as last answered to vLLM, loads inside the step."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
-        self._stats: dict[str, float] = {}
+        self._interval = MetricsInterval(self.store.metrics)
+        """The connector's per-interval stats: what this side's store counted since the last take."""
         self._held_logged = False
         self._untrusted_warned = threading.Event()
         self._bad_tenants_logged: set[str] = set()
@@ -158,13 +160,13 @@ class SchedulerSide:
         if not cacheable(request):
             return None
         try:
-            count = lambda _asked: self._count("untrusted_tenant")  # noqa: E731
+            count = lambda _asked: self._count("untrusted_tenants")  # noqa: E731
             return request_scope(request, self.config, count, self._untrusted_warned)
         except BadTenant as exc:
             if request.request_id not in self._bad_tenants_logged:
                 self._bad_tenants_logged.add(request.request_id)
                 log.warning("kvpack: request %s runs without the cache: %s", request.request_id, exc)
-            self._count("bad_tenant")
+            self._count("bad_tenants")
             return None
 
     def plan(self, request: Request) -> HitPlan:
@@ -210,8 +212,6 @@ class SchedulerSide:
         sources = result.chunk_sets or (0,) * k
         source = sources[-1] if k else 0  # the tail: under the split of the chunk before it
         members = [members, *alternatives][source]
-        if result.partial:
-            self._count("partial_hit_chunks", result.target_chunks - result.full_chunks)
         matched = k * bs
         tail: BlockRef | None = None
         last = n - self.scope.min_prefill_tokens  # the most a hit may cover (vLLM computes the rest)
@@ -385,7 +385,7 @@ class SchedulerSide:
         self._load_issued.add(request.request_id)
         if sync:
             self._count("sync_load_requests")
-        self._count("hit_tokens", num_external_tokens)
+        self.store.metrics.inc("external_hit_tokens", num_external_tokens, tenant=plan.scope.tenant)
         self._count("load_requests")
 
     def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
@@ -402,7 +402,7 @@ class SchedulerSide:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
                 self._expect_in_memory(job)
-                self._count("save_blocks", len(job.blocks))
+                self._count("save_blocks_planned", len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
@@ -497,7 +497,7 @@ class SchedulerSide:
             job = TransferJob(req_id, run.scope.tenant, (tail,))
             self._pending_saves.append(job)
             self._expect_in_memory(job)  # a follow-up turn in the next step hits it (the load waits for it)
-            self._count("save_blocks", 1)
+            self._count("save_blocks_planned", 1)
             return True, None
         if not self.can_save or not partial_tails:
             return False, None
@@ -513,7 +513,7 @@ class SchedulerSide:
         if tail is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
-        self._count("save_blocks", 1)
+        self._count("save_blocks_planned", 1)
         return True, None
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
@@ -559,11 +559,11 @@ class SchedulerSide:
                 self._captures.restart(req_id)
 
     def take_stats(self) -> dict[str, float]:
-        stats, self._stats = self._stats, {}
-        return stats
+        """What this side's store counted since the last call (`kvpack_*` metrics' increases)."""
+        return self._interval.take()
 
     def _count(self, name: str, amount: float = 1) -> None:
-        self._stats[name] = self._stats.get(name, 0) + amount
+        self.store.metrics.inc(name, amount)
 
     def close(self) -> None:
         self.store.close(flush_timeout_s=1.0)

@@ -53,6 +53,7 @@ from kvpack import (
     KVStore,
     LoadItem,
     MemberObject,
+    MetricsInterval,
     ObjectIO,
     Session,
     TierStatus,
@@ -140,9 +141,8 @@ class WorkerSide:
         self._reported_stored: list[StoredObject] = []
         self._reported_evicted: list[str] = []
         self._failed_loads: list[str] = []
-        self._stats: dict[str, float] = {}
-        self._stats_lock = threading.Lock()
-        """Guards `_stats` only, so counting is safe under `_lock` too (it is not reentrant)."""
+        self._interval = MetricsInterval(self.store.metrics)
+        """The connector's per-interval stats: what the store's metrics counted since the last take."""
         self._idle_step = False
         self._step_loads: list[_LoadTask] = []
         self._saves_cv = threading.Condition()
@@ -205,7 +205,6 @@ class WorkerSide:
         except Exception as exc:  # a failed load is a recompute, never an engine error
             log.warning("kvpack: load for %s failed: %s", task.job.req_id, exc)
             task.failed_blocks = {b for ref in task.job.blocks for b in ref.blocks}
-        self._count("sync_loads")
         self.store.metrics.inc("sync_loads", tenant=task.job.tenant)
         if task.failed_blocks:
             self._count("sync_load_failures")
@@ -294,13 +293,11 @@ class WorkerSide:
         return KVPackWorkerMetadata(stored, evicted, failed)
 
     def take_stats(self) -> dict[str, float]:
-        with self._stats_lock:
-            stats, self._stats = self._stats, {}
-        return stats
+        """What this worker's store counted since the last call (`kvpack_*` metrics' increases)."""
+        return self._interval.take()
 
     def _count(self, name: str, amount: float = 1) -> None:
-        with self._stats_lock:
-            self._stats[name] = self._stats.get(name, 0) + amount
+        self.store.metrics.inc(name, amount)
 
     # -- background work --------------------------------------------------------
 
@@ -343,11 +340,9 @@ class WorkerSide:
                 break
             time.sleep(0.005)
         waited = time.monotonic() - task.started
-        self._count("handoff_wait_seconds", waited)
         self.store.metrics.observe("handoff_wait_seconds", waited, tenant=task.job.tenant)
         self.store.metrics.inc("handoff_loads", tenant=task.job.tenant)
         if missing:
-            self._count("handoff_missing", len(missing))
             self.store.metrics.inc("handoff_missing", len(missing), tenant=task.job.tenant)
             log.warning(
                 "kvpack: %d of %d objects of %s had not landed after pd_wait_ms; vLLM recomputes from the first",
@@ -395,8 +390,7 @@ class WorkerSide:
         except BaseException:
             self.session.release(batch)
             raise
-        start = time.perf_counter()
-        results = self.session.complete_load(batch)
+        results = self.session.complete_load(batch)  # counts loaded_bytes and load_seconds per tier
         good = [True] * n
         pos = 0
         for part in plans:
@@ -422,13 +416,11 @@ class WorkerSide:
         tokens = sum(_tokens_used(job.blocks[i]) for i in ok)
         self.store.metrics.inc("loaded_tokens", tokens, tenant=job.tenant)
         self._count("loaded_blocks", len(ok))
-        self._count("loaded_bytes", sum(int(p.staging.shape[1]) for p in plans for i in p.wanted if good[i]))
         if layout.draft is not None:
             drafted = sum(1 for i in ok if job.blocks[i].with_draft) if restore_draft else 0
             self._count("loaded_draft_blocks", drafted)
             if len(ok) > drafted:
                 self._count("loaded_without_draft_blocks", len(ok) - drafted)
-        self._count("load_seconds", time.perf_counter() - start)
         if failed:
             self._count("failed_blocks", len(failed))
             log.warning(
@@ -522,11 +514,8 @@ class WorkerSide:
         """Store the objects as given: the scheduler decided what to save (one capture per
         chunk, `captures`) and a tail slot is rewritten in place, so no de-duplication here.
         What this worker's memory tier now holds is reported to the scheduler's view."""
-        start = time.perf_counter()
-        saved = self.session.save(job.tenant, objects, dedupe=False)
+        saved = self.session.save(job.tenant, objects, dedupe=False)  # counts stored_bytes, store_seconds
         self._count("saved_blocks", len(job.blocks))
-        self._count("saved_bytes", sum(it.header.payload_len for it in saved.items))
-        self._count("save_seconds", time.perf_counter() - start)
         stored = [
             StoredObject(it.key.as_str(), it.header.token_count, it.header.payload_len, it.header.token_ids)
             for it, held in zip(saved.items, saved.in_memory)

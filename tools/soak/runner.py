@@ -496,7 +496,7 @@ class Soak:
                     {
                         k: v
                         for k, v in xfer.items()
-                        if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenant")
+                        if k in ("load_timeouts", "failed_blocks", "load_error_blocks", "save_errors", "bad_tenants")
                     }
                 )
                 or "none",
