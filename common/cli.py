@@ -1,50 +1,34 @@
-"""The `kvpack` command: inspect a store, run benchmarks, the demo, the soak suite.
+"""The `kvpack` command: inspect a store, print the config, and the operator tools.
 
     kvpack inspect DIR [--json]
-    kvpack bench {tiers,copy,vllm,mooncake,sglang,spec,serve} [ARGS...]
-    kvpack demo [ARGS...]
-    kvpack soak [ARGS...]
-    kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
     kvpack config [FILE]        # print the effective config (defaults filled in)
+    kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
+    kvpack demo | soak [ARGS...]
+    kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
 
-Subcommands import their module only when run, so `kvpack inspect` works
-without any engine installed. bench, demo and soak are operator tools in
-`kvpack.tools` (folder tools/), reached here by module name only: the core
-never imports them. `kvpack bench --help` lists the benchmarks and
-`kvpack bench NAME --help` (or `kvpack demo --help`, ...) shows the tool's own
-arguments; every `--help` exits 0.
+``inspect`` and ``config`` are the core's own. Every other subcommand is a tool
+(`kvpack.tools`, folder tools/) that registers itself in the ``kvpack.commands``
+entry-point group (pyproject.toml): the core names no tool and never imports one;
+a tool's module is imported only when it runs, so `kvpack inspect` works without
+any engine installed. Everything after a tool's name, ``--help`` too, goes to the
+tool; every ``--help`` exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
-BENCHES = {
-    "tiers": "kvpack.tools.bench.tiers_bench",
-    "copy": "kvpack.tools.bench.copy_bench",
-    "vllm": "kvpack.tools.bench.vllm_bench",
-    "mooncake": "kvpack.tools.bench.mooncake_bench",
-    "sglang": "kvpack.tools.bench.sglang_bench",
-    "spec": "kvpack.tools.bench.spec_bench",
-    "serve": "kvpack.tools.bench.serve_bench",
-    "pd": "kvpack.tools.bench.pd_bench",
-    "scale": "kvpack.tools.bench.scale_bench",
-    "chat": "kvpack.tools.bench.chat_bench",
-}
-RUNNERS = {"demo": "kvpack.tools.demo", "soak": "kvpack.tools.soak", "proxy": "kvpack.tools.proxy"}
+COMMAND_GROUP = "kvpack.commands"
+"""Entry-point group of the tools' subcommands: ``name = "module:function"``, called with the argv after the name."""
 
 
-def _run_module(module: str, argv: list[str]) -> int:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        print(f"kvpack: {module} is not available here ({exc}); is its engine installed?", file=sys.stderr)
-        return 2
-    return int(mod.main(argv) or 0)
+def tool_commands() -> dict[str, EntryPoint]:
+    """The installed tools' subcommands, by name."""
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -74,27 +58,19 @@ def _config(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    tools = tool_commands()
+    if argv and argv[0] in tools and argv[0] not in ("inspect", "config"):
+        return int(tools[argv[0]].load()(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvpack", description="kvpack: KV-cache reuse for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="summarize a disk store per tenant and group")
     p_inspect.add_argument("dir")
     p_inspect.add_argument("--json", action="store_true")
-    p_bench = sub.add_parser(
-        "bench",
-        help="run a benchmark",
-        usage="kvpack bench [-h] NAME [ARGS...]",
-        epilog="`kvpack bench NAME --help` shows the benchmark's own arguments.",
-    )
-    p_bench.add_argument("name", metavar="NAME", choices=sorted(BENCHES), help="the benchmark, one of: %(choices)s")
     p_config = sub.add_parser("config", help="print the effective config")
     p_config.add_argument("file", nargs="?")
-    for name in RUNNERS:
+    for name in sorted(tools):
         # no arguments of its own here: everything after the name, --help too, goes to the tool
-        sub.add_parser(name, help=f"run the {name} (`kvpack {name} --help` for its arguments)", add_help=False)
-    if argv and argv[0] in RUNNERS:
-        return _run_module(RUNNERS[argv[0]], argv[1:])
-    if argv and argv[0] == "bench" and len(argv) >= 2 and argv[1] in BENCHES:
-        return _run_module(BENCHES[argv[1]], argv[2:])
+        sub.add_parser(name, help=f"the {name} tool (`kvpack {name} --help` for its arguments)", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)

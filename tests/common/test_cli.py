@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from fixtures.builders import chunk_id, make_item
-from kvpack.cli import BENCHES, RUNNERS, main
+from kvpack.cli import main, tool_commands
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.tails import tail_chunk
 from kvpack.tiers.disk import DiskTier
+from kvpack.tools.commands import BENCHES, RUNNERS
 
 
 def test_inspect_reports_per_tenant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,3 +166,10 @@ def test_cpu_sample_counts_the_named_threads_apart_from_the_rest() -> None:
     assert used.total_s >= 0.6
     assert 0.25 <= used.named_s <= 0.45, used  # the named thread's 0.3 s, not the other one's
     assert set(used.named) == {"kvpacktest-burn"}
+
+
+def test_the_tools_register_their_commands_and_the_core_names_none() -> None:
+    # the core's command finds the tools through the kvpack.commands entry points (pyproject.toml)
+    assert set(tool_commands()) == {"bench", *RUNNERS}
+    core = (Path(__file__).resolve().parents[2] / "common" / "cli.py").read_text()
+    assert "kvpack.tools" not in core.replace("`kvpack.tools`", "")
