@@ -13,6 +13,14 @@ delete anything kvpack did not put in its own store folder.
   folder or file replaced by a symlink is refused (`UnsafeEntry`), never
   followed. `open_regular` adds ``O_NONBLOCK`` and an ``fstat``: a FIFO or a
   device at an object path is refused without blocking.
+- Folders that hold folders (a tenant's, a fingerprint's) get ext4's
+  ``FS_TOPDIR_FL`` when kvpack creates them (`spread_subfolders`, best effort):
+  the inode allocator then places their subfolders in distinct, emptier block
+  groups instead of next to the parent's. Without it every object file lands
+  in the store root's group; on a file system without a journal each file
+  creation there scans past that group's recently deleted inodes (measured on
+  this host: 0.7-0.9 ms of kernel CPU per ``open(O_CREAT)`` in a busy group,
+  17-25 us once spread). Layout and crash safety do not change.
 - Temporary files have a random name (`temp_name`) and are created with
   ``O_CREAT | O_EXCL | O_NOFOLLOW``; `is_temp_name` matches only that pattern,
   so a sweep can never take another program's ``*.tmp.*`` file.
@@ -20,8 +28,10 @@ delete anything kvpack did not put in its own store folder.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -46,6 +56,9 @@ _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (unified syscall table)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IOC_SETFLAGS = 0x40086602
+_FS_TOPDIR_FL = 0x00020000
 
 
 class UnsafeEntry(OSError):
@@ -251,21 +264,43 @@ def open_regular(root_fd: int, rel: str) -> int:
 
 
 def make_dirs(root_fd: int, rel: str) -> None:
-    """Create the folders of `rel` beneath the root (0o700), refusing symlinks on the way."""
+    """Create the folders of `rel` beneath the root (0o700), refusing symlinks on the way.
+
+    Every folder created here but the last gets `spread_subfolders` before anything is made in it."""
     dfd = root_fd
+    parts = rel.split("/")
     try:
-        for part in rel.split("/"):
+        for depth, part in enumerate(parts):
             try:
                 os.mkdir(part, 0o700, dir_fd=dfd)
+                created = True
             except FileExistsError:
-                pass
+                created = False
             nfd = _open_subdir(dfd, part, rel)
+            if created and depth < len(parts) - 1:
+                spread_subfolders(nfd)
             if dfd != root_fd:
                 os.close(dfd)
             dfd = nfd
     finally:
         if dfd != root_fd:
             os.close(dfd)
+
+
+def spread_subfolders(dir_fd: int) -> bool:
+    """Set ``FS_TOPDIR_FL`` on the folder `dir_fd` (ext4: place its subfolders in spread-out block groups).
+
+    Best effort: False where the file system has no such flag (xfs, tmpfs...) or refuses it."""
+    flags = array.array("i", [0])
+    try:
+        fcntl.ioctl(dir_fd, _FS_IOC_GETFLAGS, flags, True)
+        if flags[0] & _FS_TOPDIR_FL:
+            return True
+        flags[0] |= _FS_TOPDIR_FL
+        fcntl.ioctl(dir_fd, _FS_IOC_SETFLAGS, flags, True)
+    except OSError:
+        return False
+    return True
 
 
 def _open_subdir(dfd: int, part: str, rel: str) -> int:

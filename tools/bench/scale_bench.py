@@ -1,6 +1,6 @@
 """`kvpack bench scale`: the disk tier at 10k-1M objects, with 1 and 3 processes on one folder.
 
-For each N: `--procs` writer processes fill a fresh store folder with N objects
+For each N: writer processes fill a fresh store folder with N objects
 of `--payload` bytes (put throughput, objects/s over all writers), then fresh
 processes (as many as `--procs`, at once, like a TP group opening one store)
 each time `KVStore.from_config` up to the answer of a first 64-key lookup,
@@ -17,9 +17,13 @@ and report:
 - ``hit_ms`` / ``miss_ms``: median `contains` of 64 stored / absent keys;
 - ``get_obj_s``: `get_into` of batches of 64 stored objects, objects/s (one process).
 
-``--index-only`` fills only the index, N rows and no object files (for an N
-whose files this machine cannot write in time): open, memory and lookups at N,
-no gets. ``--legacy`` also opens each store with its index deleted (a store written by
+The fill is real: `--writers` processes (default: as many as the case's
+`--procs`) put N objects through `KVStore.store` (the tier's own write path:
+temporary file, rename, index rows), each its own share of keys, with the
+tier's default of no per-file fsync. ``--reuse`` writes each N once and opens
+that same store with every `--procs` count (the later opens are reopens of an
+indexed folder: ``full_index_s`` is then the reconcile of a complete index).
+``--legacy`` also opens each store with its index deleted (a store written by
 an older kvpack): first answer from the folder while one process builds it.
 """
 
@@ -38,14 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.config import DiskTierConfig, EvictionPolicyName, KVPackConfig, MemoryTierConfig
-from kvpack.eviction import make_policy
+from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
 from kvpack.keys import StoreKey
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk_catalog import INDEX_NAME, Catalog
+from kvpack.tiers.disk_catalog import INDEX_NAME
 
 FP_GROUP = "a" * 32
 FP_MEMBER = "b" * 32
@@ -79,17 +82,6 @@ def write_part(root: str, lo: int, hi: int, payload: int) -> None:
             items.append(PutItem(k, header, data.data))
         store.store(items)
     store.close()
-
-
-def fill_index(root: str, n: int, payload: int) -> None:
-    """Index-only fill: N rows straight into the folder's index, no object files (`--index-only`)."""
-    DiskTier(root, 1 << 50, make_policy(EvictionPolicyName.LRU)).close()
-    catalog = Catalog(f"{root}/{INDEX_NAME}")
-    tick = time.time_ns()
-    for lo in range(0, n, 20_000):
-        catalog.add_found([(_key(i), payload, tick) for i in range(lo, min(n, lo + 20_000))])
-    catalog.mark_complete()
-    catalog.close()
 
 
 def open_and_probe(root: str, n: int, payload: int, measure: bool, gets: bool = True) -> dict[str, float]:
@@ -137,28 +129,30 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
     )
 
 
-def _run_case(root: Path, n: int, procs: int, payload: int, legacy: bool, index_only: bool) -> dict[str, float]:
+def fill(root: Path, n: int, writers: int, payload: int) -> float:
+    """Fresh store of N objects written by `writers` processes at once; returns put objects/s (all writers)."""
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    bounds = [(n * p // writers, n * (p + 1) // writers) for p in range(writers)]
+    procs = [_spawn(["write", str(root), str(lo), str(hi), str(payload)]) for lo, hi in bounds]
+    if any(w.wait() != 0 for w in procs):
+        raise RuntimeError("a writer failed")
+    rate = n / (time.perf_counter() - t0)
+    os.system("sync")  # noqa: S605 - the open below should not race the writeback of the fill
+    return rate
+
+
+def _run_case(root: Path, n: int, procs: int, payload: int, legacy: bool, writers: int) -> dict[str, float]:
+    """One row: fill (unless `writers` is 0: the store is there already, or `legacy`), then open with `procs`."""
     row: dict[str, float] = {"n": n, "procs": procs}
-    if index_only:
-        shutil.rmtree(root, ignore_errors=True)
-        t0 = time.perf_counter()
-        fill_index(str(root), n, payload)
-        row["index_fill_s"] = time.perf_counter() - t0
-    elif not legacy:
-        shutil.rmtree(root, ignore_errors=True)
-        t0 = time.perf_counter()
-        bounds = [(n * p // procs, n * (p + 1) // procs) for p in range(procs)]
-        writers = [_spawn(["write", str(root), str(lo), str(hi), str(payload)]) for lo, hi in bounds]
-        if any(w.wait() != 0 for w in writers):
-            raise RuntimeError("a writer failed")
-        row["put_obj_s"] = n / (time.perf_counter() - t0)
-        os.system("sync")  # noqa: S605 - the open below should not race the writeback of the fill
-    else:
+    if legacy:
         for p in root.iterdir():
             if p.name.startswith(INDEX_NAME):
                 p.unlink()
-    gets = str(int(not index_only))
-    probes = [_spawn(["open", str(root), str(n), str(payload), str(int(p == 0)), gets]) for p in range(procs)]
+    elif writers:
+        row["writers"] = writers
+        row["put_obj_s"] = fill(root, n, writers, payload)
+    probes = [_spawn(["open", str(root), str(n), str(payload), str(int(p == 0)), "1"]) for p in range(procs)]
     results = [json.loads(p.communicate()[0]) for p in probes]
     row["open_first_s"] = max(r["open_first_s"] for r in results)
     row["first_hits_min"] = min(r["first_hits"] for r in results)
@@ -184,22 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", type=int, default=256, help="bytes per object (files are 4 KiB + this)")
     parser.add_argument("--dir", default=None, help="folder for the stores (default: a temporary one)")
     parser.add_argument("--legacy", action="store_true", help="also open each store with its index deleted")
+    parser.add_argument("--writers", type=int, default=0, help="writer processes of the fill (default: --procs)")
     parser.add_argument(
-        "--index-only",
-        action="store_true",
-        help="fill only the index (no object files): open, memory and lookups at N when N files would not fit",
+        "--reuse", action="store_true", help="write each N once and open it with every --procs count (reopens)"
     )
     args = parser.parse_args(argv)
     base = Path(args.dir or tempfile.mkdtemp(prefix="kvpack-scale-"))
     try:
         for n in args.n:
-            for procs in args.procs:
-                root = base / f"n{n}-p{procs}"
-                row = _run_case(root, n, procs, args.payload, False, args.index_only)
-                print(json.dumps({"index_only": 1, **row} if args.index_only else row), flush=True)
-                if args.legacy and not args.index_only:
-                    print(json.dumps({"legacy": 1, **_run_case(root, n, procs, args.payload, True, False)}), flush=True)
-                shutil.rmtree(root, ignore_errors=True)
+            for k, procs in enumerate(args.procs):
+                root = base / (f"n{n}" if args.reuse else f"n{n}-p{procs}")
+                writers = 0 if args.reuse and k else (args.writers or procs)
+                print(json.dumps(_run_case(root, n, procs, args.payload, False, writers)), flush=True)
+                if args.legacy:
+                    print(json.dumps({"legacy": 1, **_run_case(root, n, procs, args.payload, True, 0)}), flush=True)
+                if not args.reuse:
+                    shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(base / f"n{n}", ignore_errors=True)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
