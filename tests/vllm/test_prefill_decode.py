@@ -37,8 +37,9 @@ from vllm_helpers import (
     post_completion,
     prompt,
     scrape_kvpack,
-    serve_openai,
+    start_openai,
     stop_server,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.vllm
@@ -50,10 +51,13 @@ MAX_TOKENS = 12
 PD_WAIT_MS = 3000
 
 
-def _baseline_texts(model: Path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def baseline(tiny_llama: Path) -> dict[str, str]:
+    """Greedy texts of every prompt from one single-instance no-cache engine (shared by the
+    module's tests: it depends on the model and the prompts only)."""
     from vllm import SamplingParams
 
-    llm = make_llm(model)
+    llm = make_llm(tiny_llama)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
         prompts = {**PROMPTS, "LATE": LATE}
@@ -115,16 +119,18 @@ def shared_tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict:
 
 
 def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv(
-    tiny_llama: Path, tmp_path: Path, shared_tier: dict
+    tiny_llama: Path, tmp_path: Path, shared_tier: dict, baseline: dict[str, str]
 ) -> None:
-    baseline = _baseline_texts(tiny_llama)
     common = {**shared_tier, "memory": {"capacity": "256MiB"}}
-    producer, p_port = serve_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log")
-    consumer = proxy = None
+    metrics = free_port()
+    consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+    # both instances start together (as a user's two servers would); each is waited for below
+    producer, p_port = start_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log")
+    consumer, d_port = start_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
+    proxy = None
     try:
-        metrics = free_port()
-        consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
-        consumer, d_port = serve_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
+        wait_healthy(producer, p_port, tmp_path / "prefill.log")
+        wait_healthy(consumer, d_port, tmp_path / "decode.log")
         proxy, port = _proxy(p_port, d_port, tmp_path / "proxy.log")
 
         def loaded() -> float:  # tokens the decode instance's kvpack restored
@@ -191,17 +197,20 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
     assert os.path.getsize(tmp_path / "prefill.log") > 0
 
 
-def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_llama: Path, tmp_path: Path) -> None:
+def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(
+    tiny_llama: Path, tmp_path: Path, baseline: dict[str, str]
+) -> None:
     """P/D with different TP sizes (a common shape: wide prefill, narrow decode, or the
     reverse). The TP=2 prefill instance stores each chunk as two head ranges
     (``kv_h0_1``, ``kv_h1_2``) and says so in its handoff (``head_ranges``); the TP=1 decode
     instance loads those and keeps every head. Before, it looked for its own ``kv``
     objects, waited ``pd_wait_ms`` for objects that never come, and recomputed."""
     ids = PROMPTS["A"]
-    baseline = _baseline_texts(tiny_llama)["A"]
     common = {"disk": {"path": str(tmp_path / "kv")}, "memory": {"capacity": "256MiB"}}
     two_ranks = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
-    producer, p_port = serve_openai(
+    metrics = free_port()
+    consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+    producer, p_port = start_openai(
         tiny_llama,
         kv_config(common, "kv_producer"),
         tmp_path / "prefill.log",
@@ -209,11 +218,10 @@ def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_ll
         "2",
         env=two_ranks,
     )
-    consumer = None
+    consumer, d_port = start_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
     try:
-        metrics = free_port()
-        consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
-        consumer, d_port = serve_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
+        wait_healthy(producer, p_port, tmp_path / "prefill.log")
+        wait_healthy(consumer, d_port, tmp_path / "decode.log")
         handoff = post_completion(p_port, {"model": str(tiny_llama), "prompt": ids, "max_tokens": 1,
                                            "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]  # fmt: skip
         assert handoff["kvpack"]["head_ranges"] == 2 and handoff["kvpack"]["tokens"] == len(ids)
@@ -225,7 +233,7 @@ def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(tiny_ll
         assert scrape_kvpack(metrics, "kvpack_loaded_tokens_total") - before == len(ids) - 1, (
             f"answered in {waited:.1f} s"
         )
-        assert out["choices"][0]["text"] == baseline
+        assert out["choices"][0]["text"] == baseline["A"]
     finally:
         for proc in (consumer, producer):
             if proc is not None:

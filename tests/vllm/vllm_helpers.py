@@ -305,23 +305,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_openai(
+def start_openai(
     model: Path,
     kv: dict[str, Any] | None,
     log: Path,
     *args: str,
-    ready_s: float = 240,
     env: dict[str, str] | None = None,
 ):  # type: ignore[no-untyped-def]
     """Start vLLM's OpenAI server on 127.0.0.1 (fp32, eager, vLLM prefix caching off) with
-    kv-transfer-config `kv` (None: no connector) and the extra environment `env`; wait
-    until it is healthy. Returns (process, port); the process leads a session of its own
-    (`stop_server`)."""
+    kv-transfer-config `kv` (None: no connector) and the extra environment `env`, without
+    waiting for it (`wait_healthy`): a test that needs two servers starts both, then waits.
+    Returns (process, port); the process leads a session of its own (`stop_server`)."""
     import json
     import subprocess
     import sys
-    import time
-    import urllib.request
 
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
@@ -334,17 +331,40 @@ def serve_openai(
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, port
+
+
+def wait_healthy(proc: Any, port: int, log: Path, ready_s: float = 240) -> None:
+    """Wait until the server `start_openai` started answers /health (at most `ready_s`);
+    AssertionError (the server stopped) if it exits or never does."""
+    import time
+    import urllib.request
+
     deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}; see {log}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
+                return
         except OSError:
-            time.sleep(1)
+            time.sleep(0.5)
     stop_server(proc)
     raise AssertionError(f"server not ready in {ready_s} s; see {log}")
+
+
+def serve_openai(
+    model: Path,
+    kv: dict[str, Any] | None,
+    log: Path,
+    *args: str,
+    ready_s: float = 240,
+    env: dict[str, str] | None = None,
+):  # type: ignore[no-untyped-def]
+    """`start_openai`, then `wait_healthy`: a healthy server. Returns (process, port)."""
+    proc, port = start_openai(model, kv, log, *args, env=env)
+    wait_healthy(proc, port, log, ready_s)
+    return proc, port
 
 
 def stop_server(proc: Any) -> None:
