@@ -17,13 +17,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import json  # noqa: E402
+from typing import Any  # noqa: E402
 
 import kvpack_sglang_shim  # noqa: E402,F401
 from sglang_parts import alloc_pages, make_backend, make_pool, page_bytes, poison  # noqa: E402
 
 
-def main(path: str) -> int:
-    args = json.loads(Path(path).read_text())
+def check(args: dict[str, Any]) -> dict[str, Any]:
+    """What a new backend on its own host pool sees of `args` (the checks `main` reports);
+    also called in the test's own process when the writer was another process."""
     pool = make_pool(args["kind"], args["layout"])
     backend = make_backend(pool, args["extra"], mla=args["kind"] == "mla")
     backend.wait_ready(20)
@@ -39,6 +41,13 @@ def main(path: str) -> int:
     seen["bit_exact"] = b"".join(page_bytes(pool, dst)) == want
     seen["metrics"] = backend.metrics_snapshot().get("rejected_objects", {})
     backend.close()
+    return seen
+
+
+def main(path: str) -> int:
+    args = json.loads(Path(path).read_text())
+    seen = check(args)
+    keys = args["keys"]
     print(json.dumps(seen))
     ok = seen["exists"] == len(keys) and seen["exists_missing"] == 0 and all(seen["get"]) and seen["bit_exact"]
     return 0 if ok else 1

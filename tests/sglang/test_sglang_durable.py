@@ -4,7 +4,8 @@ SGLang calls ``batch_set_v1`` (and v2) from its backup thread and takes True
 as done; when the server stops it SIGKILLs the scheduler process
 (``kill_process_tree``). So a writer process here stores 4 pages, gets
 ``[True] * 4``, and then either simply ends (no close, no flush) or is killed
-with SIGKILL at once. A second process (`sglang_peer.py`) must find all 4,
+with SIGKILL at once. A second process (this test's own, with a new backend on a
+new host pool: `sglang_peer.check`) must find all 4,
 bit-exact. Before, the disk writes were still queued: 3 of 4 were found.
 """
 
@@ -19,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import sglang_peer
 from sglang_parts import kvpack_extra, page_keys
 
 pytestmark = pytest.mark.sglang
@@ -70,13 +72,6 @@ def test_pages_acknowledged_before_the_process_ends_are_found_by_the_next(
         "missing": page_keys(2, seed=193),
         "want": args["want"],
     }
-    (tmp_path / "peer.json").write_text(json.dumps(peer_args))
-    peer = subprocess.run(
-        [sys.executable, str(HERE / "sglang_peer.py"), str(tmp_path / "peer.json")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    seen = json.loads([ln for ln in peer.stdout.splitlines() if ln.startswith("{")][-1])
+    seen = sglang_peer.check(peer_args)  # here: a process of its own too, started before the writer
     assert seen["exists"] == 4 and all(seen["get"]) and seen["bit_exact"], seen
     assert seen["exists_missing"] == 0  # negative control
