@@ -13,6 +13,9 @@ size = 32, one disk store per direction:
    serves the prompt from it (``cached_tokens_details.storage``) with the same
    greedy tokens as step 1.
 
+vLLM's no-cache run and its write of step 3 need nothing of SGLang's: they run (one after
+the other, in a thread) while the first SGLang server starts and answers.
+
 Before canonical objects each engine's group fingerprint named the engine and its
 layout (``vllm:cpu``, ``sglang:page_first``), so neither ever found the other's
 entries. The vLLM half needs that venv's python (``KVPACK_VLLM_PYTHON``, which
@@ -25,6 +28,7 @@ import json
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,25 +76,40 @@ def vllm_run(model: Path, store: Path | None, log: Path) -> dict[str, object]:
 def test_vllm_and_sglang_read_each_others_entries(tiny_llama: Path, tmp_path: Path) -> None:
     by_sglang, by_vllm = tmp_path / "by_sglang", tmp_path / "by_vllm"
     full_pages = PROMPT_TOKENS // PAGE_SIZE
-    try:
-        with running_cpu_server(
-            tiny_llama, kvpack_extra_config(by_sglang), tmp_path / "sglang1.log", page_size=PAGE_SIZE, dtype="float32"
-        ) as server:
-            own = server.generate("no-cache /generate", PROMPT, GREEDY, return_logprob=True)
-            began = time.monotonic()
-            stored = wait_for_stored_pages(by_sglang, TENANT, "kv", full_pages, timeout_s=server.limits.backup_s)
-            if stored < full_pages:
-                raise server.error("L3 backup to kvpack", f"kvpack holds {stored} of {full_pages} pages", began=began)
-    except ServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
-    baseline = vllm_run(tiny_llama, None, tmp_path / "vllm_baseline.log")
+    def vllm_alone() -> tuple[dict[str, object], dict[str, object]]:  # needs nothing SGLang does
+        return (
+            vllm_run(tiny_llama, None, tmp_path / "vllm_baseline.log"),
+            vllm_run(tiny_llama, by_vllm, tmp_path / "vllm_writes.log"),
+        )
+
+    # vLLM's no-cache run and its store of its own run while the first SGLang server starts and answers
+    with ThreadPoolExecutor(1) as pool:
+        vllm_side = pool.submit(vllm_alone)
+        try:
+            with running_cpu_server(
+                tiny_llama,
+                kvpack_extra_config(by_sglang),
+                tmp_path / "sglang1.log",
+                page_size=PAGE_SIZE,
+                dtype="float32",
+            ) as server:
+                own = server.generate("no-cache /generate", PROMPT, GREEDY, return_logprob=True)
+                began = time.monotonic()
+                stored = wait_for_stored_pages(by_sglang, TENANT, "kv", full_pages, timeout_s=server.limits.backup_s)
+                if stored < full_pages:
+                    raise server.error(
+                        "L3 backup to kvpack", f"kvpack holds {stored} of {full_pages} pages", began=began
+                    )
+        except ServerError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        baseline, written = vllm_side.result()
+
     read = vllm_run(tiny_llama, by_sglang, tmp_path / "vllm_reads_sglang.log")
     assert read["cached"] == full_pages * PAGE_SIZE, read["cached"]  # every page SGLang stored
     assert read["tokens"] == baseline["tokens"]
     assert max(abs(a - b) for a, b in zip(read["logprobs"], baseline["logprobs"], strict=True)) <= LOGPROB_TOL
 
-    written = vllm_run(tiny_llama, by_vllm, tmp_path / "vllm_writes.log")
     assert written["cached"] == 0
     try:
         with running_cpu_server(
