@@ -134,3 +134,19 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "ttft.png"
     plot(out, [_run("no cache", 2.0, 2.0), _run("vLLM PC + kvpack", 2.0, 0.4), SetupRun("x", skipped="y")], "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_every_server_gets_the_dtype_lmcaches_too_and_float32_is_the_default(tmp_path: Path) -> None:
+    from kvpack.tools.bench.chat_bench import Bench, _parse
+
+    assert _parse([]).dtype == "float32"
+    assert _parse(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        _parse(["--dtype", "float16"])
+    plan = chat_plan(CHAT, 0)
+    bench = Bench("m", plan, 2, 1 << 20, 512, tmp_path, tmp_path / "t.jinja", "m-draft", 2048, "bfloat16")
+    for port in (0, 5555):
+        extra, env = bench.server_args(port)
+        assert extra[extra.index("--dtype") + 1] == "bfloat16"
+        assert ("--kv-transfer-config" in extra) == bool(port) and bool(env) == bool(port)
+    assert "--speculative-config" in bench.server_args()[0]

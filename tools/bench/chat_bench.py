@@ -234,9 +234,9 @@ class Bench:
         spec = {"method": "draft_model", "model": self.draft, "num_speculative_tokens": 3}
         return ("--speculative-config", json.dumps(spec))
 
-    def run_setup(
-        self, name: str, prefix_caching: bool, kvpack: dict[str, Any] | None, lmcache_port: int = 0
-    ) -> SetupRun:
+    def server_args(self, lmcache_port: int = 0) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+        """(extra vLLM arguments, extra env) of every set-up's server: the chat template, the dtype,
+        the draft model; with `lmcache_port`, LMCache's connector and its folder on PYTHONPATH."""
         extra = ["--chat-template", str(self.template), "--dtype", self.dtype, *self._spec_args()]
         env: tuple[tuple[str, str], ...] = ()
         if lmcache_port:
@@ -244,6 +244,12 @@ class Bench:
             ktc = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": cfg}
             extra += ["--kv-transfer-config", json.dumps(ktc)]
             env = (("PYTHONPATH", f"{LMCACHE_DIR}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"),)
+        return extra, env
+
+    def run_setup(
+        self, name: str, prefix_caching: bool, kvpack: dict[str, Any] | None, lmcache_port: int = 0
+    ) -> SetupRun:
+        extra, env = self.server_args(lmcache_port)
         kports: tuple[int, ...] = ()
         if kvpack is not None:
             kvpack = dict(kvpack, metrics_port=free_port())
