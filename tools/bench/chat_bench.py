@@ -21,7 +21,9 @@ prefix caching; + kvpack (memory + disk); + LMCache MP (``lmcache server`` and
 venv; skipped with a line where it cannot run); kvpack restarted on the same
 disk store (the same turns again, from disk). ``--spec`` adds a draft model (a
 copy of the target, 3 speculative tokens) to every set-up and reports the accept
-rate per round.
+rate per round. ``--dtype`` (float32 by default) is the model's dtype and every
+server's ``--dtype``: vLLM's CPU build runs even a float32 model in bf16 without
+it, and in bf16 a cached prompt's greedy answer may differ from one prefill's.
 
 Per set-up: TTFT per round (mean, p50, p90; the client's streamed responses),
 prompt tokens per source over the run (``vllm:prefix_cache_hits``,
