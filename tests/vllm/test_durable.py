@@ -12,6 +12,9 @@ ends, as a user's script does: no drain, no flush, no hand-made shutdown
   exit, the disk held nothing after such a script.
 - Within the first process, the second and third prompts already hit the
   prefix the first one computed (saved in the step that computed it).
+
+The OpenAI server's case (a prefix is a hit while the request that computed it still
+decodes) is in test_processes.py, on the server lifetime it shares.
 """
 
 from __future__ import annotations
@@ -54,38 +57,3 @@ def test_a_script_that_just_ends_leaves_its_kv_for_the_next_process(
     for name, ids in PROMPTS.items():
         assert second[name].cached == len(ids) - 1, (name, second[name].cached)
         assert same_output(second[name], baseline[name]), name
-
-
-def test_a_prefix_is_a_hit_for_the_next_request_while_the_first_still_decodes(tiny_llama: Path, tmp_path: Path) -> None:
-    """The OpenAI server, as under a burst of requests sharing a prefix: B arrives while A is
-    still generating, and reuses the prefix A computed (saved in the step that computed it).
-    Before, saves started when a request finished, so B recomputed the whole prefix."""
-    import json
-    import urllib.request
-
-    from vllm_helpers import BLOCK, cached_tokens, kv_config, post_completion, serve_openai, stop_server
-
-    prefix = prompt(511, 3 * BLOCK + 40)
-    a, b = prefix + prompt(512, 20), prefix + prompt(513, 30)
-    proc, port = serve_openai(tiny_llama, kv_config({"disk": {"path": str(tmp_path / "kv")}}), tmp_path / "server.log")
-    try:
-        body = {
-            "model": str(tiny_llama),
-            "prompt": a,
-            "max_tokens": 200,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as stream:
-            first = stream.readline()  # A's first token: its prompt is computed, A decodes on
-            assert first.startswith(b"data:"), first
-            second = post_completion(port, {"model": str(tiny_llama), "prompt": b, "max_tokens": 4, "temperature": 0})
-            rest = stream.read()  # A was still generating while B ran
-        assert b"[DONE]" in rest
-    finally:
-        stop_server(proc)
-    assert cached_tokens(second) >= 3 * BLOCK  # A's whole prefix blocks

@@ -3,17 +3,24 @@
 - a bad kvpack config fails engine start-up naming the field;
 - multi-process mode (scheduler and worker in different processes): a hit served
   by the worker's host-memory tier, which the scheduler only knows from reports;
-- the OpenAI server started with ``--kv-transfer-config``: two lifetimes on one
-  disk store, the second one hits and answers the same text.
+- the OpenAI server started with ``--kv-transfer-config``: under a burst of requests
+  sharing a prefix, a request reuses the prefix another one computed while that one
+  still decodes; two lifetimes on one disk store, the second one hits and answers the
+  same text. The burst runs on the first lifetime (one server start for both tests;
+  their prompts share no block).
 """
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from vllm_helpers import (
+    BLOCK,
+    cached_tokens,
     close_llm,
     kv_config,
     make_llm,
@@ -64,11 +71,69 @@ def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
     return serve_openai(model, kv_config({"disk": {"path": str(store)}}), log)
 
 
-def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, tmp_path: Path) -> None:
-    store, log = tmp_path / "kv", tmp_path / "server.log"
+@dataclass
+class Lifetime:
+    """A running OpenAI server with kvpack on the disk store `store`."""
+
+    proc: subprocess.Popen
+    port: int
+    store: Path
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def first_lifetime(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lifetime]:
+    """The first server lifetime of this module's server tests (the two-lifetimes test ends
+    it with Ctrl-C; whatever is left running is stopped here)."""
+    root = tmp_path_factory.mktemp("server")
+    store, log = root / "kv", root / "server.log"
+    proc, port = _serve(tiny_llama, store, log)
+    try:
+        yield Lifetime(proc, port, store, log)
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+def test_a_prefix_is_a_hit_for_the_next_request_while_the_first_still_decodes(
+    tiny_llama: Path, first_lifetime: Lifetime
+) -> None:
+    """The OpenAI server, as under a burst of requests sharing a prefix: B arrives while A is
+    still generating, and reuses the prefix A computed (saved in the step that computed it).
+    Before, saves started when a request finished, so B recomputed the whole prefix."""
+    import json
+    import urllib.request
+
+    assert first_lifetime.proc.poll() is None, "the first lifetime ended before this test"
+    port = first_lifetime.port
+    prefix = prompt(511, 3 * BLOCK + 40)
+    a, b = prefix + prompt(512, 20), prefix + prompt(513, 30)
+    body = {
+        "model": str(tiny_llama),
+        "prompt": a,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        first = stream.readline()  # A's first token: its prompt is computed, A decodes on
+        assert first.startswith(b"data:"), first
+        second = post_completion(port, {"model": str(tiny_llama), "prompt": b, "max_tokens": 4, "temperature": 0})
+        rest = stream.read()  # A was still generating while B ran
+    assert b"[DONE]" in rest
+    assert cached_tokens(second) >= 3 * BLOCK  # A's whole prefix blocks
+
+
+def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, first_lifetime: Lifetime) -> None:
+    store, log = first_lifetime.store, first_lifetime.log
     ids = prompt(21, 301)
     body = {"model": str(tiny_llama), "prompt": ids, "max_tokens": 8, "temperature": 0}
-    proc, port = _serve(tiny_llama, store, log)
+    proc, port = first_lifetime.proc, first_lifetime.port
+    assert proc.poll() is None, "the first lifetime ended before this test"
     try:
         first = post_completion(port, body)
     finally:
