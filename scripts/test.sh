@@ -31,8 +31,12 @@ run_suite() {  # name venv dirs...
   for d in "$@"; do [ -d "$d" ] && dirs+=("$d"); done
   [ ${#dirs[@]} -gt 0 ] || return 0
   echo "=== $name: ${dirs[*]} ($venv)"
-  "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra --junitxml="$reports/$name.xml" "${dirs[@]}" "${PYTEST_ARGS[@]}"
+  local began=$SECONDS
+  # --durations: the slowest tests of each suite, so a slower CI run says where its time went
+  "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra --durations=15 --junitxml="$reports/$name.xml" \
+    "${dirs[@]}" "${PYTEST_ARGS[@]}"
   local rc=$?
+  echo "=== $name: $((SECONDS - began)) s"
   [ $rc -eq 0 ] || status=1
 }
 
