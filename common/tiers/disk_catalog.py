@@ -229,15 +229,20 @@ class Catalog:
 
     def lookup(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Per key: is it indexed and its file written (ready)? One ``SELECT ... IN`` per batch (no write)."""
+        return [row is not None for row in self.ready_rows(keys)]
+
+    def ready_rows(self, keys: Sequence[StoreKey]) -> list[tuple[int, int] | None]:
+        """Per key: (bytes, wall-clock ns it became ready) of its ready row, else None (no write)."""
         ids = [group_id(k.group) for k in keys]
         unique = list(dict.fromkeys(ids))
-        found: set[tuple[bytes, str]] = set()
+        rows: dict[tuple[bytes, str], tuple[int, int]] = {}
         with self._lock:
             for lo in range(0, len(unique), 500):
                 part = unique[lo : lo + 500]
                 marks = ",".join("?" * len(part))
-                found.update(self._db.execute(f"SELECT g, member FROM objects WHERE g IN ({marks}) AND ready=1", part))  # noqa: S608
-        return [(g, k.member) in found for g, k in zip(ids, keys)]
+                sql = f"SELECT g, member, nbytes, since FROM objects WHERE g IN ({marks}) AND ready=1"  # noqa: S608
+                rows.update({(g, m): (n, t) for g, m, n, t in self._db.execute(sql, part)})
+        return [rows.get((g, k.member)) for g, k in zip(ids, keys)]
 
     def _next_tick(self) -> int:
         """Wall-clock ns, strictly increasing in this process (the LRU order of one batch is its order)."""

@@ -18,7 +18,17 @@ Walks ``<root>/<tenant>/<fingerprint>/<cc>/`` from the root's directory fd,
 one ``O_NOFOLLOW`` folder at a time (a symlinked folder is skipped and
 counted, never followed), and only through names a `StoreKey` could produce.
 
-For each object file: the header must decode, name exactly the path it is
+A file that a ready row of the index already describes is not opened: when
+its ``lstat`` is a regular file last modified `SAME_FILE_MARGIN_NS` or more
+before the row became ready (``mtime + margin <= since``: file times come from
+the kernel's coarse clock, up to a tick behind) whose size is the row's payload plus whole pages of
+header, it is the file that was indexed (`_unchanged`). This makes a reopen's
+reconcile one ``lstat`` per file instead of an open and two reads. A file
+damaged in place since, keeping its size and mtime, stays indexed until a load
+reads it: loads verify the header and checksum, so it is a miss then (and
+unindexed), never a load of wrong bytes.
+
+Every other object file is read: the header must decode, name exactly the path it is
 at, and claim a payload the file really holds (``size == data offset +
 payload_len``); anything else is left alone (not indexed, not deleted) and
 counted in `DiskCounters.startup_rejected`. Valid objects are indexed without
@@ -44,11 +54,13 @@ from ..keys import StoreKey, validate_chunk_hash, validate_member, validate_tena
 from ..objects import ObjectRejected, RejectReason
 from . import disk_fs
 from .disk_catalog import WRITE_GRACE_S, Catalog
-from .disk_files import SUFFIX, data_offset, read_header_fd
+from .disk_files import PAGE, SUFFIX, data_offset, read_header_fd
 
 BUILD_LOCK = ".kvpack-store.build"
 BATCH = 2000
 """Objects indexed per transaction (keeps each one short next to the puts of other processes)."""
+SAME_FILE_MARGIN_NS = 50_000_000
+"""A file modified this close to (or after) its row became ready is read again by the scan (`_unchanged`)."""
 
 
 class Counters(Protocol):
@@ -106,14 +118,19 @@ def build_index(
         except OSError:
             names = []
             unlisted.append(f"{tenant}/{fp}/{cc}")
+        objects: list[tuple[str, StoreKey]] = []
         for name in names:
             if disk_fs.is_temp_name(name):
                 _sweep_temp(dfd, name, now, stale_temp_s, counters)
                 continue
             key = _key_of(tenant, fp, cc, name, SUFFIX)
-            if key is None:
-                continue  # not a name kvpack writes: not ours to judge
+            if key is not None:  # else: not a name kvpack writes, not ours to judge
+                objects.append((name, key))
+        rows = catalog.ready_rows([key for _, key in objects]) if objects else []
+        for (name, key), row in zip(objects, rows):
             seen.append(key)
+            if row is not None and _unchanged(dfd, name, row):
+                continue  # indexed, ready, and the same file: nothing to add
             entry = _check_file(root_fd, key, f"{tenant}/{fp}/{cc}/{name}", counters, reject)
             if entry is not None:
                 found.append(entry)
@@ -143,6 +160,16 @@ def _release_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _unchanged(dfd: int, name: str, row: tuple[int, int]) -> bool:
+    """Is `name` a regular file of the size a header plus the row's payload makes, last
+    written `SAME_FILE_MARGIN_NS` before the row (bytes, ready ns) became ready?"""
+    st = disk_fs.lstat_regular(dfd, name)
+    if st is None:
+        return False
+    header = st.st_size - row[0]
+    return st.st_mtime_ns + SAME_FILE_MARGIN_NS <= row[1] and header > 0 and header % PAGE == 0
 
 
 def _check_file(
