@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import Run, engine_process, prompt, same_output
+from vllm_helpers import Run, close_llm, engine_process, make_llm, prompt, run, same_output
 
 pytestmark = pytest.mark.vllm
 
@@ -36,10 +36,14 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """The same prompts with no connector (no cache at all)."""
-    log = tmp_path_factory.mktemp("baseline") / "engine.log"
-    return engine_process(tiny_llama, None, PROMPTS, log, block_size=BS)
+def baseline(tiny_llama: Path) -> dict[str, Run]:
+    """The same prompts with no connector (no cache at all). In this process: without a
+    connector kvpack stores and loads nothing, so a process of its own would only add vLLM's imports."""
+    llm = make_llm(tiny_llama, block_size=BS)
+    try:
+        return {name: run(llm, ids) for name, ids in PROMPTS.items()}
+    finally:
+        close_llm(llm)
 
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multi-process"])

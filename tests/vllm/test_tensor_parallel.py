@@ -30,7 +30,6 @@ from vllm_helpers import (
     kv_config,
     make_llm,
     metric,
-    no_cache_run,
     prompt,
     run,
     same_output,
@@ -40,6 +39,8 @@ from vllm_helpers import (
 pytestmark = pytest.mark.vllm
 
 P = prompt(71, 301)
+TURN2 = P + prompt(72, 200)
+"""Turn 2 of the conversation across a TP change."""
 TWO_RANKS = "import os; os.environ['VLLM_CPU_OMP_THREADS_BIND'] = '0|1'"
 """One core per rank: without it a TP=2 CPU engine fails start-up on NUMA binding."""
 
@@ -54,8 +55,18 @@ def members(store: Path) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_llama: Path) -> Run:
-    return no_cache_run(tiny_llama, P)
+def no_cache(tiny_llama: Path) -> dict[str, Run]:
+    """TP=1 no-cache runs of `P` and `TURN2`, from one engine."""
+    llm = make_llm(tiny_llama)
+    try:
+        return {"P": run(llm, P), "TURN2": run(llm, TURN2)}
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def baseline(no_cache: dict[str, Run]) -> Run:
+    return no_cache["P"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +141,7 @@ def test_a_missing_head_range_stops_the_hit_before_its_chunk(
 
 
 def test_a_conversation_across_a_tp_change_reuses_every_chunk(
-    tiny_llama: Path, tp2_store: Path, tmp_path: Path
+    tiny_llama: Path, tp2_store: Path, no_cache: dict[str, Run], tmp_path: Path
 ) -> None:
     """Turn 1 (P) was computed at TP=2; the fleet moved to TP=1, where turn 2 (P and 200
     more tokens) reused turn 1 and stored its new chunks as TP=1 objects. A new TP=1
@@ -140,10 +151,10 @@ def test_a_conversation_across_a_tp_change_reuses_every_chunk(
     store = tmp_path / "kv"
     shutil.copytree(tp2_store, store)
     extra = {"disk": {"path": str(store)}}
-    turn2 = P + prompt(72, 200)
+    turn2 = TURN2
     second = engine_process(tiny_llama, extra, {"T": turn2}, tmp_path / "turn2.log")["T"]
     assert second.cached == len(P)  # turn 1's chunks and tail, from the TP=2 objects
     assert {"kv", "kv_h0_1", "kv_h1_2"} <= set(members(store))
     third = engine_process(tiny_llama, extra, {"T": turn2}, tmp_path / "again.log")["T"]
     assert third.cached == len(turn2) - 1
-    assert same_output(third, no_cache_run(tiny_llama, turn2))
+    assert same_output(third, no_cache["TURN2"])
