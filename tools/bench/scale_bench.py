@@ -30,6 +30,7 @@ an older kvpack): first answer from the folder while one process builds it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -57,7 +58,8 @@ BATCH = 256
 
 
 def _key(i: int) -> StoreKey:
-    return StoreKey(TENANT, FP_GROUP, f"{i * 2654435761 % (1 << 64):016x}{i:048x}", "kv")
+    """Object i's key: a chunk hash like a real one (uniform hex, so the 256 ``cc`` folders fill evenly)."""
+    return StoreKey(TENANT, FP_GROUP, hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).hexdigest(), "kv")
 
 
 def _config(root: Path, capacity: int) -> KVPackConfig:
