@@ -30,7 +30,9 @@ from vllm_helpers import (
     run,
     same_output,
     serve_openai,
+    start_openai,
     stop_server,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.vllm
@@ -73,21 +75,26 @@ def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
 
 @dataclass
 class Lifetime:
-    """A running OpenAI server with kvpack on the disk store `store`."""
+    """An OpenAI server with kvpack on the disk store `store` (started; `wait` until it answers)."""
 
     proc: subprocess.Popen
     port: int
     store: Path
     log: Path
 
+    def wait(self) -> None:
+        assert self.proc.poll() is None, "the first lifetime ended before this test"
+        wait_healthy(self.proc, self.port, self.log)
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="module", autouse=True)
 def first_lifetime(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lifetime]:
     """The first server lifetime of this module's server tests (the two-lifetimes test ends
-    it with Ctrl-C; whatever is left running is stopped here)."""
+    it with Ctrl-C; whatever is left running is stopped here). Started with the module: its
+    start-up runs beside the in-process engines of the tests before the server tests."""
     root = tmp_path_factory.mktemp("server")
     store, log = root / "kv", root / "server.log"
-    proc, port = _serve(tiny_llama, store, log)
+    proc, port = start_openai(tiny_llama, kv_config({"disk": {"path": str(store)}}), log)
     try:
         yield Lifetime(proc, port, store, log)
     finally:
@@ -104,7 +111,7 @@ def test_a_prefix_is_a_hit_for_the_next_request_while_the_first_still_decodes(
     import json
     import urllib.request
 
-    assert first_lifetime.proc.poll() is None, "the first lifetime ended before this test"
+    first_lifetime.wait()
     port = first_lifetime.port
     prefix = prompt(511, 3 * BLOCK + 40)
     a, b = prefix + prompt(512, 20), prefix + prompt(513, 30)
@@ -132,8 +139,8 @@ def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, first_lifetim
     store, log = first_lifetime.store, first_lifetime.log
     ids = prompt(21, 301)
     body = {"model": str(tiny_llama), "prompt": ids, "max_tokens": 8, "temperature": 0}
+    first_lifetime.wait()
     proc, port = first_lifetime.proc, first_lifetime.port
-    assert proc.poll() is None, "the first lifetime ended before this test"
     try:
         first = post_completion(port, body)
     finally:
