@@ -119,7 +119,7 @@ def shared_tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict:
 
 
 def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv(
-    tiny_llama: Path, tmp_path: Path, shared_tier: dict, baseline: dict[str, str]
+    tiny_llama: Path, tmp_path: Path, shared_tier: dict, request: pytest.FixtureRequest
 ) -> None:
     common = {**shared_tier, "memory": {"capacity": "256MiB"}}
     metrics = free_port()
@@ -129,6 +129,7 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
     consumer, d_port = start_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
     proxy = None
     try:
+        baseline: dict[str, str] = request.getfixturevalue("baseline")  # the first time: while they start
         wait_healthy(producer, p_port, tmp_path / "prefill.log")
         wait_healthy(consumer, d_port, tmp_path / "decode.log")
         proxy, port = _proxy(p_port, d_port, tmp_path / "proxy.log")
