@@ -25,7 +25,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from vllm_helpers import close_llm, engine_process, kv_config, make_llm, metric, prompt, run, same_output
+from vllm_helpers import (
+    close_llm,
+    engine_process,
+    kv_config,
+    make_llm,
+    metric,
+    prompt,
+    run,
+    same_output,
+    start_engine_process,
+)
 
 from kvpack.cpu_features import host_has_amx
 
@@ -55,15 +65,18 @@ def test_blocks_packed_under_another_attention_isa_are_a_hit(
     tiny_llama: Path, tmp_path: Path, writer_preamble: str, dtype: str
 ) -> None:
     extra = {"disk": {"path": str(tmp_path / "kv")}}
-    written = engine_process(
+    writer = start_engine_process(
         tiny_llama, extra, {"P": P}, tmp_path / "writer.log", preamble=writer_preamble, dtype=dtype
     )
-    assert written["P"].cached == 0
-    baseline_llm = make_llm(tiny_llama, dtype=dtype)
-    try:
-        baseline = run(baseline_llm, P)
+    try:  # the no-cache run here while the writer runs in its own process
+        baseline_llm = make_llm(tiny_llama, dtype=dtype)
+        try:
+            baseline = run(baseline_llm, P)
+        finally:
+            close_llm(baseline_llm)
     finally:
-        close_llm(baseline_llm)
+        written = writer.result()
+    assert written["P"].cached == 0
     llm = make_llm(tiny_llama, kv_config(extra), dtype=dtype)
     try:
         before = metric("rejected_objects", reason="fingerprint")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import Run, close_llm, engine_process, make_llm, prompt, run, same_output
+from vllm_helpers import Run, close_llm, engine_process, make_llm, prompt, run, same_output, start_engine_process
 
 pytestmark = pytest.mark.vllm
 
@@ -48,10 +48,16 @@ def baseline(tiny_llama: Path) -> dict[str, Run]:
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multi-process"])
 def test_a_script_that_just_ends_leaves_its_kv_for_the_next_process(
-    tiny_llama: Path, tmp_path: Path, baseline: dict[str, Run], multiprocess: bool
+    tiny_llama: Path, tmp_path: Path, request: pytest.FixtureRequest, multiprocess: bool
 ) -> None:
     extra = {"disk": {"path": str(tmp_path / "kv")}}
-    first = engine_process(tiny_llama, extra, PROMPTS, tmp_path / "first.log", multiprocess=multiprocess, block_size=BS)
+    started = start_engine_process(
+        tiny_llama, extra, PROMPTS, tmp_path / "first.log", multiprocess=multiprocess, block_size=BS
+    )
+    try:
+        baseline: dict[str, Run] = request.getfixturevalue("baseline")  # the first time: while that process runs
+    finally:
+        first = started.result()
     assert first["A"].cached == 0
     whole_prefix = len(PREFIX) // BS * BS
     assert first["B"].cached >= whole_prefix and first["C"].cached >= whole_prefix  # A's prefix, stored as computed

@@ -248,7 +248,38 @@ def object_files(
     return blocks, files.get(tail_chunk(hashes[-1] if hashes else seed))
 
 
-def engine_process(
+@dataclass
+class EngineProcess:
+    """An engine process `start_engine_process` started; `result` waits for it."""
+
+    proc: Any
+    log: Path
+    out: Path
+
+    def result(self, timeout_s: float = 300) -> dict[str, Run]:
+        """Each prompt's `Run` once the process ended (AssertionError if it failed)."""
+        import json
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        stdout = self.out.read_text(errors="replace")
+        stderr = self.log.read_text(errors="replace")
+        self.log.write_text(stdout + stderr)
+        self.out.unlink()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+        assert self.proc.returncode == 0 and line is not None, (
+            f"engine process failed (rc={self.proc.returncode}); see {self.log}:\n{stderr[-3000:]}"
+        )
+        data = json.loads(line[len("RESULT ") :])
+        return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
+
+
+def start_engine_process(
     model: Path,
     extra: dict[str, Any] | None,
     prompts: dict[str, list[int]],
@@ -257,12 +288,12 @@ def engine_process(
     multiprocess: bool = False,
     preamble: str = "",
     max_tokens: int = 8,
-    timeout_s: float = 300,
     **engine: Any,
-) -> dict[str, Run]:
-    """Run `prompts` through a new engine in a new process that then simply ends, as a
-    user's script does (kvpack config `extra`; None: no connector). `preamble` runs first
-    in that process (e.g. to force an attention ISA). Returns each prompt's `Run`."""
+) -> EngineProcess:
+    """Start `prompts` through a new engine in a new process that then simply ends, as a
+    user's script does (kvpack config `extra`; None: no connector), without waiting for it:
+    the test may do other work meanwhile. `preamble` runs first in that process (e.g. to
+    force an attention ISA)."""
     import json
     import subprocess
     import sys
@@ -284,14 +315,29 @@ def engine_process(
         PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
     )
     script = str(Path(here) / "engine_run.py")
-    proc = subprocess.run([sys.executable, script, spec], env=env, capture_output=True, text=True, timeout=timeout_s)
-    log.write_text(proc.stdout + proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, (
-        f"engine process failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    out = log.with_name(log.name + ".stdout")
+    with out.open("wb") as stdout, log.open("wb") as stderr:  # files, not pipes: nothing blocks the child
+        proc = subprocess.Popen([sys.executable, script, spec], env=env, stdout=stdout, stderr=stderr)
+    return EngineProcess(proc, log, out)
+
+
+def engine_process(
+    model: Path,
+    extra: dict[str, Any] | None,
+    prompts: dict[str, list[int]],
+    log: Path,
+    *,
+    multiprocess: bool = False,
+    preamble: str = "",
+    max_tokens: int = 8,
+    timeout_s: float = 300,
+    **engine: Any,
+) -> dict[str, Run]:
+    """`start_engine_process`, then its result: each prompt's `Run`."""
+    started = start_engine_process(
+        model, extra, prompts, log, multiprocess=multiprocess, preamble=preamble, max_tokens=max_tokens, **engine
     )
-    data = json.loads(line[len("RESULT ") :])
-    return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
+    return started.result(timeout_s)
 
 
 # -- OpenAI servers (vLLM's default multi-process mode) ------------------------------
