@@ -48,6 +48,7 @@ def test_the_build_key_changes_with_arch_nvcc_and_torch_cuda() -> None:
         BuildKey("abc", "2.11.0", "cuda", "9.0", "13.0", "13.1"),
         BuildKey("abc", "2.12.0", "cuda", "9.0", "13.0", "13.0"),
         BuildKey("abd", "2.11.0", "cuda", "9.0", "13.0", "13.0"),
+        BuildKey("abc", "2.11.0", "cuda", "9.0", "13.0", "13.0", torch_path="/venvs/other/torch"),
     ]
     names = {base.name(), *(k.name() for k in others)}
     assert len(names) == 1 + len(others)
