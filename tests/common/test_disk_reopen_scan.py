@@ -14,7 +14,7 @@ from helpers import chunk_id, expect, make_item
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.tiers import disk_index
-from kvpack.tiers.base import TierStatus
+from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 
 HOUR_NS = 3600 * 10**9
@@ -42,7 +42,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reads
 
 
-def _store(tmp_path: Path, n: int) -> tuple[DiskTier, list]:  # type: ignore[type-arg]
+def _store(tmp_path: Path, n: int) -> tuple[DiskTier, list[tuple[PutItem, np.ndarray]]]:
     tier = _disk(tmp_path)
     made = [make_item("t", chunk_id(i), seed=i) for i in range(n)]
     assert tier.put_from([item for item, _ in made]) == [TierStatus.OK] * n
