@@ -45,6 +45,8 @@ class Server:
     """vLLM's ``--shutdown-timeout`` (None: vLLM's default, 0, which kills the engine at once on SIGINT)."""
     kv_role: str = "kv_both"
     """The connector's ``kv_role`` (``kv_producer`` / ``kv_consumer`` for prefill/decode)."""
+    extra_args: tuple[str, ...] = ()
+    """More server arguments, last (e.g. ``--tensor-parallel-size 2``)."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def command(self) -> list[str]:
@@ -74,7 +76,7 @@ class Server:
         if self.kvpack is not None:
             ktc = {"kv_connector": "KVPackConnector", "kv_role": self.kv_role, "kv_connector_extra_config": self.kvpack}
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
-        return cmd
+        return cmd + list(self.extra_args)
 
     def start(self, timeout_s: float) -> None:
         env = dict(os.environ)
