@@ -60,7 +60,10 @@ from .heads import HeadRange, HeadSplit
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout import KVLayoutSpec
 from .metrics import Metrics, MetricsInterval
-from .model_identity import model_identity
+from .model_identity import ModelIdentity
+from .model_identity import (
+    model_identity as identify_model,
+)  # not under its module's name: kvpack.model_identity stays the module
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .store import KVStore, LoadItem
@@ -99,6 +102,7 @@ __all__ = [
     "MemberSpec",
     "Metrics",
     "MetricsInterval",
+    "ModelIdentity",
     "ObjectHeader",
     "ObjectIO",
     "Payload",
@@ -119,7 +123,7 @@ __all__ = [
     "chain_hash",
     "chunk_hashes",
     "head_range_fingerprint",
-    "model_identity",
+    "identify_model",
     "resolve_tenant",
     "split_sources",
     "start_engine_process",

@@ -45,7 +45,7 @@ from .. import (
     StoredRange,
     canonical_group_spec,
     head_range_fingerprint,
-    model_identity,
+    identify_model,
     split_sources,
     validate_member,
 )
@@ -144,7 +144,7 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     plus ``|format=<tag>`` (the tag still splits the cache); `model_id` replaces the
     digest, never the tag; anything else is the name as given."""
     base, tag = _model_dir(model_name)
-    ident = model_identity(base, model_id=model_id).value
+    ident = identify_model(base, model_id=model_id).value
     return f"{ident}|format={tag}" if tag else ident
 
 

@@ -46,7 +46,7 @@ from kvpack import (
     MemberSpec,
     RequestScope,
     TenantSource,
-    model_identity,
+    identify_model,
     resolve_tenant,
 )
 from kvpack import canonical_group_spec as canonical_group
@@ -232,7 +232,7 @@ def draft_identity(vllm_config: VllmConfig) -> str:
     model = str(getattr(spec, "model", "") or "")
     if model and has_draft_kv(vllm_config):  # n-gram, suffix...: no checkpoint of their own
         draft_cfg = getattr(spec, "draft_model_config", None)
-        model = model_identity(model, revision=getattr(draft_cfg, "revision", None)).value
+        model = identify_model(model, revision=getattr(draft_cfg, "revision", None)).value
     return f"{method}:{model}"
 
 
@@ -241,7 +241,7 @@ def target_identity(vllm_config: VllmConfig, config: KVPackConfig) -> str:
     checkpoint at ``model_config.model`` (so a copy at another path is a hit and other
     weights at the same path a miss), else the hub name with its revision."""
     model_cfg = vllm_config.model_config
-    return model_identity(
+    return identify_model(
         str(model_cfg.model), model_id=config.model_id, revision=getattr(model_cfg, "revision", None)
     ).value
 

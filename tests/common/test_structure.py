@@ -309,3 +309,12 @@ def test_adapters_build_no_keys_headers_or_expectations() -> None:
 def test_the_build_check_sees_a_hand_built_key() -> None:
     source = "from kvpack import StoreKey, Session\nk = StoreKey.batch('t', 'f', ['c'], 'kv')\ns = Session(store)\n"
     assert _hand_built(source) == [(2, "StoreKey")]
+
+
+def test_public_names_do_not_shadow_a_submodule() -> None:
+    # `from .model_identity import model_identity` in kvpack/__init__.py once rebound
+    # `kvpack.model_identity` to the function: `import kvpack.model_identity as mi` broke
+    modules = _modules()
+    for package in ("kvpack", "kvpack.ops"):
+        shadowed = sorted(n for n in _package_names(package, modules) if f"{package}.{n}" in modules)
+        assert not shadowed, f"{package} binds names of its own submodules: {shadowed}"
