@@ -154,6 +154,9 @@ class Metrics:
         self._server: Any = None
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
+        self._totals: dict[str, float] = defaultdict(float)
+        """Per counter, its sum over label sets; per histogram, ``_count`` and ``_sum``: kept as
+        they change, so `totals` (read once per engine step) copies ~60 numbers, never the series."""
         self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(
             lambda: defaultdict(lambda: [0.0, 0.0, 0.0])
         )
@@ -194,6 +197,7 @@ class Metrics:
         (prom.labels(*values) if values else prom).inc(amount)  # type: ignore[union-attr]
         with self._lock:
             self._values[name][values] += amount
+            self._totals[name] += amount
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
         values = self._labels(name, labels)
@@ -203,6 +207,8 @@ class Metrics:
             h[0] += 1
             h[1] += seconds
             h[2] = max(h[2], seconds)
+            self._totals[f"{name}_count"] += 1
+            self._totals[f"{name}_sum"] += seconds
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of a counter over every label set matching the given labels."""
@@ -233,14 +239,8 @@ class Metrics:
 
     def totals(self) -> dict[str, float]:
         """Every counter summed over its label sets, and each histogram's ``_count`` and ``_sum``."""
-        out: dict[str, float] = {}
         with self._lock:
-            for name, series in self._values.items():
-                out[name] = sum(series.values())
-            for name, hists in self._hist.items():
-                out[f"{name}_count"] = sum(h[0] for h in hists.values())
-                out[f"{name}_sum"] = sum(h[1] for h in hists.values())
-        return out
+            return dict(self._totals)
 
     def serve_prometheus(self, port: int, span: int = 1, addr: str = "127.0.0.1") -> int | None:
         """Expose this registry over HTTP on the first free port of
