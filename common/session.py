@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .budget import WaitBudget
 from .config import KVPackConfig
@@ -109,7 +109,6 @@ class LoadBatch:
 
     items: list[LoadItem]
     plan: LoadPlan
-    keys: list[StoreKey] = field(default_factory=list)
 
 
 class LocatedHints:
@@ -244,7 +243,7 @@ class Session:
     ) -> list[LoadItem]:
         """Load items of whole pages of one member (batch-built), one per chunk and `dsts` entry."""
         keys = self.keys(tenant, chunks, obj.member)
-        size = obj.payload_len if obj.payload_len is not None else (_nbytes(dsts[0]) if dsts else 0)
+        size = obj.payload_len if obj.payload_len is not None else (payload_nbytes(dsts[0]) if dsts else 0)
         expected = Expectation.batch(obj.fingerprint, tenant, chunks, obj.member, obj.chunk_tokens, size)
         return list(map(LoadItem, keys, dsts, expected))
 
@@ -261,7 +260,7 @@ class Session:
                     chunk=o.facts.chunk,
                     member=o.obj.member,
                     token_count=None if o.facts.token_ids is not None else o.facts.token_count,
-                    payload_len=_nbytes(o.buffer),
+                    payload_len=payload_nbytes(o.buffer),
                     token_ids_prefix=o.facts.token_ids,
                 ),
             )
@@ -272,9 +271,8 @@ class Session:
         """Pin and place `items` (`KVStore.prepare_load`): each read first from the tier in
         `hints` (another process's lookup: vLLM's scheduler), else the tier this session's
         lookup remembered; pair with `complete_load` or `release`."""
-        keys = [it.key for it in items]
-        located = dict(hints) if hints is not None else self.hints.take(keys)
-        return LoadBatch(list(items), self.store.prepare_load(located), keys)
+        located = hints if hints is not None else self.hints.take([it.key for it in items])
+        return LoadBatch(list(items), self.store.prepare_load(located))
 
     def complete_load(self, batch: LoadBatch) -> list[GetResult]:
         """Read every item of `batch` into its buffer (a miss or a refused object is a
@@ -311,7 +309,7 @@ class Session:
         if not todo:
             return ok
         payloads = payloads_of(todo)
-        size = obj.payload_len if obj.payload_len is not None else _nbytes(payloads[0])
+        size = obj.payload_len if obj.payload_len is not None else payload_nbytes(payloads[0])
         headers = ObjectHeader.batch(
             obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, size
         )
@@ -337,7 +335,7 @@ class Session:
                     chunk=o.facts.chunk,
                     member=o.obj.member,
                     token_count=o.facts.token_count,
-                    payload_len=_nbytes(o.buffer),
+                    payload_len=payload_nbytes(o.buffer),
                     checksum=None,
                     token_ids=o.facts.token_ids,
                 ),
@@ -364,11 +362,3 @@ class SaveResult:
     items: list[PutItem]
     statuses: list[TierStatus]
     in_memory: list[bool]
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(it.header.payload_len for it, st in zip(self.items, self.statuses) if st is TierStatus.OK)
-
-
-def _nbytes(buffer: Payload) -> int:
-    return buffer.nbytes if isinstance(buffer, memoryview) else payload_nbytes(buffer)

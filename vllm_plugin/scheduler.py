@@ -160,8 +160,9 @@ class SchedulerSide:
         if not cacheable(request):
             return None
         try:
-            count = lambda _asked: self._count("untrusted_tenants")  # noqa: E731
-            return request_scope(request, self.config, count, self._untrusted_warned)
+            return request_scope(
+                request, self.config, lambda _asked: self._count("untrusted_tenants"), self._untrusted_warned
+            )
         except BadTenant as exc:
             if request.request_id not in self._bad_tenants_logged:
                 self._bad_tenants_logged.add(request.request_id)

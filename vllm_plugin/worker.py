@@ -363,6 +363,7 @@ class WorkerSide:
         assert layout is not None  # loads are queued only after registration
         plans: list[_MemberLoad] = []
         objects: list[ObjectIO] = []
+        facts = [ChunkFacts(b.chunk, b.token_count, b.token_ids) for b in job.blocks]
         for slot in layout.members:
             wanted = [
                 i
@@ -373,10 +374,7 @@ class WorkerSide:
                 of_split = [i for i in wanted if job.blocks[i].source == source]
                 for part in self._member_loads(slot, of_split, source):
                     rows, obj = part.staging.numpy(), MemberObject(part.member, part.fingerprint)
-                    objects += [
-                        ObjectIO(ChunkFacts(b.chunk, b.token_count, b.token_ids), obj, memoryview(rows[j]))
-                        for j, b in enumerate(job.blocks[i] for i in of_split)
-                    ]
+                    objects += [ObjectIO(facts[i], obj, memoryview(rows[j])) for j, i in enumerate(of_split)]
                     plans.append(part)
         items = self.session.reads(job.tenant, objects)
         hints = {self.session.key(job.tenant, ref.chunk, m): t for ref in job.blocks for m, t in ref.tiers}

@@ -173,8 +173,8 @@ def _package_names(package: str, modules: dict[str, Path]) -> set[str]:
 def _runtime_edges(module: str, path: Path, modules: dict[str, Path], *, typing: bool = False) -> set[str]:
     """The product modules `module` imports when it runs, at any depth (lazy imports count,
     ``TYPE_CHECKING`` blocks only with `typing`). ``from pkg import name`` is an edge to
-    ``pkg.name`` when that is a module the package does not shadow with a name of its own
-    (``kvpack.model_identity``: the package binds the function of that name), else to ``pkg``."""
+    ``pkg.name`` when that is a module, else to ``pkg`` (a package binds no name of one of
+    its modules: `test_public_names_do_not_shadow_a_submodule`)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = set() if typing else _type_only_nodes(tree)
@@ -192,7 +192,7 @@ def _runtime_edges(module: str, path: Path, modules: dict[str, Path], *, typing:
                 source = node.module or ""
             for alias in node.names:
                 full = f"{source}.{alias.name}"
-                if full in modules and alias.name not in _package_names(source, modules):
+                if full in modules:
                     out.add(full)
                 elif source in modules:
                     out.add(source)
