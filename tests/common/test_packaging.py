@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools writes kvpack.egg-info into the folder it builds,
+    # and one in the checkout would shadow the editable install's entry points for
+    # every engine the other test lane starts meanwhile.
+    source = tmp_path_factory.mktemp("source") / "kvpack"
+    junk = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests", "benchmarks")
+    shutil.copytree(ROOT, source, ignore=junk)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         check=True,
         capture_output=True,
     )
