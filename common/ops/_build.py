@@ -231,7 +231,7 @@ def smoke_launch(device: str = "cuda") -> str | None:
         out = torch.zeros(kv.layout.slot_bytes, dtype=torch.uint8, device=device)
         want = torch.zeros_like(out)
         ids = torch.tensor([1], dtype=torch.int64, device=device)
-        geometry = _smoke_geometry(kv)
+        geometry = kv.layout.kernel_geometry(1, 0, kv.layout.tokens_per_block)
         torch.ops.kvpack.gather_blocks([cache], kv.pointer_table(), ids, out, geometry, 16, 0)
         gather_reference(kv, [1], want, 0, kv.layout.tokens_per_block)
         if device != "cpu":
@@ -241,12 +241,6 @@ def smoke_launch(device: str = "cuda") -> str | None:
     except Exception as e:  # "no kernel image", a launch failure: the torch path runs
         return f"the {device} kernel's smoke launch failed: {type(e).__name__}: {str(e)[:300]}"
     return None
-
-
-def _smoke_geometry(kv: Any) -> list[int]:
-    from .copy import _geometry
-
-    return _geometry(kv.layout, 1, 0, kv.layout.tokens_per_block)
 
 
 def _compiler_missing() -> str | None:

@@ -112,24 +112,6 @@ def _validate(
     return last
 
 
-def _geometry(lay: KVLayout, n_ids: int, first_offset: int, last_count: int) -> list[int]:
-    """KvpGeometry (csrc/block_copy_geometry.h) packed in declaration order."""
-    return [
-        lay.num_layers,
-        lay.num_segments,
-        lay.block_stride,
-        lay.outer.count,
-        lay.outer.stride,
-        lay.inner.count,
-        lay.inner.stride,
-        lay.row_bytes,
-        -1 if lay.token_dim is None else lay.token_dim,
-        first_offset,
-        last_count,
-        lay.num_blocks,
-    ]
-
-
 @contextlib.contextmanager
 def _on_stream(kv: PagedKV, stream: torch.cuda.Stream | None) -> Iterator[int]:
     """Makes the cache's device (and `stream`) current; yields the raw stream handle."""
@@ -183,7 +165,7 @@ def _run(
             kv.pointer_table(),
             ids_t,
             staging,
-            _geometry(lay, len(ids), first_token_offset, last),
+            lay.kernel_geometry(len(ids), first_token_offset, last),
             align,
             raw_stream,
         )

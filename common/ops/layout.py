@@ -179,6 +179,24 @@ class KVLayout:
             f"x{self.inner.name}{self.inner.count}x{self.row_bytes}B"
         )
 
+    def kernel_geometry(self, n_ids: int, first_offset: int, last_count: int) -> list[int]:
+        """The block-copy kernels' KvpGeometry (csrc/block_copy_geometry.h) for a call of
+        `n_ids` blocks, packed in declaration order (byte strides and counts)."""
+        return [
+            self.num_layers,
+            self.num_segments,
+            self.block_stride,
+            self.outer.count,
+            self.outer.stride,
+            self.inner.count,
+            self.inner.stride,
+            self.row_bytes,
+            -1 if self.token_dim is None else self.token_dim,
+            first_offset,
+            last_count,
+            self.num_blocks,
+        ]
+
     def describe(self) -> str:
         """One line for logs and errors."""
         return (

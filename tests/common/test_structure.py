@@ -130,14 +130,6 @@ BUILT_BY_THE_CORE = frozenset({"StoreKey", "GroupKey", "ObjectHeader", "Expectat
 key, header or expectation policy (issue 28)."""
 
 
-KNOWN_CIRCLES: list[list[str]] = [
-    # the kernels' engineer (issue 28, GPU staging / ops work in progress): _build's CUDA smoke launch
-    # imports copy._geometry lazily while copy imports _build; to be removed by moving the geometry
-    ["kvpack.ops._build", "kvpack.ops.copy"],
-]
-"""Circles known and owned by work in progress; may only shrink (an entry no longer a circle is fine)."""
-
-
 def _modules(root: Path = ROOT, tops: dict[str, str] = TOPS) -> dict[str, Path]:
     """Every product module's name -> its source file."""
     return {
@@ -260,7 +252,7 @@ def test_product_imports_have_no_circles() -> None:
     # a circle makes import order matter and hides which layer owns what (issue 28)
     modules = _modules()
     graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
-    circles = [c for c in _circles(graph) if c not in KNOWN_CIRCLES]
+    circles = _circles(graph)
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 

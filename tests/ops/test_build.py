@@ -153,13 +153,11 @@ def test_opcheck_schema_and_fake() -> None:
         pytest.skip(status.reason)
     from kvcases import build
 
-    from kvpack.ops.copy import _geometry
-
     case = build("flash_kv_first", torch.float32)
     kv, lay = case.kv, case.kv.layout
     ids = torch.tensor([2, 5], dtype=torch.int64)
     out = torch.zeros(2 * lay.slot_bytes, dtype=torch.uint8)
-    geometry = _geometry(lay, 2, 0, lay.tokens_per_block)
+    geometry = lay.kernel_geometry(2, 0, lay.tokens_per_block)
     args = (list(kv.tensors), kv.pointer_table(), ids, out, geometry, 16, 0)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.kvpack.gather_blocks.default, args, test_utils=tests)

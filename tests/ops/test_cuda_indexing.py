@@ -17,7 +17,6 @@ import torch
 from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens
 
 from kvpack.ops import load_extension
-from kvpack.ops.copy import _geometry
 from kvpack.ops.layout import vector_alignment
 
 POISON = 0xAB
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 def _emulate(case: Case, ids: list[int], staging: torch.Tensor, first: int, last: int | None, gather: bool) -> None:
     kv, lay = case.kv, case.kv.layout
-    geometry = _geometry(lay, len(ids), first, lay.tokens_per_block if last is None else last)
+    geometry = lay.kernel_geometry(len(ids), first, lay.tokens_per_block if last is None else last)
     torch.ops.kvpack.emulate_cuda_copy(
         list(kv.tensors),
         kv.pointer_table(),
@@ -84,5 +83,5 @@ def test_emulation_catches_misaligned_words() -> None:
     table[0] += 4  # claim 16-byte alignment below, but the address is only 4-aligned
     with pytest.raises(RuntimeError, match="misaligned"):
         torch.ops.kvpack.emulate_cuda_copy(
-            list(kv.tensors), table, torch.tensor([0]), staging, _geometry(lay, 1, 0, TOKENS), 16, True
+            list(kv.tensors), table, torch.tensor([0]), staging, lay.kernel_geometry(1, 0, TOKENS), 16, True
         )
