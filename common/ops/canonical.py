@@ -36,6 +36,7 @@ from ..errors import LayoutError
 from ..heads import HeadRange
 from ._build import load_extension
 from .layout import vector_alignment
+from .scratch import on_cache_device
 from .simd import CpuSimd
 
 CANONICAL_FORMAT = 1
@@ -174,8 +175,10 @@ class CanonicalGeometry:
             with torch.cuda.stream(s):
                 if kernel:
                     self._kernel(ids, staging, gather, (obj_heads, obj_h0, cache_h0, n), int(s.cuda_stream))
-                else:
-                    _torch_copy(self, ids, staging, gather, obj_heads, obj_h0, cache_h0, n)
+                    return
+                need, some_heads = len(ids) * self.object_bytes(obj_heads), n != obj_heads
+                with on_cache_device(staging, need, device, gather=gather, keep=some_heads) as rows:
+                    _torch_copy(self, ids, rows, gather, obj_heads, obj_h0, cache_h0, n)
 
     def _kernel(self, ids: list[int], staging: torch.Tensor, gather: bool, heads: tuple[int, ...], raw: int) -> None:
         status = load_extension()

@@ -19,6 +19,7 @@ from ._build import load_extension
 from ._reference import gather_reference, scatter_reference
 from .layout import KVLayout, vector_alignment
 from .paged import PagedKV, as_paged
+from .scratch import on_cache_device
 
 
 class Backend(str, Enum):
@@ -150,7 +151,9 @@ def _run(
             raise ValueError(f"kvpack.ops: backend {chosen.value} needs the cache on {want}, it is on {kv.device}")
     with _on_stream(kv, stream) as raw_stream:
         if chosen is Backend.TORCH:
-            (gather_reference if gather else scatter_reference)(kv, ids, staging, first_token_offset, last)
+            partial = first_token_offset > 0 or last < lay.tokens_per_block
+            with on_cache_device(staging, len(ids) * lay.slot_bytes, kv.device, gather=gather, keep=partial) as rows:
+                (gather_reference if gather else scatter_reference)(kv, ids, rows, first_token_offset, last)
             return chosen
         op = torch.ops.kvpack.gather_blocks if gather else torch.ops.kvpack.scatter_blocks
         if isinstance(block_ids, UploadedIds):

@@ -8,7 +8,9 @@ fails on a GPU for a reason a CPU could have shown. Checks:
   1. save then load of paged KV through `Staging` (pinned rows, side streams, events)
      on one run of layers, two runs (a drafter's or another group's layers) and
      canonical objects, with the compute stream kept busy by a queued write of the
-     blocks: bytes == the torch reference, the forward's write included;
+     blocks: bytes == the torch reference, the forward's write included; then the
+     same on the torch path (kernels switched off: a GPU without nvcc), which
+     stages through one device scratch per call;
   2. byte offsets past 2^31 in the cache and in the staging (GPU only, ~5 GiB);
   3. bandwidth over prebuilt tensors (>= ``--gib`` GiB, ids uploaded once, events
      around back-to-back launches): gather to pinned vs a pinned ``copy_`` (D2H),
@@ -28,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -49,7 +52,7 @@ if importlib.util.find_spec("kvpack.vllm_plugin") is None:  # the checkout, not 
     _spec.loader.exec_module(_mod)
 
 from kvpack.heads import HeadRange  # noqa: E402
-from kvpack.ops import PagedKV, gather_blocks, load_extension, scatter_blocks, upload_ids  # noqa: E402
+from kvpack.ops import ExtensionStatus, PagedKV, gather_blocks, load_extension, scatter_blocks, upload_ids  # noqa: E402
 from kvpack.ops._reference import gather_reference  # noqa: E402
 from kvpack.ops.canonical import paged_geometry  # noqa: E402
 from kvpack.staging import Staging  # noqa: E402
@@ -122,6 +125,17 @@ def check_staging(device: torch.device) -> None:
     cache = _flash(nb, bs, 4, 64, device)
     blocks = CanonicalBlocks(paged_geometry(PagedKV.from_layers([cache])), HeadRange(0, 4), nb)
     check_round_trip(blocks, cache, staging)
+
+
+def check_staging_torch_path(device: torch.device) -> None:
+    """The same round trips on the torch path: what a GPU runs whose kernels did not build
+    (no nvcc, a refused CUDA version); staged through one device scratch per call."""
+    off = ExtensionStatus(available=False, has_cuda=False, reason="kernels switched off by the check")
+    with (
+        mock.patch("kvpack.ops.copy.load_extension", lambda: off),
+        mock.patch("kvpack.ops.canonical.load_extension", lambda: off),
+    ):
+        check_staging(device)
 
 
 def check_large_offsets(device: torch.device) -> None:
@@ -211,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"extension: {status.reason}", flush=True)
     failed: list[str] = []
     passed = 0
-    checks: list[tuple[str, Callable[[], None]]] = [("staging", lambda: check_staging(device))]
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("staging", lambda: check_staging(device)),
+        ("staging-torch-path", lambda: check_staging_torch_path(device)),
+    ]
     if device.type == "cuda":
         checks.append(("offsets>2^31", lambda: check_large_offsets(device)))
         if not status.has_cuda:

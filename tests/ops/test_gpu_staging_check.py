@@ -21,7 +21,7 @@ def test_the_staging_check_passes_on_the_cpu() -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summary = [line for line in r.stdout.splitlines() if line.startswith("GPU_STAGING ")]
-    assert len(summary) == 1 and summary[0].startswith("GPU_STAGING PASS device=cpu checks=1/1"), r.stdout
+    assert len(summary) == 1 and summary[0].startswith("GPU_STAGING PASS device=cpu checks=2/2"), r.stdout
 
 
 def test_gpu_check_sh_dry_run(tmp_path: Path) -> None:
