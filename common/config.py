@@ -18,18 +18,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import math
 import os
 import tomllib
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from .config_build import build_dataclass, join_path, to_plain
 from .errors import ConfigError
 from .sizes import parse_mooncake_size, parse_size
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -133,14 +135,14 @@ class DiskTierConfig:
 
     def validate(self, path: str) -> None:
         if self.enabled and not self.path:
-            raise ConfigError(_join(path, "path"), "must be a directory path when the disk tier is enabled")
+            raise ConfigError(join_path(path, "path"), "must be a directory path when the disk tier is enabled")
         if self.enabled:
             from .tiers.disk_fs import check_store_path_text
 
             try:
                 check_store_path_text(self.path)
             except ValueError as exc:
-                raise ConfigError(_join(path, "path"), str(exc)) from None
+                raise ConfigError(join_path(path, "path"), str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,7 @@ class KVPackConfig:
     """Longest a process waits, when it exits (normally, or on SIGINT/SIGTERM), for the
     stores it accepted to reach every tier; what is still queued then is counted as
     ``store_dropped{reason="shutdown"}`` and logged."""
-    pd_wait_ms: int = 2000
+    handoff_wait_ms: int = 2000
     """Prefill/decode handoff (vLLM ``do_remote_prefill``): longest a decode instance's load
     waits for the prefill instance's objects to land in a shared tier; then it loads what
     is there and recomputes the rest (counted)."""
@@ -367,19 +369,19 @@ class KVPackConfig:
         try:
             validate_tenant(self.tenant)
         except ValueError as exc:
-            raise ConfigError(_join(path, "tenant"), str(exc)) from None
+            raise ConfigError(join_path(path, "tenant"), str(exc)) from None
         if self.model_id:
             from .model_identity import validate_model_id
 
             try:
                 validate_model_id(self.model_id)
             except ValueError as exc:
-                raise ConfigError(_join(path, "model_id"), str(exc)) from None
+                raise ConfigError(join_path(path, "model_id"), str(exc)) from None
         for tenant in self.eviction.tenant_quotas:
             try:
                 validate_tenant(tenant)
             except ValueError as exc:
-                raise ConfigError(_join(path, f"eviction.tenant_quotas.{tenant}"), str(exc)) from None
+                raise ConfigError(join_path(path, f"eviction.tenant_quotas.{tenant}"), str(exc)) from None
         ranges: dict[str, tuple[int | float, int, int]] = {
             "prefix_match_unit": (self.prefix_match_unit, 1, 1 << 20),
             "io_timeout_ms": (self.io_timeout_ms, 1, MAX_WAIT_MS),
@@ -388,31 +390,33 @@ class KVPackConfig:
             "metrics_max_tenants": (self.metrics_max_tenants, 1, 10_000),
         }
         for name, (value, lo, hi) in ranges.items():
-            check_range(_join(path, name), value, lo, hi)
+            check_range(join_path(path, name), value, lo, hi)
         for i, tenant in enumerate(self.trusted_tenants):
             if tenant == "*":
                 continue
             try:
                 validate_tenant(tenant)
             except ValueError as exc:
-                raise ConfigError(_join(path, f"trusted_tenants[{i}]"), str(exc)) from None
+                raise ConfigError(join_path(path, f"trusted_tenants[{i}]"), str(exc)) from None
         if self.tenant_signing_key:
-            _hex_key(_join(path, "tenant_signing_key"), self.tenant_signing_key, 16, 64)
+            _hex_key(join_path(path, "tenant_signing_key"), self.tenant_signing_key, 16, 64)
         if self.integrity_key and self.integrity_key_file:
-            raise ConfigError(_join(path, "integrity_key_file"), "set integrity_key or integrity_key_file, not both")
+            raise ConfigError(
+                join_path(path, "integrity_key_file"), "set integrity_key or integrity_key_file, not both"
+            )
         self.integrity_key_bytes(path)
         if not (math.isfinite(self.shutdown_flush_s) and 0 < self.shutdown_flush_s <= 3600):
             raise ConfigError(
-                _join(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}"
+                join_path(path, "shutdown_flush_s"), f"must be > 0 and <= 3600 seconds, got {self.shutdown_flush_s}"
             )
-        check_range(_join(path, "pd_wait_ms"), self.pd_wait_ms, 0, MAX_WAIT_MS)
+        check_range(join_path(path, "handoff_wait_ms"), self.handoff_wait_ms, 0, MAX_WAIT_MS)
         if not 0 <= self.metrics_port <= 65535 - METRICS_PORT_SPAN:
             raise ConfigError(
-                _join(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}"
+                join_path(path, "metrics_port"), f"must be 0 (off) or a port below {65535 - METRICS_PORT_SPAN}"
             )
         if not (self.memory.enabled or self.disk.enabled or self.mooncake.enabled):
             raise ConfigError(
-                _join(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled"
+                join_path(path, "memory.enabled"), "at least one tier (memory, disk, mooncake) must be enabled"
             )
 
     def signing_key_bytes(self) -> bytes:
@@ -422,10 +426,10 @@ class KVPackConfig:
     def integrity_key_bytes(self, path: str = "") -> bytes | None:
         """The integrity key (`integrity_key` or the file's), None when off; ConfigError naming the field."""
         if self.integrity_key:
-            return _hex_key(_join(path, "integrity_key"), self.integrity_key, 16, 64)
+            return _hex_key(join_path(path, "integrity_key"), self.integrity_key, 16, 64)
         if not self.integrity_key_file:
             return None
-        where = _join(path, "integrity_key_file")
+        where = join_path(path, "integrity_key_file")
         try:
             text = Path(self.integrity_key_file).read_text()
         except (OSError, ValueError) as exc:
@@ -434,10 +438,20 @@ class KVPackConfig:
 
     # -- construction -------------------------------------------------------
 
+    RENAMED: ClassVar[dict[str, str]] = {"pd_wait_ms": "handoff_wait_ms"}
+    """Keys of earlier releases -> their names now: still read, with a warning."""
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVPackConfig:
         """Build from a plain dict (engine JSON). Raises ConfigError naming the field."""
-        return build_dataclass(cls, data or {}, "")
+        data = dict(data) if isinstance(data, Mapping) else data or {}
+        for old, new in cls.RENAMED.items():
+            if isinstance(data, dict) and old in data:
+                if new in data:
+                    raise ConfigError(old, f"renamed to {new}, which is given too; keep only {new}")
+                logger.warning("kvpack config: %r is now called %r; reading it as %r", old, new, new)
+                data[new] = data.pop(old)
+        return build_dataclass(cls, data, "")
 
     @classmethod
     def from_json(cls, text: str) -> KVPackConfig:
@@ -466,7 +480,7 @@ class KVPackConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict that `from_dict` accepts back."""
-        return _to_plain(self)
+        return to_plain(self)
 
 
 def _hex_key(path: str, text: str, min_bytes: int, max_bytes: int) -> bytes:
@@ -480,109 +494,3 @@ def _hex_key(path: str, text: str, min_bytes: int, max_bytes: int) -> bytes:
             path, f"must be {min_bytes}-{max_bytes} bytes ({2 * min_bytes}-{2 * max_bytes} hex digits), got {len(key)}"
         )
     return key
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def build_dataclass(cls: type[T], data: Mapping[str, Any], path: str) -> T:
-    """Strictly build dataclass `cls` from `data`, recursing into nested ones.
-
-    Unknown keys, wrong types and invalid values raise ConfigError with the
-    dotted path. Calls ``validate(path)`` on the result when it exists.
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(path or "<root>", f"expected an object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(
-            _join(path, str(unknown[0])),
-            f"unknown key; allowed keys: {', '.join(sorted(fields))}",
-        )
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        f = fields[name]
-        kwargs[name] = _coerce(hints[name], value, _join(path, name), bool(f.metadata.get("size")))
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(path)
-    return obj
-
-
-def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, path)  # type: ignore[arg-type]
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        allowed = [m.value for m in tp]
-        if value not in allowed:
-            raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
-        return tp(value)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) != 2 or args[1] is not Ellipsis:  # pragma: no cover - programming error
-            raise ConfigError(path, f"unsupported config type {tp!r}")
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {type(value).__name__}")
-        if len(value) > 10_000:
-            raise ConfigError(path, f"at most 10000 entries, got {len(value)}")
-        return tuple(_coerce(args[0], v, f"{path}[{i}]", is_size) for i, v in enumerate(value))
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, Mapping):
-            raise ConfigError(path, f"expected an object, got {type(value).__name__}")
-        return {
-            _coerce(key_tp, k, f"{path}.{k}", False): _coerce(val_tp, v, f"{path}.{k}", is_size)
-            for k, v in value.items()
-        }
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(members[0], value, path, is_size)
-    if tp is int and is_size:
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            raise ConfigError(path, str(exc)) from None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}")
-        try:
-            number = float(value)
-        except OverflowError:
-            raise ConfigError(path, "number too large") from None
-        if not math.isfinite(number):
-            raise ConfigError(path, f"must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
-        return value
-    raise ConfigError(path, f"unsupported config type {tp!r}")  # pragma: no cover - programming error
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_to_plain(v) for v in value]
-    return value

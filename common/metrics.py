@@ -90,7 +90,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
     MetricSpec("handoff_loads", "Prefill/decode handoffs loaded (objects still landing waited for)", ("tenant",)),
-    MetricSpec("handoff_missing", "Handoff objects that had not landed within pd_wait_ms (recomputed)", ("tenant",)),
+    MetricSpec("handoff_missing", "Handoff objects not landed within handoff_wait_ms (recomputed)", ("tenant",)),
     MetricSpec(
         "handoff_wait_seconds",
         "How long a handoff load waited for the prefill instance's objects",

@@ -76,7 +76,7 @@ class KVStore:
         process without warning (SGLang). `read_only`: a lookup view (vLLM's
         scheduler side): no write-back threads, `store` refuses. `pin_timeout_s`:
         how long a `LoadPlan` pins memory at most (default: twice the longest a
-        load may wait, ``io_timeout_ms + pd_wait_ms``)."""
+        load may wait, ``io_timeout_ms + handoff_wait_ms``)."""
         if not tiers:
             raise ValueError("KVStore needs at least one tier")
         self.config = config
@@ -96,7 +96,7 @@ class KVStore:
         self._lower = tuple(t for t in self.tiers if t is not self._memory)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
         if pin_timeout_s is None:
-            pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.pd_wait_ms) / 1000.0)
+            pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
         self._plans = PlanBook(pin_timeout_s)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         self._evictions: list[tuple[str, str, int]] = []

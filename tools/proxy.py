@@ -10,7 +10,7 @@ the two instances only need kvpack with one shared tier (disk or Mooncake):
 2. the prefill response's ``kv_transfer_params`` (kvpack's `Handoff`: layout,
    tenant, token count, tail) go with the original request to the decode
    instance, which loads the prompt from the store (waiting at most
-   ``pd_wait_ms`` for objects still landing) and generates;
+   ``handoff_wait_ms`` for objects still landing) and generates;
 3. the decode instance's answer (streamed or not) goes back to the client.
 
 ``/v1/completions`` and ``/v1/chat/completions`` are proxied this way; other

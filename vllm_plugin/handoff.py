@@ -15,7 +15,7 @@ layout group's fingerprint, the tenant, how many prompt tokens it computed
 and where its partial-block tail went. The decode instance checks that the
 fingerprint and tenant are its own (a mismatch is refused at once, with an
 error naming both; it then recomputes), and loads every chunk, waiting at
-most ``pd_wait_ms`` for objects still landing; what is not there by then is
+most ``handoff_wait_ms`` for objects still landing; what is not there by then is
 recomputed (counted), never waited on longer.
 """
 

@@ -34,7 +34,7 @@ which frees the blocks; vLLM keeps stepping until then.
 Prefill/decode disaggregation (`handoff`): a request with vLLM's
 ``do_remote_decode`` gets, at finish, the ``kv_transfer_params`` of a
 `Handoff`; a request carrying one (``do_remote_prefill``) is loaded from
-what the prefill instance saved, the worker waiting at most ``pd_wait_ms``
+what the prefill instance saved, the worker waiting at most ``handoff_wait_ms``
 for objects still landing. A handoff of another layout or tenant is refused
 with an error and the request is served as any other.
 
@@ -377,7 +377,7 @@ class SchedulerSide:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
                 refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft, source=t.source))
-        wait_s = self.config.pd_wait_ms / 1000.0 if plan.handoff else 0.0
+        wait_s = self.config.handoff_wait_ms / 1000.0 if plan.handoff else 0.0
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
         self._pending_loads[request.request_id] = TransferJob(

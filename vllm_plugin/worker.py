@@ -345,7 +345,7 @@ class WorkerSide:
         if missing:
             self.store.metrics.inc("handoff_missing", len(missing), tenant=task.job.tenant)
             log.warning(
-                "kvpack: %d of %d objects of %s had not landed after pd_wait_ms; vLLM recomputes from the first",
+                "kvpack: %d of %d objects of %s had not landed after handoff_wait_ms; vLLM recomputes from the first",
                 len(missing),
                 len(keys),
                 task.job.req_id,

@@ -11,7 +11,7 @@
 # kv_transfer_params {"do_remote_decode": true}), then the request with the
 # prefill instance's handoff (layout, tenant, token count, tail) to the decode
 # instance, which loads n - 1 prompt tokens from the store, waiting at most
-# pd_wait_ms for objects still landing, and generates.
+# handoff_wait_ms for objects still landing, and generates.
 set -euo pipefail
 MODEL=${1:?model directory}
 STORE=${2:-/tmp/kvpack-pd-store}
@@ -20,7 +20,7 @@ serve() {  # role port
   python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$2" \
     --enable-prompt-tokens-details --shutdown-timeout 10 \
     --kv-transfer-config "{\"kv_connector\":\"KVPackConnector\",\"kv_role\":\"$1\",
-      \"kv_connector_extra_config\":{\"disk\":{\"path\":\"$STORE\"},\"pd_wait_ms\":2000}}" &
+      \"kv_connector_extra_config\":{\"disk\":{\"path\":\"$STORE\"},\"handoff_wait_ms\":2000}}" &
 }
 serve kv_producer 8100
 serve kv_consumer 8200

@@ -102,3 +102,18 @@ def test_parse_size(text: str | int, expected: int) -> None:
 def test_parse_size_rejects(text: object) -> None:
     with pytest.raises(ValueError):
         parse_size(text)  # type: ignore[arg-type]
+
+
+def test_a_renamed_key_is_read_with_a_warning_and_not_beside_its_new_name(caplog: pytest.LogCaptureFixture) -> None:
+    # pd_wait_ms became handoff_wait_ms (one name per idea: the metrics are kvpack_handoff_*)
+    with caplog.at_level("WARNING", logger="kvpack.config"):
+        cfg = KVPackConfig.from_json(json.dumps({"pd_wait_ms": 750}))
+    assert cfg.handoff_wait_ms == 750
+    assert "'pd_wait_ms' is now called 'handoff_wait_ms'" in caplog.text
+    assert "pd_wait_ms" not in cfg.to_dict()
+    with pytest.raises(ConfigError) as err:
+        KVPackConfig.from_dict({"pd_wait_ms": 750, "handoff_wait_ms": 500})
+    assert err.value.field == "pd_wait_ms"
+    with pytest.raises(ConfigError) as err:
+        KVPackConfig.from_dict({"pd_wait_ms": -1})
+    assert err.value.field == "handoff_wait_ms"

@@ -10,7 +10,7 @@ a request sent right after the producer answered missed (the producer's save
 had not landed, and nothing told the consumer to wait).
 
 A decode request whose prefill instance never stored anything waits at most
-``pd_wait_ms`` and recomputes (same text); a handoff from another layout is
+``handoff_wait_ms`` and recomputes (same text); a handoff from another layout is
 refused at once with an error naming it. A prefill instance at TP=2 hands off
 to a decode instance at TP=1: the handoff says how many KV-head ranges it
 stored each chunk as, and the decode instance reads those objects.
@@ -123,7 +123,7 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
 ) -> None:
     common = {**shared_tier, "memory": {"capacity": "256MiB"}}
     metrics = free_port()
-    consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+    consumer_kv = kv_config({**common, "handoff_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
     # both instances start together (as a user's two servers would); each is waited for below
     producer, p_port = start_openai(tiny_llama, kv_config(common, "kv_producer"), tmp_path / "prefill.log")
     consumer, d_port = start_openai(tiny_llama, consumer_kv, tmp_path / "decode.log")
@@ -205,12 +205,12 @@ def test_a_prefill_instance_at_tp2_hands_off_to_a_decode_instance_at_tp1(
     reverse). The TP=2 prefill instance stores each chunk as two head ranges
     (``kv_h0_1``, ``kv_h1_2``) and says so in its handoff (``head_ranges``); the TP=1 decode
     instance loads those and keeps every head. Before, it looked for its own ``kv``
-    objects, waited ``pd_wait_ms`` for objects that never come, and recomputed."""
+    objects, waited ``handoff_wait_ms`` for objects that never come, and recomputed."""
     ids = PROMPTS["A"]
     common = {"disk": {"path": str(tmp_path / "kv")}, "memory": {"capacity": "256MiB"}}
     two_ranks = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
     metrics = free_port()
-    consumer_kv = kv_config({**common, "pd_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
+    consumer_kv = kv_config({**common, "handoff_wait_ms": PD_WAIT_MS, "metrics_port": metrics}, "kv_consumer")
     producer, p_port = start_openai(
         tiny_llama,
         kv_config(common, "kv_producer"),

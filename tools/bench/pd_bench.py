@@ -11,7 +11,7 @@ sending the request to the first streamed ``data:`` chunk) and total latency
     (as ``examples/vllm/prefill_decode.sh`` runs them): the proxy sends the
     prompt to the prefill instance with ``max_tokens: 1``, then the request
     with its handoff to the decode instance, which loads n - 1 prompt tokens
-    from the store (waiting at most ``pd_wait_ms`` for objects still landing)
+    from the store (waiting at most ``handoff_wait_ms`` for objects still landing)
     and streams the answer back.
 
 All three servers run at once and the prompts alternate between (a) and (b)
@@ -27,7 +27,7 @@ wait distribution (count, mean from ``_sum / _count``, p50 and p90
 interpolated in its buckets as Prometheus' ``histogram_quantile`` does, and,
 one handoff per request, each request's exact wait from the ``_sum`` delta);
 ``kvpack_handoff_missing_total`` the objects that had not landed within
-``pd_wait_ms`` (recomputed); ``kvpack_loaded_tokens_total`` the tokens loaded.
+``handoff_wait_ms`` (recomputed); ``kvpack_loaded_tokens_total`` the tokens loaded.
 Each server's own vLLM request histograms (TTFT, queue, prefill, inter-token,
 end to end; ``_sum / _count`` over the timed requests) split PD's TTFT into
 the prefill leg, the decode instance's load and first token, and the proxy.
@@ -288,7 +288,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--warmups", type=int, default=2, help="untimed prompts per setup first")
-    p.add_argument("--pd-wait-ms", type=int, default=2000, help="the decode instance's kvpack pd_wait_ms")
+    p.add_argument("--handoff-wait-ms", type=int, default=2000, help="the decode instance's kvpack handoff_wait_ms")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="bound of each request")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--shutdown-timeout", type=int, default=10, help="vLLM --shutdown-timeout of every server")
@@ -329,13 +329,14 @@ def run(args: argparse.Namespace) -> tuple[Result, str]:
     single = server("single", {"memory": {"capacity": "256MiB"}, "disk": {"path": str(root / "single")}}, "kv_both")
     producer = server("prefill", pd_store, "kv_producer")
     consumer = server(
-        "decode", {**pd_store, "pd_wait_ms": args.pd_wait_ms, "metrics_port": metrics_base}, "kv_consumer"
+        "decode", {**pd_store, "handoff_wait_ms": args.handoff_wait_ms, "metrics_port": metrics_base}, "kv_consumer"
     )
     proxy = Proxy(producer.port, consumer.port, free_port(), root / "proxy.log", args.request_timeout_s)
     setup = (
         f"Model {model.name}; {args.prompts} distinct prompts of {args.prompt_tokens} token ids, max_tokens "
         f"{args.max_tokens} (ignore_eos, greedy), streamed, one at a time, alternating one instance / PD "
-        f"(ABBA), after {args.warmups} warm-ups each; vLLM prefix caching off; decode pd_wait_ms {args.pd_wait_ms}; "
+        f"(ABBA), after {args.warmups} warm-ups each; vLLM prefix caching off; "
+        f"decode handoff_wait_ms {args.handoff_wait_ms}; "
         f"--shutdown-timeout {args.shutdown_timeout}; every server's KV cache {args.kv_cache_mib} MiB."
     )
     print(f"[pd bench] {setup} Logs in {root}", flush=True)
