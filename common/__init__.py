@@ -51,14 +51,22 @@ the life of a stored block):
 """
 
 from .budget import WaitBudget
-from .canonical import StoredRange, head_range_fingerprint, split_sources
+from .canonical import (
+    CanonicalGeometry,
+    StoredRange,
+    TilePacking,
+    head_range_fingerprint,
+    paged_geometry,
+    split_sources,
+    vllm_cpu_geometry,
+)
 from .canonical import group_spec as canonical_group_spec
 from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig
 from .errors import ConfigError, KVPackError, LayoutError
 from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .heads import HeadRange, HeadSplit
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
-from .layout import KVLayoutSpec
+from .layout_spec import KVLayoutSpec
 from .metrics import Metrics, MetricsInterval
 from .model_identity import ModelIdentity
 from .model_identity import (
@@ -76,6 +84,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadTenant",
+    "CanonicalGeometry",
+    "TilePacking",
+    "paged_geometry",
+    "vllm_cpu_geometry",
     "ChecksumPolicy",
     "ChunkFacts",
     "ChunkHash",

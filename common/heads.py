@@ -1,6 +1,6 @@
 """KV-head ranges: how canonical objects are split over tensor-parallel ranks.
 
-A canonical object (`kvpack.ops.canonical`) holds one chunk of every layer for a
+A canonical object (`kvpack.canonical`) holds one chunk of every layer for a
 range of KV heads ``[start, stop)``, named by `HeadRange.member`. A writer at
 TP=t stores one object per rank that holds its heads first (`writer_range`):
 the engine's ``num_kv_heads`` split into ``min(t, num_kv_heads)`` equal ranges,

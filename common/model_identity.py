@@ -1,6 +1,6 @@
 """Model identity: what a checkpoint *is*, computed from what is on disk, not where it lives.
 
-The layout fingerprint's ``model`` field (`kvpack.layout.KVLayoutSpec.model`)
+The layout fingerprint's ``model`` field (`kvpack.layout_spec.KVLayoutSpec.model`)
 must change exactly when the KV a model computes for the same token ids can
 change. A path does neither job: the same checkpoint copied elsewhere is "another
 model" (a needless miss), and a checkpoint rebuilt in place (other weights, same

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .. import (
+    CanonicalGeometry,
     HeadRange,
     HeadSplit,
     KVLayoutSpec,
@@ -46,10 +47,11 @@ from .. import (
     canonical_group_spec,
     head_range_fingerprint,
     identify_model,
+    paged_geometry,
     split_sources,
     validate_member,
 )
-from ..ops import CanonicalGeometry, PagedKV, paged_geometry
+from ..ops import PagedKV
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 """MHA host layouts whose KV pool is stored as canonical objects (`kvpack.canonical`)."""

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from kvpack.ops import TilePacking, vllm_cpu_geometry
+from kvpack import TilePacking, vllm_cpu_geometry
 
 log = logging.getLogger("kvpack.vllm")
 

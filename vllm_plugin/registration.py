@@ -33,7 +33,7 @@ from kvpack import (
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
-from .canonical import CanonicalBlocks
+from .canonical_blocks import CanonicalBlocks
 from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ def register_layout(
 def _register_canonical(
     vllm_config: VllmConfig, scope: Scope, position: RankPosition, kv_caches: dict[str, torch.Tensor], num_blocks: int
 ) -> WorkerLayout:
-    """Canonical objects (`vllm_plugin.canonical`): one member, this rank's KV heads."""
+    """Canonical objects (`vllm_plugin.canonical_blocks`): one member, this rank's KV heads."""
     split = scope.heads
     assert split is not None
     own = split.own(position.tp_rank)

@@ -51,7 +51,7 @@ from kvpack import (
 )
 from kvpack import canonical_group_spec as canonical_group
 
-from .canonical import head_split
+from .canonical_blocks import head_split
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -172,7 +172,7 @@ class Scope:
     world: int = 1
     """TP x PP ranks (each writes its own members)."""
     heads: HeadSplit | None = None
-    """Canonical objects (`vllm_plugin.canonical`): the KV heads over the TP ranks; members
+    """Canonical objects (`vllm_plugin.canonical_blocks`): the KV heads over the TP ranks; members
     are head ranges (``kv``, ``kv_h0_1``...). None: engine-native objects, one per rank."""
     min_prefill_tokens: int = 1
     """The fewest prompt tokens a hit leaves vLLM to compute (`min_prefill_tokens`): 1, or 2

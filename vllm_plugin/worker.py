@@ -61,7 +61,7 @@ from kvpack import (
 )
 from kvpack.ops import CpuDevice, Lane, Staged, Staging
 
-from .canonical import CanonicalBlocks
+from .canonical_blocks import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, StoredObject, TransferJob
 from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
 from .saves import Captured, gather_members, save_objects

@@ -18,7 +18,6 @@ builds nothing and needs no CUDA.
 
 from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, cpu_lane
 from ._build import ExtensionStatus, load_extension, region_copier
-from .canonical import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 from .copy import (
     Backend,
     UploadedIds,
@@ -33,7 +32,6 @@ from .paged import PagedKV
 
 __all__ = [
     "Backend",
-    "CanonicalGeometry",
     "CpuDevice",
     "CudaDevice",
     "Direction",
@@ -41,10 +39,7 @@ __all__ = [
     "Staged",
     "Staging",
     "StagingDevice",
-    "TilePacking",
     "cpu_lane",
-    "paged_geometry",
-    "vllm_cpu_geometry",
     "ExtensionStatus",
     "KVLayout",
     "KVLayoutKind",

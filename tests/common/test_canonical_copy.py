@@ -1,4 +1,4 @@
-"""Canonical objects (`kvpack.ops.canonical`): the C++ kernel and the torch reference write
+"""Canonical objects (`kvpack.canonical`): the C++ kernel and the torch reference write
 the same bytes for every tile packing, and those bytes are the K/V values in the documented
 order ``[layer][kv][head][token][dim]`` whatever the engine's layout.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpack.canonical.copy import CanonicalGeometry, CpuSimd, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
 from kvpack.ops import PagedKV, load_extension
-from kvpack.ops.canonical import CanonicalGeometry, CpuSimd, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
 
 L, NB, H, T, D = 3, 12, 4, 32, 64
 IDS = [7, 0, 11, 3]

@@ -307,6 +307,6 @@ def test_public_names_do_not_shadow_a_submodule() -> None:
     # `from .model_identity import model_identity` in kvpack/__init__.py once rebound
     # `kvpack.model_identity` to the function: `import kvpack.model_identity as mi` broke
     modules = _modules()
-    for package in ("kvpack", "kvpack.ops"):
+    for package in ("kvpack", "kvpack.ops", "kvpack.canonical"):
         shadowed = sorted(n for n in _package_names(package, modules) if f"{package}.{n}" in modules)
         assert not shadowed, f"{package} binds names of its own submodules: {shadowed}"

@@ -7,7 +7,7 @@ on a scarce machine reports everything. Checks, on the GPU:
      into device and pinned host staging, whole and partial blocks, misaligned
      staging (1/4/8-byte words), on a side stream; scatter round trips;
   3. CUDA == torch fallback on engine-sized caches (multi-CTA units);
-  4. canonical objects (`kvpack.ops.canonical`) on CUDA, by the CUDA kernel into device
+  4. canonical objects (`kvpack.canonical`) on CUDA, by the CUDA kernel into device
      and pinned staging and by the torch path, == the C++ kernel's objects of the same
      bytes on the CPU, NHD and HND, a head sub-range too, and back; with the CUDA
      kernel's bandwidth next to the native CUDA block gather of the same bytes;
@@ -138,7 +138,7 @@ def check_canonical(kind: str) -> None:
     """Canonical objects from a GPU cache (CUDA kernel, device and pinned staging; torch path)
     == the same cache's bytes copied to the CPU and gathered by the C++ kernel; a scatter
     back gives the cache again; prints the CUDA kernel's GB/s next to the native block copy."""
-    from kvpack.ops.canonical import paged_geometry
+    from kvpack.canonical import paged_geometry
 
     nb, t, h, d, layers = 24, 64, 8, 128, 3
     shape = (2, nb, h, t, d) if kind == "hnd" else (2, nb, t, h, d)
@@ -183,7 +183,7 @@ def check_canonical(kind: str) -> None:
 
 def _canonical_bandwidth(kind: str, gpu: list[torch.Tensor], t: int, h: int) -> None:
     """CUDA canonical gather vs the native CUDA block gather of the same blocks (d2d)."""
-    from kvpack.ops.canonical import paged_geometry
+    from kvpack.canonical import paged_geometry
 
     kv = PagedKV.from_layers(gpu, block_size=t)
     geo = paged_geometry(kv)

@@ -51,13 +51,13 @@ if importlib.util.find_spec("kvpack.vllm_plugin") is None:  # the checkout, not 
     sys.modules["kvpack.vllm_plugin"] = _mod
     _spec.loader.exec_module(_mod)
 
+from kvpack.canonical import paged_geometry  # noqa: E402
 from kvpack.heads import HeadRange  # noqa: E402
 from kvpack.ops import ExtensionStatus, PagedKV, gather_blocks, load_extension, scatter_blocks, upload_ids  # noqa: E402
 from kvpack.ops._reference import gather_reference  # noqa: E402
-from kvpack.ops.canonical import paged_geometry  # noqa: E402
 from kvpack.staging import Staging  # noqa: E402
 from kvpack.vllm_plugin.blocks import BlockLayout  # noqa: E402
-from kvpack.vllm_plugin.canonical import CanonicalBlocks  # noqa: E402
+from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks  # noqa: E402
 
 TARGETS = {"d2h": 0.8, "h2d": 0.8, "d2d": 0.7}
 
@@ -133,7 +133,7 @@ def check_staging_torch_path(device: torch.device) -> None:
     off = ExtensionStatus(available=False, has_cuda=False, reason="kernels switched off by the check")
     with (
         mock.patch("kvpack.ops.copy.load_extension", lambda: off),
-        mock.patch("kvpack.ops.canonical.load_extension", lambda: off),
+        mock.patch("kvpack.canonical.copy.load_extension", lambda: off),
     ):
         check_staging(device)
 

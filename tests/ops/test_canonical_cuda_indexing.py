@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpack.canonical.copy import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 from kvpack.ops import PagedKV, load_extension
-from kvpack.ops.canonical import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 
 pytestmark = pytest.mark.skipif(
     not load_extension().available, reason=f"extension unavailable: {load_extension().reason}"

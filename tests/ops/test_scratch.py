@@ -16,7 +16,8 @@ import torch
 from kvcases import build
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpack.ops import PagedKV, paged_geometry
+from kvpack.canonical import paged_geometry
+from kvpack.ops import PagedKV
 from kvpack.ops._reference import gather_reference, scatter_reference
 from kvpack.ops.scratch import on_cache_device
 

@@ -39,7 +39,7 @@ CASES = [
 
 @pytest.mark.parametrize(("dtype", "block", "head", "isa"), CASES)
 def test_vllm_written_blocks_gather_to_their_kv_values(dtype: torch.dtype, block: int, head: int, isa: str) -> None:
-    from kvpack.ops.canonical import vllm_cpu_geometry
+    from kvpack.canonical import vllm_cpu_geometry
     from vllm import _custom_ops as ops
 
     packing = find_packing(dtype, block, head, isa)

@@ -5,7 +5,7 @@ AMX hosts, `vec` on AVX-512 hosts such as an AMD EPYC, `vec16`...). Measured
 before kvpack converted: a block written under `vec` and read under `amx` was
 "reused" (699 tokens) and 0 of 12 output tokens were right; then, with the ISA
 in the fingerprint, such a block was refused and recomputed. Now the copy
-converts every packing to the canonical layout (`kvpack.ops.canonical`), so a
+converts every packing to the canonical layout (`kvpack.canonical`), so a
 store written on one CPU type is a hit on another.
 
 - Two engines with different attention ISAs on one host (the writer's ISA is

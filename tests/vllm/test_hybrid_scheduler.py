@@ -26,7 +26,7 @@ import pytest
 from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage
 from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout import KVLayoutSpec
+from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import ObjectHeader
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem

@@ -84,7 +84,7 @@ def test_signed_tenants_are_honoured_only_with_the_right_signature() -> None:
 
 def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_path: Path) -> None:
     from kvpack.groups import Coverage
-    from kvpack.layout import KVLayoutSpec
+    from kvpack.layout_spec import KVLayoutSpec
     from kvpack.vllm_plugin.scheduler import SchedulerSide
     from kvpack.vllm_plugin.settings import CacheGroup, Scope
 

@@ -21,7 +21,7 @@ from kvpack.config import EvictionPolicyName, KVPackConfig
 from kvpack.eviction import make_policy
 from kvpack.groups import Coverage
 from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout import KVLayoutSpec
+from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import ObjectHeader
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem, TierStatus

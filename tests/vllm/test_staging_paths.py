@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from kvpack.canonical import paged_geometry
 from kvpack.heads import HeadRange
 from kvpack.ops import PagedKV
-from kvpack.ops.canonical import paged_geometry
 from kvpack.staging import Direction, Staging
 from kvpack.staging_record import POISON, RecordingDevice
 from kvpack.vllm_plugin.blocks import BlockLayout
-from kvpack.vllm_plugin.canonical import CanonicalBlocks
+from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks
 
 NB, BS = 6, 4
 

@@ -19,7 +19,7 @@ import torch
 from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage
 from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout import KVLayoutSpec
+from kvpack.layout_spec import KVLayoutSpec
 
 pytest.importorskip("vllm")
 

@@ -145,7 +145,7 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
     from types import SimpleNamespace
 
     from kvpack.groups import Coverage
-    from kvpack.layout import KVLayoutSpec
+    from kvpack.layout_spec import KVLayoutSpec
     from kvpack.vllm_plugin.settings import CacheGroup, Scope
     from kvpack.vllm_plugin.worker import WorkerSide
 

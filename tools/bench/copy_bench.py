@@ -105,12 +105,12 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
 def _canonical_fns(
     layers: list[torch.Tensor], ids: list[int], staging: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, Callable[[], object]]:
-    """The canonical copy (`kvpack.ops.canonical`) of the same blocks, under each vLLM CPU
+    """The canonical copy (`kvpack.canonical`) of the same blocks, under each vLLM CPU
     packing of this dtype: `vec` (K as [D][T]) and, for bf16, `amx` (K [T/16][D/2][16][2],
     V [D/16][T/2][16][2]). Same bytes as the engine-native copy, converted while copying.
     Rows are labelled with the kernel's SIMD level; on a CPU with AVX-512 the SSE2 level
     runs too, so the gain of the wider blocks is measured in the same run."""
-    from kvpack.ops.canonical import CpuSimd, TilePacking, cpu_simd, vllm_cpu_geometry
+    from kvpack.canonical.copy import CpuSimd, TilePacking, cpu_simd, vllm_cpu_geometry
 
     e, t, d = layers[0].element_size(), args.block_tokens, args.head_size
     packings = {"vec": (TilePacking.panels(1, t, d, e), TilePacking.row_major(d * e, d, e, t))}

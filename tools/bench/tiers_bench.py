@@ -26,7 +26,7 @@ from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.integrity import IntegrityKey, check_loaded, seal_items
 from kvpack.keys import StoreKey
-from kvpack.layout import KVLayoutSpec
+from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier

@@ -34,10 +34,10 @@ import torch
 
 from ..errors import LayoutError
 from ..heads import HeadRange
-from ._build import load_extension
-from .layout import vector_alignment
-from .scratch import on_cache_device
-from .simd import CpuSimd
+from ..ops import load_extension
+from ..ops.layout import vector_alignment
+from ..ops.scratch import on_cache_device
+from ..ops.simd import CpuSimd
 
 CANONICAL_FORMAT = 1
 """Version of the object layout above; in every canonical group fingerprint."""
@@ -388,8 +388,8 @@ def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePa
 
 def paged_geometry(paged: object) -> CanonicalGeometry:
     """A token-addressable `PagedKV` (vLLM GPU NHD/HND layouts, SGLang host pools, MLA): row-major tiles."""
-    from .layout import KVLayoutKind
-    from .paged import PagedKV
+    from ..ops.layout import KVLayoutKind
+    from ..ops.paged import PagedKV
 
     assert isinstance(paged, PagedKV)
     lay = paged.layout

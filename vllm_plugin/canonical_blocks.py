@@ -1,4 +1,4 @@
-"""vLLM in kvpack's canonical object layout (`kvpack.ops.canonical`, `kvpack.heads`).
+"""vLLM in kvpack's canonical object layout (`kvpack.canonical`, `kvpack.heads`).
 
 When it applies (`head_split`): one KV cache group of full attention, no draft
 KV of its own (no speculative model, or one without KV layers), one pipeline
@@ -6,7 +6,7 @@ stage, an unquantized KV cache, on the CPU or a CUDA GPU. Then an object is the
 canonical bytes of one chunk for a range of KV heads, its group fingerprint
 says what the bytes are (model identity, KV dtype, chunk tokens, format
 version) and not who wrote them (engine, TP size, CPU attention ISA, attention
-backend; `kvpack.canonical`), and a reader at any TP size loads what a writer
+backend; `kvpack.canonical.identity`), and a reader at any TP size loads what a writer
 at any other stored.
 Everything else (hybrid models, packed or sidecar drafts, PP > 1, fp8 KV) keeps
 the engine-native object format, with those facts in its fingerprint.
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack import HeadRange, HeadSplit, LayoutError
-from kvpack.ops import CanonicalGeometry, Direction, Lane, PagedKV, cpu_lane, paged_geometry, vllm_cpu_geometry
+from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, paged_geometry, vllm_cpu_geometry
+from kvpack.ops import Direction, Lane, PagedKV, cpu_lane
 
 from .packing import find_packing
 
