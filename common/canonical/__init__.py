@@ -1,7 +1,7 @@
 """The canonical object layout: what vLLM at any TP size, on any CPU type, and an SGLang
 server write and read alike. One package for the core's part of it:
 
-- `kvpack.canonical.copy`: the bytes. `CanonicalGeometry` describes an engine's cache
+- `kvpack.canonical.geometry`: the bytes. `CanonicalGeometry` describes an engine's cache
   (`TilePacking` per K/V; `paged_geometry` for NHD/HND/SGLang pools, `vllm_cpu_geometry`
   for vLLM's CPU packings) and copies blocks <-> objects for any head sub-range (C++
   and CUDA kernels in csrc/canonical_copy*, a torch path everywhere else).
@@ -14,7 +14,7 @@ qualifies and which packing its CPU attention uses (vllm_plugin/canonical_blocks
 packing.py), which host pools are canonical (sglang_plugin/pools.py).
 """
 
-from .copy import CANONICAL_FORMAT, CanonicalGeometry, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
+from .geometry import CANONICAL_FORMAT, CanonicalGeometry, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
 from .identity import ENGINE, StoredRange, group_spec, head_range_fingerprint, split_sources
 
 __all__ = [

@@ -1,6 +1,6 @@
 """What a canonical object is, for every engine: its group and member fingerprints.
 
-Canonical objects (`kvpack.canonical.copy` for the bytes, `kvpack.heads` for the head
+Canonical objects (`kvpack.canonical.geometry` for the bytes, `kvpack.heads` for the head
 ranges) are what a vLLM engine at any TP size, on any CPU type, and an SGLang server
 write and read alike. Their fingerprints therefore say what the bytes are and nothing
 about the writer: the group covers the model's identity (`kvpack.model_identity`: a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..heads import HeadRange, HeadSplit, sources
 from ..layout_spec import KVLayoutSpec
-from .copy import CANONICAL_FORMAT
+from .geometry import CANONICAL_FORMAT
 
 ENGINE = f"canonical{CANONICAL_FORMAT}"
 """`KVLayoutSpec.engine` of every canonical group: the same whoever writes it."""

@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.canonical.copy import CanonicalGeometry, CpuSimd, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
+from kvpack.canonical.geometry import (
+    CanonicalGeometry,
+    CpuSimd,
+    TilePacking,
+    cpu_simd,
+    paged_geometry,
+    vllm_cpu_geometry,
+)
 from kvpack.ops import PagedKV, load_extension
 
 L, NB, H, T, D = 3, 12, 4, 32, 64

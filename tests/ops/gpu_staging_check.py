@@ -133,7 +133,7 @@ def check_staging_torch_path(device: torch.device) -> None:
     off = ExtensionStatus(available=False, has_cuda=False, reason="kernels switched off by the check")
     with (
         mock.patch("kvpack.ops.copy.load_extension", lambda: off),
-        mock.patch("kvpack.canonical.copy.load_extension", lambda: off),
+        mock.patch("kvpack.canonical.geometry.load_extension", lambda: off),
     ):
         check_staging(device)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.canonical.copy import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
+from kvpack.canonical.geometry import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 from kvpack.ops import PagedKV, load_extension
 
 pytestmark = pytest.mark.skipif(

@@ -110,7 +110,7 @@ def _canonical_fns(
     V [D/16][T/2][16][2]). Same bytes as the engine-native copy, converted while copying.
     Rows are labelled with the kernel's SIMD level; on a CPU with AVX-512 the SSE2 level
     runs too, so the gain of the wider blocks is measured in the same run."""
-    from kvpack.canonical.copy import CpuSimd, TilePacking, cpu_simd, vllm_cpu_geometry
+    from kvpack.canonical.geometry import CpuSimd, TilePacking, cpu_simd, vllm_cpu_geometry
 
     e, t, d = layers[0].element_size(), args.block_tokens, args.head_size
     packings = {"vec": (TilePacking.panels(1, t, d, e), TilePacking.row_major(d * e, d, e, t))}
