@@ -113,7 +113,8 @@ def test_bench_without_a_name_is_a_usage_error(capsys: pytest.CaptureFixture[str
 
 def test_bench_serve_table_ratios_and_targets() -> None:
     # the table and target code of `kvpack bench serve`, on made-up rows (no server, no vLLM)
-    from kvpack.tools.bench.serve_bench import Row, RowName, repeatable_tokens, report, targets
+    from kvpack.tools.bench.serve_bench import repeatable_tokens
+    from kvpack.tools.bench.serve_report import Row, RowName, report, targets
 
     assert repeatable_tokens([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4], [7]]) == 3 + 3 + 0
     rows = [
