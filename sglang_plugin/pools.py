@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -148,6 +149,10 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     base, tag = _model_dir(model_name)
     ident = identify_model(base, model_id=model_id).value
     return f"{ident}|format={tag}" if tag else ident
+
+
+SAVE_STAGING_MAX_BYTES = 256 << 20
+"""Largest save staging a thread keeps between calls (bytes)."""
 
 
 def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> CanonicalGeometry | None:
@@ -309,18 +314,35 @@ class PoolBinding:
         """The pool's object per page, as the session saves and loads it (`kvpack.session`)."""
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
+        self._save_rows = threading.local()
+        """Canonical pools: each thread's staging rows for saves, kept between calls (a fresh
+        96 MiB buffer costs more in first-touch page faults than the conversion itself). Safe
+        to reuse: `KVStore.store` lets the caller reuse its buffers once it returns. Loads keep
+        fresh rows: a tier read abandoned at its deadline may still write into its buffer."""
 
     def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
         """What to store for each page: in place (`page_payloads`), or canonical objects
         gathered into fresh rows (the conversion is the copy)."""
         if self.canonical is None:
             return self.page_payloads(host_indices, n_pages)
-        staging = torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
+        staging = self._staging_for_save(n_pages)
         self.canonical.copy(
             self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
         )
         rows = staging.numpy()
         return [memoryview(rows[i]) for i in range(n_pages)]
+
+    def _staging_for_save(self, n_pages: int) -> torch.Tensor:
+        """``[n_pages, page_bytes]`` rows of this thread's save staging (grown, never shrunk,
+        up to `SAVE_STAGING_MAX_BYTES`; a larger batch gets fresh rows)."""
+        need = n_pages * self.page_bytes
+        if need > SAVE_STAGING_MAX_BYTES:
+            return torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
+        rows: torch.Tensor | None = getattr(self._save_rows, "rows", None)
+        if rows is None or rows.numel() < need:
+            rows = torch.empty(need, dtype=torch.uint8)
+            self._save_rows.rows = rows
+        return rows[:need].view(n_pages, self.page_bytes)
 
     def load_buffers(
         self, host_indices: torch.Tensor, n_pages: int
@@ -336,7 +358,9 @@ class PoolBinding:
 
         def finish(ok: Sequence[bool]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
-            if sel:
+            if len(sel) == n_pages:  # every page loaded: the rows as they are (no compacting copy)
+                geo.copy(ids, staging.view(-1), gather=False, obj_heads=geo.heads)
+            elif sel:
                 geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish

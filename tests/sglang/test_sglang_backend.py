@@ -86,6 +86,35 @@ def test_v1_round_trip_bit_exact(kind, layout, tiers, store_dir):
         backend.close()
 
 
+@pytest.mark.parametrize("tiers", list(TIERS))
+def test_successive_canonical_saves_keep_their_own_bytes(tiers, store_dir):
+    # a canonical MHA pool converts each save into staging rows its thread keeps between
+    # calls (pools.PoolBinding._staging_for_save): the second save rewrites those rows, so
+    # any tier that kept a reference to the first save's rows would now hold the second's
+    pool = make_pool("mha", "page_first")
+    backend = make_backend(pool, kvpack_extra(store_dir, **TIERS[tiers]))
+    try:
+        n = 4
+        fill_random(pool, seed=11)
+        first = alloc_pages(pool, n)
+        want_first = page_bytes(pool, first)
+        assert backend.batch_set_v1(page_keys(n, seed=21), first) == [True] * n
+        fill_random(pool, seed=12)
+        second = alloc_pages(pool, n)
+        want_second = page_bytes(pool, second)
+        assert want_second != want_first
+        assert backend.batch_set_v1(page_keys(n, seed=22), second) == [True] * n
+        assert backend.flush(10)
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        assert backend.batch_get_v1(page_keys(n, seed=21), dst) == [True] * n
+        assert page_bytes(pool, dst) == want_first
+        assert backend.batch_get_v1(page_keys(n, seed=22), dst) == [True] * n
+        assert page_bytes(pool, dst) == want_second
+    finally:
+        backend.close()
+
+
 def test_prefix_stops_at_first_missing_page(store_dir):
     pool = make_pool("mha", "page_first")
     backend = make_backend(pool, kvpack_extra(store_dir))
