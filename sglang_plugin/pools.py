@@ -154,6 +154,42 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
 SAVE_STAGING_MAX_BYTES = 256 << 20
 """Largest save staging a thread keeps between calls (bytes)."""
 
+LOAD_ROWS_KEPT_BYTES = 512 << 20
+"""Most bytes of load staging a pool binding keeps for later loads (`LoadRows`)."""
+
+
+class LoadRows:
+    """Load staging buffers kept between calls (a fresh buffer costs its first-touch page
+    faults on every load). A load takes one per group of pages (several may be in use at
+    once, from several threads) and gives it back when its rows were scattered. Safe
+    because no tier writes into a load's buffers after its call returned (`Tier.get_into`).
+    Thread-safe."""
+
+    def __init__(self, kept_bytes: int = LOAD_ROWS_KEPT_BYTES) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._kept_bytes = kept_bytes
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        """``[rows, width]`` uint8: a kept buffer large enough (the smallest), else a new one."""
+        need = rows * width
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= need]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(need, dtype=torch.uint8)
+        return buf[:need].view(rows, width)
+
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Keep `rows`' buffer for a later load (dropped when the kept bytes would exceed the bound)."""
+        buf = rows.view(-1)
+        base = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
+        with self._lock:
+            if sum(b.numel() for b in self._free) + base.numel() <= self._kept_bytes:
+                self._free.append(base)
+
 
 def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> CanonicalGeometry | None:
     """The KV pool as canonical objects, shared with vLLM (`kvpack.canonical`): an MHA pool
@@ -317,8 +353,9 @@ class PoolBinding:
         self._save_rows = threading.local()
         """Canonical pools: each thread's staging rows for saves, kept between calls (a fresh
         96 MiB buffer costs more in first-touch page faults than the conversion itself). Safe
-        to reuse: `KVStore.store` lets the caller reuse its buffers once it returns. Loads keep
-        fresh rows: a tier read abandoned at its deadline may still write into its buffer."""
+        to reuse: `KVStore.store` lets the caller reuse its buffers once it returns."""
+        self._load_rows = LoadRows()
+        """Canonical pools: load staging kept between loads (several in use at once)."""
 
     def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
         """What to store for each page: in place (`page_payloads`), or canonical objects
@@ -353,7 +390,7 @@ class PoolBinding:
             return self.page_payloads(host_indices, n_pages), lambda _ok: None
         geo = self.canonical
         ids = self.page_ids(host_indices, n_pages)
-        staging = torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
+        staging = self._load_rows.take(n_pages, self.page_bytes)
         rows = staging.numpy()
 
         def finish(ok: Sequence[bool]) -> None:
@@ -362,6 +399,7 @@ class PoolBinding:
                 geo.copy(ids, staging.view(-1), gather=False, obj_heads=geo.heads)
             elif sel:
                 geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
+            self._load_rows.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
@@ -374,13 +412,14 @@ class PoolBinding:
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
         ids = self.page_ids(host_indices, n_pages)
-        staging = torch.empty((n_pages, geo.object_bytes(obj.heads.size)), dtype=torch.uint8)
+        staging = self._load_rows.take(n_pages, geo.object_bytes(obj.heads.size))
         rows = staging.numpy()
 
         def finish(ok: Sequence[bool]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
             if sel:
                 geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
+            self._load_rows.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 

@@ -100,7 +100,9 @@ class Tier(ABC):
         verify_checksum: bool,
     ) -> list[GetResult]:
         """Copy each payload into `dsts[i]` after checking its header against
-        `expected[i]` (and, if asked, its checksum). Never raises."""
+        `expected[i]` (and, if asked, its checksum). Never raises. Writes into `dsts` only
+        before it returns (a transfer given up at a deadline writes nothing later), so the
+        caller may reuse them at once."""
 
     @abstractmethod
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
