@@ -444,13 +444,15 @@ class KVPackConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVPackConfig:
         """Build from a plain dict (engine JSON). Raises ConfigError naming the field."""
-        data = dict(data) if isinstance(data, Mapping) else data or {}
-        for old, new in cls.RENAMED.items():
-            if isinstance(data, dict) and old in data:
-                if new in data:
-                    raise ConfigError(old, f"renamed to {new}, which is given too; keep only {new}")
-                logger.warning("kvpack config: %r is now called %r; reading it as %r", old, new, new)
-                data[new] = data.pop(old)
+        data = data or {}
+        if isinstance(data, Mapping):  # anything else is build_dataclass's error to name
+            data = dict(data)
+            for old, new in cls.RENAMED.items():
+                if old in data:
+                    if new in data:
+                        raise ConfigError(old, f"renamed to {new}, which is given too; keep only {new}")
+                    logger.warning("kvpack config: %r is now called %r; reading it as %r", old, new, new)
+                    data[new] = data.pop(old)
         return build_dataclass(cls, data, "")
 
     @classmethod

@@ -151,21 +151,19 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     return f"{ident}|format={tag}" if tag else ident
 
 
-SAVE_STAGING_MAX_BYTES = 256 << 20
-"""Largest save staging a thread keeps between calls (bytes)."""
-
-LOAD_ROWS_KEPT_BYTES = 512 << 20
-"""Most bytes of load staging a pool binding keeps for later loads (`LoadRows`)."""
+STAGING_KEPT_BYTES = 512 << 20
+"""Most bytes of conversion staging a pool binding keeps between calls (`StagingRows`)."""
 
 
-class LoadRows:
-    """Load staging buffers kept between calls (a fresh buffer costs its first-touch page
-    faults on every load). A load takes one per group of pages (several may be in use at
-    once, from several threads) and gives it back when its rows were scattered. Safe
-    because no tier writes into a load's buffers after its call returned (`Tier.get_into`).
-    Thread-safe."""
+class StagingRows:
+    """Conversion staging buffers kept between calls (a fresh 96 MiB buffer costs more in
+    first-touch page faults than the conversion itself). A save takes one and gives it back
+    once the store returned (`KVStore.store` lets the caller reuse its buffers then); a load
+    takes one per group of pages and gives it back once its rows were scattered (no tier
+    writes into a load's buffers after its call returned: `Tier.get_into`). Several may be
+    in use at once, from several threads. Thread-safe."""
 
-    def __init__(self, kept_bytes: int = LOAD_ROWS_KEPT_BYTES) -> None:
+    def __init__(self, kept_bytes: int = STAGING_KEPT_BYTES) -> None:
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         self._kept_bytes = kept_bytes
@@ -183,7 +181,7 @@ class LoadRows:
         return buf[:need].view(rows, width)
 
     def give_back(self, rows: torch.Tensor) -> None:
-        """Keep `rows`' buffer for a later load (dropped when the kept bytes would exceed the bound)."""
+        """Keep `rows`' buffer for a later call (dropped when the kept bytes would exceed the bound)."""
         buf = rows.view(-1)
         base = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
         with self._lock:
@@ -350,36 +348,21 @@ class PoolBinding:
         """The pool's object per page, as the session saves and loads it (`kvpack.session`)."""
         self._span: tuple[int, int, memoryview] | None = None
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
-        self._save_rows = threading.local()
-        """Canonical pools: each thread's staging rows for saves, kept between calls (a fresh
-        96 MiB buffer costs more in first-touch page faults than the conversion itself). Safe
-        to reuse: `KVStore.store` lets the caller reuse its buffers once it returns."""
-        self._load_rows = LoadRows()
-        """Canonical pools: load staging kept between loads (several in use at once)."""
+        self._staging = StagingRows()
+        """Canonical pools: the conversion's staging, kept between saves and loads."""
 
-    def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
-        """What to store for each page: in place (`page_payloads`), or canonical objects
-        gathered into fresh rows (the conversion is the copy)."""
+    def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[Payload], Callable[[], None]]:
+        """What to store for each page, and what to call once the store returned: in place
+        (`page_payloads`; nothing to do after), or canonical objects gathered into staging
+        rows (the conversion is the copy), given back after."""
         if self.canonical is None:
-            return self.page_payloads(host_indices, n_pages)
-        staging = self._staging_for_save(n_pages)
+            return self.page_payloads(host_indices, n_pages), lambda: None
+        staging = self._staging.take(n_pages, self.page_bytes)
         self.canonical.copy(
             self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
         )
         rows = staging.numpy()
-        return [memoryview(rows[i]) for i in range(n_pages)]
-
-    def _staging_for_save(self, n_pages: int) -> torch.Tensor:
-        """``[n_pages, page_bytes]`` rows of this thread's save staging (grown, never shrunk,
-        up to `SAVE_STAGING_MAX_BYTES`; a larger batch gets fresh rows)."""
-        need = n_pages * self.page_bytes
-        if need > SAVE_STAGING_MAX_BYTES:
-            return torch.empty((n_pages, self.page_bytes), dtype=torch.uint8)
-        rows: torch.Tensor | None = getattr(self._save_rows, "rows", None)
-        if rows is None or rows.numel() < need:
-            rows = torch.empty(need, dtype=torch.uint8)
-            self._save_rows.rows = rows
-        return rows[:need].view(n_pages, self.page_bytes)
+        return [memoryview(rows[i]) for i in range(n_pages)], lambda: self._staging.give_back(staging)
 
     def load_buffers(
         self, host_indices: torch.Tensor, n_pages: int
@@ -390,7 +373,7 @@ class PoolBinding:
             return self.page_payloads(host_indices, n_pages), lambda _ok: None
         geo = self.canonical
         ids = self.page_ids(host_indices, n_pages)
-        staging = self._load_rows.take(n_pages, self.page_bytes)
+        staging = self._staging.take(n_pages, self.page_bytes)
         rows = staging.numpy()
 
         def finish(ok: Sequence[bool]) -> None:
@@ -399,7 +382,7 @@ class PoolBinding:
                 geo.copy(ids, staging.view(-1), gather=False, obj_heads=geo.heads)
             elif sel:
                 geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
-            self._load_rows.give_back(staging)
+            self._staging.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
@@ -412,14 +395,14 @@ class PoolBinding:
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
         ids = self.page_ids(host_indices, n_pages)
-        staging = self._load_rows.take(n_pages, geo.object_bytes(obj.heads.size))
+        staging = self._staging.take(n_pages, geo.object_bytes(obj.heads.size))
         rows = staging.numpy()
 
         def finish(ok: Sequence[bool]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
             if sel:
                 geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
-            self._load_rows.give_back(staging)
+            self._staging.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 

@@ -432,11 +432,19 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
 
+        after: list[Callable[[], None]] = []
+
         def payloads_of(todo: Sequence[int]) -> list[Payload]:
             idx = host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)
-            return binding.store_payloads(idx, len(todo))
+            payloads, done = binding.store_payloads(idx, len(todo))
+            after.append(done)
+            return payloads
 
-        return self.session.save_pages(self.tenant, binding.obj, keys, payloads_of)
+        try:
+            return self.session.save_pages(self.tenant, binding.obj, keys, payloads_of)
+        finally:
+            for done in after:
+                done()
 
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         self.metrics.inc("tier_errors", tier=ADAPTER, status="exception")

@@ -88,9 +88,9 @@ def test_v1_round_trip_bit_exact(kind, layout, tiers, store_dir):
 
 @pytest.mark.parametrize("tiers", list(TIERS))
 def test_successive_canonical_saves_keep_their_own_bytes(tiers, store_dir):
-    # a canonical MHA pool converts each save into staging rows its thread keeps between
-    # calls (pools.PoolBinding._staging_for_save): the second save rewrites those rows, so
-    # any tier that kept a reference to the first save's rows would now hold the second's
+    # a canonical MHA pool converts each save into staging rows it keeps between calls
+    # (pools.StagingRows): the second save rewrites those rows, so any tier that kept a
+    # reference to the first save's rows would now hold the second's
     pool = make_pool("mha", "page_first")
     backend = make_backend(pool, kvpack_extra(store_dir, **TIERS[tiers]))
     try:
@@ -337,10 +337,10 @@ def test_bad_extra_config_fails_at_construction(bad, field, store_dir):
     assert field in str(err.value)
 
 
-def test_load_rows_are_reused_after_they_are_given_back_and_kept_within_their_bound():
-    from kvpack.sglang_plugin.pools import LoadRows
+def test_staging_rows_are_reused_after_they_are_given_back_and_kept_within_their_bound():
+    from kvpack.sglang_plugin.pools import StagingRows
 
-    rows = LoadRows(kept_bytes=1000)
+    rows = StagingRows(kept_bytes=1000)
     a = rows.take(4, 100)
     b = rows.take(2, 100)  # a is still in use: b is another buffer
     assert a.data_ptr() != b.data_ptr() and a.shape == (4, 100)
