@@ -328,17 +328,10 @@ class WorkerSide:
                 self._saves_cv.wait(left)
 
     def _wait_for_handoff(self, task: _LoadTask, items: list[LoadItem]) -> None:
-        """A prefill instance's objects may still be landing: poll the shared tiers until
-        every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
-        deadline = task.started + task.job.handoff_wait_s
+        """A prefill instance's objects may still be landing: wait (`Session.wait_until_stored`)
+        until every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
         keys = [it.key for it in items]
-        missing = keys
-        while missing and not task.cancelled:
-            found = self.store.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            if not missing or time.monotonic() >= deadline:
-                break
-            time.sleep(0.005)
+        missing = self.session.wait_until_stored(keys, task.started + task.job.handoff_wait_s, lambda: task.cancelled)
         waited = time.monotonic() - task.started
         self.store.metrics.observe("handoff_wait_seconds", waited, tenant=task.job.tenant)
         self.store.metrics.inc("handoff_loads", tenant=task.job.tenant)

@@ -9,6 +9,8 @@ lookup leaves for the load that follows.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -178,6 +180,38 @@ def test_a_reader_session_looks_up_reports_and_refuses_stores(tmp_path: Path) ->
         assert len(reader.hints) == 0  # a reader's lookups travel to the loading process instead
     finally:
         reader.store.close()
+
+
+def test_waiting_for_objects_another_process_stores_ends_when_they_land(
+    make_session: Callable[..., Session],
+) -> None:
+    """A decode instance's handoff: it waits for objects a prefill instance (here another
+    store on the same folder) is still writing, and goes on as soon as they are there."""
+    reader, writer = make_session(memory=False), make_session(memory=False)
+    chunks = [chunk_id(i) for i in range(3)]
+    keys = reader.keys("t", chunks, "kv")
+    later = threading.Timer(0.3, lambda: save(writer, "t", chunks, pages(3)))
+    start = time.monotonic()
+    later.start()
+    try:
+        missing = reader.wait_until_stored(keys, start + 30.0)
+    finally:
+        later.join()
+    assert missing == [] and 0.3 <= time.monotonic() - start < 5.0
+
+
+def test_waiting_for_objects_is_bounded_by_the_deadline_and_the_stop_flag(
+    make_session: Callable[..., Session],
+) -> None:
+    session = make_session()
+    save(session, "t", [chunk_id(0)], pages(1))
+    keys = session.keys("t", [chunk_id(i) for i in range(3)], "kv")
+    start = time.monotonic()
+    assert session.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
+    assert 0.3 <= time.monotonic() - start < 2.0
+    start = time.monotonic()
+    assert session.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
+    assert time.monotonic() - start < 1.0
 
 
 def test_located_hints_are_bounded_oldest_first() -> None:

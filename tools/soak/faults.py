@@ -162,7 +162,7 @@ def _flip_payload_byte(path: Path) -> bool:
 
 
 MOONCAKE_HELPER = r"""
-import json, sys
+import json, sys, time
 from mooncake.store import MooncakeDistributedStore
 spec = json.loads(sys.argv[1])
 store = MooncakeDistributedStore()
@@ -171,7 +171,10 @@ rc = store.setup(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", glo
 if rc != 0:
     print(json.dumps({"setup": rc})); sys.exit(0)
 out = {"setup": 0, "corrupted": 0, "missing": 0, "planted": 0, "errors": []}
+deadline = time.monotonic() + spec.get("wait_s", 0)
 for key in spec.get("corrupt", []):
+    while store.is_exist(key) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the soak's write-back may still be putting it
     data = bytearray(store.get(key))
     if not data:
         out["missing"] += 1; continue
@@ -189,12 +192,23 @@ store.close()
 """
 
 
-def mooncake_edit(soak: Soak, corrupt: list[str] = (), plant: list[tuple[str, bytes]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+def mooncake_edit(
+    soak: Soak,
+    corrupt: list[str] = (),  # type: ignore[assignment]
+    plant: list[tuple[str, bytes]] = (),  # type: ignore[assignment]
+    wait_s: float = 0.0,
+) -> dict[str, Any]:
     """Corrupt or plant objects in Mooncake from a child process (a Mooncake client
-    that misbehaves can segfault; it must not take the soak down)."""
+    that misbehaves can segfault; it must not take the soak down). An object to corrupt
+    that is not there yet is waited for, all of them within `wait_s` seconds."""
     if soak.mooncake is None:
         return {"skipped": True}
-    spec = {"master": soak.mooncake.address, "corrupt": list(corrupt), "plant": [[k, v.hex()] for k, v in plant]}
+    spec = {
+        "master": soak.mooncake.address,
+        "corrupt": list(corrupt),
+        "plant": [[k, v.hex()] for k, v in plant],
+        "wait_s": wait_s,
+    }
     from .procs import mooncake_env
 
     try:
@@ -212,6 +226,10 @@ def mooncake_edit(soak: Soak, corrupt: list[str] = (), plant: list[tuple[str, by
     return json.loads(lines[-1])
 
 
+CANARY_WAIT_S = 30.0
+"""How long the canary event waits for the canary's objects to land on disk, then in Mooncake."""
+
+
 def corrupt_objects(soak: Soak) -> str:
     """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again."""
     from kvpack.keys import chunk_hashes
@@ -225,22 +243,23 @@ def corrupt_objects(soak: Soak) -> str:
     files: list[Path] = []
     with soak.quiet():  # the load pauses (bounded) so the canary's write-back is not dropped
         soak.send("canary-store", tenant, prompt)
-        deadline = time.monotonic() + 10.0
+        # waits on what it needs, bounded (a loaded CI machine can take seconds per write-back)
+        deadline = time.monotonic() + CANARY_WAIT_S
         while time.monotonic() < deadline:
             files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
             if len(files) >= len(chunks):
                 break
             time.sleep(0.25)
-        time.sleep(1.0)  # Mooncake puts follow the disk write
+        fp = soak.fingerprint()
+        keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
+        mc = mooncake_edit(soak, corrupt=keys, wait_s=CANARY_WAIT_S) if keys else {}
     flipped = sum(_flip_payload_byte(p) for p in files)
-    fp = soak.fingerprint()
-    keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
-    mc = mooncake_edit(soak, corrupt=keys) if keys else {}
     # Host memory evicts a tenant's own entries first: push the canary out with its own tenant's.
     soak.evict_memory(tenant)
     res = soak.send("canary-reload", tenant, prompt)
     return (
-        f"{flipped} disk objects and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects corrupted "
+        f"{flipped} of {len(chunks)} disk objects and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects "
+        "corrupted "
         f"({mc.get('error', 'ok') if mc else 'no Mooncake'}); reload: {res.status}, cached_tokens={res.cached_tokens}"
     )
 

@@ -431,8 +431,10 @@ class Soak:
         longest = max((b - a for a, b in gaps), default=0.0)
         quiet = [b - a for a, b in gaps if not overlapping_windows(a - t0, b - t0, windows, down_only=False)]
         longest_quiet = max(quiet, default=0.0)
-        down_gaps = [(b - a, overlapping_windows(a - t0, b - t0, windows)) for a, b in gaps]
-        longest_down, longest_down_in = max(((d, w) for d, w in down_gaps if w), default=(0.0, []))
+        down_gaps = [(b - a, a - t0, overlapping_windows(a - t0, b - t0, windows)) for a, b in gaps]
+        longest_down, longest_down_at, longest_down_in = max(
+            ((d, at, w) for d, at, w in down_gaps if w), default=(0.0, 0.0, [])
+        )
         warm_t = cfg.duration_s * cfg.warmup_fraction
         after = [v for t, v in self.rss if t >= warm_t]
         base = after[:3] if after else [0]
@@ -505,7 +507,8 @@ class Soak:
             Row("longest step delay outside every fault window (the machine's own noise)", f"{longest_quiet:.3f}s"),
             Row(
                 "longest step delay while a tier was down",
-                f"{longest_down:.3f}s" + (f" ({', '.join(longest_down_in)})" if longest_down_in else ""),
+                f"{longest_down:.3f}s"
+                + (f" from {longest_down_at:.1f}s ({', '.join(longest_down_in)})" if longest_down_in else ""),
                 f"< {cfg.delay_bound_s}s",
                 longest_down < cfg.delay_bound_s,
             ),
