@@ -38,7 +38,7 @@ from ...objects import (
     payload_nbytes,
 )
 from ..base import GetResult, TierStatus
-from .codes import INVALID_PARAMS, NOT_CALLED, code_info, describe
+from .codes import INVALID_PARAMS, NOT_CALLED, OBJECT_NOT_FOUND, code_info, describe
 from .connection import Connection
 from .puts import OverwriteKeys
 from .runner import Job, Slot
@@ -110,8 +110,15 @@ class Gets:
         conn = self._conn
         lane_bytes = self._staging.lane_bytes
         out: list[ObjectHeader | None] = [None] * len(names)
-        sizes = [int(conn.call(methodcaller("get_size", k), default=NOT_CALLED)) for k in names]
-        conn.note_codes(sizes)
+        # one batched look first: most keys peeked (tail slots) are absent, and each
+        # get_size is a master round trip on the engine's scheduler thread
+        there = conn.call(lambda s: list(s.batch_is_exist(names)), default=[NOT_CALLED] * len(names))
+        conn.note_codes(there)
+        sizes = [
+            int(conn.call(methodcaller("get_size", k), default=NOT_CALLED)) if e == 1 else OBJECT_NOT_FOUND
+            for k, e in zip(names, there)
+        ]
+        conn.note_codes([sz for sz, e in zip(sizes, there) if e == 1])
         todo = [i for i, sz in enumerate(sizes) if sz >= HEADER_PREFIX_BYTES]
         slot = PEEK_BYTES
         todo = todo[: max(1, lane_bytes // slot)]
