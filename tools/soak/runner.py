@@ -68,6 +68,8 @@ class SoakConfig:
     keep_workdir: bool = False
     mooncake: bool = True
     faults: bool = True
+    only_faults: tuple[str, ...] = ()
+    """Names of the fault functions to run (`faults.SCHEDULE`); empty: all of them."""
     kvpack: bool = True
     """False: the same server and load without kvpack (a numerics baseline; no tiers, no faults)."""
     dtype: str = "float32"
@@ -312,6 +314,8 @@ class Soak:
         for c in range(n_cycles):
             self.cycle_index = c
             for fault in F.SCHEDULE:
+                if cfg.only_faults and fault.fn.__name__ not in cfg.only_faults:
+                    continue
                 if self._stop.is_set():
                     return
                 at = c * cycle + fault.at * cycle
