@@ -15,13 +15,7 @@ both harmless:
   or workers held by a call running over the bound) or a connection-level
   code (`codes.CodeInfo.trips_breaker`) opens the `CircuitBreaker`: no call
   for ``backoff_s``, then a background probe closes it once the master
-  answers again (Mooncake's client reconnects by itself) and no call of this
-  client is still stuck past its bound: the master answers while a segment
-  holder is stopped, and every call let through then hangs too, each in a
-  Mooncake wait that keeps a core busy (measured in the soak: two processes'
-  stuck calls took 4-5 cores of a 2-core machine, and the engines' steps
-  stalled 1-2 s behind them). A call stuck longer than `STUCK_CALL_GIVE_UP_S`
-  no longer holds the breaker open (the tier would be off for good otherwise).
+  answers again (Mooncake's client reconnects by itself).
 """
 
 from __future__ import annotations
@@ -47,8 +41,6 @@ log = logging.getLogger("kvpack")
 
 PROBE_KEY = "kvpack/__probe__"
 """Key prefix of the tiny objects the tenant check writes (and removes at once)."""
-STUCK_CALL_GIVE_UP_S = 30.0
-"""A call stuck in the client this long no longer keeps the breaker open (seconds)."""
 
 
 # -- capabilities of the installed Mooncake ------------------------------------------
@@ -482,12 +474,7 @@ class Connection:
             self.gate.leave()
 
     def _probe(self) -> None:
-        """Off the engine's path: one cheap call; close the breaker if it answers and no
-        earlier call is still stuck in the client (see the module docstring)."""
-        stuck_s = self.gate.oldest_call_s()
-        if self.timeout_s <= stuck_s < STUCK_CALL_GIVE_UP_S:
-            self.breaker.rearm()
-            return
+        """Off the engine's path: one cheap call; close the breaker if it answers."""
         job: Job[int] = Job(1, 1, self._probe_step)
         state, _, results = self._runner.run(job, max(self.timeout_s, 1.0))
         rc = results[0]
