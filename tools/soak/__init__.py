@@ -43,7 +43,7 @@ import argparse
 import json
 import sys
 
-from .faults import SCHEDULE
+from .faults import SCHEDULE, selected
 from .runner import Soak, SoakConfig, SoakReport
 
 __all__ = ["Soak", "SoakConfig", "SoakReport", "main"]
@@ -65,19 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-bound", type=float, default=0.5, help="target for the step delay while a tier is down (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="also write the counts to this JSON file")
-    names = [f.fn.__name__ for f in SCHEDULE]
     p.add_argument(
         "--only",
         default="",
-        help=f"comma-separated faults to run, each at its place in every cycle (default: all of {','.join(names)})",
+        help=f"comma-separated faults to run, each at its place in every cycle (default: all of "
+        f"{','.join(f.fn.__name__ for f in SCHEDULE)})",
     )
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0:
         p.error("--clients must be >= 1 and --duration > 0")
     only = tuple(n for n in args.only.split(",") if n)
-    unknown = [n for n in only if n not in names]
-    if unknown:
-        p.error(f"--only: unknown fault {', '.join(unknown)} (one of {', '.join(names)})")
+    try:
+        selected(only)
+    except ValueError as exc:
+        p.error(f"--only: {exc}")
     cfg = SoakConfig(
         duration_s=args.duration,
         cycle_s=args.cycle,

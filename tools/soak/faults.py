@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -226,30 +226,47 @@ def mooncake_edit(
     return json.loads(lines[-1])
 
 
-CANARY_WAIT_S = 30.0
+CANARY_WAIT_S = 20.0
 """How long the canary event waits for the canary's objects to land on disk, then in Mooncake."""
+CANARY_ATTEMPTS = 2
+"""Stores of the canary (each under a new tenant) until every object of one is on disk."""
+
+
+def _store_canary(soak: Soak, tenant: str, prompt: tuple[int, ...], objects: int) -> tuple[list[Path], str]:
+    """Send the canary under `tenant`; wait (bounded) until its `objects` files are on disk.
+    Returns the files found and the request's status."""
+    res = soak.send("canary-store", tenant, prompt)
+    files: list[Path] = []
+    deadline = time.monotonic() + CANARY_WAIT_S  # a loaded CI machine can take seconds per write-back
+    while time.monotonic() < deadline:
+        files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
+        if len(files) >= objects:
+            break
+        time.sleep(0.25)
+    return files, res.status
 
 
 def corrupt_objects(soak: Soak) -> str:
-    """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again."""
+    """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again.
+
+    A store whose disk copies did not all land (seen in 1 of 4 CI-like runs: none of 5,
+    cause not found) is said in the event's line and tried once more under a new tenant:
+    the refusal is what this event checks, and it needs the copies it corrupts."""
     from kvpack.keys import chunk_hashes
     from kvpack.tails import tail_chunk
 
     n = soak.cycle_index
-    tenant = f"canary-{n}"
     prompt = soak.workload.extra["canary"]
     hashes = chunk_hashes(prompt, soak.cfg.block_size)
     chunks = [*hashes, tail_chunk(hashes[-1])]
-    files: list[Path] = []
+    stores: list[str] = []
     with soak.quiet():  # the load pauses (bounded) so the canary's write-back is not dropped
-        soak.send("canary-store", tenant, prompt)
-        # waits on what it needs, bounded (a loaded CI machine can take seconds per write-back)
-        deadline = time.monotonic() + CANARY_WAIT_S
-        while time.monotonic() < deadline:
-            files = sorted((soak.disk_root / tenant).rglob("*.kvp"))
+        for attempt in range(CANARY_ATTEMPTS):
+            tenant = f"canary-{n}" if attempt == 0 else f"canary-{n}-{attempt + 1}"
+            files, status = _store_canary(soak, tenant, prompt, len(chunks))
+            stores.append(f"{tenant}: store {status}, {len(files)} of {len(chunks)} on disk")
             if len(files) >= len(chunks):
                 break
-            time.sleep(0.25)
         fp = soak.fingerprint()
         keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
         mc = mooncake_edit(soak, corrupt=keys, wait_s=CANARY_WAIT_S) if keys else {}
@@ -258,9 +275,9 @@ def corrupt_objects(soak: Soak) -> str:
     soak.evict_memory(tenant)
     res = soak.send("canary-reload", tenant, prompt)
     return (
-        f"{flipped} of {len(chunks)} disk objects and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects "
-        "corrupted "
-        f"({mc.get('error', 'ok') if mc else 'no Mooncake'}); reload: {res.status}, cached_tokens={res.cached_tokens}"
+        f"{'; '.join(stores)}; {flipped} disk and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects "
+        f"corrupted ({mc.get('error', 'ok') if mc else 'no Mooncake'}); "
+        f"reload: {res.status}, cached_tokens={res.cached_tokens}"
     )
 
 
@@ -387,6 +404,16 @@ SCHEDULE: tuple[Fault, ...] = (
     Fault("security: bad tenants, salts, pickle bombs", 0.66, security_probes, False),
     Fault("objects corrupted on disk and in Mooncake", 0.76, corrupt_objects, False),
 )
+
+
+def selected(only: Sequence[str] = ()) -> tuple[Fault, ...]:
+    """The faults of `SCHEDULE` named in `only` (their functions' names), in schedule order;
+    all of them when `only` is empty. An unknown name is a ValueError that lists the names."""
+    names = [f.fn.__name__ for f in SCHEDULE]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ValueError(f"unknown fault {', '.join(unknown)} (one of {', '.join(names)})")
+    return tuple(f for f in SCHEDULE if not only or f.fn.__name__ in only)
 
 
 def cleanup_disk(root: Path) -> None:

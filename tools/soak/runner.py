@@ -98,6 +98,9 @@ class SoakConfig:
     """Target for the longest step delay while a tier is down."""
     memory_growth_bound_mib: float = 256.0
 
+    def __post_init__(self) -> None:
+        F.selected(self.only_faults)  # an unknown fault name fails here, not in the fault thread
+
 
 @dataclass
 class SoakReport:
@@ -313,9 +316,7 @@ class Soak:
         n_cycles = max(1, int(cfg.duration_s // cycle))
         for c in range(n_cycles):
             self.cycle_index = c
-            for fault in F.SCHEDULE:
-                if cfg.only_faults and fault.fn.__name__ not in cfg.only_faults:
-                    continue
+            for fault in F.selected(cfg.only_faults):
                 if self._stop.is_set():
                     return
                 at = c * cycle + fault.at * cycle
