@@ -43,7 +43,7 @@ import argparse
 import json
 import sys
 
-from .faults import SCHEDULE, selected
+from .faults import SCHEDULE
 from .runner import Soak, SoakConfig, SoakReport
 
 __all__ = ["Soak", "SoakConfig", "SoakReport", "main"]
@@ -74,27 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0:
         p.error("--clients must be >= 1 and --duration > 0")
-    only = tuple(n for n in args.only.split(",") if n)
-    try:
-        selected(only)
+    try:  # SoakConfig refuses an unknown fault name
+        cfg = SoakConfig(
+            duration_s=args.duration,
+            cycle_s=args.cycle,
+            clients=args.clients,
+            tenants=tuple(t for t in args.tenants.split(",") if t),
+            max_tokens=args.max_tokens,
+            model=args.model,
+            workdir=args.workdir,
+            mooncake=not args.no_mooncake,
+            faults=not args.no_faults,
+            kvpack=not args.no_kvpack,
+            dtype=args.dtype,
+            delay_bound_s=args.delay_bound,
+            seed=args.seed,
+            only_faults=tuple(n for n in args.only.split(",") if n),
+        )
     except ValueError as exc:
         p.error(f"--only: {exc}")
-    cfg = SoakConfig(
-        duration_s=args.duration,
-        cycle_s=args.cycle,
-        clients=args.clients,
-        tenants=tuple(t for t in args.tenants.split(",") if t),
-        max_tokens=args.max_tokens,
-        model=args.model,
-        workdir=args.workdir,
-        mooncake=not args.no_mooncake,
-        faults=not args.no_faults,
-        kvpack=not args.no_kvpack,
-        dtype=args.dtype,
-        delay_bound_s=args.delay_bound,
-        seed=args.seed,
-        only_faults=only,
-    )
     report = Soak(cfg).run()
     print(report.table())
     if args.json:

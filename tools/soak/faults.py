@@ -249,8 +249,8 @@ def _store_canary(soak: Soak, tenant: str, prompt: tuple[int, ...], objects: int
 def corrupt_objects(soak: Soak) -> str:
     """Canary: store, corrupt on disk and in Mooncake, evict from memory, ask again.
 
-    A store whose disk copies did not all land (seen in 1 of 4 CI-like runs: none of 5,
-    cause not found) is said in the event's line and tried once more under a new tenant:
+    A store whose disk copies did not all land (seen once in a fresh-clone CI run on
+    2026-12-03: none of 5, cause not found) is said in the event's line and tried once more under a new tenant:
     the refusal is what this event checks, and it needs the copies it corrupts."""
     from kvpack.keys import chunk_hashes
     from kvpack.tails import tail_chunk
