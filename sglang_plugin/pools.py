@@ -172,10 +172,9 @@ class StagingRows:
         """``[rows, width]`` uint8: a kept buffer large enough (the smallest), else a new one."""
         need = rows * width
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= need]
-            buf = min(fits, key=lambda b: b.numel()) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
+            # by position, never by value: `list.remove` would compare tensors element-wise
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if buf is None:
             buf = torch.empty(need, dtype=torch.uint8)
         return buf[:need].view(rows, width)
