@@ -61,6 +61,7 @@ from .canonical import (
     vllm_cpu_geometry,
 )
 from .canonical import group_spec as canonical_group_spec
+from .client_input import MAX_DETAIL_CHARS, Refusals, clip
 from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig
 from .errors import ConfigError, KVPackError, LayoutError
 from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
@@ -79,10 +80,18 @@ from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
+from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TransferRunner",
+    "SaveJob",
+    "PlannedLoad",
+    "LoadJob",
+    "LoadChunk",
+    "Gathered",
+    "Finished",
     "BadTenant",
     "CanonicalGeometry",
     "TilePacking",
@@ -109,6 +118,7 @@ __all__ = [
     "LayoutError",
     "LoadBatch",
     "LoadItem",
+    "MAX_DETAIL_CHARS",
     "MemberObject",
     "MemberRole",
     "MemberSpec",
@@ -119,6 +129,7 @@ __all__ = [
     "ObjectIO",
     "Payload",
     "PutItem",
+    "Refusals",
     "RejectReason",
     "ReportedMemoryIndex",
     "ReportedObject",
@@ -134,6 +145,7 @@ __all__ = [
     "canonical_group_spec",
     "chain_hash",
     "chunk_hashes",
+    "clip",
     "head_range_fingerprint",
     "identify_model",
     "resolve_tenant",

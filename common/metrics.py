@@ -24,11 +24,11 @@ import enum
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
     from .config import KVPackConfig
@@ -43,6 +43,8 @@ DEFAULT_MAX_TENANTS = 64
 class Kind(enum.Enum):
     COUNTER = "counter"
     HISTOGRAM = "histogram"
+    GAUGE = "gauge"
+    """A level read when scraped from the function given to `Metrics.gauge` (not in `totals`)."""
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,19 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("load_waits_for_saves_timed_out", "Loads that stopped waiting for earlier saves at their bound", ()),
     MetricSpec("missing_at_load", "Objects a lookup found that no tier had at load", ()),
     MetricSpec("handoff_planned", "Prefill/decode handoffs planned by a decode instance", ()),
-    MetricSpec("handoff_refused", "Handoff parameters refused (the request ran without the handoff)", ()),
+    MetricSpec(
+        "handoff_refused",
+        "Handoff parameters refused (the request ran without the handoff), by reason (a fixed set)",
+        ("reason",),
+    ),
     MetricSpec("handoff_sent", "Prompts a prefill instance stored for a decode instance", ()),
+    MetricSpec(
+        "transfers_turned_away",
+        "Saves (a future miss) and loads (recomputed) turned away by a host-memory bound; the engine never waits",
+        ("direction", "bound"),
+    ),
+    MetricSpec("transfer_bytes_turned_away", "Payload bytes of the transfers turned away", ("direction", "bound")),
+    MetricSpec("pinned_bytes", "Host memory this process holds pinned for GPU staging", (), Kind.GAUGE),
 )
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -141,12 +154,15 @@ class Metrics:
         self._seen: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
         self._specs = {s.name: s for s in SPECS}
-        self._prom: dict[str, Counter | Histogram] = {}
+        self._prom: dict[str, Counter | Histogram | Gauge] = {}
+        self._gauges: dict[str, Callable[[], float]] = {}
         for spec in SPECS:
             if spec.kind is Kind.COUNTER:
                 self._prom[spec.name] = Counter(
                     spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry
                 )
+            elif spec.kind is Kind.GAUGE:
+                self._prom[spec.name] = Gauge(spec.name, spec.doc, namespace=namespace, registry=self.registry)
             else:
                 self._prom[spec.name] = Histogram(
                     spec.name, spec.doc, spec.labels, namespace=namespace, registry=self.registry, buckets=_BUCKETS
@@ -210,9 +226,19 @@ class Metrics:
             self._totals[f"{name}_count"] += 1
             self._totals[f"{name}_sum"] += seconds
 
+    def gauge(self, name: str, read: Callable[[], float]) -> None:
+        """Gauge `name` reads `read()` whenever it is scraped or asked (`value`, `snapshot`)."""
+        if self._specs[name].kind is not Kind.GAUGE:
+            raise ValueError(f"metric {name} is not a gauge")
+        self._gauges[name] = read
+        self._prom[name].set_function(read)  # type: ignore[union-attr]
+
     def value(self, name: str, **labels: str) -> float:
-        """Sum of a counter over every label set matching the given labels."""
+        """Sum of a counter over every label set matching the given labels (a gauge: its level)."""
         spec = self._specs[name]
+        if spec.kind is Kind.GAUGE:
+            read = self._gauges.get(name)
+            return float(read()) if read is not None else 0.0
         if "tenant" in labels:
             labels = {**labels, "tenant": self.tenant_label(str(labels["tenant"]), register=False)}
         idx = {k: spec.labels.index(k) for k in labels}
@@ -235,6 +261,8 @@ class Metrics:
                     out.setdefault(f"{name}_count", {})[key] = count
                     out.setdefault(f"{name}_sum", {})[key] = total
                     out.setdefault(f"{name}_max", {})[key] = peak
+        for name, read in self._gauges.items():
+            out[name] = {"": float(read())}
         return out
 
     def totals(self) -> dict[str, float]:

@@ -21,16 +21,38 @@ recomputed (counted), never waited on longer.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvpack import clip
 
 HANDOFF_KEY = "kvpack"
 """Key of kvpack's handoff inside ``kv_transfer_params``."""
 
 
+class HandoffRefusal(enum.Enum):
+    """Why a handoff was refused: the ``reason`` label of ``kvpack_handoff_refused_total``."""
+
+    MALFORMED = "malformed"
+    """Not an object, or a field of the wrong type or range."""
+    OTHER_LAYOUT = "other_layout"
+    """Another layout group's fingerprint (model, dtype, block size, parallel sizes, format)."""
+    OTHER_TENANT = "other_tenant"
+    """Another tenant than the request's own."""
+    OTHER_HEAD_SPLIT = "other_head_split"
+    """A head split this model has not (canonical objects)."""
+
+
 class HandoffError(ValueError):
-    """Handoff params that are malformed, or that name another layout or tenant."""
+    """Handoff params that are malformed, or that name another layout or tenant.
+
+    The message quotes the client's values only through `kvpack.client_input.clip`."""
+
+    def __init__(self, reason: HandoffRefusal, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -72,8 +94,9 @@ class Handoff:
         if not params or not params.get("do_remote_prefill") or HANDOFF_KEY not in params:
             return None
         raw = params[HANDOFF_KEY]
+        bad = HandoffRefusal.MALFORMED
         if not isinstance(raw, Mapping):
-            raise HandoffError(f"kv_transfer_params[{HANDOFF_KEY!r}] must be an object, got {type(raw).__name__}")
+            raise HandoffError(bad, f"kv_transfer_params[{HANDOFF_KEY!r}] must be an object, got {clip(raw)}")
         fingerprint, tenant, tokens, tail = (
             raw.get("fingerprint"),
             raw.get("tenant"),
@@ -81,25 +104,29 @@ class Handoff:
             raw.get("tail_chunk"),
         )
         if not isinstance(fingerprint, str) or not isinstance(tenant, str):
-            raise HandoffError("kvpack handoff needs string 'fingerprint' and 'tenant'")
+            raise HandoffError(bad, "kvpack handoff needs string 'fingerprint' and 'tenant'")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise HandoffError(f"kvpack handoff 'tokens' must be an integer >= 0, got {tokens!r}")
+            raise HandoffError(bad, f"kvpack handoff 'tokens' must be an integer >= 0, got {clip(tokens)}")
         if tail is not None and not isinstance(tail, str):
-            raise HandoffError(f"kvpack handoff 'tail_chunk' must be a string or null, got {tail!r}")
+            raise HandoffError(bad, f"kvpack handoff 'tail_chunk' must be a string or null, got {clip(tail)}")
         ranges = raw.get("head_ranges", 0)
         if not isinstance(ranges, int) or isinstance(ranges, bool) or ranges < 0:
-            raise HandoffError(f"kvpack handoff 'head_ranges' must be an integer >= 0, got {ranges!r}")
+            raise HandoffError(bad, f"kvpack handoff 'head_ranges' must be an integer >= 0, got {clip(ranges)}")
         return cls(fingerprint, tenant, tokens, tail, ranges)
 
     def check(self, fingerprint: str, tenant: str) -> None:
         """Raise HandoffError unless this handoff is for `fingerprint` and `tenant`."""
         if self.fingerprint != fingerprint:
             raise HandoffError(
-                f"the prefill instance stores layout {self.fingerprint}, this decode instance reads {fingerprint}: "
-                "model, dtype, block size, parallel sizes and kvpack's format must match on both sides"
+                HandoffRefusal.OTHER_LAYOUT,
+                f"the prefill instance stores layout {clip(self.fingerprint)}, this decode instance reads "
+                f"{fingerprint}: model, dtype, block size, parallel sizes and kvpack's format must match on both sides",
             )
         if self.tenant != tenant:
-            raise HandoffError(f"the prefill instance stored tenant {self.tenant!r}, this request is tenant {tenant!r}")
+            raise HandoffError(
+                HandoffRefusal.OTHER_TENANT,
+                f"the prefill instance stored tenant {clip(self.tenant)}, this request is tenant {tenant!r}",
+            )
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:

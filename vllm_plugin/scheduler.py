@@ -75,21 +75,24 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
+    MAX_DETAIL_CHARS,
     ChunkHash,
     Coverage,
     KVPackConfig,
     MemberRole,
     MemberSpec,
     MetricsInterval,
+    Refusals,
     ReportedMemoryIndex,
     Session,
     WaitBudget,
     chunk_hashes,
+    clip,
     tail_usable,
 )
 
 from .captures import CaptureTracker
-from .handoff import Handoff, HandoffError, wants_remote_decode
+from .handoff import Handoff, HandoffError, HandoffRefusal, wants_remote_decode
 from .hit_plan import HitPlan, PartialTail
 from .metadata import (
     NO_BLOCK,
@@ -141,9 +144,9 @@ class SchedulerSide:
         """The connector's per-interval stats: what this side's store counted since the last take."""
         self._held_logged = False
         self._untrusted_warned = threading.Event()
-        self._bad_tenants_logged: set[str] = set()
-        self._handoff_errors: set[str] = set()
-        """Handoff refusals already logged (each distinct reason once)."""
+        self._bad_tenant_logged = threading.Event()
+        self._handoff_refusals = Refusals(self.store.metrics, "handoff_refused", "prefill/decode handoff", log)
+        """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
         tails = self._place_tail if config.tail_reuse and not self._state_groups else None
@@ -164,9 +167,13 @@ class SchedulerSide:
                 request, self.config, lambda _asked: self._count("untrusted_tenants"), self._untrusted_warned
             )
         except BadTenant as exc:
-            if request.request_id not in self._bad_tenants_logged:
-                self._bad_tenants_logged.add(request.request_id)
-                log.warning("kvpack: request %s runs without the cache: %s", request.request_id, exc)
+            if not self._bad_tenant_logged.is_set():  # once per process: the name is the client's
+                self._bad_tenant_logged.set()
+                log.warning(
+                    "kvpack: request %s runs without the cache: %s (later ones are only counted: kvpack_bad_tenants)",
+                    clip(request.request_id),
+                    clip(str(exc), MAX_DETAIL_CHARS),
+                )
             self._count("bad_tenants")
             return None
 
@@ -260,10 +267,7 @@ class SchedulerSide:
             handoff.check(self.scope.fingerprint, rs.tenant)
             return handoff, self._handoff_split(handoff)
         except HandoffError as exc:
-            self._count("handoff_refused")
-            if str(exc) not in self._handoff_errors:
-                self._handoff_errors.add(str(exc))
-                log.error("kvpack: prefill/decode handoff refused (request %s): %s", request.request_id, exc)
+            self._handoff_refusals.refuse(exc.reason, str(exc), request.request_id)
             return None
 
     def _handoff_split(self, handoff: Handoff) -> int:
@@ -275,8 +279,9 @@ class SchedulerSide:
         index = next((i for i, split in enumerate(self._splits) if len(split) == handoff.head_ranges), None)
         if index is None:
             raise HandoffError(
-                f"the prefill instance stores each chunk as {handoff.head_ranges} KV-head ranges; "
-                f"this model's heads split into {sorted(len(split) for split in self._splits)} ranges only"
+                HandoffRefusal.OTHER_HEAD_SPLIT,
+                f"the prefill instance stores each chunk as {clip(handoff.head_ranges)} KV-head ranges; "
+                f"this model's heads split into {sorted(len(split) for split in self._splits)} ranges only",
             )
         return index
 
@@ -483,7 +488,6 @@ class SchedulerSide:
         self._failed.discard(req_id)
         self._load_issued.discard(req_id)
         self._sync_loads.discard(req_id)
-        self._bad_tenants_logged.discard(req_id)
         if self.can_save and run is not None and wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             # a prefill instance: tell the decode instance what it saved (blocks captured as computed)
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
