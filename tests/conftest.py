@@ -1,4 +1,10 @@
-"""Shared pytest set-up: fixtures live in tests/fixtures/ (one module per real part)."""
+"""Shared pytest set-up: fixtures live in tests/fixtures/ (one module per real part).
+
+`kvpack` is mapped onto this checkout first when no install provides it (a python with
+torch and the core's small dependencies only, as on a lent GPU machine): the fixture
+plugins below import `kvpack.tools`. None of them imports an engine or Mooncake at import
+time; a suite that needs one starts it in a fixture.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,10 @@ import importlib.util
 import signal
 
 import pytest
+
+import kvpack_checkout
+
+kvpack_checkout.map_checkout()
 
 pytest_plugins = [
     name

@@ -1,20 +1,27 @@
 """GPU check for kvpack.ops (run by scripts/gpu_check.sh on a lent CUDA machine).
 
 Not a pytest module: one script that keeps going after a failure, so a single run
-on a scarce machine reports everything. Checks, on the GPU:
-  1. the extension builds with the CUDA kernel;
-  2. CUDA gather == hand-written expectation (kvcases) for every layout x dtype,
-     into device and pinned host staging, whole and partial blocks, misaligned
-     staging (1/4/8-byte words), on a side stream; scatter round trips;
-  3. CUDA == torch fallback on engine-sized caches (multi-CTA units);
-  4. canonical objects (`kvpack.canonical`) on CUDA, by the CUDA kernel into device
-     and pinned staging and by the torch path, == the C++ kernel's objects of the same
-     bytes on the CPU, NHD and HND, a head sub-range too, and back; with the CUDA
-     kernel's bandwidth next to the native CUDA block gather of the same bytes;
-then runs the copy benchmark (CPU and GPU sections).
+on a scarce machine reports everything. Steps, each ending in one ``STEP NAME
+PASS|FAIL|DRY reason`` line:
 
-    python tests/ops/gpu_check.py [--markdown FILE] [--quick]
-Exit status: 0 when every check passed.
+  kernels     the extension builds with the CUDA kernel, then: CUDA gather ==
+              hand-written expectation (kvcases) for every layout x dtype, into device
+              and pinned host staging, whole and partial blocks, misaligned staging
+              (1/4/8-byte words), on a side stream; scatter round trips; CUDA == torch
+              fallback on engine-sized caches (multi-CTA units); canonical objects
+              (`kvpack.canonical`) on CUDA, by the CUDA kernel into device and pinned
+              staging and by the torch path, == the C++ kernel's objects of the same bytes
+              on the CPU, NHD and HND, a head sub-range too, and back, with the CUDA
+              kernel's bandwidth next to the native CUDA block gather of the same bytes;
+  copy-bench  `kvpack bench copy` (GPU section; CPU section too unless --quick) into
+              --markdown; it prints ratios and asserts nothing about speed.
+
+``--dry-run`` needs no GPU: it imports everything the steps import (kvpack mapped from the
+checkout when not installed, tests/kvpack_checkout.py), builds every kvcases layout on the
+CPU and lists the checks, and says DRY. A step that needs a GPU and finds none says FAIL.
+
+    python tests/ops/gpu_check.py [--markdown FILE] [--quick] [--dry-run]
+Exit status: 0 when every step passed (or, with --dry-run, imported).
 """
 
 from __future__ import annotations
@@ -24,16 +31,19 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import kvpack_checkout  # noqa: E402
+
+MAPPING = kvpack_checkout.map_checkout()  # before anything below imports kvpack
 
 import torch  # noqa: E402
 from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens  # noqa: E402
 
-import conftest  # noqa: E402,F401  (maps kvpack to the checkout when not installed)
 from kvpack.ops import Backend, PagedKV, gather_blocks, load_extension, scatter_blocks  # noqa: E402
 
 POISON = 0xAB
@@ -213,57 +223,134 @@ def _canonical_bandwidth(kind: str, gpu: list[torch.Tensor], t: int, h: int) -> 
     )
 
 
+def step(name: str, verdict: str, reason: str) -> None:
+    """The step's one line that scripts/gpu_check.sh reads: ``STEP NAME VERDICT reason``."""
+    print(f"STEP {name} {verdict} {reason}", flush=True)
+
+
+def planned_checks(quick: bool, side: Callable[[], torch.cuda.Stream]) -> list[tuple[str, Callable[[], None]]]:
+    """Every kernel check by name, not yet run; `side` gives the side stream when one runs."""
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn) if quick else DTYPES
+    out: list[tuple[str, Callable[[], None]]] = []
+    for layout in sorted(BUILDERS):
+        for dtype in dtypes:
+            for where in ("device", "pinned"):
+                out.append(
+                    (f"{layout}/{dtype}/{where}", lambda l=layout, d=dtype, w=where: check_layout(l, d, w, 0, None))
+                )
+        for offset in (1, 4, 8):
+            out.append(
+                (
+                    f"{layout}/offset{offset}",
+                    lambda l=layout, o=offset: check_layout(l, torch.bfloat16, "device", o, None),
+                )
+            )
+        out.append((f"{layout}/side-stream", lambda l=layout: check_layout(l, torch.float16, "pinned", 0, side())))
+    for kind in ("nhd", "hnd", "block_view"):
+        out.append((f"engine-sized/{kind}", lambda k=kind: check_engine_sized(k)))
+    for kind in ("nhd", "hnd"):
+        out.append((f"canonical/{kind}", lambda k=kind: check_canonical(k)))
+    return out
+
+
+def bench_args(quick: bool, markdown: str) -> list[str]:
+    """`kvpack bench copy` arguments: --quick times the GPU section only, 3 repeats."""
+    return (["--no-cpu", "--repeats", "3"] if quick else ["--repeats", "10"]) + (
+        ["--markdown", markdown] if markdown else []
+    )
+
+
+def dry_run(quick: bool) -> int:
+    """Everything a real run imports, every kvcases layout built on the CPU, the checks listed."""
+    from kvpack.canonical import paged_geometry  # noqa: F401  (imported by check_canonical)
+    from kvpack.tools.bench import copy_bench
+
+    for name in sorted(BUILDERS):
+        case = build(name, torch.bfloat16)
+        expected_staging(case, [1, 0], POISON)
+    checks = planned_checks(quick, torch.cuda.Stream)
+    step(
+        "kernels", "DRY", f"imports ok, {len(BUILDERS)} layouts built on the CPU, {len(checks)} checks listed (no GPU)"
+    )
+    copy_bench._parse(bench_args(quick, ""))
+    step("copy-bench", "DRY", f"kvpack.tools.bench.copy_bench imported, arguments {bench_args(quick, '')} parsed")
+    return 0
+
+
+def run_kernels(quick: bool) -> bool:
+    """Builds the extension and runs every check; says the step's verdict."""
+    t0 = time.monotonic()
+    status = load_extension()
+    built = time.monotonic() - t0
+    print(f"extension: {status} ({built:.1f}s)", flush=True)
+    if not (status.available and status.has_cuda):
+        step("kernels", "FAIL", f"the CUDA kernel did not build: {status.reason}")
+        return False
+    checks = Checks()
+    streams: list[torch.cuda.Stream] = []
+
+    def side() -> torch.cuda.Stream:
+        if not streams:
+            streams.append(torch.cuda.Stream())
+        return streams[0]
+
+    t0 = time.monotonic()
+    planned = planned_checks(quick, side)
+    for name, fn in planned:
+        checks.run(name, fn)
+    took = time.monotonic() - t0
+    print(f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({took:.1f}s)", flush=True)
+    if checks.failed:
+        step("kernels", "FAIL", f"{len(checks.failed)} of {len(planned)} checks failed: {', '.join(checks.failed)}")
+        return False
+    step("kernels", "PASS", f"{len(planned)} checks (extension {built:.0f}s, checks {took:.0f}s)")
+    return True
+
+
+def run_bench(quick: bool, markdown: str) -> bool:
+    """`kvpack bench copy` on this GPU; says the step's verdict."""
+    from kvpack.tools.bench import copy_bench
+
+    t0 = time.monotonic()
+    try:
+        copy_bench.main(bench_args(quick, markdown))
+    except Exception as e:
+        traceback.print_exc()
+        step("copy-bench", "FAIL", f"{type(e).__name__}: {e}")
+        return False
+    if not load_extension().has_cuda:
+        step("copy-bench", "FAIL", "ran on the torch path only: no CUDA kernel")
+        return False
+    step(
+        "copy-bench",
+        "PASS",
+        f"table printed{' and appended to ' + markdown if markdown else ''} ({time.monotonic() - t0:.0f}s)",
+    )
+    return True
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--markdown", default="", help="append the benchmark section to this file")
-    p.add_argument("--quick", action="store_true", help="bf16 and fp8 only")
+    p.add_argument("--quick", action="store_true", help="bf16 and fp8 only; the bench's GPU section, 3 repeats")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: imports, layouts built on the CPU, checks listed")
     args = p.parse_args(argv)
 
+    print(MAPPING.describe(), flush=True)
     print(
         f"torch {torch.__version__} (CUDA {torch.version.cuda}); GPU: "
         f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}",
         flush=True,
     )
+    if args.dry_run:
+        return dry_run(args.quick)
     if not torch.cuda.is_available():
-        print("FAIL: no CUDA device visible")
+        for name in ("kernels", "copy-bench"):
+            step(name, "FAIL", "no CUDA device visible (torch.cuda.is_available() is False)")
         return 2
-    t0 = time.monotonic()
-    status = load_extension()
-    print(f"extension: {status} ({time.monotonic() - t0:.1f}s)", flush=True)
-    if not (status.available and status.has_cuda):
-        print("FAIL: the CUDA kernel did not build; see the reason above")
-        return 2
-
-    checks = Checks()
-    side = torch.cuda.Stream()
-    dtypes = (torch.bfloat16, torch.float8_e4m3fn) if args.quick else DTYPES
-    t0 = time.monotonic()
-    for layout in sorted(BUILDERS):
-        for dtype in dtypes:
-            for where in ("device", "pinned"):
-                checks.run(f"{layout}/{dtype}/{where}", lambda: check_layout(layout, dtype, where, 0, None))
-        for offset in (1, 4, 8):
-            checks.run(f"{layout}/offset{offset}", lambda: check_layout(layout, torch.bfloat16, "device", offset, None))
-        checks.run(f"{layout}/side-stream", lambda: check_layout(layout, torch.float16, "pinned", 0, side))
-    for kind in ("nhd", "hnd", "block_view"):
-        checks.run(f"engine-sized/{kind}", lambda: check_engine_sized(kind))
-    for kind in ("nhd", "hnd"):
-        checks.run(f"canonical/{kind}", lambda: check_canonical(kind))
-    print(
-        f"correctness: {checks.passed} passed, {len(checks.failed)} failed ({time.monotonic() - t0:.1f}s)", flush=True
-    )
-    for name in checks.failed:
-        print(f"  failed: {name}")
-
-    from kvpack.tools.bench import copy_bench
-
-    bench_args = ["--repeats", "10"] + (["--markdown", args.markdown] if args.markdown else [])
-    try:
-        copy_bench.main(bench_args)
-    except Exception:
-        traceback.print_exc()
-        checks.failed.append("benchmark")
-    return 0 if not checks.failed else 1
+    ok = run_kernels(args.quick)
+    ok = run_bench(args.quick, args.markdown) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

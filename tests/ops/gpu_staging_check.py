@@ -24,7 +24,6 @@ Prints one summary line ``GPU_STAGING PASS|FAIL ...``; exit status 0 when every 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 import traceback
@@ -33,23 +32,13 @@ from pathlib import Path
 from unittest import mock
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import kvpack_checkout  # noqa: E402
+
+MAPPING = kvpack_checkout.map_checkout()  # kvpack and kvpack.vllm_plugin from the checkout when not installed
 
 import torch  # noqa: E402
-
-import conftest  # noqa: E402,F401  (maps kvpack to the checkout when not installed)
-
-if importlib.util.find_spec("kvpack.vllm_plugin") is None:  # the checkout, not installed
-    _spec = importlib.util.spec_from_file_location(
-        "kvpack.vllm_plugin",
-        ROOT / "vllm_plugin" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "vllm_plugin")],
-    )
-    assert _spec is not None and _spec.loader is not None
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["kvpack.vllm_plugin"] = _mod
-    _spec.loader.exec_module(_mod)
 
 from kvpack.canonical import paged_geometry  # noqa: E402
 from kvpack.heads import HeadRange  # noqa: E402
@@ -214,12 +203,31 @@ def bandwidth(device: torch.device, gib: float, repeats: int) -> dict[str, float
     return out
 
 
+def step(name: str, verdict: str, reason: str) -> None:
+    """The step's one line that scripts/gpu_check.sh reads: ``STEP NAME VERDICT reason``."""
+    print(f"STEP {name} {verdict} {reason}", flush=True)
+
+
+def targets_verdict(figures: dict[str, float]) -> tuple[str, str]:
+    """PASS when every ratio meets its target, else MISSED naming each miss (never silent)."""
+    ratios = " ".join(f"{k}={figures[k]:.2f}x" for k in TARGETS)
+    below = [f"{k} {figures[k]:.2f}<{t}" for k, t in TARGETS.items() if figures[k] < t]
+    said = f"{ratios} vs plain copies, {figures['gib']:.2f} GiB/call"
+    return ("MISSED", f"{said}; below target: {', '.join(below)}") if below else ("PASS", f"{said}; targets met")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="run every check that a CPU can (no GPU needed)")
     p.add_argument("--gib", type=float, default=1.0, help="bytes per timed call, GiB (GPU)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
+    print(MAPPING.describe(), flush=True)
+    if not args.cpu and not torch.cuda.is_available():
+        for name in ("staging", "bandwidth"):
+            step(name, "FAIL", "no CUDA device visible (torch.cuda.is_available() is False)")
+        print("GPU_STAGING FAIL device=none (no CUDA device visible)", flush=True)
+        return 2
     device = torch.device("cpu" if args.cpu else "cuda")
     status = load_extension()
     print(f"extension: {status.reason}", flush=True)
@@ -233,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(("offsets>2^31", lambda: check_large_offsets(device)))
         if not status.has_cuda:
             failed.append(f"no CUDA kernel ({status.reason})")
+    t0 = time.monotonic()
     for name, fn in checks:
         try:
             fn()
@@ -241,14 +250,22 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             failed.append(name)
             print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    took = time.monotonic() - t0
+    if failed:
+        step("staging", "FAIL", f"{passed}/{len(checks)} checks passed on {device.type}; failed: {', '.join(failed)}")
+    else:
+        step("staging", "PASS", f"{passed}/{len(checks)} checks on {device.type} ({took:.0f}s)")
     figures = bandwidth(device, args.gib if device.type == "cuda" else 1 / 64, args.repeats)
-    below = [k for k, t in TARGETS.items() if device.type == "cuda" and figures[k] < t]
     ratios = " ".join(f"{k}={figures[k]:.2f}x" for k in TARGETS)
-    verdict = "PASS" if not failed else "FAIL"
+    if device.type == "cuda":
+        verdict, said = targets_verdict(figures)
+        step("bandwidth", verdict, said)
+    else:
+        step("bandwidth", "DRY", f"{ratios} on the CPU (no targets: not GPU figures)")
     print(
-        f"GPU_STAGING {verdict} device={device.type} checks={passed}/{len(checks)} {ratios} "
-        f"(vs plain copies, {figures['gib']:.2f} GiB/call; targets d2h,h2d>=0.8 d2d>=0.7"
-        f"{'; below: ' + ','.join(below) if below else ''}){' failed: ' + ','.join(failed) if failed else ''}",
+        f"GPU_STAGING {'PASS' if not failed else 'FAIL'} device={device.type} checks={passed}/{len(checks)} {ratios} "
+        f"(vs plain copies, {figures['gib']:.2f} GiB/call; targets d2h,h2d>=0.8 d2d>=0.7)"
+        f"{' failed: ' + ','.join(failed) if failed else ''}",
         flush=True,
     )
     return 0 if not failed else 1
