@@ -113,10 +113,36 @@ class MooncakeProtocol(enum.Enum):
 
 @dataclass(frozen=True)
 class MemoryTierConfig:
-    """Host-RAM tier (pinned when CUDA exists). Capacity in bytes."""
+    """Host-RAM tier. Capacity in bytes. Its memory is not pinned: GPU copies go through
+    the transfer staging (`TransferConfig`), never straight from the tier."""
 
     enabled: bool = True
     capacity: int = _size_field("4GiB")
+
+
+MAX_TRANSFER_BYTES = 1 << 40
+"""Upper bound of every transfer byte bound (1 TiB)."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Host memory a process's transfers may hold (`kvpack.transfers`). Each bound turns a
+    transfer away (counted in ``kvpack_transfers_turned_away``) instead of making the
+    engine wait; one transfer larger than a bound still runs when nothing else is held.
+
+    `staging_bytes`: pinned host staging of a GPU cache (one pool per process, reused;
+    a CPU cache stages in plain memory). `max_queued_save_bytes`: payload bytes of saves
+    queued and not yet stored (a turned-away save is a future miss).
+    `max_inflight_load_bytes`: payload bytes of loads accepted and not yet reported
+    (a turned-away load is recomputed)."""
+
+    staging_bytes: int = _size_field("2GiB")
+    max_queued_save_bytes: int = _size_field("1GiB")
+    max_inflight_load_bytes: int = _size_field("1GiB")
+
+    def validate(self, path: str) -> None:
+        for name in ("staging_bytes", "max_queued_save_bytes", "max_inflight_load_bytes"):
+            check_range(join_path(path, name), getattr(self, name), 1 << 20, MAX_TRANSFER_BYTES)
 
 
 def _default_disk_path() -> str:
@@ -362,6 +388,7 @@ class KVPackConfig:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def validate(self, path: str) -> None:
         from .keys import validate_tenant

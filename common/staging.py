@@ -5,22 +5,25 @@ when the host may touch them. The device behind it is a seam (`StagingDevice`):
 
 - `CpuDevice` (a cache on the CPU): plain host tensors, launches run inline, events
   are already complete. Zero-copy and synchronous exactly as before this module.
-- `CudaDevice` (a cache on a CUDA GPU): pinned host rows (torch's pinned caching
-  allocator), one side stream per direction (save = device to host, load = host to
-  device) that waits on the compute stream before each launch, a CUDA event
-  recorded after it.
-- `kvpack.staging_record.RecordingDevice`: a test double that runs launches only
+- `CudaDevice` (a cache on a CUDA GPU): pinned host rows taken from the process's
+  one bounded pool (`kvpack.staging_pool`) and given back after their event, one
+  side stream per direction (save = device to host, load = host to device) that
+  waits on the compute stream before each launch, a CUDA event recorded after it.
+- ``tests/fixtures/recording_device.py``: a test double that runs launches only
   when their event is waited on (as a GPU would, later) and logs every operation.
 
-Invariants the callers keep (and the tests check with the recording device):
+Invariants (the tests check each with the recording device):
 
 1. A launch on a side stream is preceded by that stream waiting on the compute
    stream (the forward that wrote, or will read, the blocks): `Lane` does it.
-2. The host reads gathered rows only after the gather's event completed:
+2. After a save's gather is launched, the compute stream waits on the gather's
+   event (`StagingDevice.order_compute`): no forward queued after the save can
+   rewrite a block the gather still reads, whenever the engine frees that block.
+3. The host reads gathered rows only after the gather's event completed:
    `Staged.host_rows` waits first.
-3. A load is reported done only after its scatter's event completed: the adapter
-   calls `Staged.wait` before it sets its done flag.
-4. Staging (rows and the lane's scratch) is released, and so may be reused, only
+4. A load is reported done (or failed) only after its scatter's event completed:
+   the transfer runner waits on `Staged` before it reports the load.
+5. Staging (rows and the lane's scratch) is released, and so may be reused, only
    after its event completed: `Staged.release` waits first.
 """
 
@@ -35,6 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .staging_pool import PinnedPool
+
 
 class Direction(str, Enum):
     """Which side stream: a save copies device -> host, a load host -> device."""
@@ -47,7 +52,10 @@ class StagingDevice(Protocol):
     """The device seam. `host_rows` are what the store reads and writes (pinned for a
     GPU), `device_rows` scratch on the cache's device (intermediate parts).
     `launch(direction, fn)` runs `fn` as work on that direction's side stream, whose
-    handle `stream(direction)` gives to kvpack.ops (None: the current stream)."""
+    handle `stream(direction)` gives to kvpack.ops (None: the current stream).
+    `order_compute(event)` makes work queued on the compute stream from now on wait
+    for `event`. `released(tensors, event)` gives rows back once `event` completed
+    (None: no launch used them)."""
 
     kind: str
 
@@ -62,6 +70,8 @@ class StagingDevice(Protocol):
     def launch(self, direction: Direction, fn: Callable[[], object]) -> None: ...
 
     def record(self, direction: Direction) -> Any: ...
+
+    def order_compute(self, event: Any) -> None: ...
 
     def synchronize(self, event: Any) -> None: ...
 
@@ -94,6 +104,9 @@ class CpuDevice:
     def record(self, direction: Direction) -> None:
         return None
 
+    def order_compute(self, event: Any) -> None:
+        return None  # the copy finished inside `launch`
+
     def synchronize(self, event: Any) -> None:
         return None
 
@@ -111,14 +124,17 @@ class CudaDevice:
 
     kind = "cuda"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+        """`pool`: where pinned rows come from (default: the process's one pool)."""
         self.device = device
+        self.pool = pool if pool is not None else PinnedPool.shared()
         with torch.cuda.device(device):
             self.compute = torch.cuda.current_stream(device)
             self._streams = {d: torch.cuda.Stream(device) for d in Direction}
 
     def host_rows(self, rows: int, width: int) -> torch.Tensor:
-        return torch.empty((rows, width), dtype=torch.uint8, pin_memory=True)
+        """Pinned rows from the pool; `StagingFull` when its bound is reached."""
+        return self.pool.take(rows * width)[: rows * width].view(rows, width)
 
     def device_rows(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty((rows, width), dtype=torch.uint8, device=self.device)
@@ -138,6 +154,9 @@ class CudaDevice:
         event.record(self._streams[direction])
         return event
 
+    def order_compute(self, event: torch.cuda.Event) -> None:
+        self.compute.wait_event(event)
+
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
@@ -145,7 +164,10 @@ class CudaDevice:
         return bool(event.query())
 
     def released(self, tensors: list[torch.Tensor], event: Any) -> None:
-        return None  # torch's caching allocators reuse them; the event completed before
+        """Pool rows go back to the pool (the event completed before: `Staged.release`);
+        device scratch goes back to torch's caching allocator when dropped."""
+        for t in tensors:
+            self.pool.give(t)
 
 
 def device_for(device: torch.device) -> StagingDevice:
@@ -230,18 +252,25 @@ class Staging:
         return cls(device_for(tensor.device))
 
     def rows(self, rows: int, width: int) -> torch.Tensor:
-        """Host rows (pinned for a GPU cache) ``[rows, width]`` uint8."""
+        """Host rows (pinned for a GPU cache) ``[rows, width]`` uint8. Give them back with
+        `give_back` when no launch used them, else through the `Staged` of the launch."""
         return self.device.host_rows(rows, width)
 
-    def copy_rows(self, src: torch.Tensor) -> torch.Tensor:
+    def give_back(self, rows: list[torch.Tensor]) -> None:
+        """Rows from `rows` that no launch read or wrote (a load given up before its scatter)."""
+        self.device.released(rows, None)
+
+    def copy_rows(self, src: torch.Tensor, lane: Lane) -> torch.Tensor:
         """A host copy of host rows `src` (bytes already on the host: no launch is pending
-        on them) into fresh staging rows: for a selection or a column slice of loaded rows."""
-        out = self.device.host_rows(int(src.shape[0]), int(src.shape[1]))
+        on them) into staging rows `lane` keeps until its event: for a selection or a
+        column slice of loaded rows."""
+        out = lane.keep(self.device.host_rows(int(src.shape[0]), int(src.shape[1])))
         out.copy_(src)
         return out
 
-    def zeros(self, rows: int, width: int) -> torch.Tensor:
-        out = self.device.host_rows(rows, width)
+    def zeros(self, rows: int, width: int, lane: Lane) -> torch.Tensor:
+        """Zeroed staging rows `lane` keeps until its event."""
+        out = lane.keep(self.device.host_rows(rows, width))
         out.zero_()
         return out
 
@@ -265,9 +294,16 @@ class Staging:
                 fn(rows, lane)
             except BaseException:
                 # what was launched before the failure still runs: free nothing before it ends
-                Staged(self.device, rows, self.device.record(direction), lane.kept).release()
+                self._ended(direction, rows, lane).release()
                 raise
-            return Staged(self.device, rows, self.device.record(direction), lane.kept)
+            return self._ended(direction, rows, lane)
+
+    def _ended(self, direction: Direction, rows: torch.Tensor, lane: Lane) -> Staged:
+        """The lane's event; after a gather the compute stream waits on it (invariant 2)."""
+        event = self.device.record(direction)
+        if direction is Direction.SAVE:
+            self.device.order_compute(event)
+        return Staged(self.device, rows, event, lane.kept)
 
 
 def cpu_lane(direction: Direction) -> Lane:

@@ -34,9 +34,9 @@ nothing references it any more (a reader or a write-back job may still hold
 the object it belonged to): until then it waits on a deferred list that
 `alloc` sweeps, so no slot is ever reused early and none is lost.
 
-On CUDA hosts slabs are pinned (`torch.empty(pin_memory=True)`), so a slab
-costs one pinned allocation instead of one per object (torch's host cache may
-keep a freed pinned slab for reuse).
+With ``pin=True`` slabs are pinned (`torch.empty(pin_memory=True)`), so a slab
+costs one pinned allocation instead of one per object; the memory tier asks for
+it only when told to (a GPU copy stages through its own pool, not the tier).
 
 Making a slab takes milliseconds (the kernel zeroes and maps every page; on
 Linux ``MADV_POPULATE_WRITE`` does it in 4 MiB steps, so the process's mmap

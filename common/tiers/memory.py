@@ -1,4 +1,4 @@
-"""Host-RAM tier: objects in this process's memory, pinned when CUDA exists.
+"""Host-RAM tier: objects in this process's memory (pageable unless `pin` is asked for).
 
 Capacity is enforced over whole groups by a `CapacityManager` (LRU or ARC,
 per-tenant guaranteed shares), which sees each group by its id string
@@ -19,8 +19,9 @@ proceed in parallel, and an object is visible only once fully copied.
 `unpin` or a deadline (`kvpack.lifecycle`: prepare_load -> complete_load);
 a store that would need a pinned group's room is dropped (NO_SPACE) instead.
 
-Payload memory comes from a `SlabArena` (large pre-faulted slabs,
-pinned on CUDA hosts, one free list per slot size), so a store never pays a
+Payload memory comes from a `SlabArena` (large pre-faulted slabs, one
+free list per slot size; not pinned: a GPU transfer stages through the
+transfer runner's own bounded pinned pool, never straight from a slot), so a store never pays a
 page fault per 4 KiB. Memory bound: the arena never holds more than
 ``capacity + 2 * slab`` bytes, slab = capacity / 8 clamped to 4 KiB .. 64 MiB
 (`kvpack.tiers.arena.slab_for_capacity`), however many distinct object sizes
@@ -70,15 +71,6 @@ def _group_of(gid: str) -> GroupKey:
     return GroupKey(tenant, fingerprint, chunk)
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover - torch import problems mean no CUDA
-        return False
-
-
 class MemoryTier(Tier):
     name = "memory"
 
@@ -87,18 +79,19 @@ class MemoryTier(Tier):
         capacity: int,
         policy: EvictionPolicy,
         quotas: dict[str, int] | None = None,
-        pin: bool | None = None,
+        pin: bool = False,
         copy_threads: int = 1,
         region_copier: Callable[[], RegionCopier | None] | None = None,
     ) -> None:
         """`copy_threads` and `region_copier`: see `kvpack.tiers.parallel.IOThreads`
-        (stores stream into the tier's slots when a native copier is available)."""
+        (stores stream into the tier's slots when a native copier is available). `pin`:
+        page-lock the slabs (for a device that copies straight from the tier; none does)."""
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
         self._members: dict[str, set[StoreKey]] = {}  # by group id (`_gid`)
         self._capacity = CapacityManager(capacity, policy, quotas)
         slab, limit = slab_for_capacity(capacity)
-        self._arena = SlabArena(pin=_cuda_available() if pin is None else pin, slab_bytes=slab, limit_bytes=limit)
+        self._arena = SlabArena(pin=pin, slab_bytes=slab, limit_bytes=limit)
         self._io = IOThreads(copy_threads, name="kvpack-memcopy", region_copier=region_copier)
         self._closed = False
         self.on_evict: Callable[[GroupKey, int], None] | None = None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpack.staging import CpuDevice, Direction, Lane, Staging
-from kvpack.staging_record import RecordingDevice
+from fixtures.recording_device import RecordingDevice
 
 
 def test_a_failed_batch_frees_its_rows_only_after_what_it_launched() -> None:
@@ -21,7 +21,7 @@ def test_a_failed_batch_frees_its_rows_only_after_what_it_launched() -> None:
     with pytest.raises(RuntimeError):
         Staging(dev).gather(1, 8, half)
     assert ran == [1]
-    assert [op[0] for op in dev.ops][-4:] == ["record", "sync", "run", "release"]
+    assert [op[0] for op in dev.ops][-5:] == ["record", "order_compute", "sync", "run", "release"]
     assert dev.violations == []
 
 

@@ -24,9 +24,15 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         LOG.append(("wait_stream", self.name, other.name))
 
+    def wait_event(self, event: FakeEvent) -> None:
+        LOG.append(("wait_event", self.name, event.stream))
+
 
 class FakeEvent:
+    stream = ""
+
     def record(self, stream: FakeStream) -> None:
+        self.stream = stream.name
         LOG.append(("record", stream.name))
 
     def synchronize(self) -> None:
@@ -83,8 +89,9 @@ def test_cuda_device_orders_a_gather_after_compute_and_reads_after_its_event(fak
     assert LOG[1] == ("wait_stream", side, "compute")
     assert seen == [side]  # the launch ran with the side stream current
     assert LOG[2] == ("record", side)
+    assert LOG[3] == ("wait_event", "compute", side)  # no later forward rewrites what the gather reads
     assert bool((torch.from_numpy(staged.host_rows()) == 7).all())
-    assert LOG[3] == ("event_sync",)
+    assert LOG[4] == ("event_sync",)
     assert dev.stream(Direction.LOAD).name != side
 
 

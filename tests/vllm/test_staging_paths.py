@@ -19,7 +19,7 @@ from kvpack.canonical import paged_geometry
 from kvpack.heads import HeadRange
 from kvpack.ops import PagedKV
 from kvpack.staging import Direction, Staging
-from kvpack.staging_record import POISON, RecordingDevice
+from fixtures.recording_device import POISON, RecordingDevice
 from kvpack.vllm_plugin.blocks import BlockLayout
 from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks
 

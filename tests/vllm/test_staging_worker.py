@@ -17,7 +17,7 @@ import torch
 
 from kvpack.config import KVPackConfig
 from kvpack.staging import CpuDevice, Direction, Staging
-from kvpack.staging_record import RecordingDevice
+from fixtures.recording_device import RecordingDevice
 
 pytest.importorskip("vllm")
 

@@ -1,0 +1,444 @@
+"""The transfer runner: every load into and save out of an engine's cache runs here, off
+the forward path (after vLLM's ``OffloadingWorker``: jobs are submitted, `finished` is
+polled). An adapter translates its engine's per-step facts into `LoadJob`s and `SaveJob`s
+and the results back; the runner owns the threads, the ordering, the bounds and the counts.
+
+Guarantees:
+
+- Saves before loads: a load waits (bounded) for the saves queued before it, because a
+  scheduler counts a chunk as stored once it asked for its save, so a request can hit a
+  prefix another request computed a step earlier.
+- Device order (`kvpack.staging`): a save's gather is launched on the save side stream
+  after the compute stream, and the compute stream waits on the gather's event, so no
+  later forward rewrites a block the save still reads; a load is reported, done or
+  failed, only after its scatter's event completed.
+- Every wait is bounded by ``io_timeout_ms`` (plus a handoff's ``handoff_wait_ms``): a
+  load still reading after it is cancelled and reported failed (the engine recomputes),
+  and its blocks are never written by the late thread. A load whose scatter is already
+  launched is not cancelled: it is reported once its event completed.
+- Host memory is bounded (`kvpack.config.TransferConfig`): saves queued and loads in
+  flight are admitted up to their byte bounds, pinned staging comes from the process's
+  pool (`kvpack.staging_pool`); what a bound turns away is counted
+  (``transfers_turned_away``) and never makes the caller wait.
+- Before the process exits, queued saves reach the store and the store its tiers
+  (`flush_before_exit`, bounded by ``shutdown_flush_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..config import KVPackConfig
+from ..keys import GroupKey, StoreKey
+from ..metrics import MetricsInterval
+from ..session import ObjectIO, Session
+from ..staging import CpuDevice, Lane, Staged, Staging
+from ..staging_pool import PinnedPool, StagingFull
+from ..tiers.base import TierStatus
+from ..tiers.reported import ReportedObject
+from .jobs import ByteBound, Finished, Gathered, LoadJob, LoadTask, PlannedLoad, SaveJob
+
+log = logging.getLogger("kvpack.transfers")
+
+IDLE_STEP_PAUSE_S = 0.02
+"""Longest a step with no forward waits for a load started in an earlier step (it returns
+as soon as that load is done); bounds the engine's spin while loads are in flight."""
+
+SYNC_SAVE_WAIT_S = 0.05
+"""How long a load inside the step (`load_now`) waits for the saves queued before it:
+the memory copies of the steps just before, which take milliseconds."""
+
+
+class TransferRunner:
+    """See the module docstring. `clock` (monotonic seconds) decides when a load timed out."""
+
+    def __init__(self, session: Session, config: KVPackConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.session = session
+        self.config = config
+        self.clock = clock
+        self._metrics = session.store.metrics
+        self.staging = Staging(CpuDevice())
+        """Staging rows and copy streams of the cache's device (`use_device_of`)."""
+        self.pool = PinnedPool.shared(config.transfer.staging_bytes)
+        self._metrics.gauge("pinned_bytes", self.pool.pinned_bytes)
+        self._save_bytes = ByteBound(config.transfer.max_queued_save_bytes)
+        self._load_bytes = ByteBound(config.transfer.max_inflight_load_bytes)
+        self._lock = threading.Lock()
+        self._loads: dict[str, LoadTask] = {}
+        self._done_loads: set[str] = set()
+        self._done_saves: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._reported_failed: list[str] = []
+        self._stored: list[ReportedObject] = []
+        self._evicted: list[str] = []
+        self._interval = MetricsInterval(self._metrics)
+        self._idle_step = False
+        self._step_loads: list[LoadTask] = []
+        self._saves_cv = threading.Condition()
+        self._saves_queued = 0
+        self._saves_done = 0
+        self._load_q: queue.Queue[LoadTask | None] = queue.Queue()
+        self._save_q: queue.Queue[tuple[SaveJob, list[Gathered] | None] | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="kvpack-load", daemon=True),
+            threading.Thread(target=self._save_loop, name="kvpack-save", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+        def on_evict(tier: str, group: GroupKey, nbytes: int) -> None:
+            if tier == "memory":
+                self._evicted.append(group.as_str())  # list.append is atomic
+
+        session.store.add_evict_listener(on_evict)
+        # saves queued here (not yet handed to the store) must reach it before exit too
+        session.flush_at_exit(self, config.shutdown_flush_s)
+
+    def use_device_of(self, tensor: torch.Tensor) -> None:
+        """Stage through `tensor`'s device. Call on the thread whose current stream is the
+        engine's compute stream (the model runner's, at registration)."""
+        self.staging = Staging.for_tensor(tensor)
+
+    # -- loads --------------------------------------------------------------------
+
+    def begin_step(self, has_forward: bool) -> None:
+        """A new engine step: `finished` waits (bounded) for this step's loads when it has no forward."""
+        self._idle_step = not has_forward
+        self._step_loads = []
+
+    def submit_load(self, job: LoadJob) -> None:
+        """Run `job` on the load thread; `finished` reports it (failed if turned away)."""
+        task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
+        with self._lock:
+            self._loads[job.job_id] = task
+        if not self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
+            task.failed_blocks = job.blocks
+            task.done.set()
+            return
+        self._step_loads.append(task)
+        self._load_q.put(task)
+
+    def load_now(self, job: LoadJob) -> None:
+        """Run `job` here, before the caller's forward (its wait for earlier saves is bounded by
+        `SYNC_SAVE_WAIT_S`); blocks that did not load go to `take_failed_blocks` and nothing
+        is reported in `finished`."""
+        task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
+        if self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
+            try:
+                self._run_load(task, save_wait_s=SYNC_SAVE_WAIT_S)
+            except Exception as exc:  # a failed load is a recompute, never an engine error
+                log.warning("kvpack: load for %s failed: %s", job.job_id, exc)
+                task.failed_blocks = job.blocks
+            finally:
+                self._load_bytes.release(job.nbytes)
+        else:
+            task.failed_blocks = job.blocks
+        self._metrics.inc("sync_loads", tenant=job.tenant)
+        if task.failed_blocks:
+            self._metrics.inc("sync_load_failures")
+            with self._lock:
+                self._failed_blocks |= task.failed_blocks
+
+    def finished(self) -> Finished:
+        """Saves done, loads done and loads failed since the last call. A load past
+        ``io_timeout_ms`` (plus its handoff wait) is cancelled and reported failed, unless
+        its scatter is launched: that one is reported once its event completed."""
+        timeout = self.config.io_timeout_ms / 1000.0
+        if self._idle_step and self._step_loads:
+            deadline = time.monotonic() + timeout
+            for task in self._step_loads:
+                task.done.wait(max(0.0, deadline - time.monotonic()))
+        elif self._idle_step:
+            # nothing to compute, only earlier loads in flight (a handoff waiting for its
+            # objects): pause briefly instead of letting the engine spin through empty steps,
+            # which on a small machine starves the very prefill instance it waits for
+            with self._lock:
+                inflight = next((t for t in self._loads.values() if not t.done.is_set()), None)
+            if inflight is not None:
+                inflight.done.wait(IDLE_STEP_PAUSE_S)
+        self._step_loads = []
+        now = self.clock()
+        with self._lock:
+            for job_id, task in list(self._loads.items()):
+                if task.done.is_set():
+                    del self._loads[job_id]
+                    if not task.cancelled:
+                        self._report_load(task, task.failed_blocks)
+                elif task.staged is None and now - task.started > timeout + task.job.handoff_wait_s:
+                    task.cancelled = True  # the load thread will not write these blocks any more
+                    del self._loads[job_id]
+                    self._report_load(task, task.job.blocks)
+                    self._metrics.inc("load_timeouts")
+                    log.warning(
+                        "kvpack: load for %s exceeded io_timeout_ms=%d; recomputing", job_id, self.config.io_timeout_ms
+                    )
+            out = Finished(self._done_saves, self._done_loads, self._failed_loads)
+            self._done_saves, self._done_loads, self._failed_loads = set(), set(), set()
+        return out
+
+    def _report_load(self, task: LoadTask, failed_blocks: set[int]) -> None:
+        """(under the lock) `task` is done; `failed_blocks` go to the engine's recompute."""
+        self._done_loads.add(task.job.job_id)
+        if failed_blocks:
+            self._failed_blocks |= failed_blocks
+            self._failed_loads.add(task.job.job_id)
+            self._reported_failed.append(task.job.job_id)
+
+    def take_failed_blocks(self) -> set[int]:
+        """Blocks whose load failed since the last call (the engine recomputes them)."""
+        with self._lock:
+            errors, self._failed_blocks = self._failed_blocks, set()
+        self._metrics.inc("load_error_blocks", len(errors))
+        return errors
+
+    def _load_loop(self) -> None:
+        while True:
+            task = self._load_q.get()
+            if task is None:
+                return
+            try:
+                self._run_load(task)
+            except Exception as exc:  # never let a load kill the thread: report the blocks
+                log.warning("kvpack: load for %s failed: %s", task.job.job_id, exc)
+                task.failed_blocks = task.job.blocks
+            finally:
+                self._load_bytes.release(task.job.nbytes)
+                task.done.set()
+
+    def _run_load(self, task: LoadTask, save_wait_s: float | None = None) -> None:
+        """Read the job's objects (`Session.prepare_load` with the lookup's tiers, then the
+        waits, then `complete_load`) and scatter the chunks whose every object loaded. Its
+        staging rows go back after the scatter's event, or at once when nothing is scattered."""
+        job = task.job
+        try:
+            plan = job.plan(self.staging)
+        except StagingFull as exc:
+            self._turned_away("load", "staging_bytes", exc.nbytes)
+            raise
+        staged: Staged | None = None
+        launched = False  # from the scatter on, its rows go back through its Staged only
+        try:
+            good = self._read(task, plan, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
+            ok = [i for i, g in enumerate(good) if g]
+            failed = {b for c, g in zip(job.chunks, good) if not g for b in c.blocks}
+            with self._lock:
+                if task.cancelled:
+                    return
+                if ok:
+                    launched = True
+                    staged = task.staged = self.staging.scatter(plan.rows[0], _scatter_all(plan, good))
+                task.failed_blocks = failed
+        finally:
+            if not launched:
+                self.staging.give_back(plan.rows)
+        if staged is not None:
+            staged.release()  # the scatter completed: only now may the load be reported done
+        self._count_load(job, ok, failed)
+
+    def _read(self, task: LoadTask, plan: PlannedLoad, save_wait_s: float) -> list[bool]:
+        """Per chunk of the job: did every one of its objects load into the staging rows?"""
+        job = task.job
+        items = self.session.reads(job.tenant, plan.reads)
+        hints = {self.session.key(job.tenant, chunk, member): tier for chunk, member, tier in job.hints}
+        batch = self.session.prepare_load(items, hints)
+        try:
+            self._wait_for_earlier_saves(task, save_wait_s)
+            if job.handoff_wait_s > 0:
+                self._wait_for_handoff(task, [it.key for it in items])
+        except BaseException:
+            self.session.release(batch)
+            raise
+        results = self.session.complete_load(batch)  # counts loaded_bytes and load_seconds per tier
+        good = [True] * len(job.chunks)
+        for r, chunk in zip(results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
+            good[chunk] = good[chunk] and r.ok
+        gone = sum(1 for r in results if r.status is TierStatus.MISS)
+        if gone:  # the scheduler's lookup found these: evicted (or never landed) before the load
+            self._metrics.inc("missing_at_load", gone)
+        return good
+
+    def _count_load(self, job: LoadJob, ok: list[int], failed: set[int]) -> None:
+        self._metrics.inc("loaded_tokens", sum(job.chunks[i].tokens for i in ok), tenant=job.tenant)
+        self._metrics.inc("loaded_blocks", len(ok))
+        if any(c.draft is not None for c in job.chunks):
+            drafted = sum(1 for i in ok if job.chunks[i].draft)
+            self._metrics.inc("loaded_draft_blocks", drafted)
+            self._metrics.inc("loaded_without_draft_blocks", len(ok) - drafted)
+        if failed:
+            self._metrics.inc("failed_blocks", len(failed))
+            log.warning(
+                "kvpack: %d of %d chunks of %s could not be loaded; the engine recomputes them",
+                len(job.chunks) - len(ok),
+                len(job.chunks),
+                job.job_id,
+            )
+
+    def _wait_for_earlier_saves(self, task: LoadTask, bound_s: float) -> None:
+        """Wait (at most `bound_s` from the load's start) until the saves queued before it reached the store."""
+        deadline = task.started + bound_s
+        with self._saves_cv:
+            while self._saves_done < task.after_saves:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._metrics.inc("load_waits_for_saves_timed_out")
+                    return
+                self._saves_cv.wait(left)
+
+    def _wait_for_handoff(self, task: LoadTask, keys: list[StoreKey]) -> None:
+        """Another instance's objects may still be landing: wait (`Session.wait_until_stored`)
+        until every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
+        job = task.job
+        missing = self.session.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
+        self._metrics.observe("handoff_wait_seconds", time.monotonic() - task.started, tenant=job.tenant)
+        self._metrics.inc("handoff_loads", tenant=job.tenant)
+        if missing:
+            self._metrics.inc("handoff_missing", len(missing), tenant=job.tenant)
+            log.warning(
+                "kvpack: %d of %d objects of %s had not landed after handoff_wait_ms; recomputing from the first",
+                len(missing),
+                len(keys),
+                job.job_id,
+            )
+
+    # -- saves --------------------------------------------------------------------
+
+    def submit_save(self, job: SaveJob) -> bool:
+        """Queue `job` (a capture is gathered here first); False when it was turned away or
+        its gather failed (counted: a future miss). Never waits for storage."""
+        if not self._admit(self._save_bytes, "save", "max_queued_save_bytes", job.nbytes):
+            self._save_ended(job)
+            return False
+        gathered: list[Gathered] | None = None
+        if job.capture:
+            try:
+                gathered = job.gather(self.staging)
+            except StagingFull as exc:
+                self._turned_away("save", "staging_bytes", exc.nbytes)
+                self._save_bytes.release(job.nbytes)
+                return False
+            except Exception as exc:  # a failed capture is a future miss, never an engine error
+                log.warning("kvpack: capture for %s failed: %s", job.job_id, exc)
+                self._metrics.inc("save_errors")
+                self._save_bytes.release(job.nbytes)
+                return False  # nothing queued: no load or exit flush waits for it
+        with self._saves_cv:
+            self._saves_queued += 1
+        self._save_q.put((job, gathered))
+        return True
+
+    def _save_ended(self, job: SaveJob) -> None:
+        if not job.capture:  # the engine keeps its blocks until this save is reported
+            with self._lock:
+                self._done_saves.add(job.job_id)
+
+    def _save_loop(self) -> None:
+        # normal priority: later loads wait for these saves (a memory-tier copy each; the
+        # disk and Mooncake writes run on the store's write-back threads, at lower priority)
+        while True:
+            entry = self._save_q.get()
+            if entry is None:
+                return
+            job, gathered = entry
+            try:
+                gathered = gathered if gathered is not None else job.gather(self.staging)
+                try:
+                    self._put(job, [o for g in gathered for o in g.objects()])
+                finally:
+                    for g in gathered:
+                        g.staged.release()
+            except StagingFull as exc:
+                self._turned_away("save", "staging_bytes", exc.nbytes)
+            except Exception as exc:  # a failed save is a future miss, never an engine error
+                log.warning("kvpack: save for %s failed: %s", job.job_id, exc)
+                self._metrics.inc("save_errors")
+            finally:
+                self._save_bytes.release(job.nbytes)
+                self._save_ended(job)
+                with self._saves_cv:
+                    self._saves_done += 1
+                    self._saves_cv.notify_all()
+
+    def _put(self, job: SaveJob, objects: list[ObjectIO]) -> None:
+        """Store the objects as given (the adapter decided what to save; a tail slot is
+        rewritten in place, so no de-duplication); what this process's memory tier now
+        holds goes to `take_report`."""
+        saved = self.session.save(job.tenant, objects, dedupe=False)  # counts stored_bytes, store_seconds
+        self._metrics.inc("saved_blocks", job.blocks)
+        stored = [
+            ReportedObject(it.key.as_str(), it.header.token_count, it.header.payload_len, it.header.token_ids)
+            for it, held in zip(saved.items, saved.in_memory)
+            if held
+        ]
+        if stored:
+            with self._lock:
+                self._stored.extend(stored)
+
+    # -- reports, bounds, exit ----------------------------------------------------
+
+    def take_report(self) -> tuple[list[ReportedObject], list[str], list[str]]:
+        """(objects put into this process's memory tier, group keys evicted from it, loads
+        that failed) since the last call: what a scheduler elsewhere must learn."""
+        with self._lock:
+            stored, self._stored = self._stored, []
+            failed, self._reported_failed = self._reported_failed, []
+        evicted, self._evicted = self._evicted, []
+        return stored, evicted, failed
+
+    def take_stats(self) -> dict[str, float]:
+        """What this process's store counted since the last call (`kvpack_*` increases)."""
+        return self._interval.take()
+
+    def _admit(self, bound: ByteBound, direction: str, name: str, nbytes: int) -> bool:
+        if bound.admit(nbytes):
+            return True
+        self._turned_away(direction, name, nbytes)
+        return False
+
+    def _turned_away(self, direction: str, bound: str, nbytes: int) -> None:
+        self._metrics.inc("transfers_turned_away", direction=direction, bound=bound)
+        self._metrics.inc("transfer_bytes_turned_away", nbytes, direction=direction, bound=bound)
+
+    def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
+        """Wait (bounded) until queued saves reached the store and every tier; what the
+        bound cuts off is counted and logged (`kvpack.exit_flush` calls this at exit)."""
+        deadline = time.monotonic() + timeout_s
+        with self._saves_cv:
+            while self._saves_done < self._saves_queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lost = self._saves_queued - self._saves_done
+                    self._metrics.inc("save_dropped_at_exit", lost)
+                    log.warning(
+                        "kvpack: %d saves still queued after %.1f s (%s); they are lost", lost, timeout_s, reason
+                    )
+                    return False
+                self._saves_cv.wait(left)
+        return self.session.store.flush_before_exit(max(0.0, deadline - time.monotonic()), reason)
+
+    def close(self) -> None:
+        """Finish the queued saves and flush the store, within ``shutdown_flush_s`` in all."""
+        deadline = time.monotonic() + self.config.shutdown_flush_s
+        self._load_q.put(None)
+        self._save_q.put(None)  # after every queued save: the save thread stores them first
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.session.forget_at_exit(self)
+        self.session.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
+
+
+def _scatter_all(plan: PlannedLoad, good: list[bool]) -> Callable[[torch.Tensor, Lane], None]:
+    """The lane function of a load: keep every staging tensor until the event, then scatter."""
+
+    def run(_rows: torch.Tensor, lane: Lane) -> None:
+        for rows in plan.rows[1:]:
+            lane.keep(rows)
+        plan.scatter(good, lane)
+
+    return run
