@@ -35,6 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .budget import WaitBudget
 from .config import KVPackConfig
 from .cpu_features import request_amx_permission
@@ -284,6 +286,14 @@ class Session:
         result, never an exception) and release its pins."""
         return self.store.complete_load(batch.plan, batch.items)
 
+    def complete_load_lent(self, batch: LoadBatch) -> tuple[list[GetResult], list[memoryview | None]]:
+        """`complete_load`, except that an object this process's memory tier holds is not
+        copied into its buffer: ``views[i]`` is its stored payload, read-only, valid while
+        the caller holds it (`KVStore.complete_load_lent`); None where the item was read
+        into its buffer as `complete_load` reads it. For a caller that converts the bytes
+        on their way into the engine anyway (the conversion is then the only copy)."""
+        return self.store.complete_load_lent(batch.plan, batch.items)
+
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)
 
@@ -343,6 +353,43 @@ class Session:
         )
         items = list(map(PutItem, [keys[i] for i in todo], headers, payloads))
         for i, st in zip(todo, self.store.complete_store(items)):
+            ok[i] = st is TierStatus.OK
+        return ok
+
+    @property
+    def lends_slots(self) -> bool:
+        """Whether `save_pages_lent` and `complete_load_lent` lend the memory tier's own slots
+        (`KVStore.lends_memory`); when False they copy as `save_pages` and `complete_load` do."""
+        return self.store.lends_memory
+
+    def save_pages_lent(
+        self,
+        tenant: str,
+        obj: MemberObject,
+        chunks: Sequence[str],
+        fill: Callable[[Sequence[int], list[np.ndarray]], None],
+    ) -> list[bool]:
+        """`save_pages` whose payloads are written in place: `fill(todo, dsts)` writes page
+        ``todo[j]``'s object (exactly ``obj.payload_len`` bytes) into ``dsts[j]``, the memory
+        tier's own slot where it lends one (`KVStore.store_lent`), so a caller that converts
+        the pages anyway makes no copy beside the tier's. Raises ValueError without
+        ``obj.payload_len``. Per page: True when stored now or already stored."""
+        n = len(chunks)
+        if n == 0:
+            return []
+        if obj.payload_len is None:
+            raise ValueError(f"save_pages_lent: member {obj.member} has no payload_len")
+        keys = self.keys(tenant, chunks, obj.member)
+        wanted = set(self.store.prepare_store(keys))
+        todo = [i for i in range(n) if keys[i] in wanted]
+        ok = [True] * n
+        if not todo:
+            return ok
+        headers = ObjectHeader.batch(
+            obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, obj.payload_len
+        )
+        statuses = self.store.complete_store_lent([keys[i] for i in todo], headers, lambda dsts: fill(todo, dsts))
+        for i, st in zip(todo, statuses):
             ok[i] = st is TierStatus.OK
         return ok
 

@@ -43,6 +43,7 @@ from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
 from .integrity import IntegrityKey, seal_items
 from .keys import GroupKey, StoreKey
+from .lent import LentCopies
 from .lifecycle import LoadPlan, PlanBook, count_lookup
 from .metrics import Metrics, Tally
 from .objects import ObjectHeader, copy_parts_into, payload_checksum
@@ -57,8 +58,8 @@ from .writeback import WriteBack
 log = logging.getLogger("kvpack")
 
 
-class KVStore:
-    """See the module docstring."""
+class KVStore(LentCopies):
+    """See the module docstring; the lent verbs (`store_lent`, `complete_load_lent`): `kvpack.lent`."""
 
     def __init__(
         self,

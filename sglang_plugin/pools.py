@@ -79,6 +79,32 @@ def raw_view(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
+def copy_runs(geo: CanonicalGeometry, ids: Sequence[int], addrs: Sequence[int], *, gather: bool) -> None:
+    """Pages ``ids[i]`` of the pool <-> the canonical object at host address ``addrs[i]``
+    (``geo.object_bytes(geo.heads)`` bytes each; written when `gather`, else read), one
+    kernel call per run of objects that lie back to back in memory, in either order (a
+    tier's slots, staging rows). Every address must stay valid until this returns."""
+    size = geo.object_bytes(geo.heads)
+    i, n = 0, len(ids)
+    while i < n:
+        j = i + 1
+        step = addrs[j] - addrs[i] if j < n and abs(addrs[j] - addrs[i]) == size else 0
+        while step and j < n and addrs[j] - addrs[j - 1] == step:
+            j += 1
+        run_ids = list(ids[i:j]) if step >= 0 else list(reversed(ids[i:j]))
+        low = min(addrs[i], addrs[j - 1])
+        rows = torch.frombuffer(raw_view(low, size * (j - i)), dtype=torch.uint8)
+        geo.copy(run_ids, rows, gather=gather, obj_heads=geo.heads)
+        i = j
+
+
+def address_of(buf: Any) -> int:
+    """The host address of a C-contiguous buffer (numpy array, memoryview, read-only or not)."""
+    return (
+        int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
+    )
+
+
 def is_replicated(host_pool: Any, name: str, is_mla_model: bool) -> bool:
     """True when every TP rank holds the same bytes for this pool (MLA KV).
 
@@ -186,6 +212,10 @@ class StagingRows:
         with self._lock:
             if sum(b.numel() for b in self._free) + base.numel() <= self._kept_bytes:
                 self._free.append(base)
+
+
+def _nothing_after_load(_ok: Sequence[bool], _views: Sequence[memoryview | None]) -> None:
+    """In-place loads: the tier wrote straight into the host pool's pages."""
 
 
 def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> CanonicalGeometry | None:
@@ -363,42 +393,58 @@ class PoolBinding:
         rows = staging.numpy()
         return [memoryview(rows[i]) for i in range(n_pages)], lambda: self._staging.give_back(staging)
 
+    def fill_objects(self, host_indices: torch.Tensor, n_pages: int, dsts: Sequence[np.ndarray]) -> None:
+        """Canonical pools: page j's object gathered straight into ``dsts[j]`` (a tier's slot
+        lent by `kvpack.Session.save_pages_lent`): the conversion is the only copy."""
+        geo = self.canonical
+        assert geo is not None, "fill_objects is for canonical pools"
+        if len(dsts) != n_pages or any(d.nbytes != self.page_bytes for d in dsts):
+            raise ValueError(f"pool {self.name}: {len(dsts)} destinations for {n_pages} objects of {self.page_bytes} B")
+        copy_runs(geo, self.page_ids(host_indices, n_pages), [address_of(d) for d in dsts], gather=True)
+
     def load_buffers(
         self, host_indices: torch.Tensor, n_pages: int
-    ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
-        """Where each page's object is read to, and what to call with the per-page results:
-        in place (nothing to do after), or staging rows scattered into the pages that loaded."""
+    ) -> tuple[list[Payload], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]:
+        """Where each page's object is read to, and what to call with the per-page results
+        and lent views (`kvpack.Session.complete_load_lent`: a page's object read in place
+        from a tier, not copied into its row): in place (nothing to do after), or each
+        loaded page's object, from its view or its staging row, scattered into the page."""
         if self.canonical is None:
-            return self.page_payloads(host_indices, n_pages), lambda _ok: None
+            return self.page_payloads(host_indices, n_pages), _nothing_after_load
         geo = self.canonical
         ids = self.page_ids(host_indices, n_pages)
         staging = self._staging.take(n_pages, self.page_bytes)
         rows = staging.numpy()
+        base, size = int(rows.ctypes.data), self.page_bytes
 
-        def finish(ok: Sequence[bool]) -> None:
+        def finish(ok: Sequence[bool], views: Sequence[memoryview | None]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
-            if len(sel) == n_pages:  # every page loaded: the rows as they are (no compacting copy)
-                geo.copy(ids, staging.view(-1), gather=False, obj_heads=geo.heads)
-            elif sel:
-                geo.copy([ids[i] for i in sel], staging[sel].contiguous().view(-1), gather=False, obj_heads=geo.heads)
+            if any(views[i] is not None and views[i].nbytes != size for i in sel):  # type: ignore[union-attr]
+                raise ValueError(f"pool {self.name}: a lent object is not {size} B")
+            addrs = [address_of(views[i]) if views[i] is not None else base + i * size for i in sel]
+            copy_runs(geo, [ids[i] for i in sel], addrs, gather=False)
             self._staging.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
     def range_load_buffers(
         self, host_indices: torch.Tensor, n_pages: int, obj: StoredRange
-    ) -> tuple[list[Payload], Callable[[Sequence[bool]], None]]:
+    ) -> tuple[list[Payload], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]:
         """`load_buffers` for objects of the head range `obj.heads` (a writer at another TP
-        size): rows of its size; the heads `obj.part` this rank holds are scattered into
-        the pages that loaded."""
+        size): rows of its size (a lent view is copied into its row first); the heads
+        `obj.part` this rank holds are scattered into the pages that loaded."""
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
         ids = self.page_ids(host_indices, n_pages)
         staging = self._staging.take(n_pages, geo.object_bytes(obj.heads.size))
         rows = staging.numpy()
 
-        def finish(ok: Sequence[bool]) -> None:
+        def finish(ok: Sequence[bool], views: Sequence[memoryview | None]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
+            for i in sel:
+                view = views[i]
+                if view is not None:
+                    rows[i] = np.frombuffer(view, dtype=np.uint8)
             if sel:
                 geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
             self._staging.give_back(staging)

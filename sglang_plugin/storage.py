@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import Coverage, KVLayoutSpec, LoadItem, MemberObject, MemberRole, MemberSpec, Payload, Session
@@ -364,13 +365,21 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         loads = self._page_loads(binding, keys, host_indices)
         items = [item for _, part, _ in loads for item in part]
         # the session takes the tier its lookup found each page in: a page gone from there is counted
-        results = iter(self.session.complete_load(self.session.prepare_load(items)))
+        batch = self.session.prepare_load(items)
+        if binding.canonical is not None:  # converted on the way in: read the memory tier's copies in place
+            results, views = self.session.complete_load_lent(batch)
+        else:  # in place: the tiers write straight into the pool's pages
+            results, views = self.session.complete_load(batch), [None] * len(items)
         ok = [True] * n
+        at = 0
         for pages, part, _ in loads:  # a page is restored only when every object of it loaded
-            for p, _item in zip(pages, part):
-                ok[p] = next(results).ok and ok[p]
-        for pages, _, finish in loads:
-            finish([ok[p] for p in pages])
+            for p, res in zip(pages, results[at : at + len(part)]):
+                ok[p] = res.ok and ok[p]
+            at += len(part)
+        at = 0
+        for pages, part, finish in loads:
+            finish([ok[p] for p in pages], views[at : at + len(part)])
+            at += len(part)
         if name == "kv":  # tokens restored into the engine, once per page (not per pool of it)
             self.metrics.inc("loaded_tokens", sum(ok) * binding.page_size, tenant=self.tenant)
         if not all(ok):
@@ -379,14 +388,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     def _page_loads(
         self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor
-    ) -> list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool]], None]]]:
+    ) -> list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]]:
         """Per object of the pages (the pages it covers, its load items, what to call with
         those pages' results): the pool's own member, or, for pages the lookup found as
         another TP size's head ranges (`_other_splits`), one object per range. Pages of one
         batch may come from several splits (`kvpack.split_lookup`)."""
         n = len(keys)
         splits = self._located_splits(binding, keys) if binding.canonical is not None else [0] * n
-        out: list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool]], None]]] = []
+        out: list[tuple[list[int], list[LoadItem], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]] = []
         for split in sorted(set(splits)):
             pages = [i for i, s in enumerate(splits) if s == split]
             idx = host_indices if len(pages) == n else host_indices.reshape(n, -1)[pages].reshape(-1)
@@ -432,11 +441,19 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         if not binding.writes:
             return [True] * n  # replicated pool: this DCP shard's storage writer stores it
 
+        def pages(todo: Sequence[int]) -> torch.Tensor:
+            return host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)
+
+        if binding.canonical is not None and self.session.lends_slots:  # converted straight into the tier's slots
+
+            def fill(todo: Sequence[int], dsts: list[np.ndarray]) -> None:
+                binding.fill_objects(pages(todo), len(todo), dsts)
+
+            return self.session.save_pages_lent(self.tenant, binding.obj, keys, fill)
         after: list[Callable[[], None]] = []
 
         def payloads_of(todo: Sequence[int]) -> list[Payload]:
-            idx = host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)
-            payloads, done = binding.store_payloads(idx, len(todo))
+            payloads, done = binding.store_payloads(pages(todo), len(todo))
             after.append(done)
             return payloads
 

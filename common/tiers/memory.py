@@ -189,15 +189,11 @@ class MemoryTier(Tier):
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
         """Store a batch: capacity (`CapacityManager.admit`, one reservation per
-        tenant of the batch when it fits) and slots under one lock, the copies
-        outside it (on `copy_threads` threads), then every object made visible
-        under one lock."""
-        n = len(items)
-        statuses = [TierStatus.OK] * n
-        slots: list[np.ndarray | None] = [None] * n
+        tenant of the batch when it fits) and slots under one lock (`reserve`), the
+        copies outside it (on `copy_threads` threads), then every object made visible
+        under one lock (`publish`)."""
         parts: list[list[np.ndarray]] = []
         sizes: list[int] = []
-        groups: list[str] = []
         frombuffer, u8 = np.frombuffer, _U8
         for item in items:
             payload = item.payload
@@ -209,17 +205,55 @@ class MemoryTier(Tier):
                 arrays = _byte_arrays(payload)
             parts.append(arrays)
             sizes.append(arrays[0].nbytes if len(arrays) == 1 else sum([a.nbytes for a in arrays]))
-            key = item.key
-            groups.append(f"{key.tenant}/{key.fingerprint}/{key.chunk}")  # == _gid(key)
+        keys = [item.key for item in items]
+        headers = [item.header for item in items]
+        statuses, slots = self._reserve(keys, headers, sizes)
         pairs: list[CopyPair] = []
         total = 0
+        add_pair = pairs.append
+        for slot, ps in zip(slots, parts):
+            if slot is None:
+                continue
+            if len(ps) == 1:
+                add_pair((slot, ps[0]))
+            else:
+                offset = 0
+                for part in ps:
+                    m = part.nbytes
+                    add_pair((slot[offset : offset + m], part))
+                    offset += m
+            total += slot.nbytes
+        self._io.copy(pairs, total, streaming=True)
+        del pairs
+        return self.publish(keys, headers, slots, statuses)
+
+    def reserve(
+        self, keys: Sequence[StoreKey], headers: Sequence[ObjectHeader]
+    ) -> tuple[list[TierStatus], list[np.ndarray | None]]:
+        """A lent put, first half: admit a batch as `put_from` does and lend the caller
+        each admitted object's slot (a writable uint8 array of exactly
+        ``headers[i].payload_len`` bytes; None where the status is not OK), so it
+        writes the payload in place instead of handing over a buffer to copy. Nothing
+        is visible until `publish` with the same lists (call it exactly once, also
+        when the caller could not fill every slot: it marks those not OK first)."""
+        return self._reserve(keys, headers, [h.payload_len for h in headers])
+
+    def _reserve(
+        self, keys: Sequence[StoreKey], headers: Sequence[ObjectHeader], sizes: Sequence[int]
+    ) -> tuple[list[TierStatus], list[np.ndarray | None]]:
+        """Capacity and slots for a batch (`sizes`: each payload's bytes, ERROR where it is
+        not the header's length), new slabs made outside the lock (`SlabArena.order`)."""
+        n = len(keys)
+        statuses = [TierStatus.OK] * n
+        slots: list[np.ndarray | None] = [None] * n
+        groups = [f"{k.tenant}/{k.fingerprint}/{k.chunk}" for k in keys]  # == _gid(key)
         with self._lock:
             if self._closed:
-                return [TierStatus.UNAVAILABLE] * n
+                return [TierStatus.UNAVAILABLE] * n, slots
             # slabs only for what fits without evicting: an evicted group's slots are reused
             room, fresh = self._capacity.capacity - self._capacity.used, []
-            for size, item in zip(sizes, items):
-                if size == item.header.payload_len and size <= room:
+            for size, header in zip(sizes, headers):
+                if size == header.payload_len and size <= room:
                     fresh.append(size)
                     room -= size
             orders = self._arena.order(fresh)
@@ -228,58 +262,62 @@ class MemoryTier(Tier):
         with self._lock:
             self._arena.adopt(orders)
             if self._closed:
-                return [TierStatus.UNAVAILABLE] * n
+                return [TierStatus.UNAVAILABLE] * n, slots
             todo: dict[str, list[int]] = {}
-            for i, item in enumerate(items):
-                if sizes[i] != item.header.payload_len:
+            for i, key in enumerate(keys):
+                if sizes[i] != headers[i].payload_len:
                     statuses[i] = TierStatus.ERROR
                 else:
-                    todo.setdefault(item.key.tenant, []).append(i)
+                    todo.setdefault(key.tenant, []).append(i)
             for tenant, idx in todo.items():
-                requests = [(groups[i], items[i].key.member, sizes[i]) for i in idx]
+                requests = [(groups[i], keys[i].member, sizes[i]) for i in idx]
                 for i, ok in zip(idx, self._capacity.admit(tenant, requests, self._evict_locked)):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
-            alloc, has_member, add_pair = self._arena.alloc, self._capacity.has_member, pairs.append
+            alloc, has_member = self._arena.alloc, self._capacity.has_member
             for idx in todo.values():
                 for i in idx:
                     if statuses[i] is not TierStatus.OK:
                         continue
-                    if not has_member(groups[i], items[i].key.member):
+                    if not has_member(groups[i], keys[i].member):
                         statuses[i] = TierStatus.NO_SPACE  # evicted by a later item of this batch: nothing to copy
                         continue
-                    size = sizes[i]
-                    slot = slots[i] = alloc(size)
+                    slot = slots[i] = alloc(sizes[i])
                     if slot is None:  # no room within the arena's bound: drop the store (and its group, all or nothing)
                         self._drop_groups_locked([groups[i]])
                         statuses[i] = TierStatus.NO_SPACE
-                        continue
-                    ps = parts[i]
-                    if len(ps) == 1:
-                        add_pair((slot, ps[0]))
-                    else:
-                        offset = 0
-                        for part in ps:
-                            m = part.nbytes
-                            add_pair((slot[offset : offset + m], part))
-                            offset += m
-                    total += size
-        self._io.copy(pairs, total, streaming=True)
-        del pairs
+        return statuses, slots
+
+    def publish(
+        self,
+        keys: Sequence[StoreKey],
+        headers: Sequence[ObjectHeader],
+        slots: Sequence[np.ndarray | None],
+        statuses: Sequence[TierStatus],
+    ) -> list[TierStatus]:
+        """A reserved batch's second half: every filled object (status OK, a slot) made
+        visible under one lock with its header (which may now carry a checksum); a slot
+        whose status is not OK is handed back, and its group dropped (all or nothing).
+        Returns the final statuses."""
+        out = list(statuses)
         with self._lock:
             has_member = self._capacity.has_member
             objects, members = self._objects, self._members
-            for i, (item, slot) in enumerate(zip(items, slots)):
+            for i, (key, slot) in enumerate(zip(keys, slots)):
                 if slot is None:
                     continue
-                key, group = item.key, groups[i]
+                group = f"{key.tenant}/{key.fingerprint}/{key.chunk}"
+                if out[i] is not TierStatus.OK:  # not filled: no half-written object becomes visible
+                    self._arena.release(slot)
+                    self._drop_groups_locked([group])
+                    continue
                 if not has_member(group, key.member):
                     # evicted while copying (by a later item of this batch, or a concurrent put)
                     self._arena.release(slot)
-                    statuses[i] = TierStatus.NO_SPACE
+                    out[i] = TierStatus.NO_SPACE
                     continue
                 old = objects.get(key)
-                objects[key] = _Entry(item.header, slot, group)
+                objects[key] = _Entry(headers[i], slot, group)
                 group_keys = members.get(group)
                 if group_keys is None:
                     members[group] = {key}
@@ -287,7 +325,27 @@ class MemoryTier(Tier):
                     group_keys.add(key)
                 if old is not None:
                     self._arena.release(old.data)
-        return statuses
+        return out
+
+    def lend(
+        self, keys: Sequence[StoreKey], expected: Sequence[Expectation]
+    ) -> list[tuple[ObjectHeader, memoryview] | None]:
+        """A lent get: per key, the stored header and a read-only view of the payload when
+        the header passes `expected` (touched for eviction as `get_into` does), else None
+        (missing, refused: the caller reads it with `get_into`, which counts why). No copy:
+        the caller reads the slot itself. While the view lives its slot is not reused,
+        even if the object is evicted or overwritten meanwhile (`SlabArena`)."""
+        with self._lock:
+            get = self._objects.get
+            entries = [get(k) for k in keys]
+            self._capacity.touch_many([e.gid for e in entries if e is not None])
+        out: list[tuple[ObjectHeader, memoryview] | None] = []
+        for entry, exp in zip(entries, expected):
+            if entry is None or check_header(entry.header, exp) is not None:
+                out.append(None)
+            else:
+                out.append((entry.header, entry.data.data.toreadonly()))
+        return out
 
     def _evict_locked(self, gids: Sequence[Hashable]) -> None:
         # The capacity manager hands back victims among the groups this tier admitted: its str gids.

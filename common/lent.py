@@ -1,0 +1,186 @@
+"""Lent copies: a store or a load whose payloads the caller writes into, or reads from, the
+memory tier's own slots, so a caller that must convert the bytes anyway (an SGLang host
+pool's pages into canonical objects) makes that conversion the only copy, instead of a
+conversion into its own buffer beside the tier's copy out of it.
+
+`KVStore` has these verbs through `LentCopies`:
+
+- `store_lent(keys, headers, fill)` (`complete_store_lent` after `prepare_store`): the
+  memory tier reserves each object's slot (`MemoryTier.reserve`, the capacity rules of
+  `put_from`), `fill` writes every payload in place, then the objects become visible
+  (`MemoryTier.publish`); the lower tiers get them as `store` gives them theirs.
+- `complete_load_lent(plan, items)`: `complete_load`, except that an object the memory tier
+  holds is handed back as a read-only view of its slot (`MemoryTier.lend`) instead of copied
+  into the item's buffer.
+
+Both fall back to the ordinary copies where lending would skip a check (`lends_memory`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import numpy as np
+
+from .config import ChecksumPolicy, KVPackConfig
+from .integrity import IntegrityKey
+from .keys import StoreKey
+from .lifecycle import LoadPlan, PlanBook
+from .metrics import Metrics, Tally
+from .objects import ObjectHeader, payload_checksum
+from .reads import LoadItem, TierReads
+from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.memory import MemoryTier
+
+_NOT_LENT = GetResult(TierStatus.MISS)
+"""A placeholder in `complete_load_lent` for an item read the ordinary way."""
+
+
+class _StoreParts(Protocol):
+    """What `LentCopies` uses of `KVStore`."""
+
+    config: KVPackConfig
+    metrics: Metrics
+    read_only: bool
+    write_back: bool
+    _closed: bool
+    _memory: MemoryTier | None
+    _lower: tuple[Tier, ...]
+    _integrity: IntegrityKey | None
+    _reads: TierReads
+    _by_name: dict[str, Tier]
+    _plans: PlanBook
+
+    def store(self, items: Sequence[PutItem]) -> list[TierStatus]: ...
+
+    def complete_load(self, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]: ...
+
+    def release(self, plan: LoadPlan) -> None: ...
+
+    def _write_through(self, items: Sequence[PutItem], tiers: Sequence[Tier]) -> list[TierStatus]: ...
+
+    def _queue_stored(
+        self, items: Sequence[PutItem], mem: Sequence[TierStatus], statuses: list[TierStatus]
+    ) -> None: ...
+
+    def _count_evictions(self) -> None: ...
+
+    @property
+    def lends_memory(self) -> bool: ...
+
+
+class LentCopies:
+    """The lent verbs of `KVStore` (see the module docstring). Thread-safe as the store is."""
+
+    @property
+    def lends_memory(self: _StoreParts) -> bool:
+        """Whether the lent verbs hand out the memory tier's slots: the store has one and
+        stores, no keyed MAC (a sealed header needs its payload first), and its loads from
+        memory are not checksummed (``checksum`` is not ``always``). Else they copy."""
+        return (
+            self._memory is not None
+            and not self.read_only
+            and self._integrity is None
+            and self.config.checksum is not ChecksumPolicy.ALWAYS
+        )
+
+    def store_lent(
+        self: _StoreParts,
+        keys: Sequence[StoreKey],
+        headers: Sequence[ObjectHeader],
+        fill: Callable[[list[np.ndarray]], None],
+    ) -> list[TierStatus]:
+        """`store`, the payloads written by the caller instead of copied from its buffers:
+        `fill(dsts)` is called once with a writable uint8 array of exactly
+        ``headers[i].payload_len`` bytes per object and must fill every one (a slot the
+        memory tier reserved, or, where it refused the object or `lends_memory` is False,
+        a fresh array). The memory tier shows an object only once `fill` returned; if
+        `fill` raises, nothing is stored and the exception propagates. Per object: OK when
+        accepted, as `store` answers."""
+        n = len(keys)
+        if self._closed or self.read_only:
+            return [TierStatus.UNAVAILABLE] * n
+        memory = self._memory
+        if memory is None or not self.lends_memory:
+            owned = [np.empty(h.payload_len, dtype=np.uint8) for h in headers]
+            fill(owned)
+            return self.store([PutItem(k, h, d.data) for k, h, d in zip(keys, headers, owned)])
+        start = time.perf_counter()
+        reserved, slots = memory.reserve(keys, headers)
+        dsts = [s if s is not None else np.empty(h.payload_len, dtype=np.uint8) for s, h in zip(slots, headers)]
+        try:
+            fill(dsts)
+        except BaseException:
+            memory.publish(keys, headers, slots, [TierStatus.ERROR] * n)
+            raise
+        items = [PutItem(k, h, d.data) for k, h, d in zip(keys, headers, dsts)]
+        if self._lower and not self.write_back:  # one checksum for every tier, as `_write_through` gives
+            items = [
+                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
+                if it.header.checksum is None
+                else it
+                for it in items
+            ]
+        mem = memory.publish(keys, [it.header for it in items], slots, reserved)
+        self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)
+        tally = Tally(self.metrics)
+        for item, st in zip(items, mem):
+            if st is TierStatus.OK:
+                tally.inc("stored_bytes", item.header.payload_len, tenant=item.key.tenant, tier=memory.name)
+                tally.inc("stored_objects", tenant=item.key.tenant, tier=memory.name)
+            else:
+                tally.inc("store_dropped", tier=memory.name, reason=st.value)
+        tally.flush()
+        statuses = list(mem)
+        if self._lower and self.write_back:
+            self._queue_stored(items, mem, statuses)
+        elif self._lower:
+            lower = self._write_through(items, self._lower)
+            statuses = [m if m is TierStatus.OK or lo is not TierStatus.OK else lo for m, lo in zip(mem, lower)]
+        self._count_evictions()
+        return statuses
+
+    def complete_store_lent(
+        self: _StoreParts,
+        keys: Sequence[StoreKey],
+        headers: Sequence[ObjectHeader],
+        fill: Callable[[list[np.ndarray]], None],
+    ) -> list[TierStatus]:
+        """`store_lent` the items `prepare_store` gave, and end their preparation (as
+        `complete_store` does for `store`)."""
+        try:
+            return LentCopies.store_lent(self, keys, headers, fill)
+        finally:
+            self._plans.end_stores(keys)
+
+    def complete_load_lent(
+        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem]
+    ) -> tuple[list[GetResult], list[memoryview | None]]:
+        """`complete_load`, except that what this process's memory tier holds is not copied:
+        ``views[i]`` is then its stored payload, read-only, and ``items[i].dst`` is left as
+        it was; every other item is read into its `dst` as `complete_load` reads it
+        (``views[i]`` None). A view stays valid while the caller holds it, evicted or not
+        (`MemoryTier.lend`). Without `lends_memory` every view is None."""
+        memory = self._memory
+        if memory is None or not self.lends_memory:
+            return self.complete_load(plan, items), [None] * len(items)
+        try:
+            lent = memory.lend([it.key for it in items], [it.expected for it in items])
+            results = [GetResult(TierStatus.OK, got[0]) if got is not None else _NOT_LENT for got in lent]
+            tally = Tally(self.metrics)
+            for item, got in zip(items, lent):
+                if got is not None:
+                    tally.inc("loaded_bytes", got[0].payload_len, tenant=item.key.tenant, tier=memory.name)
+            tally.flush()
+            rest = [i for i, got in enumerate(lent) if got is None]
+            if rest:
+                located: Mapping[StoreKey, str] = plan.located
+                first = [self._by_name.get(located.get(items[i].key, "")) for i in rest]
+                for i, res in zip(rest, self._reads.load([items[i] for i in rest], first)):
+                    results[i] = res
+            return results, [got[1] if got is not None else None for got in lent]
+        finally:
+            self.release(plan)

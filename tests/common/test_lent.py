@@ -1,0 +1,159 @@
+"""Lent copies (`kvpack.lent`): saves written straight into the memory tier's slots, loads read
+straight out of them, over real tiers; what the other tiers get is unchanged.
+
+A lent save must store exactly what `fill` wrote, on every tier, show nothing when `fill`
+raises, and keep a refused object's bytes for the lower tiers; a lent load must hand back
+the stored bytes without touching the caller's buffer and read the rest the ordinary way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fixtures.builders import GROUP_FP, MEMBER_FP, TOKENS, chunk_id
+from kvpack import KVPackConfig, KVStore, MemberObject, Session
+from kvpack.tiers.factory import build_tiers
+
+PAGE = 4096
+KV = MemberObject("kv", MEMBER_FP, TOKENS, PAGE)
+
+
+@pytest.fixture
+def make_session(tmp_path: Path) -> Iterator[Callable[..., Session]]:
+    opened: list[KVStore] = []
+
+    def make(memory: bool = True, disk: bool = True, capacity: int = 1 << 20, **more: object) -> Session:
+        config = KVPackConfig.from_dict(
+            {
+                "memory": {"enabled": memory, "capacity": capacity},
+                "disk": {"enabled": disk, "path": str(tmp_path / "disk")},
+                **more,
+            }
+        )
+        store = KVStore(config, build_tiers(config), write_back=False)
+        opened.append(store)
+        return Session(store, GROUP_FP)
+
+    yield make
+    for store in reversed(opened):
+        store.close()
+
+
+def _pages(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(n)]
+
+
+def _filler(pages: Sequence[np.ndarray], seen: list[list[int]]) -> Callable[[Sequence[int], list[np.ndarray]], None]:
+    def fill(todo: Sequence[int], dsts: list[np.ndarray]) -> None:
+        seen.append(list(todo))
+        for i, dst in zip(todo, dsts):
+            assert dst.nbytes == PAGE and dst.flags.writeable
+            dst[:] = pages[i]
+
+    return fill
+
+
+def _read(session: Session, chunks: list[str]) -> tuple[list[bool], list[bytes]]:
+    """Ordinary loads into fresh buffers (every tier, read-through)."""
+    bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
+    res = session.load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
+    return [r.ok for r in res], [b.tobytes() for b in bufs]
+
+
+@pytest.mark.parametrize("tiers", [dict(memory=True, disk=False), dict(memory=True, disk=True)])
+def test_a_lent_save_stores_what_fill_wrote_and_only_what_is_not_stored(make_session, tiers):
+    session = make_session(**tiers)
+    assert session.lends_slots
+    pages = _pages(6, seed=1)
+    chunks = [chunk_id(i) for i in range(6)]
+    seen: list[list[int]] = []
+    assert session.save_pages_lent("default", KV, chunks[:3], _filler(pages, seen)) == [True] * 3
+    assert session.save_pages_lent("default", KV, chunks, _filler(pages, seen)) == [True] * 6
+    assert seen == [[0, 1, 2], [3, 4, 5]]  # the second save filled only what was not stored
+    ok, got = _read(session, chunks)
+    assert ok == [True] * 6 and got == [p.tobytes() for p in pages]
+    if tiers["disk"]:  # the disk tier got the same bytes, checksummed: a reader without memory loads them
+        reader = make_session(memory=False, disk=True)
+        ok, got = _read(reader, chunks)
+        assert ok == [True] * 6 and got == [p.tobytes() for p in pages]
+
+
+def test_a_fill_that_raises_stores_nothing(make_session):
+    session = make_session(disk=False)
+    chunks = [chunk_id(i) for i in range(3)]
+
+    def broken(todo: Sequence[int], dsts: list[np.ndarray]) -> None:
+        dsts[0][:] = 7
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        session.save_pages_lent("default", KV, chunks, broken)
+    assert session.contains_members("default", chunks, ["kv"]) == [{"kv": False}] * 3
+    # and the pages may be stored later (their preparation ended)
+    pages = _pages(3, seed=2)
+    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True] * 3
+
+
+def test_an_object_memory_refuses_still_reaches_the_disk(make_session):
+    # a memory tier smaller than one object admits none: the lent save fills fresh arrays for the disk
+    session = make_session(capacity=PAGE // 2)
+    pages = _pages(2, seed=3)
+    chunks = [chunk_id(i) for i in range(2)]
+    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
+    assert session.store.in_memory(session.keys("default", chunks, "kv")) == [False, False]
+    ok, got = _read(make_session(memory=False), chunks)
+    assert ok == [True, True] and got == [p.tobytes() for p in pages]
+
+
+def test_without_lending_the_verbs_copy(make_session):
+    session = make_session(memory=False)  # no memory tier: nothing to lend
+    assert not session.lends_slots
+    pages = _pages(2, seed=4)
+    chunks = [chunk_id(i) for i in range(2)]
+    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
+    bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
+    results, views = session.complete_load_lent(
+        session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
+    )
+    assert [r.ok for r in results] == [True, True] and views == [None, None]
+    assert [b.tobytes() for b in bufs] == [p.tobytes() for p in pages]
+
+
+def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
+    session = make_session(disk=True)
+    pages = _pages(4, seed=5)
+    chunks = [chunk_id(i) for i in range(4)]
+    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True] * 4
+    keys = session.keys("default", chunks, "kv")
+    session.store.tiers[0].remove_groups([keys[1].group, keys[3].group])  # only the disk holds pages 1 and 3
+    bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
+    results, views = session.complete_load_lent(
+        session.prepare_load(
+            session.page_reads(
+                "default", KV, chunks + [chunk_id(9)], [b.data for b in bufs] + [np.zeros(PAGE, dtype=np.uint8).data]
+            )
+        )
+    )
+    assert [r.ok for r in results] == [True, True, True, True, False]
+    assert [v is not None for v in views] == [True, False, True, False, False]
+    for i in (0, 2):
+        assert bytes(views[i]) == pages[i].tobytes() and views[i].readonly  # type: ignore[arg-type,union-attr]
+        assert not bufs[i].any()  # the caller's buffer was left as it was
+    for i in (1, 3):
+        assert bufs[i].tobytes() == pages[i].tobytes()
+    # a view outlives its object: the slot is not reused while it is held
+    held = bytes(views[0])  # type: ignore[arg-type]
+    session.store.tiers[0].remove_groups([keys[0].group])
+    more = _pages(8, seed=6)
+    session.save_pages_lent("default", KV, [chunk_id(20 + i) for i in range(8)], _filler(more, []))
+    assert bytes(views[0]) == held  # type: ignore[arg-type]
+
+
+def test_checksum_always_turns_lending_off(make_session):
+    session = make_session(checksum="always")
+    assert not session.lends_slots
