@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from .config_build import build_dataclass, join_path, to_plain
-from .errors import ConfigError
-from .sizes import parse_mooncake_size, parse_size
+from .config_files import parse_json, parse_toml, read_text
+from .errors import ConfigError, shown
+from .sizes import MAX_SIZE, parse_mooncake_size, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,8 @@ MAX_THREADS = 64
 """Upper bound of every thread count (`io_threads`, `mooncake.workers`)."""
 MAX_WAIT_MS = 600_000
 """Upper bound of every timeout in milliseconds (10 minutes)."""
+MAX_KEY_FILE_BYTES = 4096
+"""Largest `KVPackConfig.integrity_key_file` read (a hex key of 64 bytes is 128 characters)."""
 
 
 def check_range(path: str, value: int | float, lo: int | float, hi: int | float) -> None:
@@ -48,8 +49,7 @@ def check_range(path: str, value: int | float, lo: int | float, hi: int | float)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(path, f"must be a finite number, got {value!r}")
     if not lo <= value <= hi:
-        shown = repr(value) if abs(value) < 10**18 else f"a number of {int(value).bit_length()} bits"
-        raise ConfigError(path, f"must be between {lo} and {hi}, got {shown}")
+        raise ConfigError(path, f"must be between {lo} and {hi}, got {shown(value)}")
 
 
 def _size_field(default: int | str, doc: str = "") -> Any:
@@ -278,11 +278,9 @@ class MooncakeTierConfig:
             return self
         where = f"{path}.config_file" if self.config_file else "MOONCAKE_CONFIG_PATH"
         try:
-            data = json.loads(Path(file).read_text())
-        except OSError as exc:
-            raise ConfigError(where, f"cannot read {file}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(where, f"{file} is not valid JSON: {exc}") from None
+            data = parse_json(read_text(file), file)
+        except ConfigError as exc:
+            raise ConfigError(where, f"{exc.source} {exc.problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(where, f"{file} must hold a JSON object")
         unknown = sorted(set(data) - set(self.FILE_KEYS) - set(self.FILE_IGNORED_KEYS))
@@ -299,12 +297,18 @@ class MooncakeTierConfig:
             try:
                 if key in ("global_segment_size", "local_buffer_size"):
                     value = parse_mooncake_size(value)
+                    if value > MAX_SIZE:
+                        raise ValueError(f"size must be at most {MAX_SIZE} bytes, got {shown(value)}")
                 elif key == "protocol":
-                    value = MooncakeProtocol(str(value).strip().lower())
+                    if not isinstance(value, str):
+                        raise ValueError(f"expected 'tcp' or 'rdma', got {shown(value)}")
+                    value = MooncakeProtocol(value.strip().lower())
                 elif key == "device_name":
-                    value = "" if value is None else str(value)
+                    if value is not None and not isinstance(value, str):
+                        raise ValueError(f"expected a string, got {shown(value)}")
+                    value = value or ""
                 elif not isinstance(value, str):
-                    raise ValueError(f"expected a string, got {value!r}")
+                    raise ValueError(f"expected a string, got {shown(value)}")
             except ValueError as exc:
                 raise ConfigError(f"{where}:{key}", str(exc)) from None
             updates[key] = value
@@ -458,9 +462,9 @@ class KVPackConfig:
             return None
         where = join_path(path, "integrity_key_file")
         try:
-            text = Path(self.integrity_key_file).read_text()
-        except (OSError, ValueError) as exc:
-            raise ConfigError(where, f"cannot read {self.integrity_key_file!r}: {exc}") from None
+            text = read_text(self.integrity_key_file, limit=MAX_KEY_FILE_BYTES)
+        except ConfigError as exc:
+            raise ConfigError(where, f"{shown(exc.source, 200)} {exc.problem}") from None
         return _hex_key(where, text.strip(), 16, 64)
 
     # -- construction -------------------------------------------------------
@@ -483,29 +487,30 @@ class KVPackConfig:
         return build_dataclass(cls, data, "")
 
     @classmethod
-    def from_json(cls, text: str) -> KVPackConfig:
-        try:
-            data = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ConfigError("<json>", f"not valid JSON: {exc}") from None
+    def from_json(cls, text: str, source: str = "<json>") -> KVPackConfig:
+        """Build from JSON text (empty: the defaults). Raises ConfigError naming `source` and the field."""
+        data = parse_json(text, source) if text.strip() else {}
         if not isinstance(data, dict):
-            raise ConfigError("<json>", "must be a JSON object")
-        return cls.from_dict(data)
+            raise ConfigError("", "must hold a JSON object", source)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise exc.in_file(source) from None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> KVPackConfig:
-        """Build from a .json or .toml file."""
-        p = Path(path)
+        """Build from a .toml file, or a JSON one (any other name). Whatever the file
+        holds, the result is a config or one `ConfigError` naming the file, the field
+        where there is one, and the problem (`kvpack.config_files`)."""
+        source = os.fspath(path)
+        text = read_text(source)
+        if Path(source).suffix != ".toml":
+            return cls.from_json(text, source)
+        data = parse_toml(text, source)
         try:
-            raw = p.read_bytes()
-        except OSError as exc:
-            raise ConfigError("<file>", f"cannot read {p}: {exc}") from None
-        if p.suffix == ".toml":
-            try:
-                return cls.from_dict(tomllib.loads(raw.decode()))
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError("<file>", f"{p} is not valid TOML: {exc}") from None
-        return cls.from_json(raw.decode())
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise exc.in_file(source) from None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict that `from_dict` accepts back."""

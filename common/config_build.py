@@ -18,14 +18,16 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 from .sizes import parse_size
 
 T = TypeVar("T")
 
 
-def join_path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def join_path(prefix: str, name: object) -> str:
+    """The dotted path of key `name` under `prefix`; a key that is not a string is `shown`."""
+    text = name if isinstance(name, str) else shown(name)
+    return f"{prefix}.{text}" if prefix else text
 
 
 def build_dataclass(cls: type[T], data: Mapping[str, Any], path: str) -> T:
@@ -38,10 +40,10 @@ def build_dataclass(cls: type[T], data: Mapping[str, Any], path: str) -> T:
         raise ConfigError(path or "<root>", f"expected an object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted((k for k in data if k not in fields), key=lambda k: join_path("", k))
     if unknown:
         raise ConfigError(
-            join_path(path, str(unknown[0])),
+            join_path(path, unknown[0]),
             f"unknown key; allowed keys: {', '.join(sorted(fields))}",
         )
     kwargs: dict[str, Any] = {}
@@ -63,8 +65,8 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
         if isinstance(value, tp):
             return value
         allowed = [m.value for m in tp]
-        if value not in allowed:
-            raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
+        if not isinstance(value, (str, int, float)) or value not in allowed:
+            raise ConfigError(path, f"must be one of {allowed}, got {shown(value)}")
         return tp(value)
     if origin is tuple:
         args = typing.get_args(tp)
@@ -80,7 +82,7 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected an object, got {type(value).__name__}")
         return {
-            _coerce(key_tp, k, f"{path}.{k}", False): _coerce(val_tp, v, f"{path}.{k}", is_size)
+            _coerce(key_tp, k, join_path(path, k), False): _coerce(val_tp, v, join_path(path, k), is_size)
             for k, v in value.items()
         }
     if origin in (typing.Union, types.UnionType):
@@ -95,25 +97,25 @@ def _coerce(tp: Any, value: Any, path: str, is_size: bool) -> Any:
             raise ConfigError(path, str(exc)) from None
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r}")
+            raise ConfigError(path, f"expected true or false, got {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}")
+            raise ConfigError(path, f"expected an integer, got {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}")
+            raise ConfigError(path, f"expected a number, got {shown(value)}")
         try:
             number = float(value)
         except OverflowError:
             raise ConfigError(path, "number too large") from None
         if not math.isfinite(number):
-            raise ConfigError(path, f"must be a finite number, got {value!r}")
+            raise ConfigError(path, f"must be a finite number, got {shown(value)}")
         return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
+            raise ConfigError(path, f"expected a string, got {shown(value)}")
         return value
     raise ConfigError(path, f"unsupported config type {tp!r}")  # pragma: no cover - programming error
 

@@ -38,7 +38,7 @@ HUGE = "1" + "0" * 400
         ({"mooncake": {"timeout_ms": 10**30}}, "mooncake.timeout_ms"),
         ({"mooncake": {"workers": 2000}}, "mooncake.workers"),
         ({"tenant": "acme\n"}, "tenant"),
-        ({"eviction": {"tenant_quotas": {"acme\n": "1GiB"}}}, "eviction.tenant_quotas.acme\n"),
+        ({"eviction": {"tenant_quotas": {"acme\n": "1GiB"}}}, "eviction.tenant_quotas.acme\\n"),  # one line: escaped
         ({"trusted_tenants": ["ok", "bad\n"]}, "trusted_tenants[1]"),
         ({"trusted_tenants": "alice"}, "trusted_tenants"),
         ({"tenant_signing_key": "zz"}, "tenant_signing_key"),
