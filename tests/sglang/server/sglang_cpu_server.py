@@ -35,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,10 +98,16 @@ def server_env() -> dict[str, str]:
 
 
 def server_argv(
-    model: Path, port: int, extra_config: dict[str, object], page_size: int, dtype: str | None = None
+    model: Path,
+    port: int,
+    extra_config: dict[str, object],
+    page_size: int,
+    dtype: str | None = None,
+    more: Sequence[str] = (),
 ) -> list[str]:
     """``sglang.launch_server`` on the CPU engine with HiCache L3 through the ``dynamic`` backend
-    (`dtype`: SGLang's ``--dtype``; default its own choice, bf16 on the CPU)."""
+    (`dtype`: SGLang's ``--dtype``; default its own choice, bf16 on the CPU). `more`: further
+    server arguments, after these (a repeated option takes the last value: ``--max-total-tokens``)."""
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model),
@@ -112,7 +118,7 @@ def server_argv(
         "--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend", "direct",
         "--hicache-storage-backend", "dynamic",
         "--hicache-storage-backend-extra-config", json.dumps(extra_config),
-    ] + ([] if dtype is None else ["--dtype", dtype])  # fmt: skip
+    ] + ([] if dtype is None else ["--dtype", dtype]) + list(more)  # fmt: skip
 
 
 @dataclass
@@ -183,6 +189,15 @@ class CpuServer:
             raise self.error(step, f"/generate answered {status}: {text[:500]}")
         return json.loads(text)
 
+    def metrics(self, step: str = "/metrics") -> str:
+        """SGLang's Prometheus text (the server runs with ``--enable-metrics``)."""
+        began = time.monotonic()
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=self.limits.flush_s) as response:
+                return response.read().decode()
+        except OSError as exc:
+            raise self.error(step, f"GET /metrics failed: {exc!r}", began=began) from exc
+
     def flush_cache(self, step: str = "/flush_cache") -> None:
         """``/flush_cache`` (device tree and host pool), retried while the scheduler is not yet idle."""
         began = time.monotonic()
@@ -233,12 +248,17 @@ class CpuServer:
 
 
 def _launch(
-    model: Path, extra_config: dict[str, object], log_path: Path, page_size: int, dtype: str | None = None
+    model: Path,
+    extra_config: dict[str, object],
+    log_path: Path,
+    page_size: int,
+    dtype: str | None = None,
+    more: Sequence[str] = (),
 ) -> CpuServer:
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            server_argv(model, port, extra_config, page_size, dtype),
+            server_argv(model, port, extra_config, page_size, dtype, more),
             cwd=log_path.parent,
             env=server_env(),
             stdin=subprocess.DEVNULL,
@@ -259,13 +279,15 @@ def running_cpu_server(
     dtype: str | None = None,
     start_timeout_s: float = START_TIMEOUT_S,
     attempts: int = START_ATTEMPTS,
+    server_args: Sequence[str] = (),
 ) -> Iterator[CpuServer]:
-    """A healthy CPU SGLang server on a free 127.0.0.1 port, stopped on exit (also on failure).
+    """A healthy CPU SGLang server on a free 127.0.0.1 port, stopped on exit (also on failure);
+    `server_args` go after the standard ones (`server_argv`'s `more`).
 
     An attempt that exits early for a transient reason (`ServerError.retryable`)
     keeps its log as ``<log>.attempt<N>`` and is followed by one more start."""
     for attempt in range(1, attempts + 1):
-        server = _launch(model, extra_config, log_path, page_size, dtype)
+        server = _launch(model, extra_config, log_path, page_size, dtype, server_args)
         try:
             server.wait_healthy(start_timeout_s)
         except ServerError as exc:
