@@ -12,10 +12,15 @@
 # gpu_check.log (the whole output), summary.txt (the STEP lines and the last line),
 # staging.txt, RESULTS_copy_gpu.md (kvpack bench copy, for benchmarks/RESULTS.md).
 #
-# Steps, each printing `STEP NAME PASS|FAIL|MISSED|DRY reason`:
+# Steps, each printing `STEP NAME PASS|FAIL|MISSED|DRY|SKIP reason`:
 #   env         python, torch, CUDA, nvcc, compiler, ninja, kvpack's deps (tests/ops/gpu_env_check.py)
 #   kernels     builds the extension once (its cache is shared by the later steps), then every
 #               layout x dtype against hand-written expectations (tests/ops/gpu_check.py)
+#   vllm-views  vLLM 0.32+'s block views in its six stride orders (torch.as_strided, as vLLM
+#               builds them; no vLLM needed), full attention and MLA, kernel-block splits: the
+#               same canonical objects from every order, GPU kernel and torch path, and back
+#               (tests/ops/gpu_views_check.py, same process; SKIP only in a dry run of a tree
+#               without CanonicalGeometry.from_block_views)
 #   copy-bench  kvpack bench copy on the GPU, into RESULTS_copy_gpu.md (same process)
 #   staging     the adapters' staging path (pinned rows, side streams, events, offsets past
 #               2^31), and bandwidth: event-timed ratios to plain copies, targets pinned
@@ -156,13 +161,13 @@ run_steps() {
 # The verdict over the STEP lines: every expected step present and PASS (or DRY in a dry
 # run; a MISSED bandwidth unless --strict-targets).
 verdict() {
-  local steps=(env kernels copy-bench staging bandwidth pytest) ok=0 bad=() line v
+  local steps=(env kernels vllm-views copy-bench staging bandwidth pytest) ok=0 bad=() line v
   for s in "${steps[@]}"; do
     line="$(grep -a "^STEP $s " "$log" | tail -n 1)"
     v="$(echo "$line" | cut -d' ' -f3)"
     case "$v" in
       PASS) ok=$((ok + 1)) ;;
-      DRY) if [ "$dry" -eq 1 ]; then ok=$((ok + 1)); else bad+=("$s:dry"); fi ;;
+      DRY | SKIP) if [ "$dry" -eq 1 ]; then ok=$((ok + 1)); else bad+=("$s:$v"); fi ;;
       MISSED) if [ "$strict" -eq 0 ]; then ok=$((ok + 1)); else bad+=("$s:missed"); fi ;;
       "") bad+=("$s:did-not-run") ;;
       *) bad+=("$s:$v") ;;

@@ -2,7 +2,7 @@
 
 Not a pytest module: one script that keeps going after a failure, so a single run
 on a scarce machine reports everything. Steps, each ending in one ``STEP NAME
-PASS|FAIL|DRY reason`` line:
+PASS|FAIL|DRY|SKIP reason`` line:
 
   kernels     the extension builds with the CUDA kernel, then: CUDA gather ==
               hand-written expectation (kvcases) for every layout x dtype, into device
@@ -13,6 +13,11 @@ PASS|FAIL|DRY reason`` line:
               staging and by the torch path, == the C++ kernel's objects of the same bytes
               on the CPU, NHD and HND, a head sub-range too, and back, with the CUDA
               kernel's bandwidth next to the native CUDA block gather of the same bytes;
+  vllm-views  vLLM 0.32+'s [B, H, N, C] block views in all six stride orders (built with
+              torch.as_strided as vLLM builds them), full attention and MLA, kernel-block
+              splits, as canonical objects: the same from every order, on the GPU by the
+              kernel (device and pinned staging) and the torch path, as from LBHNC on the
+              CPU, and back (tests/ops/gpu_views_check.py);
   copy-bench  `kvpack bench copy` (GPU section; CPU section too unless --quick) into
               --markdown; it prints ratios and asserts nothing about speed.
 
@@ -41,6 +46,7 @@ import kvpack_checkout  # noqa: E402
 
 MAPPING = kvpack_checkout.map_checkout()  # before anything below imports kvpack
 
+import gpu_views_check  # noqa: E402
 import torch  # noqa: E402
 from kvcases import BUILDERS, NUM_BLOCKS, TOKENS, Case, build, expected_staging, token_range, tokens  # noqa: E402
 
@@ -273,6 +279,7 @@ def dry_run(quick: bool) -> int:
         "kernels", "DRY", f"imports ok, {len(BUILDERS)} layouts built on the CPU, {len(checks)} checks listed (no GPU)"
     )
     copy_bench._parse(bench_args(quick, ""))
+    step("vllm-views", *gpu_views_check.run(torch.device("cpu"), quick))
     step("copy-bench", "DRY", f"kvpack.tools.bench.copy_bench imported, arguments {bench_args(quick, '')} parsed")
     return 0
 
@@ -345,10 +352,13 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         return dry_run(args.quick)
     if not torch.cuda.is_available():
-        for name in ("kernels", "copy-bench"):
+        for name in ("kernels", "vllm-views", "copy-bench"):
             step(name, "FAIL", "no CUDA device visible (torch.cuda.is_available() is False)")
         return 2
     ok = run_kernels(args.quick)
+    views = gpu_views_check.run(torch.device("cuda"), args.quick)
+    step("vllm-views", *views)
+    ok = views[0] == "PASS" and ok
     ok = run_bench(args.quick, args.markdown) and ok
     return 0 if ok else 1
 

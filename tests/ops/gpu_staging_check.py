@@ -2,7 +2,7 @@
 
 Not a pytest module: run by scripts/gpu_check.sh on a lent CUDA machine (no vLLM
 needed: the vLLM adapter's `BlockLayout` and `CanonicalBlocks` import only kvpack),
-and with ``--cpu`` by tests/ops/test_gpu_staging_check.py here, so nothing in it first
+and with ``--cpu`` by its dry run (tests/ops/test_gpu_check_imports.py) here, so nothing in it first
 fails on a GPU for a reason a CPU could have shown. Checks:
 
   1. save then load of paged KV through `Staging` (pinned rows, side streams, events)
@@ -16,7 +16,10 @@ fails on a GPU for a reason a CPU could have shown. Checks:
      around back-to-back launches): gather to pinned vs a pinned ``copy_`` (D2H),
      scatter from pinned (H2D), gather to device vs a device ``copy_`` (D2D).
 
-Prints one summary line ``GPU_STAGING PASS|FAIL ...``; exit status 0 when every check passed.
+Prints ``STEP staging PASS|FAIL reason`` (checks 1-2) and ``STEP bandwidth PASS|MISSED|DRY
+figures`` (3: MISSED names each ratio below its target; DRY: CPU figures, no targets), read by
+scripts/gpu_check.sh, then one summary line ``GPU_STAGING PASS|FAIL ...``; exit status 0 when
+every check passed. Without ``--cpu`` and without a visible GPU both steps say FAIL at once.
 
     python tests/ops/gpu_staging_check.py [--cpu] [--gib 1.0] [--repeats 5]
 """

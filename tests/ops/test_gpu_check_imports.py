@@ -17,6 +17,7 @@ import pytest
 from device_image import DevicePython, device_python, link_image_site
 
 import kvpack_checkout
+from kvpack.canonical.geometry import CanonicalGeometry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def test_the_device_python_is_device_like(device: DevicePython) -> None:
 def test_the_gpu_check_dry_run_passes_on_the_device_python(device: DevicePython, tmp_path: Path) -> None:
     env = {**device.env, "OUT": str(tmp_path), "PYTHON": device.shell_python()}
     r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--quick"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -59,11 +60,12 @@ def test_the_gpu_check_dry_run_passes_on_the_device_python(device: DevicePython,
         timeout=900,
     )
     lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and lines[-1].startswith("GPU_CHECK PASS steps=6/6 dry-run"), r.stdout + r.stderr
+    assert r.returncode == 0 and lines[-1].startswith("GPU_CHECK PASS steps=7/7 dry-run"), r.stdout + r.stderr
     steps = {line.split()[1]: line.split()[2] for line in lines if line.startswith("STEP ")}
     assert steps == {
         "env": "PASS",
         "kernels": "DRY",
+        "vllm-views": "DRY" if hasattr(CanonicalGeometry, "from_block_views") else "SKIP",
         "copy-bench": "DRY",
         "staging": "PASS",
         "bandwidth": "DRY",
@@ -71,7 +73,7 @@ def test_the_gpu_check_dry_run_passes_on_the_device_python(device: DevicePython,
     }, r.stdout
     assert f"kvpack: checkout ({ROOT / 'common'})" in r.stdout  # mapped, not installed
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert summary[-1] == lines[-1] and len(summary) == 7
+    assert summary[-1] == lines[-1] and len(summary) == 8
 
 
 def test_kvpack_tools_and_plugins_map_from_the_checkout(device: DevicePython) -> None:

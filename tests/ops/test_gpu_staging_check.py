@@ -49,9 +49,9 @@ def test_a_real_run_without_a_gpu_fails_every_gpu_step(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "xxhash missing: unpacked xxhash-0-py3-none-any.whl" in lines, r.stdout
     steps = {line.split()[1]: line.split(maxsplit=3)[2:] for line in lines if line.startswith("STEP ")}
-    assert set(steps) == {"env", "kernels", "copy-bench", "staging", "bandwidth", "pytest"}, r.stdout
+    assert set(steps) == {"env", "kernels", "vllm-views", "copy-bench", "staging", "bandwidth", "pytest"}, r.stdout
     for name, (verdict, reason) in steps.items():
         assert verdict == "FAIL" and "no CUDA device visible" in reason, (name, r.stdout)
     assert "xxhash" not in steps["env"][1], r.stdout  # imported from the unpacked wheel
-    assert lines[-1].startswith("GPU_CHECK FAIL steps=0/6 failed: env:FAIL kernels:FAIL"), r.stdout
+    assert lines[-1].startswith("GPU_CHECK FAIL steps=0/7 failed: env:FAIL kernels:FAIL vllm-views:FAIL"), r.stdout
     assert "no bandwidth figures" in lines[-1], r.stdout
