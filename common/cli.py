@@ -1,7 +1,7 @@
 """The `kvpack` command: inspect a store, print the config, and the operator tools.
 
     kvpack inspect DIR [--json]
-    kvpack config [FILE]        # print the effective config (defaults filled in)
+    kvpack config [FILE]        # check FILE as engine start-up does; print the effective config
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
     kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
@@ -44,13 +44,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """Print the effective config, or the one line of its ConfigError (exit 2).
+
+    Runs every check engine start-up runs (`KVPackConfig.from_file`, then the tiers'
+    `check_tiers`), creating nothing."""
     from .config import KVPackConfig
     from .errors import ConfigError
+    from .tiers.factory import check_tiers
 
     try:
-        cfg = KVPackConfig.from_file(args.file) if args.file else KVPackConfig()
+        cfg = KVPackConfig.from_file(args.file) if args.file else KVPackConfig.from_dict({})
+        check_tiers(cfg)
     except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
+        print(str(exc) if not args.file or exc.source else str(exc.in_file(args.file)), file=sys.stderr)
         return 2
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect = sub.add_parser("inspect", help="summarize a disk store per tenant and group")
     p_inspect.add_argument("dir")
     p_inspect.add_argument("--json", action="store_true")
-    p_config = sub.add_parser("config", help="print the effective config")
+    p_config = sub.add_parser("config", help="check a config file as start-up does and print the effective config")
     p_config.add_argument("file", nargs="?")
     for name in sorted(tools):
         # no arguments of its own here: everything after the name, --help too, goes to the tool

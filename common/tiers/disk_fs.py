@@ -6,7 +6,8 @@ delete anything kvpack did not put in its own store folder.
   no overlong name, a directory (not a file, not under one). A new or empty
   folder is marked with `MARKER` (format `STORE_FORMAT`); a non-empty folder
   without the marker, or with another format, is refused. Errors are
-  `ConfigError`s naming ``disk.path``.
+  `ConfigError`s naming ``disk.path``. `check_store_root` applies the same
+  rules and changes nothing (no folder, no marker): the start-up check.
 - Everything inside is reached from the root's directory fd: `open_beneath`
   uses ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has
   it, else a walk of ``openat(O_NOFOLLOW)`` one component at a time, so a
@@ -88,10 +89,8 @@ def _check_resolved(real: str) -> None:
             raise ValueError(f"resolves to {real!r}, under {top}")
 
 
-def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
-    """Check, create or adopt the store folder; returns (resolved path, directory fd).
-
-    Raises ConfigError naming `field` for any folder kvpack must not use."""
+def _resolve_root(path: str, field: str) -> str:
+    """The store folder `path` resolves to, if it is one kvpack may use as a folder (ConfigError naming `field`)."""
     try:
         check_store_path_text(path)
         real = os.path.realpath(os.path.expanduser(path))
@@ -99,9 +98,48 @@ def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
         _check_resolved(real)
     except ValueError as exc:
         raise ConfigError(field, f"{path[:200]!r} {exc}") from None
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise ConfigError(field, f"{real!r} exists and is not a folder")
+    return real
+
+
+def check_store_root(path: str, field: str = "disk.path") -> str:
+    """Every rule `open_store_root` applies to a store folder, changing nothing; returns the resolved path.
+
+    Reads only: resolves the path; for an existing folder, lists it and reads its
+    marker (`_marker_state`); for a missing one, finds the nearest existing folder
+    above it, which `open_store_root` would create it in (it must be a folder
+    this process may write into). Raises ConfigError naming `field`."""
+    real = _resolve_root(path, field)
     try:
-        if os.path.lexists(real) and not os.path.isdir(real):
-            raise ConfigError(field, f"{real!r} exists and is not a folder")
+        if not os.path.isdir(real):
+            parent = os.path.dirname(real)
+            while not os.path.lexists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent):
+                raise ConfigError(field, f"cannot create {real!r}: {parent!r} is not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(field, f"cannot create {real!r}: {parent!r} is not writable by this process")
+            return real
+        fd = os.open(real, _DIR_FLAGS)
+        try:
+            _marker_state(fd, real, field)
+        finally:
+            os.close(fd)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ConfigError(field, f"cannot use {path[:200]!r} as the store folder: {exc}") from None
+    return real
+
+
+def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
+    """Check, create or adopt the store folder; returns (resolved path, directory fd).
+
+    Raises ConfigError naming `field` for any folder kvpack must not use (the rules
+    `check_store_root` checks without creating anything)."""
+    real = _resolve_root(path, field)
+    try:
         os.makedirs(real, mode=0o700, exist_ok=True)
         fd = os.open(real, _DIR_FLAGS)
     except ConfigError:
@@ -119,9 +157,18 @@ def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
 def _adopt(fd: int, real: str, field: str) -> None:
     """Mark an empty folder; accept a marked one of this format; refuse anything else.
 
-    Several processes may start on one new folder at once: a marker another one
-    is writing (its temporary, or the marker appearing meanwhile) is not "other
-    content", and writing the marker is idempotent (temporary + rename)."""
+    Several processes may start on one new folder at once: writing the marker is
+    idempotent (temporary + rename)."""
+    if not _marker_state(fd, real, field):
+        _write_marker(fd)
+
+
+def _marker_state(fd: int, real: str, field: str) -> bool:
+    """Whether the folder `fd` holds this format's marker (True) or is empty (False: kvpack
+    may mark it); ConfigError naming `field` for anything else. Reads only.
+
+    A marker another process is writing (its temporary, or the marker appearing
+    meanwhile) is not "other content"."""
     for _attempt in range(3):
         try:
             mfd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
@@ -138,8 +185,7 @@ def _adopt(fd: int, real: str, field: str) -> None:
                     "kvpack only uses a new or empty folder, or one it marked itself (a kvpack store written "
                     "before store markers is a cache: delete it, or point disk.path at a new folder)",
                 ) from None
-            _write_marker(fd)
-            return
+            return False
         except OSError as exc:
             raise ConfigError(field, f"{real}/{MARKER} is not a kvpack marker file: {exc}") from None
     else:  # pragma: no cover - the marker came and went three times
@@ -156,6 +202,7 @@ def _adopt(fd: int, real: str, field: str) -> None:
             f"{real} holds a kvpack store of another format ({text.strip()!r}; this kvpack writes format "
             f"{STORE_FORMAT})",
         )
+    return True
 
 
 def _write_marker(fd: int) -> None:

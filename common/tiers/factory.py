@@ -2,6 +2,11 @@
 
 One place knows every tier implementation; a new tier is one more branch
 here (and its module), nothing else in the core changes.
+
+`check_tiers` is the start-up check: every rule a tier's construction applies to
+the config, through the same functions, changing nothing (no folder created, no
+marker written, nothing connected). `build_tiers` runs it first, and
+``kvpack config`` runs it, so a file that command accepts is one start-up accepts.
 """
 
 from __future__ import annotations
@@ -11,7 +16,24 @@ from collections.abc import Callable
 from ..config import KVPackConfig
 from ..eviction import make_policy
 from .base import Tier
+from .disk_fs import check_store_root
 from .parallel import RegionCopier
+
+
+def check_tiers(config: KVPackConfig) -> None:
+    """Raise the ConfigError that building `config`'s tiers would raise for their config, changing nothing.
+
+    Disk: the store folder rules (`disk_fs.check_store_root`: where it may be, what
+    an existing one may hold, that a missing one can be created). Mooncake: the
+    installed package and its tenant support (`connection.check_support`). The
+    memory tier has no rule beyond the config's own fields (checked when it was built).
+    Not checked here: the disk index's own files, which the tier checks as it opens them."""
+    if config.disk.enabled:
+        check_store_root(config.disk.path)
+    if config.mooncake.enabled:
+        from .mooncake.connection import check_support
+
+        check_support(config.mooncake.resolved())
 
 
 def build_tiers(
@@ -30,6 +52,7 @@ def build_tiers(
     call on its caller's thread (an engine that saves off its forward path on
     a small machine wants that). `region_copier` hands the memory tier a native
     copy (`kvpack.ops.region_copier`) once one is loaded."""
+    check_tiers(config)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
     if config.memory.enabled and include_memory:

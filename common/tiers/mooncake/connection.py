@@ -67,6 +67,22 @@ def supports_tenants(store_cls: type) -> bool:
     return "tenant_id" in doc
 
 
+def check_support(config: MooncakeTierConfig) -> tuple[type, type, bool]:
+    """(MooncakeDistributedStore, ReplicateConfig, tenant support) when the installed Mooncake
+    can serve `config` (a resolved config); ConfigError naming the field otherwise.
+
+    Connects to nothing: the start-up check (`kvpack.tiers.checks`) and `MooncakeTier` both call it."""
+    store_cls, replicate_cls = load_mooncake()
+    tenant_kw = supports_tenants(store_cls)
+    if config.tenant_id != "default" and not tenant_kw:
+        raise ConfigError(
+            "mooncake.tenant_id",
+            f"tenant {config.tenant_id!r} configured, but the installed Mooncake has no tenant support "
+            "(setup() takes no tenant_id); upgrade mooncake-transfer-engine or use tenant 'default'",
+        )
+    return store_cls, replicate_cls, tenant_kw
+
+
 def supports_groups(replicate_config_cls: type) -> bool:
     """Whether this Mooncake build's ``ReplicateConfig`` has ``group_ids``."""
     return hasattr(replicate_config_cls(), "group_ids")

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Sequence
 
 from ...config import MooncakeProtocol, MooncakeTierConfig
-from ...errors import ConfigError
 from ...keys import GroupKey, StoreKey
 from ...objects import Expectation, ObjectHeader, Payload
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
@@ -39,14 +38,7 @@ class MooncakeTier(Tier):
     def __init__(self, config: MooncakeTierConfig, *, wait_ready_s: float = 0.0) -> None:
         self.config = config.resolved()
         cfg = self.config
-        store_cls, replicate_cls = connection.load_mooncake()
-        tenant_kw = connection.supports_tenants(store_cls)
-        if cfg.tenant_id != "default" and not tenant_kw:
-            raise ConfigError(
-                "mooncake.tenant_id",
-                f"tenant {cfg.tenant_id!r} configured, but the installed Mooncake has no tenant support "
-                "(setup() takes no tenant_id); upgrade mooncake-transfer-engine or use tenant 'default'",
-            )
+        store_cls, replicate_cls, tenant_kw = connection.check_support(cfg)
         groups = cfg.use_groups and connection.supports_groups(replicate_cls)
         if cfg.use_groups and not groups:
             log.warning(
