@@ -9,8 +9,8 @@
 #         here, so that a dependency missing from the image is unpacked from those wheels)
 #
 # Everything goes to $OUT (the tool's folder that comes back; .kvpack-work/gpu_check here):
-# gpu_check.log (the whole output), summary.txt (the STEP lines and the last line),
-# staging.txt, RESULTS_copy_gpu.md (kvpack bench copy, for benchmarks/RESULTS.md).
+# gpu_check.log (the whole output), summary.txt (the STEP lines and the last line: the
+# figures for benchmarks/RESULTS.md), RESULTS_copy_gpu.md (kvpack bench copy's table).
 #
 # Steps, each printing `STEP NAME PASS|FAIL|MISSED|DRY|SKIP reason`:
 #   env         python, torch, CUDA, nvcc, compiler, ninja, kvpack's deps (tests/ops/gpu_env_check.py)
