@@ -79,6 +79,12 @@ def _with_mooncake_file(content: bytes, *, via_env: bool) -> Callable[[Path], Pa
     return make
 
 
+def _fifo(root: Path) -> Path:
+    """A FIFO no one writes to: reading it would wait forever."""
+    os.mkfifo(root / "c.json")
+    return root / "c.json"
+
+
 def _store_file(store: Path) -> None:
     store.write_text("not a folder")
 
@@ -167,6 +173,12 @@ BAD_FILES = [
         ("mooncake.config_file", "more than 4300 digits"),
     ),
     BadFile("missing-file", lambda root: root / "nope.json", ("nope.json", "cannot be read")),
+    BadFile("a-fifo", _fifo, ("not a regular file",)),
+    BadFile(
+        "key-file-a-device",
+        _write("c.json", '{"integrity_key_file": "/dev/zero"}'),
+        ("integrity_key_file", "/dev/zero", "not a regular file"),
+    ),
     BadFile("a-folder", lambda root: root, ("not a regular file",)),
 ]
 
