@@ -148,6 +148,12 @@ class LocatedHints:
         with self._lock:
             return key in self._hints
 
+    def contain(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: is a hint kept for it (under one lock)?"""
+        with self._lock:
+            hints = self._hints
+            return [k in hints for k in keys]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._hints)
@@ -242,6 +248,10 @@ class Session:
     def was_located(self, tenant: str, chunk: str, member: str) -> bool:
         """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
         return self.key(tenant, chunk, member) in self.hints
+
+    def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
+        """`was_located` for many chunks of one member (keys batch-built, one lock)."""
+        return self.hints.contain(self.keys(tenant, chunks, member))
 
     # -- load -----------------------------------------------------------------------
 

@@ -21,11 +21,11 @@ Python loop anywhere.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -53,6 +53,7 @@ from .. import (
     validate_member,
 )
 from ..ops import PagedKV
+from .conversion import StagingRows, address_of, copy_runs, raw_view
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 """MHA host layouts whose KV pool is stored as canonical objects (`kvpack.canonical`)."""
@@ -72,37 +73,6 @@ def role_of(name: str) -> MemberRole:
     if name in DRAFT_POOLS:
         return MemberRole.DRAFT
     return MemberRole.STATE
-
-
-def raw_view(ptr: int, nbytes: int) -> memoryview:
-    """A writable byte view of `nbytes` at address `ptr` (host memory the pool owns)."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
-
-
-def copy_runs(geo: CanonicalGeometry, ids: Sequence[int], addrs: Sequence[int], *, gather: bool) -> None:
-    """Pages ``ids[i]`` of the pool <-> the canonical object at host address ``addrs[i]``
-    (``geo.object_bytes(geo.heads)`` bytes each; written when `gather`, else read), one
-    kernel call per run of objects that lie back to back in memory, in either order (a
-    tier's slots, staging rows). Every address must stay valid until this returns."""
-    size = geo.object_bytes(geo.heads)
-    i, n = 0, len(ids)
-    while i < n:
-        j = i + 1
-        step = addrs[j] - addrs[i] if j < n and abs(addrs[j] - addrs[i]) == size else 0
-        while step and j < n and addrs[j] - addrs[j - 1] == step:
-            j += 1
-        run_ids = list(ids[i:j]) if step >= 0 else list(reversed(ids[i:j]))
-        low = min(addrs[i], addrs[j - 1])
-        rows = torch.frombuffer(raw_view(low, size * (j - i)), dtype=torch.uint8)
-        geo.copy(run_ids, rows, gather=gather, obj_heads=geo.heads)
-        i = j
-
-
-def address_of(buf: Any) -> int:
-    """The host address of a C-contiguous buffer (numpy array, memoryview, read-only or not)."""
-    return (
-        int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
-    )
 
 
 def is_replicated(host_pool: Any, name: str, is_mla_model: bool) -> bool:
@@ -175,43 +145,6 @@ def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
     base, tag = _model_dir(model_name)
     ident = identify_model(base, model_id=model_id).value
     return f"{ident}|format={tag}" if tag else ident
-
-
-STAGING_KEPT_BYTES = 512 << 20
-"""Most bytes of conversion staging a pool binding keeps between calls (`StagingRows`)."""
-
-
-class StagingRows:
-    """Conversion staging buffers kept between calls (a fresh 96 MiB buffer costs more in
-    first-touch page faults than the conversion itself). A save takes one and gives it back
-    once the store returned (`KVStore.store` lets the caller reuse its buffers then); a load
-    takes one per group of pages and gives it back once its rows were scattered (no tier
-    writes into a load's buffers after its call returned: `Tier.get_into`). Several may be
-    in use at once, from several threads. Thread-safe."""
-
-    def __init__(self, kept_bytes: int = STAGING_KEPT_BYTES) -> None:
-        self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._kept_bytes = kept_bytes
-
-    def take(self, rows: int, width: int) -> torch.Tensor:
-        """``[rows, width]`` uint8: a kept buffer large enough (the smallest), else a new one."""
-        need = rows * width
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
-            # by position, never by value: `list.remove` would compare tensors element-wise
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
-        if buf is None:
-            buf = torch.empty(need, dtype=torch.uint8)
-        return buf[:need].view(rows, width)
-
-    def give_back(self, rows: torch.Tensor) -> None:
-        """Keep `rows`' buffer for a later call (dropped when the kept bytes would exceed the bound)."""
-        buf = rows.view(-1)
-        base = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
-        with self._lock:
-            if sum(b.numel() for b in self._free) + base.numel() <= self._kept_bytes:
-                self._free.append(base)
 
 
 def _nothing_after_load(_ok: Sequence[bool], _views: Sequence[memoryview | None]) -> None:
@@ -298,7 +231,7 @@ class PoolBinding:
         writes: False on replicated pools of a rank that is not the storage writer.
     """
 
-    def __init__(self, name: str, host_pool: Any, par: ParallelInfo, layout_name: str) -> None:
+    def __init__(self, name: str, host_pool: Any, par: ParallelInfo, layout_name: str, copy_threads: int = 1) -> None:
         self.name = name
         self.host_pool = host_pool
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
@@ -379,6 +312,10 @@ class PoolBinding:
         """(address, bytes, view) of the pool's buffer, while it stays where it was."""
         self._staging = StagingRows()
         """Canonical pools: the conversion's staging, kept between saves and loads."""
+        self._threads = max(1, copy_threads)
+        self._workers: ThreadPoolExecutor | None = None
+        """Canonical pools: `copy_threads - 1` threads beside the caller's for the conversion (made on first use)."""
+        self._workers_lock = threading.Lock()
 
     def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[Payload], Callable[[], None]]:
         """What to store for each page, and what to call once the store returned: in place
@@ -400,7 +337,25 @@ class PoolBinding:
         assert geo is not None, "fill_objects is for canonical pools"
         if len(dsts) != n_pages or any(d.nbytes != self.page_bytes for d in dsts):
             raise ValueError(f"pool {self.name}: {len(dsts)} destinations for {n_pages} objects of {self.page_bytes} B")
-        copy_runs(geo, self.page_ids(host_indices, n_pages), [address_of(d) for d in dsts], gather=True)
+        self._convert(self.page_ids(host_indices, n_pages), [address_of(d) for d in dsts], gather=True)
+
+    def _convert(self, ids: Sequence[int], addrs: Sequence[int], *, gather: bool) -> None:
+        """`copy_runs` on this binding's threads."""
+        assert self.canonical is not None
+        workers = None
+        if self._threads > 1:
+            with self._workers_lock:
+                if self._workers is None:
+                    self._workers = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="kvpack-sglang-copy")
+                workers = self._workers
+        copy_runs(self.canonical, ids, addrs, gather=gather, workers=workers, threads=self._threads)
+
+    def close(self) -> None:
+        """Stop the conversion threads (idempotent)."""
+        with self._workers_lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=True)
 
     def load_buffers(
         self, host_indices: torch.Tensor, n_pages: int
@@ -411,7 +366,6 @@ class PoolBinding:
         loaded page's object, from its view or its staging row, scattered into the page."""
         if self.canonical is None:
             return self.page_payloads(host_indices, n_pages), _nothing_after_load
-        geo = self.canonical
         ids = self.page_ids(host_indices, n_pages)
         staging = self._staging.take(n_pages, self.page_bytes)
         rows = staging.numpy()
@@ -422,7 +376,7 @@ class PoolBinding:
             if any(views[i] is not None and views[i].nbytes != size for i in sel):  # type: ignore[union-attr]
                 raise ValueError(f"pool {self.name}: a lent object is not {size} B")
             addrs = [address_of(views[i]) if views[i] is not None else base + i * size for i in sel]
-            copy_runs(geo, [ids[i] for i in sel], addrs, gather=False)
+            self._convert([ids[i] for i in sel], addrs, gather=False)
             self._staging.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish

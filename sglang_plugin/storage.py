@@ -173,7 +173,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         if not self.group_fingerprint:
             raise RuntimeError("kvpack: register_mem_pool_host must come before other host pools")
         try:
-            binding = PoolBinding(name, host_pool, self.par, self._layout_name)
+            binding = PoolBinding(name, host_pool, self.par, self._layout_name, copy_threads=self.config.io_threads)
         except Exception as exc:  # a pool kvpack cannot describe: its pages always miss
             self._binding_errors[name] = str(exc)
             log.warning("kvpack: SGLang pool %s (%s) cannot be stored: %s", name, type(host_pool).__name__, exc)
@@ -412,21 +412,17 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     def _located_splits(self, binding: PoolBinding, keys: list[str]) -> list[int]:
         """Per page, the head split the last lookup found it under (0: the pool's own member,
-        and pages no lookup found)."""
-        located = self.session.was_located
-        out = []
-        for key in keys:
-            split = 0
-            if not located(self.tenant, key, binding.member):
-                split = next(
-                    (
-                        s
-                        for s, objects in enumerate(binding.sources[1:], start=1)
-                        if located(self.tenant, key, objects[0].member)
-                    ),
-                    0,
-                )
-            out.append(split)
+        and pages no lookup found). One batched look per split, only for pages not found yet."""
+        out = [0] * len(keys)
+        rest = [i for i, own in enumerate(self.session.were_located(self.tenant, keys, binding.member)) if not own]
+        for split, objects in enumerate(binding.sources[1:], start=1):
+            if not rest:
+                break
+            found = self.session.were_located(self.tenant, [keys[i] for i in rest], objects[0].member)
+            for i, hit in zip(rest, found):
+                if hit:
+                    out[i] = split
+            rest = [i for i, hit in zip(rest, found) if not hit]
         return out
 
     def _set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -498,6 +494,8 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     def close(self) -> None:
         self.store.close()
+        for binding in list(self._bindings.values()):
+            binding.close()
 
 
 __all__ = ["KVPackStorage"]

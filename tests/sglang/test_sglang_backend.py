@@ -338,7 +338,7 @@ def test_bad_extra_config_fails_at_construction(bad, field, store_dir):
 
 
 def test_staging_rows_are_reused_after_they_are_given_back_and_kept_within_their_bound():
-    from kvpack.sglang_plugin.pools import StagingRows
+    from kvpack.sglang_plugin.conversion import StagingRows
 
     rows = StagingRows(kept_bytes=1000)
     a = rows.take(4, 100)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from sglang_parts import DYNAMIC, alloc_pages, fill_random, kvpack_extra, make_backend, make_pool, page_keys
 
-from kvpack.sglang_plugin.pools import StagingRows
+from kvpack.sglang_plugin.conversion import StagingRows
 
 pytestmark = pytest.mark.sglang
 
