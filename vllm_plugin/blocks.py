@@ -51,6 +51,7 @@ class BlockLayout:
             seen.add(ident)
             unique.append(t)
             desc.append(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}/{list(t.stride())}")
+        unique = [_allocator_blocks(t, num_blocks) for t in unique]
         groups: list[list[torch.Tensor]] = []
         for t in unique:
             if groups and _same_geometry(groups[-1][0], t):
@@ -137,6 +138,28 @@ def _gather(run: PagedKV, ids: list[int], out: torch.Tensor, lane: Lane) -> None
 
 def _scatter(run: PagedKV, ids: list[int], src: torch.Tensor, lane: Lane) -> None:
     scatter_blocks(run, ids, src, stream=lane.stream)
+
+
+def _allocator_blocks(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """`t` addressed by vLLM's block ids. A 4-D view split into ``ratio`` kernel blocks per
+    block (``[num_blocks * ratio, H, N, C]``: an attention kernel's block is smaller than the
+    allocator's) is one dense page per block, which vLLM requires before it splits
+    (``create_kv_cache_views``): viewed here as ``[num_blocks, 1, 1, page]``, whole blocks only.
+    Raises LayoutError when the kernel blocks of a block are not one dense run."""
+    if t.dim() != 4 or int(t.shape[0]) == num_blocks or num_blocks <= 0 or int(t.shape[0]) % num_blocks:
+        return t
+    ratio = int(t.shape[0]) // num_blocks
+    _, heads, tokens, cell = (int(x) for x in t.shape)
+    kernel_page = heads * tokens * cell
+    stride0, s_h, s_n, s_c = (int(x) for x in t.stride())
+    extent = (heads - 1) * s_h + (tokens - 1) * s_n + (cell - 1) * s_c + 1
+    if stride0 != kernel_page or extent != kernel_page:
+        raise LayoutError(
+            f"kvpack: a KV view {tuple(t.shape)} / strides {tuple(t.stride())} splits each of {num_blocks} blocks "
+            f"into {ratio} kernel blocks that are not one dense run; kvpack cannot copy its blocks"
+        )
+    page = ratio * kernel_page
+    return t.as_strided((num_blocks, 1, 1, page), (page, page, page, 1))
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,21 +12,26 @@ Everything else (hybrid models, packed or sidecar drafts, PP > 1, fp8 KV) keeps
 the engine-native object format, with those facts in its fingerprint.
 
 `CanonicalBlocks` is one worker's copy path: its layers as a
-`CanonicalGeometry` (the CPU ISA's packing found by `packing.find_packing`),
-its own head range, and the gather/scatter the worker calls.
+`CanonicalGeometry`, its own head range, and the gather/scatter the worker calls.
+Which geometry is `cache_kind`'s decision, from engine facts: vLLM's CPU attention
+packs each block for its ISA (`packing.find_packing` finds the packing), every other
+writer (the GPU backends, the MLA backends on any device) fills vLLM's ``[B, H, N, C]``
+views row by row, read in any stride order by `CanonicalGeometry.from_block_views`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, paged_geometry, vllm_cpu_geometry
-from kvpack.ops import Direction, Lane, PagedKV, cpu_lane
+from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, vllm_cpu_geometry
+from kvpack.ops import Direction, Lane, cpu_lane
 
+from .byte_facts import UNKNOWN, BlockByteFacts
 from .packing import find_packing
 
 if TYPE_CHECKING:
@@ -49,6 +54,66 @@ def head_split(vllm_config: VllmConfig, *, hybrid: bool, draft_kv: bool, device_
     model = vllm_config.model_config
     heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
     return HeadSplit(heads, int(model.get_head_size()), int(parallel.tensor_parallel_size))
+
+
+def uses_mla(vllm_config: VllmConfig) -> bool:
+    """Whether the model's attention is MLA (one latent per token, no V): from the model config."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+class CacheKind(str, Enum):
+    """Who wrote a registered cache's bytes, so how they map to canonical objects."""
+
+    CPU_PACKED = "cpu_packed"
+    """vLLM's CPU attention: each (block, head) tile packed for the attention ISA."""
+    BLOCK_VIEW = "block_view"
+    """A backend that writes vLLM's ``[B, H, N, C]`` view row by row: every GPU backend,
+    and the MLA backends on any device (vLLM's CPU MLA stamps no ISA)."""
+
+
+def cache_kind(device: torch.device, *, mla: bool, facts: BlockByteFacts) -> CacheKind:
+    """The decision, from engine facts, never from a shape: MLA, or a cache on any device but
+    the CPU (CUDA, XPU, ``meta`` in a registration without bytes), is a block view. On the CPU
+    the attention backend stamps its ISA on every layer before ``register_kv_caches``; a
+    layer with an ISA is packed, one without is written by slot (a block view). Raises
+    LayoutError for a CPU attention layer without its ISA (its packing is unknown)."""
+    if mla or device.type != "cpu":
+        return CacheKind.BLOCK_VIEW
+    if facts.cpu_attn_isa not in (UNKNOWN, "-"):
+        return CacheKind.CPU_PACKED
+    if "CPU_ATTN" in facts.attn_backend.split(","):
+        raise LayoutError(
+            "kvpack: vLLM's CPU attention layers carry no attention ISA, so their block packing is unknown; "
+            "kvpack cannot store this engine's KV in the canonical layout (please report the vLLM version)"
+        )
+    return CacheKind.BLOCK_VIEW
+
+
+def view_content(vllm_config: VllmConfig, names: Sequence[str], split: HeadSplit) -> tuple[int, int]:
+    """(K, V) elements of one cell of this worker's views: from the layers' own cache spec when
+    vLLM built them (``get_kv_cache_spec``), else from the model config (``head_size`` twice;
+    MLA: the latent and 0). Raises LayoutError naming the spec when a backend packs the
+    cell otherwise (head slots that are not KV heads, content bytes of its own)."""
+    mla = uses_mla(vllm_config)
+    k, v = split.head_dim, 0 if mla else split.head_dim
+    context: dict[str, Any] = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    for name in names:
+        get = getattr(context.get(name), "get_kv_cache_spec", None)
+        try:
+            spec = get(vllm_config) if callable(get) else None
+        except Exception:  # a layer that cannot say: the model config's facts stand
+            spec = None
+        if spec is None:
+            continue
+        if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
+            raise LayoutError(
+                f"kvpack: layer {name}'s cache spec {spec!r} packs its cells itself (head slots "
+                f"{spec.num_head_slots}, content bytes {spec.state_content_bytes}); kvpack cannot store it "
+                "as canonical objects"
+            )
+        k, v = int(spec.head_size), int(getattr(spec, "head_size_v", 0) or 0)
+        break
+    return k, v
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,13 +158,23 @@ class CanonicalBlocks:
 
     @classmethod
     def from_tensors(
-        cls, tensors: Sequence[torch.Tensor], num_blocks: int, split: HeadSplit, own: HeadRange, isa: str
+        cls,
+        tensors: Sequence[torch.Tensor],
+        num_blocks: int,
+        split: HeadSplit,
+        own: HeadRange,
+        kind: CacheKind,
+        *,
+        isa: str = UNKNOWN,
+        cell: tuple[int, int] | None = None,
     ) -> CanonicalBlocks:
-        """The worker's attention layers. Raises LayoutError (engine start-up) when their
-        layout or the CPU ISA's packing is not one kvpack can convert."""
+        """The worker's attention layers, written as `kind` says: CPU_PACKED with the packing of
+        the attention ISA `isa`; BLOCK_VIEW with `cell` (K, V) elements per cell (default: the
+        split's head size twice). Raises LayoutError (engine start-up) naming the layout when
+        it or the ISA's packing is not one kvpack can convert."""
         unique = list({(t.data_ptr(), tuple(t.shape)): t for t in tensors}.values())
         first = unique[0]
-        if first.device.type == "cpu":
+        if kind is CacheKind.CPU_PACKED:
             if first.dim() != 4:
                 raise LayoutError(
                     f"kvpack: a vLLM CPU KV cache of shape {tuple(first.shape)} is not [blocks, heads, block, 2*head]"
@@ -113,7 +188,10 @@ class CanonicalBlocks:
                 )
             geometry = vllm_cpu_geometry(unique, *found)
         else:
-            geometry = paged_geometry(PagedKV.from_layers(unique))
+            k, v = cell if cell is not None else (split.head_dim, split.head_dim)
+            geometry = CanonicalGeometry.from_block_views(
+                unique, num_blocks, heads=own.size, head_size=k, head_size_v=v
+            )
         if geometry.num_blocks != num_blocks:
             raise LayoutError(f"kvpack: the KV cache has {geometry.num_blocks} blocks, vLLM allocated {num_blocks}")
         if geometry.heads != own.size or geometry.head_dim != split.head_dim:

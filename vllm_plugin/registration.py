@@ -33,7 +33,7 @@ from kvpack import (
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
-from .canonical_blocks import CanonicalBlocks
+from .canonical_blocks import CacheKind, CanonicalBlocks, cache_kind, uses_mla, view_content
 from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
@@ -168,9 +168,13 @@ def _register_canonical(
     assert split is not None
     own = split.own(position.tp_rank)
     names = tuple(kv_caches)
-    device = next(iter(kv_caches.values())).device.type
-    isa = block_byte_facts(vllm_config, names, device).cpu_attn_isa
-    blocks = CanonicalBlocks.from_tensors([kv_caches[n] for n in names], num_blocks, split, own, isa)
+    device = next(iter(kv_caches.values())).device
+    facts = block_byte_facts(vllm_config, names, device.type)
+    kind = cache_kind(device, mla=uses_mla(vllm_config), facts=facts)
+    cell = view_content(vllm_config, names, split) if kind is CacheKind.BLOCK_VIEW else None
+    blocks = CanonicalBlocks.from_tensors(
+        [kv_caches[n] for n in names], num_blocks, split, own, kind, isa=facts.cpu_attn_isa, cell=cell
+    )
     member = split.member(own)
     fingerprint = head_range_fingerprint(scope.spec, split, own, blocks.geometry.num_layers)
     sources = split_sources(scope.spec, split, own, blocks.geometry.num_layers)
@@ -179,7 +183,7 @@ def _register_canonical(
         "kvpack: %d KV layers registered in the canonical layout (%s), %d blocks, heads [%d, %d) of %d, "
         "%d bytes per object, member %s%s",
         len(names),
-        isa,
+        facts.cpu_attn_isa if kind is CacheKind.CPU_PACKED else kind.value,
         num_blocks,
         own.start,
         own.stop,

@@ -38,6 +38,7 @@ from ..ops import load_extension
 from ..ops.layout import vector_alignment
 from ..ops.scratch import on_cache_device
 from ..ops.simd import CpuSimd
+from .vllm_views import ViewContent, map_block_views
 
 CANONICAL_FORMAT = 1
 """Version of the object layout above; in every canonical group fingerprint."""
@@ -106,6 +107,29 @@ class CanonicalGeometry:
     elem_bytes: int
     packing: tuple[TilePacking, ...]
     """One per kv (K, V), or one for MLA."""
+
+    @classmethod
+    def from_block_views(
+        cls, tensors: Sequence[torch.Tensor], num_blocks: int, *, heads: int, head_size: int, head_size_v: int
+    ) -> CanonicalGeometry:
+        """vLLM's per-layer ``[B, H, N, C]`` views (0.32+, any of the six stride orders, kernel-block
+        splits) of `heads` KV heads whose cell is K (`head_size`) then V (`head_size_v`; 0: one
+        MLA latent), addressed by `num_blocks` blocks (`kvpack.canonical.vllm_views`). Raises
+        LayoutError naming the stride order and the content when they are not that."""
+        m = map_block_views(tensors, ViewContent(heads, head_size, head_size_v), num_blocks)
+        rows = TilePacking(m.kernel_tokens, m.token_stride, m.kernel_stride, m.head_dim, m.elem_bytes, 0)
+        return cls(
+            tuple(tensors),
+            m.bases,
+            num_blocks,
+            m.block_stride,
+            m.head_stride,
+            m.heads,
+            m.tokens,
+            m.head_dim,
+            m.elem_bytes,
+            (rows,) * m.num_kv,
+        )
 
     @property
     def num_layers(self) -> int:
@@ -387,14 +411,19 @@ def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePa
 
 
 def paged_geometry(paged: object) -> CanonicalGeometry:
-    """A token-addressable `PagedKV` (vLLM GPU NHD/HND layouts, SGLang host pools, MLA): row-major tiles."""
+    """A token-addressable `PagedKV` (vLLM's 5-D NHD/HND layouts, SGLang host pools, MLA): row-major
+    tiles. vLLM 0.32+'s 4-D block views need the cache spec to tell K from V inside a cell:
+    `CanonicalGeometry.from_block_views`."""
     from ..ops.layout import KVLayoutKind
     from ..ops.paged import PagedKV
 
     assert isinstance(paged, PagedKV)
     lay = paged.layout
     if lay.token_dim is None or lay.kind is KVLayoutKind.VLLM_BLOCK_VIEW:
-        raise LayoutError(f"kvpack.ops: {lay.kind.value} has no canonical mapping")
+        raise LayoutError(
+            f"kvpack.ops: {lay.kind.value} has no canonical mapping from its layout alone"
+            + (" (use CanonicalGeometry.from_block_views)" if lay.kind is KVLayoutKind.VLLM_BLOCK_VIEW else "")
+        )
     tokens_dim, heads_dim = (lay.outer, lay.inner) if lay.outer.name == "tokens" else (lay.inner, lay.outer)
     e = lay.dtype.itemsize
     d = lay.row_bytes // e

@@ -267,9 +267,11 @@ def _parse(t: torch.Tensor, kind: KVLayoutKind, page_size: int | None, num_layer
     if inner.stride < row_bytes or outer.stride < inner.stride * (inner.count - 1) + row_bytes:
         raise _shape_error(kind, t, "rows of one block overlap (strides too small)")
 
-    extent = (outer.count - 1) * outer.stride + (inner.count - 1) * inner.stride + row_bytes
-    if num_blocks > 1 and block_stride < extent:
-        raise _shape_error(kind, t, f"blocks overlap (block stride {block_stride} B < block extent {extent} B)")
+    overlap = rows_overlap(
+        ((num_blocks, block_stride), (outer.count, outer.stride), (inner.count, inner.stride)), row_bytes
+    )
+    if overlap:
+        raise _shape_error(kind, t, f"blocks overlap ({overlap})")
 
     layers = dims["L"][0] if "L" in dims else num_layers
     layout = KVLayout(
@@ -291,13 +293,38 @@ def _parse(t: torch.Tensor, kind: KVLayoutKind, page_size: int | None, num_layer
     )
 
 
+def rows_overlap(dims: Sequence[tuple[int, int]], row_bytes: int) -> str | None:
+    """Whether rows of `row_bytes` bytes at ``sum(i_k * stride_k)`` (``0 <= i_k < count_k`` for
+    each ``(count, stride)`` of `dims`, strides >= 0) can share a byte: None when they provably
+    cannot, else why not.
+
+    The proof: taken by increasing stride, each dim's stride is at least the extent of
+    the rows spanned by the dims before it, so every index tuple starts a disjoint row
+    (nested dims in any order; blocks that interleave with heads, vLLM's LHBNC, pass).
+    A layout it cannot prove disjoint is refused, never copied."""
+    extent = row_bytes
+    for count, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: d[1]):
+        if stride < extent:
+            return f"a stride of {stride} B under an extent of {extent} B"
+        extent = (count - 1) * stride + extent
+    return None
+
+
+def vllm_layer_kind(t: torch.Tensor) -> KVLayoutKind:
+    """Kind of a vLLM 0.32+ per-layer 4-D ``[B, H, N, C]`` view, from where it lives: on the CPU,
+    vLLM's CPU attention packs each block for its ISA, so only whole blocks are copied
+    (VLLM_CPU); on any other device (CUDA, XPU, or ``meta`` in a test that registers
+    without bytes) the view is token addressable (VLLM_BLOCK_VIEW)."""
+    return KVLayoutKind.VLLM_CPU if t.device.type == "cpu" else KVLayoutKind.VLLM_BLOCK_VIEW
+
+
 def _guess_kind(t: torch.Tensor, block_size: int | None) -> KVLayoutKind:
     """Kind of a per-layer vLLM tensor from its shape (see KVLayoutKind)."""
     shape = tuple(t.shape)
     if t.dim() == 3:
         return KVLayoutKind.VLLM_MLA
     if t.dim() == 4:
-        return KVLayoutKind.VLLM_CPU if t.device.type == "cpu" else KVLayoutKind.VLLM_BLOCK_VIEW
+        return vllm_layer_kind(t)
     if t.dim() == 5:
         kv_first, block_first = shape[0] == 2, shape[1] == 2
         if kv_first and block_first:
