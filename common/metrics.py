@@ -106,6 +106,11 @@ SPECS: tuple[MetricSpec, ...] = (
     # with everything above, as its interval stats: `MetricsInterval`)
     MetricSpec("untrusted_tenants", "Requests whose client-chosen tenant was ignored (not trusted)", ()),
     MetricSpec("bad_tenants", "Requests run without the cache: a trusted tenant name was invalid", ()),
+    MetricSpec(
+        "workers_disabled",
+        "Workers running without kvpack: their KV cache was refused at registration (loads recompute, no saves)",
+        (),
+    ),
     MetricSpec("other_split_hits", "Hits on objects another TP size stored (canonical head ranges)", ()),
     MetricSpec("external_hit_tokens", "Tokens the engine accepted as loaded from kvpack", ("tenant",)),
     MetricSpec("load_requests", "Requests handed to the workers to load", ()),

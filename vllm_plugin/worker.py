@@ -35,6 +35,7 @@ from kvpack import (
     HeadRange,
     KVPackConfig,
     KVStore,
+    LayoutError,
     LoadChunk,
     LoadJob,
     MemberObject,
@@ -112,15 +113,21 @@ class WorkerSide:
     # -- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Fix this worker's `WorkerLayout` (raises LayoutError at start-up for a cache kvpack
-        cannot copy)."""
+        """Fix this worker's `WorkerLayout`. A cache kvpack cannot copy exactly never fails the
+        engine's start: the error is logged once, counted (``kvpack_workers_disabled``), and
+        the worker runs disabled (every load is a recompute, nothing is saved)."""
         # before the first forward: AMX permission (a 1-token step over a restored prefix may
         # be this process's first AMX use) and the copy kernels, not in the first load's bound
         start_engine_process()
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
             self.staging = Staging.for_tensor(first)
-        self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
+        try:
+            self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
+        except LayoutError as exc:
+            self.layout = None
+            self.store.metrics.inc("workers_disabled")
+            log.error("kvpack: disabled on this worker (every load recomputes, nothing is saved): %s", exc)
 
     # -- per step ---------------------------------------------------------------
 
@@ -128,7 +135,12 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
-        if self.layout is None:
+        if self.layout is None:  # registration refused the cache: each load fails, so vLLM recomputes it
+            for job in meta.loads:
+                if job.sync:
+                    self.runner.load_now(_refused_load(job))
+                else:
+                    self.runner.submit_load(_refused_load(job))
             return
         for job in meta.loads:
             if job.sync:
@@ -299,6 +311,17 @@ class _MemberLoad:
     member: str
     fingerprint: str
     heads: tuple[HeadRange, HeadRange] | None = None
+
+
+def _refused_load(job: TransferJob) -> LoadJob:
+    """`job` as the load of a worker whose cache registration was refused: it fails (a recompute)."""
+    chunks = tuple(LoadChunk(frozenset(r.blocks), _tokens_used(r), None) for r in job.blocks)
+    return LoadJob(job.req_id, job.tenant, chunks, 0, _refused)
+
+
+def _refused(staging: Staging) -> PlannedLoad:
+    """The load plan of a worker whose cache registration was refused: none."""
+    raise LayoutError("kvpack: this worker's KV cache was refused at registration")
 
 
 def _tokens_used(ref: BlockRef) -> int:

@@ -424,6 +424,40 @@ def test_a_view_with_other_content_is_refused_naming_the_order(llama_config: Any
         register(engine)
 
 
+def test_a_refused_cache_disables_the_worker_instead_of_failing_the_start(llama_config: Any, tmp_path: Path) -> None:
+    # vLLM calls register_kv_caches once at start-up: an exception there stops the engine.
+    # A refused cache leaves the worker disabled: one error line, a metric, every load failed
+    # (vLLM recomputes it) and reported, nothing saved.
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvpack import KVPackConfig
+    from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob
+    from kvpack.vllm_plugin.settings import make_scope
+    from kvpack.vllm_plugin.worker import WorkerSide
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD, head_size_v=32, dtype=torch.bfloat16)
+    engine = allocate(llama_config, "LBNHC", spec, "cpu")
+    config = KVPackConfig.from_dict({"memory": {"capacity": "16MiB"}, "disk": {"enabled": False}})
+    worker = WorkerSide(llama_config, config, make_scope(llama_config, config))
+    try:
+        worker.register_kv_caches(engine.caches, engine.num_blocks)
+        assert worker.layout is None
+        assert worker.store.metrics.value("workers_disabled") == 1
+        chunk = "c" * 64
+        loads = [
+            TransferJob("async", "default", (BlockRef(chunk, (1,), 16),)),
+            TransferJob("sync", "default", (BlockRef(chunk, (2,), 16),), sync=True),
+        ]
+        worker.start_step(KVPackConnectorMetadata(loads=loads), has_forward=False)
+        _, done, failed = worker.get_finished()
+        assert done == failed == {"async"}  # the synchronous load reports through its blocks only
+        assert worker.take_load_errors() == {1, 2}
+        worker.queue_saves(KVPackConnectorMetadata(saves=[TransferJob("w", "default", (BlockRef(chunk, (3,), 16),))]))
+        assert worker.store.metrics.value("saved_blocks") == 0
+    finally:
+        worker.close()
+
+
 class _SpecLayer:
     """A layer of the forward context as the registration reads it: its cache spec only."""
 
