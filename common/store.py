@@ -15,9 +15,11 @@ and owns the policies that must hold on every tier:
 - store: the memory tier takes a copy synchronously (a memcpy); every lower
   tier gets the object from a bounded write-back queue served by background
   threads. When the queue is full the store is dropped and counted rather
-  than blocking the engine (back-pressure). Without a memory tier there is
-  nothing to queue from, so the lower tiers are written synchronously from the
-  caller's buffers (no copy); the adapters call `store` off the forward path,
+  than blocking the engine (back-pressure). Each queued object carries when
+  `store` accepted it (`PutItem.accepted_ns`): a lower tier's eviction follows
+  the order of the stores, not the order the threads reached it in. Without a
+  memory tier there is nothing to queue from, so the lower tiers are written
+  synchronously from the caller's buffers (no copy); the adapters call `store` off the forward path,
   and every tier bounds its own calls. `prepare_store` -> `complete_store`
   de-duplicates (what is stored or being stored is not stored again).
 - tails (`store.tails`, `kvpack.tails.TailSlots`): the computed tail of a
@@ -31,6 +33,7 @@ Thread-safe. Construct with `KVStore.from_config`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -108,6 +111,8 @@ class KVStore(LentCopies):
         self._writeback = WriteBack(
             threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower)
         )
+        self._stamp_lock = threading.Lock()
+        self._last_stamp = 0
         self._closed = False
         if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
@@ -417,19 +422,31 @@ class KVStore(LentCopies):
         """Queue every item for the lower tiers: from the memory tier's copy
         (borrowed, all under one lock) where it holds one, else from a copy."""
         assert self._memory is not None
+        accepted = self._accept_stamps(len(items))
         stored = [i for i, st in enumerate(mem) if st is TierStatus.OK]
         views: list[tuple[ObjectHeader, memoryview] | None] = [None] * len(items)
         for i, borrowed in zip(stored, self._memory.borrow_many([items[i].key for i in stored])):
             views[i] = borrowed
         for i, item in enumerate(items):
             borrowed = views[i]
-            queued = item if borrowed is None else PutItem(item.key, item.header, borrowed[1])
-            if queued is item:  # the memory tier holds no copy: take one for the queue
+            if borrowed is not None:
+                queued = PutItem(item.key, item.header, borrowed[1], accepted[i])
+            else:  # the memory tier holds no copy: take one for the queue
                 owned = np.empty(item.nbytes, dtype=np.uint8)
                 copy_parts_into(owned, item.payload)
-                queued = PutItem(item.key, item.header, owned.data)
+                queued = PutItem(item.key, item.header, owned.data, accepted[i])
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
+
+    def _accept_stamps(self, n: int) -> range:
+        """`n` wall-clock ns stamps, strictly increasing across every call of this store: the order
+        in which `store` accepted its items. The write-back's threads reach a lower tier in their
+        own order; the tier ranks recency by these stamps (`PutItem.accepted_ns`), so an older
+        store arriving late never evicts a newer one."""
+        with self._stamp_lock:
+            first = max(self._last_stamp + 1, time.time_ns())
+            self._last_stamp = first + n - 1
+        return range(first, first + n)
 
     def _enqueue(self, item: PutItem) -> bool:
         if self._writeback.enqueue(item):

@@ -7,7 +7,10 @@ object is queued here and written by one of `threads` threads. Invariants:
   full queue refuses (`enqueue` returns False) rather than blocking the
   engine, and the caller counts the drop (back-pressure).
 - Ordered per key: a key always goes to the same thread, so two stores of
-  one key reach the tiers in the order they were made.
+  one key reach the tiers in the order they were made. Stores of different
+  keys may reach a tier in another order than they were made; each carries
+  when the store accepted it (`PutItem.accepted_ns`), and a bounded tier ranks
+  recency by that, so its eviction follows the order of the stores.
 - Counted: `pending` is every object accepted and not yet written (queued or
   being written); `flush` waits, bounded, until it is 0.
 """

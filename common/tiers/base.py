@@ -65,6 +65,10 @@ class PutItem:
     key: StoreKey
     header: ObjectHeader
     payload: Payload
+    accepted_ns: int | None = None
+    """Wall-clock ns at which `KVStore.store` accepted the object, when it reaches this tier
+    later (the write-back): a bounded tier ranks its recency by this, not by its arrival, so
+    a store that arrives late never displaces a newer one. None: accepted now, by this put."""
 
     @property
     def nbytes(self) -> int:

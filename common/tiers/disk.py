@@ -82,6 +82,8 @@ from .parallel import IOThreads
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
+WRITE_ATTEMPTS = 8
+"""Tries of one object write whose folder keeps being removed under it (`DiskTier._write_file`)."""
 
 
 @dataclass
@@ -409,7 +411,10 @@ class DiskTier(Tier):
         try:
             for tenant, idx in by_tenant.items():
                 admitted, gone = self._catalog.admit(
-                    tenant, [(items[i].key, sizes[i]) for i in idx], self._capacity_bytes, self._quotas
+                    tenant,
+                    [(items[i].key, sizes[i], items[i].accepted_ns) for i in idx],
+                    self._capacity_bytes,
+                    self._quotas,
                 )
                 victims += gone
                 for i, ok in zip(idx, admitted):
@@ -451,12 +456,14 @@ class DiskTier(Tier):
     def _write_file(self, key: StoreKey, header: bytes, payload: Payload) -> TierStatus:
         """Write to a fresh ``O_EXCL`` temporary in the key's folder, then rename over the object.
 
-        A folder removed meanwhile (an emptied leaf, another process, the whole
-        root) is recreated and the write retried, a bounded number of times."""
+        A folder removed meanwhile (emptied by an eviction's `_remove_empty_folders` in this or
+        another process, or the whole root) is recreated and the write retried, at most
+        `WRITE_ATTEMPTS` times: a removal needs an empty folder, and the write's own temporary
+        makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
         leaf, name = _rel_leaf(key), _file_name(key)
         buffers: list[bytes | memoryview] = [header + bytes(data_offset(len(header)) - len(header))]
         buffers += payload_parts(payload)
-        for _attempt in range(3):
+        for _attempt in range(WRITE_ATTEMPTS):
             root_fd = self._root_fd
             try:
                 dfd = disk_fs.open_dir(root_fd, leaf)
@@ -486,9 +493,9 @@ class DiskTier(Tier):
         except UnsafeEntry:
             self.counters.count_unsafe()
             return False
-        except FileNotFoundError:
+        except FileNotFoundError:  # a folder on the way went meanwhile (an eviction's cleanup): retry
             if not disk_fs.root_removed(root_fd):
-                return False
+                return True
             try:
                 self._reopen_root(root_fd)
                 return True

@@ -32,7 +32,9 @@ still not ready `WRITE_GRACE_S` after its admission is a crashed writer's, dropp
 ways (or marked ready when the scan finds its file whole). An orphan file of an evicted group
 is never loaded because loads verify the file's own header.
 
-Eviction is LRU over groups with the tenant shares of
+A group's ``tick`` is when its last store was accepted (`PutItem.accepted_ns`, or the
+admission's own time) or it was last read: a store that arrives after newer ones evicts only
+less recent groups, or is refused. Eviction is LRU over groups with the tenant shares of
 `kvpack.eviction.CapacityManager` (a tenant over its share evicts its own
 groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
@@ -295,18 +297,22 @@ class Catalog:
     def admit(
         self,
         tenant: str,
-        requests: Sequence[tuple[StoreKey, int]],
+        requests: Sequence[tuple[StoreKey, int, int | None]],
         capacity: int,
         quotas: dict[str, int],
     ) -> tuple[list[bool], list[Victim]]:
-        """Index `tenant`'s (key, bytes) requests in one transaction, evicting whole groups
-        (never one of the batch) so the folder stays within `capacity`; per request, admitted?
+        """Index `tenant`'s (key, bytes, accepted ns) requests in one transaction, evicting whole
+        groups (never one of the batch) so the folder stays within `capacity`; per request, admitted?
 
-        The batch is admitted whole when it fits, else request by request."""
+        The batch is admitted whole when it fits, else request by request. A request's accepted
+        ns (`PutItem.accepted_ns`; None: now) is its group's recency: only groups less recent
+        than it may be evicted for it, so a store that reaches the index after newer ones (the
+        write-back's threads) is refused rather than evicting them (the order of the stores
+        decides, not the order of their arrival)."""
         with self._lock, self._tx() as db:
             self._flush_locked(db)
             used = dict(db.execute("SELECT tenant, used FROM tenants"))
-            batch = {group_id(k.group) for k, _ in requests}
+            batch = {group_id(r[0].group) for r in requests}
             victims: list[Victim] = []
             plan = self._plan(db, tenant, requests, capacity, quotas, used, batch)
             if plan is not None:
@@ -322,12 +328,12 @@ class Catalog:
                 admitted.append(True)
             # a later request may have evicted an earlier one's group: that one is not admitted
             evicted = {group_id(v.group) for v in victims}
-            admitted = [ok and group_id(k.group) not in evicted for ok, (k, _) in zip(admitted, requests)]
+            admitted = [ok and group_id(r[0].group) not in evicted for ok, r in zip(admitted, requests)]
             return admitted, victims
 
-    def _deltas(self, db: sqlite3.Connection, requests: Sequence[tuple[StoreKey, int]]) -> int:
+    def _deltas(self, db: sqlite3.Connection, requests: Sequence[tuple[StoreKey, int, int | None]]) -> int:
         final: dict[tuple[bytes, str], int] = {}
-        for key, n in requests:
+        for key, n, _ in requests:
             final[(group_id(key.group), key.member)] = n
         delta = 0
         for (g, member), n in final.items():
@@ -339,14 +345,14 @@ class Catalog:
         self,
         db: sqlite3.Connection,
         tenant: str,
-        requests: Sequence[tuple[StoreKey, int]],
+        requests: Sequence[tuple[StoreKey, int, int | None]],
         capacity: int,
         quotas: dict[str, int],
         used: dict[str, int],
         batch: set[bytes],
     ) -> list[bytes] | None:
         """The victims that make room for `requests` (maybe none), or None when they cannot fit."""
-        if any(n > capacity for _, n in requests):
+        if any(n > capacity for _, n, _ in requests):
             return None
         delta = self._deltas(db, requests)
         need = sum(used.values()) + delta - capacity
@@ -358,10 +364,14 @@ class Catalog:
         taken: set[bytes] = set()
         freed = 0
 
+        stamps = [t for _, _, t in requests if t is not None]
+        where, args = (["tick<?"], [min(stamps)]) if stamps else ([], [])
+
         def take(own_only: bool) -> None:
             nonlocal freed
-            sql = "SELECT g, tenant, nbytes FROM groups" + (" WHERE tenant=?" if own_only else "") + " ORDER BY tick"
-            for g, owner, size in db.execute(sql, (tenant,) if own_only else ()):
+            conds, params = (["tenant=?", *where], [tenant, *args]) if own_only else (where, args)
+            sql = "SELECT g, tenant, nbytes FROM groups" + (" WHERE " + " AND ".join(conds) if conds else "")
+            for g, owner, size in db.execute(sql + " ORDER BY tick", params):
                 if freed >= need:
                     return
                 if g in batch or g in taken:
@@ -383,21 +393,21 @@ class Catalog:
         self,
         db: sqlite3.Connection,
         tenant: str,
-        requests: Sequence[tuple[StoreKey, int]],
+        requests: Sequence[tuple[StoreKey, int, int | None]],
         victims: list[bytes],
         used: dict[str, int],
     ) -> list[Victim]:
         gone = [v for v in (self._delete_group(db, g, used) for g in victims) if v is not None]
         now = time.time_ns()
-        for key, n in requests:
-            tick = self._next_tick()
+        for key, n, accepted in requests:
+            tick = self._next_tick() if accepted is None else accepted
             g = group_id(key.group)
             row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
             delta = n - (row[0] if row else 0)
             db.execute("INSERT OR REPLACE INTO objects VALUES(?, ?, ?, 0, ?)", (g, key.member, n, now))
             db.execute(
                 "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
-                " nbytes=nbytes+excluded.nbytes, tick=excluded.tick",
+                " nbytes=nbytes+excluded.nbytes, tick=MAX(tick, excluded.tick)",
                 (g, key.tenant, _pack(key.fingerprint), _pack(key.chunk), delta, tick),
             )
             used[tenant] = used.get(tenant, 0) + delta

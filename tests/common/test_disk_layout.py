@@ -15,6 +15,7 @@ from helpers import chunk_id, expect, make_item
 
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
+from kvpack.tiers import disk_fs
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk_fs import spread_subfolders
@@ -67,3 +68,29 @@ def test_spread_subfolders_is_best_effort_on_a_file(tmp_path: Path) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_regression_write_fails_when_an_eviction_removes_its_new_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by test_lookups_only_see_own_entries (a FlakyFailure): two write-back threads on a full
+    # folder; one thread's eviction removed the empty tenant folder the other had just created for
+    # its write (`_remove_empty_folders`), and that write answered ERROR instead of retrying.
+    tier = DiskTier(tmp_path / "store", 1 << 20, make_policy(EvictionPolicyName.LRU))
+    real_open_subdir = disk_fs._open_subdir
+    raced: list[str] = []
+
+    def open_after_cleanup(dfd: int, part: str, rel: str) -> int:
+        if part == "t" and not raced:  # the tenant folder make_dirs just created: empty, so a cleanup may take it
+            raced.append(part)
+            os.rmdir(part, dir_fd=dfd)
+        return real_open_subdir(dfd, part, rel)
+
+    monkeypatch.setattr(disk_fs, "_open_subdir", open_after_cleanup)
+    item, data = make_item("t", chunk_id(1), seed=1)
+    assert tier.put_from([item]) == [TierStatus.OK]
+    assert raced == ["t"]
+    dst = np.empty(len(data), np.uint8)
+    assert tier.get_into([item.key], [dst.data], [expect(item)], True)[0].ok
+    assert bytes(dst) == bytes(data)
+    tier.close()

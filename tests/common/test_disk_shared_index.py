@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -283,3 +284,21 @@ def test_a_crashed_writers_row_is_dropped_by_the_scan_after_the_grace(
         statuses = held.release()
     assert statuses == [TierStatus.NO_SPACE]  # its row was dropped meanwhile: the late file is removed again
     assert not writer.path_of(item.key).exists()
+
+
+def test_a_store_that_arrives_late_never_evicts_a_newer_one(tmp_path: Path) -> None:
+    # Recency is when `KVStore.store` accepted an object (`PutItem.accepted_ns`), not when the
+    # write-back delivered it: a full folder evicts only less recent groups for a late arrival,
+    # and refuses one older than every resident group (in store order it would have gone first).
+    tier = DiskTier(tmp_path / "store", 2 * KIB, make_policy(EvictionPolicyName.LRU))
+    base = 1_000_000  # ns: older than any tick the index takes from the clock
+    stamped = [replace(make_item("t", chunk_id(i), seed=i)[0], accepted_ns=base + i) for i in range(4)]
+    assert tier.put_from([stamped[2]]) == [TierStatus.OK]  # the newer two arrive first
+    assert tier.put_from([stamped[3]]) == [TierStatus.OK]
+    assert tier.put_from([stamped[0]]) == [TierStatus.NO_SPACE]  # older than both: refused, nothing evicted
+    assert tier.contains([it.key for it in stamped]) == [False, False, True, True]
+    late = replace(make_item("t", chunk_id(9), seed=9)[0], accepted_ns=base + 4)  # newer than every resident
+    assert tier.put_from([late]) == [TierStatus.OK]
+    assert tier.contains([stamped[2].key, stamped[3].key, late.key]) == [False, True, True]
+    assert tier.counters.removed == {"evicted": 1}
+    tier.close()

@@ -15,7 +15,8 @@ from fixtures.tiers import BrokenTier, SlowTier
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
 from kvpack.objects import Expectation, RejectReason
 from kvpack.tails import tail_chunk
-from kvpack.tiers.base import PutItem
+from kvpack.tiers.base import PutItem, Tier
+from kvpack.tiers.factory import build_tiers
 
 KV = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
 DRAFT = MemberSpec("draft", MEMBER_FP, MemberRole.DRAFT)
@@ -330,6 +331,49 @@ def test_regression_writeback_keeps_per_key_order(tmp_path: Path, make_store: Ca
     dst = np.empty(1024, np.uint8)
     assert disk.get_into([versions[-1][0].key], [memoryview(dst)], [expect(versions[-1][0])], True)[0].ok
     assert np.array_equal(dst, versions[-1][1])
+
+
+class LaggingDisk(SlowTier):
+    """The real disk tier, whose put of `held` waits until the put of `after` has returned: a
+    write-back thread that lags behind another one."""
+
+    name = "disk"
+
+    def __init__(self, inner: Tier, held: StoreKey, after: StoreKey) -> None:
+        super().__init__(inner, 0.0)
+        self.held, self.after, self.passed = held, after, threading.Event()
+
+    def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        if any(it.key == self.held for it in items):
+            assert self.passed.wait(10), "the put of `after` never came"
+        out = self.inner.put_from(items)
+        if any(it.key == self.after for it in items):
+            self.passed.set()
+        return out
+
+
+def test_regression_newest_store_evicted_when_writeback_reorders(tmp_path: Path, keep: Callable[..., KVStore]) -> None:
+    # Found by test_lookups_only_see_own_entries (a FlakyFailure): the write-back's threads reach the
+    # disk in their own order; older stores admitted after the newest evicted it as the least recent
+    # one, and once reads pushed it out of memory its owner missed it.
+    config = KVPackConfig.from_dict(
+        {"io_threads": 2, "memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "d"), "capacity": "4KiB"}}
+    )
+    memory, disk = build_tiers(config)
+    items = [make_item("t", chunk_id(i), seed=i, checksum=False) for i in range(64)]
+    # a key always goes to write-back thread hash(key) % io_threads: four older stores on one, the newest on the other
+    older = [it for it in items if hash(it[0].key) % 2 == 0][:4]
+    newest = next(it for it in items if hash(it[0].key) % 2 == 1)
+    store = keep(KVStore(config, [memory, LaggingDisk(disk, held=older[0][0].key, after=newest[0].key)]))
+    for item, _ in [*older, newest]:
+        assert store.store([item]) == [TierStatus.OK]
+    assert store.flush(10)
+    # the disk holds 4 objects: it keeps the 4 newest stores, whatever order they reached it in
+    assert disk.contains([it.key for it, _ in [*older, newest]]) == [False, True, True, True, True]
+    memory.remove_groups([newest[0].key.group])  # out of memory: the owner loads it from disk
+    dst = np.empty(1024, np.uint8)
+    assert store.load([LoadItem(newest[0].key, dst.data, expect(newest[0]))])[0].ok
+    assert np.array_equal(dst, newest[1])
 
 
 def test_regression_concurrent_continuations_keep_their_own_tails(
