@@ -6,7 +6,8 @@ An object holds, for one chunk of ``tokens`` tokens and a range of KV heads::
 
 elements in the model's KV dtype (``elem_bytes`` each, the bytes as the engine
 stores them). The same bytes come out of vLLM's CPU packings (`vec`, `vec16`,
-`amx`), the GPU backends' NHD and HND layouts and SGLang's host pools, so an
+`amx`), vLLM's ``[B, H, N, C]`` block views in any of their six stride orders
+(`from_block_views`; GPU backends and MLA), and SGLang's host pools, so an
 object written by one is read by another; a writer at TP=t stores its own heads,
 a reader at TP=r copies the heads it holds out of whichever objects cover them
 (`CanonicalGeometry.copy`'s ``obj_h0``/``cache_h0``).
