@@ -163,7 +163,7 @@ class DiskTierConfig:
         if self.enabled and not self.path:
             raise ConfigError(join_path(path, "path"), "must be a directory path when the disk tier is enabled")
         if self.enabled:
-            from .tiers.disk_fs import check_store_path_text
+            from .tiers.disk.fs import check_store_path_text
 
             try:
                 check_store_path_text(self.path)

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from ..config import KVPackConfig
 from ..eviction import make_policy
 from .base import Tier
-from .disk_fs import check_store_root
+from .disk.fs import check_store_root
 from .parallel import RegionCopier
 
 
 def check_tiers(config: KVPackConfig) -> None:
     """Raise the ConfigError that building `config`'s tiers would raise for their config, changing nothing.
 
-    Disk: the store folder rules (`disk_fs.check_store_root`: where it may be, what
+    Disk: the store folder rules (`disk.fs.check_store_root`: where it may be, what
     an existing one may hold, that a missing one can be created). Mooncake: the
     installed package and its tenant support (`connection.check_support`). The
     memory tier has no rule beyond the config's own fields (checked when it was built).

@@ -25,7 +25,7 @@ from kvpack import ConfigError, KVPackConfig
 from kvpack.cli import main
 from kvpack.config import DiskTierConfig, MemoryTierConfig
 from kvpack.store import KVStore
-from kvpack.tiers import disk_fs
+from kvpack.tiers.disk import fs as disk_fs
 from kvpack.tiers.factory import check_tiers
 
 HUGE_INT = "9" * 5000

@@ -15,10 +15,10 @@ from helpers import chunk_id, expect, make_item
 
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
-from kvpack.tiers import disk_fs
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk_fs import spread_subfolders
+from kvpack.tiers.disk import fs as disk_fs
+from kvpack.tiers.disk.fs import spread_subfolders
 
 _FS_IOC_GETFLAGS = 0x80086601
 _FS_TOPDIR_FL = 0x00020000

@@ -13,9 +13,9 @@ from helpers import chunk_id, expect, make_item
 
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
-from kvpack.tiers import disk_index
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.disk import scan as disk_index
 
 HOUR_NS = 3600 * 10**9
 

@@ -20,8 +20,8 @@ from kvpack.eviction import make_policy
 from kvpack.inspect_store import summarize
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk_catalog import INDEX_NAME
-from kvpack.tiers.disk_fs import MARKER
+from kvpack.tiers.disk.catalog import INDEX_NAME
+from kvpack.tiers.disk.fs import MARKER
 
 KIB = 1024
 TESTS = Path(__file__).resolve().parents[1]
@@ -193,7 +193,7 @@ class _HeldWrite:
     between a put's index row and its file, as another process in the middle of a put sees it."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from kvpack.tiers import disk as disk_mod
+        from kvpack.tiers.disk import tier as disk_mod
 
         self.entered, self._gate = threading.Event(), threading.Event()
         real = disk_mod.write_all
@@ -267,7 +267,7 @@ def test_a_file_deleted_while_no_process_had_the_store_open_is_not_found_after_r
 def test_a_crashed_writers_row_is_dropped_by_the_scan_after_the_grace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvpack.tiers import disk as disk_mod
+    from kvpack.tiers.disk import tier as disk_mod
 
     writer = _disk(tmp_path)
     kept, _ = make_item("t", chunk_id(2), seed=2)

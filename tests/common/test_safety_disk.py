@@ -25,7 +25,7 @@ MARKER = ".kvpack-store"
 
 
 def _fs():  # type: ignore[no-untyped-def]
-    from kvpack.tiers import disk_fs
+    from kvpack.tiers.disk import fs as disk_fs
 
     return disk_fs
 

@@ -18,7 +18,7 @@ from kvpack.eviction import make_policy
 from kvpack.objects import RejectReason
 from kvpack.tiers.base import Tier, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk_fs import MARKER
+from kvpack.tiers.disk.fs import MARKER
 from kvpack.tiers.memory import MemoryTier
 
 TierFactory = Callable[[int], Tier]

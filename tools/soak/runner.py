@@ -559,7 +559,7 @@ class Soak:
 
     def _root_is_clean(self) -> bool | None:
         from kvpack.keys import validate_tenant
-        from kvpack.tiers.disk_fs import MARKER
+        from kvpack.tiers.disk.fs import MARKER
 
         if not self.disk_root.is_dir():
             return None

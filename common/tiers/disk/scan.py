@@ -3,7 +3,7 @@
 Run by one process per folder at a time (an ``flock`` on ``.kvpack-store.build``;
 the others skip it), on a background thread (the opener waits for it only a
 short budget, `DiskTier`'s ``open_scan_s``). For a store written before the
-persistent index (`kvpack.tiers.disk_catalog`), or whose index file was
+persistent index (`kvpack.tiers.disk.catalog`), or whose index file was
 deleted, it builds the index while lookups are answered from the folder
 itself; for an indexed store it reconciles: files written by a crashed or
 older writer are indexed (a crashed writer's row not marked ready is marked
@@ -36,7 +36,7 @@ evicting anything (the folder may be over capacity until the next put evicts
 its oldest groups), so opening a shared folder never deletes a valid object.
 
 The only files removed are temporaries of exactly kvpack's random-name
-pattern (`disk_fs.is_temp_name`) that are regular files older than
+pattern (`fs.is_temp_name`) that are regular files older than
 `stale_temp_s`, counted as ``stale_temp``.
 """
 
@@ -50,11 +50,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from ..keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
-from ..objects import ObjectRejected, RejectReason
-from . import disk_fs
-from .disk_catalog import WRITE_GRACE_S, Catalog
-from .disk_files import PAGE, SUFFIX, data_offset, read_header_fd
+from ...keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
+from ...objects import ObjectRejected, RejectReason
+from . import fs
+from .catalog import WRITE_GRACE_S, Catalog
+from .files import PAGE, SUFFIX, data_offset, read_header_fd
 
 BUILD_LOCK = ".kvpack-store.build"
 BATCH = 2000
@@ -120,7 +120,7 @@ def build_index(
             unlisted.append(f"{tenant}/{fp}/{cc}")
         objects: list[tuple[str, StoreKey]] = []
         for name in names:
-            if disk_fs.is_temp_name(name):
+            if fs.is_temp_name(name):
                 _sweep_temp(dfd, name, now, stale_temp_s, counters)
                 continue
             key = _key_of(tenant, fp, cc, name, SUFFIX)
@@ -165,7 +165,7 @@ def _release_heap() -> None:
 def _unchanged(dfd: int, name: str, row: tuple[int, int]) -> bool:
     """Is `name` a regular file of the size a header plus the row's payload makes, last
     written `SAME_FILE_MARGIN_NS` before the row (bytes, ready ns) became ready?"""
-    st = disk_fs.lstat_regular(dfd, name)
+    st = fs.lstat_regular(dfd, name)
     if st is None:
         return False
     header = st.st_size - row[0]
@@ -180,8 +180,8 @@ def _check_file(
     refuse: Callable[[StoreKey, os.stat_result | None], None],
 ) -> tuple[StoreKey, int, int] | None:
     try:
-        fd = disk_fs.open_regular(root_fd, rel)
-    except disk_fs.UnsafeEntry:
+        fd = fs.open_regular(root_fd, rel)
+    except fs.UnsafeEntry:
         counters.count_unsafe()
         return None
     except OSError:
@@ -220,7 +220,7 @@ def _key_of(tenant: str, fp: str, cc: str, name: str, suffix: str) -> StoreKey |
 
 
 def _sweep_temp(dfd: int, name: str, now: float, stale_s: float, counters: Counters) -> None:
-    st = disk_fs.lstat_regular(dfd, name)
+    st = fs.lstat_regular(dfd, name)
     if st is None or now - st.st_mtime < stale_s:
         return  # a live writer's temporary (or not a regular file): leave it
     try:
@@ -259,8 +259,8 @@ def _subdirs(
         if not stat.S_ISDIR(mode):
             continue
         try:
-            fd = disk_fs.open_dir(dfd, name)
-        except disk_fs.UnsafeEntry:
+            fd = fs.open_dir(dfd, name)
+        except fs.UnsafeEntry:
             counters.count_unsafe()
             continue
         except FileNotFoundError:

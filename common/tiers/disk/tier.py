@@ -9,7 +9,7 @@ reader gets header and payload in one `preadv`. Files are written to a
 random temporary name in the same folder (``O_EXCL``) and renamed into place,
 so a reader never sees a half-written object.
 
-kvpack never touches what is not its own (`kvpack.tiers.disk_fs`):
+kvpack never touches what is not its own (`kvpack.tiers.disk.fs`):
 - the root is a new or empty folder that kvpack marks (``.kvpack-store``, with
   the format version), or one it marked before; anything else is refused at
   start-up with a ConfigError naming ``disk.path``;
@@ -25,12 +25,12 @@ kvpack never touches what is not its own (`kvpack.tiers.disk_fs`):
   removed only when empty (`rmdir`), when the last object indexed in them goes.
 
 The index is persistent and shared by every process on the folder
-(`kvpack.tiers.disk_catalog`: SQLite in the folder, one row per object): open
+(`kvpack.tiers.disk.catalog`: SQLite in the folder, one row per object): open
 is O(1), `capacity` bounds the folder as a whole whatever the number of
 processes, and eviction (LRU over whole groups, tenant shares kept) deletes
 the victims' files after the transaction that unindexed them. A store without
 a complete index (written by an older kvpack, or its index file deleted) is
-indexed on a background thread by one process (`kvpack.tiers.disk_index`);
+indexed on a background thread by one process (`kvpack.tiers.disk.scan`);
 until then a key the index does not know is looked up in the folder itself
 (its path follows from the key; a load verifies the file's own header), so
 the first request is served at once.
@@ -58,9 +58,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..eviction import EvictionPolicy
-from ..keys import GroupKey, StoreKey
-from ..objects import (
+from ...eviction import EvictionPolicy
+from ...keys import GroupKey, StoreKey
+from ...objects import (
     Expectation,
     ObjectHeader,
     ObjectRejected,
@@ -71,14 +71,14 @@ from ..objects import (
     payload_nbytes,
     payload_parts,
 )
-from . import disk_fs, disk_index
-from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from .disk_catalog import WRITE_GRACE_S, Victim, open_catalog
-from .disk_files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
-from .disk_fs import UnsafeEntry
-from .parallel import IOThreads
+from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from ..parallel import IOThreads
+from . import fs, scan
+from .catalog import WRITE_GRACE_S, Victim, open_catalog
+from .files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
+from .fs import UnsafeEntry
 
-# WRITE_GRACE_S (from `kvpack.tiers.disk_catalog`): a row not ready this long after its admission is a
+# WRITE_GRACE_S (from `kvpack.tiers.disk.catalog`): a row not ready this long after its admission is a
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
@@ -129,17 +129,17 @@ class DiskTier(Tier):
         open_scan_s: float = 0.5,
         index_pace: Callable[[int], None] | None = None,
     ) -> None:
-        """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`disk_fs.open_store_root`).
+        """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
         `policy` is accepted for the config's sake: the shared index orders eviction by LRU
-        (`kvpack.tiers.disk_catalog`). `busy_timeout_s` bounds a wait for another process's
+        (`kvpack.tiers.disk.catalog`). `busy_timeout_s` bounds a wait for another process's
         index transaction. `open_scan_s` is how long opening waits for the folder scan
-        (`kvpack.tiers.disk_index`) before leaving it to its background thread. `index_pace` is a
-        test seam of that scan (`disk_index.build_index`)."""
+        (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
+        test seam of that scan (`scan.build_index`)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         del policy
-        self._root_str, self._root_fd = disk_fs.open_store_root(os.fspath(root))
+        self._root_str, self._root_fd = fs.open_store_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
         self._fsync = fsync
@@ -170,10 +170,10 @@ class DiskTier(Tier):
     # -- the index build ---------------------------------------------------------
 
     def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
-        """Scan the folder on a thread (`disk_index.build_index`), waiting for it at most `wait_s`;
+        """Scan the folder on a thread (`scan.build_index`), waiting for it at most `wait_s`;
         a no-op while another process (or tier) on the folder scans it."""
         try:
-            lock_fd = disk_index.try_build_lock(self._root_fd)
+            lock_fd = scan.try_build_lock(self._root_fd)
         except OSError:
             return
         if lock_fd is None:
@@ -183,7 +183,7 @@ class DiskTier(Tier):
 
         def run() -> None:
             try:
-                disk_index.build_index(
+                scan.build_index(
                     self._root_fd,
                     self._catalog,
                     self.counters,
@@ -233,7 +233,7 @@ class DiskTier(Tier):
         with self._root_lock:
             if self._root_fd != seen_fd:
                 return
-            _, fd = disk_fs.open_store_root(self._root_str)
+            _, fd = fs.open_store_root(self._root_str)
             self._old_root_fds.append(self._root_fd)
             self._root_fd = fd
 
@@ -255,7 +255,7 @@ class DiskTier(Tier):
 
     def _unlink_key(self, key: StoreKey) -> bool:
         try:
-            dfd = disk_fs.open_dir(self._root_fd, _rel_leaf(key))
+            dfd = fs.open_dir(self._root_fd, _rel_leaf(key))
         except OSError:
             return False
         try:
@@ -298,7 +298,7 @@ class DiskTier(Tier):
 
     def _present(self, key: StoreKey, refused: tuple[int, int] | None) -> bool:
         try:
-            fd = disk_fs.open_regular(self._root_fd, _rel_file(key))
+            fd = fs.open_regular(self._root_fd, _rel_file(key))
         except UnsafeEntry:
             self.counters.count_unsafe()
             return False
@@ -318,7 +318,7 @@ class DiskTier(Tier):
         out: list[ObjectHeader | None] = []
         for key in keys:
             try:
-                fd = disk_fs.open_regular(self._root_fd, _rel_file(key))
+                fd = fs.open_regular(self._root_fd, _rel_file(key))
             except UnsafeEntry:
                 self.counters.count_unsafe()
                 out.append(None)
@@ -366,7 +366,7 @@ class DiskTier(Tier):
     def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
         rel = _rel_file(key)
         try:
-            fd = disk_fs.open_regular(self._root_fd, rel)
+            fd = fs.open_regular(self._root_fd, rel)
         except FileNotFoundError:
             return _MISS
         except UnsafeEntry as exc:
@@ -466,7 +466,7 @@ class DiskTier(Tier):
         for _attempt in range(WRITE_ATTEMPTS):
             root_fd = self._root_fd
             try:
-                dfd = disk_fs.open_dir(root_fd, leaf)
+                dfd = fs.open_dir(root_fd, leaf)
             except FileNotFoundError:
                 if not self._make_leaf(root_fd, leaf):
                     return TierStatus.ERROR
@@ -488,13 +488,13 @@ class DiskTier(Tier):
 
     def _make_leaf(self, root_fd: int, leaf: str) -> bool:
         try:
-            disk_fs.make_dirs(root_fd, leaf)
+            fs.make_dirs(root_fd, leaf)
             return True
         except UnsafeEntry:
             self.counters.count_unsafe()
             return False
         except FileNotFoundError:  # a folder on the way went meanwhile (an eviction's cleanup): retry
-            if not disk_fs.root_removed(root_fd):
+            if not fs.root_removed(root_fd):
                 return True
             try:
                 self._reopen_root(root_fd)
@@ -505,7 +505,7 @@ class DiskTier(Tier):
             return False
 
     def _write_in(self, dfd: int, name: str, buffers: list[bytes | memoryview]) -> TierStatus:
-        fd, tmp = disk_fs.create_temp(dfd, name)
+        fd, tmp = fs.create_temp(dfd, name)
         try:
             try:
                 write_all(fd, buffers)
@@ -582,7 +582,7 @@ def _remove_empty_folders(root_fd: int, key: StoreKey) -> None:
     chain = ((f"{key.tenant}/{key.fingerprint}", key.chunk[:2]), (key.tenant, key.fingerprint))
     for parent, child in chain:
         try:
-            pfd = disk_fs.open_dir(root_fd, parent)
+            pfd = fs.open_dir(root_fd, parent)
         except OSError:
             return
         try:

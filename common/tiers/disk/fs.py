@@ -40,7 +40,7 @@ import stat
 import struct
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MARKER = ".kvpack-store"
 STORE_FORMAT = 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..objects import (
+from ...objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     ObjectHeader,
@@ -19,7 +19,7 @@ from ..objects import (
     decode_header,
     header_length,
 )
-from .base import GetResult, TierStatus
+from ..base import GetResult, TierStatus
 
 SUFFIX = ".kvp"
 PAGE = 4096

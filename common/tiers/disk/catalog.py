@@ -20,7 +20,7 @@ a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
 - ``tenants(tenant, used)``: bytes per tenant, updated in the same transaction
   as every insert and delete, so ``SUM(used)`` is the folder's usage;
 - ``meta``: the schema version and ``complete`` once every file of an older
-  store was indexed (`kvpack.tiers.disk_index` builds it in the background).
+  store was indexed (`kvpack.tiers.disk.scan` builds it in the background).
 
 Invariants: a group row's ``nbytes`` is the sum of its objects' (ready or not: a row being
 written holds its bytes), a tenant's ``used`` the sum of its groups'; a row is inserted (not
@@ -57,11 +57,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from ..errors import ConfigError
-from ..keys import GroupKey, StoreKey
+from ...errors import ConfigError
+from ...keys import GroupKey, StoreKey
 
 INDEX_NAME = ".kvpack-store.index"
-"""Starts with the marker's name plus a dot: `disk_fs` treats it (and its -wal/-shm) as the marker's own."""
+"""Starts with the marker's name plus a dot: `fs` treats it (and its -wal/-shm) as the marker's own."""
 SCHEMA_VERSION = "2"
 WRITE_GRACE_S = 60.0
 """A row not ready this long after its admission is a crashed writer's (no write takes this long)."""
