@@ -458,6 +458,33 @@ def test_a_refused_cache_disables_the_worker_instead_of_failing_the_start(llama_
         worker.close()
 
 
+def test_fp8_objects_name_their_scales(llama_config: Any) -> None:
+    # fp8 caches hold the quantized bytes only; the scales live in the layers, so they are
+    # in the native member fingerprint: objects written under other scales never load
+    engine = allocate(llama_config, "LBNHC", _spec(False, "fp8", 16), "meta", cache_dtype="fp8")
+    context = llama_config.compilation_config.static_forward_context
+    prints = []
+    try:
+        for scale in (1.0, 0.5, 0.5):
+            context.update({n: _ScaleLayer(scale) for n in LAYERS})
+            prints.append(register(engine).kv.fingerprint)
+        llama_config.cache_config.calculate_kv_scales = True
+        prints.append(register(engine).kv.fingerprint)
+    finally:
+        llama_config.cache_config.calculate_kv_scales = False
+        for n in LAYERS:
+            context.pop(n, None)
+    assert prints[1] == prints[2] and len(set(prints)) == 3
+
+
+class _ScaleLayer:
+    """A layer of the forward context as the fingerprint reads it: its K/V scales."""
+
+    def __init__(self, scale: float) -> None:
+        self._k_scale = torch.tensor(scale)
+        self._v_scale = torch.tensor(2 * scale)
+
+
 class _SpecLayer:
     """A layer of the forward context as the registration reads it: its cache spec only."""
 
