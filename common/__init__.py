@@ -66,6 +66,7 @@ from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfi
 from .errors import ConfigError, KVPackError, LayoutError
 from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .heads import HeadRange, HeadSplit
+from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout_spec import KVLayoutSpec
 from .metrics import Metrics, MetricsInterval
@@ -109,8 +110,11 @@ __all__ = [
     "GetResult",
     "GroupKey",
     "GroupLookup",
+    "HandoffClaim",
     "HeadRange",
     "HeadSplit",
+    "HitPlan",
+    "HitQuery",
     "KVLayoutSpec",
     "KVPackConfig",
     "KVPackError",
@@ -128,6 +132,7 @@ __all__ = [
     "ObjectHeader",
     "ObjectIO",
     "Payload",
+    "PlannedTail",
     "PutItem",
     "Refusals",
     "RejectReason",

@@ -136,6 +136,11 @@ SPECS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("handoff_sent", "Prompts a prefill instance stored for a decode instance", ()),
     MetricSpec(
+        "handoff_tails_dropped",
+        "Handoff tails that name no tail slot of the prompt: not loaded (the whole chunks still are)",
+        (),
+    ),
+    MetricSpec(
         "transfers_turned_away",
         "Saves (a future miss) and loads (recomputed) turned away by a host-memory bound; the engine never waits",
         ("direction", "bound"),

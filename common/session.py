@@ -18,6 +18,9 @@ Two shapes of call, one behaviour:
 - objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
   partial block's token count, a tail's token ids), vLLM's blocks and tails.
 
+Hits are planned here too (`plan_hit`, `plan_handoff`, `lookups_held`; the rules live in
+`kvpack.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
+
 Loads are two-phase, as the store's are: `prepare_load` pins what is in this
 process's memory and fixes the tier to read each object from (the hints given, else
 the ones this session's own lookups remembered); `complete_load` reads and releases.
@@ -29,6 +32,7 @@ Thread-safe: the hints are behind a lock; everything else is the store's.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -42,12 +46,18 @@ from .config import KVPackConfig
 from .cpu_features import request_amx_permission
 from .exit_flush import Flushable, flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec
-from .keys import StoreKey, validate_chunk_hash
+from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
+from .keys import StoreKey, chunk_hashes, validate_chunk_hash
 from .lifecycle import LoadPlan
+from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, Payload, payload_nbytes
 from .reads import LoadItem
 from .store import KVStore
+from .tails import TailMatch
+from .tenancy import RequestScope
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+
+log = logging.getLogger("kvpack")
 
 MAX_LOCATED = 1 << 16
 """Object locations a session remembers between a lookup and its load (key + tier name each)."""
@@ -169,6 +179,7 @@ class Session:
         self.store = store
         self.group_fingerprint = group_fingerprint
         self.hints = hints if hints is not None else LocatedHints()
+        self._held_logged = threading.Event()
 
     @classmethod
     def start(
@@ -252,6 +263,67 @@ class Session:
     def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
         """`was_located` for many chunks of one member (keys batch-built, one lock)."""
         return self.hints.contain(self.keys(tenant, chunks, member))
+
+    # -- hit planning (the rules: `kvpack.hits`) ------------------------------------
+
+    def plan_hit(self, query: HitQuery, budget: WaitBudget | None = None) -> HitPlan:
+        """The hit of `query`: one lookup of its whole chunks (`lookup`), then the stored tail
+        after the last hit chunk, within `budget` for remote tiers (`kvpack.hits`)."""
+        hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
+        tenant = query.scope.tenant
+        result = self.lookup(tenant, hashes, query.members, query.chunk_tokens, budget, query.alternatives)
+        config = self.store.config
+
+        def find_tail(parent: str | None, tokens: Sequence[int], members: Sequence[MemberSpec]) -> TailMatch | None:
+            return self.store.tails.find(
+                tenant, self.group_fingerprint, parent, tokens, members, config.prefix_match_unit, budget
+            )
+
+        return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
+
+    def plan_handoff(self, query: HitQuery, claim: HandoffClaim) -> HitPlan:
+        """The hit of a request another instance computed and stored (`HandoffClaim`), without
+        a lookup: the loads wait for objects still landing (`wait_until_stored`)."""
+        hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
+        return plan_handoff(query, hashes, claim, self.store.config, self.store.metrics)
+
+    def lookups_held(self, scope_of: Callable[[], RequestScope | None]) -> bool:
+        """True when a request is to be held: a tier makes its first connect
+        (`KVStore.warming_up`), so a lookup now would miss what it holds, and the request
+        uses the cache (`scope_of()`, asked only then: None for a request without it). The
+        caller holds the request and asks again later, never the engine (the tier's
+        ``connect_wait_ms`` bounds it). Counted as ``lookups_held``; logged once per session."""
+        if not self.store.warming_up():
+            return False
+        scope = scope_of()
+        if scope is None:
+            return False
+        if not self._held_logged.is_set():
+            self._held_logged.set()
+            log.warning("kvpack: holding requests until a tier's first connect completes (at most its connect_wait_ms)")
+        self.store.metrics.inc("lookups_held", tenant=scope.tenant)
+        return True
+
+    def place_tail(
+        self,
+        tenant: str,
+        parent: str | None,
+        members: Sequence[str],
+        token_ids: Sequence[int],
+        budget: WaitBudget | None = None,
+    ) -> tuple[str, bool]:
+        """Where the tail `token_ids` after chunk `parent` goes, and whether every member of it
+        is stored there already (`TailSlots.place`)."""
+        return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
+
+    @property
+    def metrics(self) -> Metrics:
+        """The store's counters and histograms (what an adapter counts goes here too)."""
+        return self.store.metrics
+
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Close the store (`KVStore.close`: its write-back drained within `flush_timeout_s`)."""
+        self.store.close(flush_timeout_s=flush_timeout_s)
 
     # -- load -----------------------------------------------------------------------
 

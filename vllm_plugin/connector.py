@@ -109,7 +109,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         """This process's `KVStore` (scheduler view or worker store)."""
         side = self.scheduler or self.worker
         assert side is not None
-        return side.store
+        return side.session.store
 
     @property
     def requires_kv_delivery(self) -> bool:

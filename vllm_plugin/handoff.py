@@ -65,7 +65,10 @@ class Handoff:
     tokens: int
     """Prompt tokens the prefill instance computed (and saved)."""
     tail_chunk: str | None
-    """Chunk id of the saved partial-block tail (None: the prompt ends on a block boundary)."""
+    """Chunk id of the saved partial-block tail (None: the prompt ends on a block boundary;
+    ``""``: the prefill instance sent something that is not a string). The decode side loads
+    it only if it is a tail slot after the prompt's last whole chunk (`kvpack.hits`); any
+    other value drops the tail alone, never the handoff's whole chunks."""
     head_ranges: int = 0
     """Canonical objects: how many KV-head ranges the prefill instance stores each chunk
     as (its head split, `kvpack.heads`: 2 for a TP=2 engine of a model with 2 or more KV
@@ -108,7 +111,7 @@ class Handoff:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             raise HandoffError(bad, f"kvpack handoff 'tokens' must be an integer >= 0, got {clip(tokens)}")
         if tail is not None and not isinstance(tail, str):
-            raise HandoffError(bad, f"kvpack handoff 'tail_chunk' must be a string or null, got {clip(tail)}")
+            tail = ""  # names no tail: dropped by the plan, the whole chunks still load
         ranges = raw.get("head_ranges", 0)
         if not isinstance(ranges, int) or isinstance(ranges, bool) or ranges < 0:
             raise HandoffError(bad, f"kvpack handoff 'head_ranges' must be an integer >= 0, got {clip(ranges)}")

@@ -1,12 +1,12 @@
 """Scheduler side: what to load for a new request, what to save in each step.
 
-Lookup (`get_num_new_matched_tokens`): one batched `KVStore.lookup` over the
-chained keys of every full block of the request, then the stored tail after
-the last hit block (`KVStore.tails.find`): the longest common prefix with it,
-rounded down to `prefix_match_unit`. The count may end inside a block: the
-partial block is loaded whole and vLLM computes the rest into it. vLLM must
-compute at least one token, so a prompt stored whole hits n - 1 tokens (n - 2 with a
-drafter model: `settings.min_prefill_tokens`).
+Lookup (`get_num_new_matched_tokens`): vLLM's request translated into a
+`kvpack.HitQuery` (tenant and seed, tokens, block size, members, the tokens vLLM
+must compute: `settings.min_prefill_tokens`) and planned by the core
+(`Session.plan_hit`; a handoff: `Session.plan_handoff`). The rules (whole chunks,
+the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
+tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
+a block: the partial block is loaded whole and vLLM computes the rest into it.
 A hit whose every object is in the workers' memory (the index says so) and
 that is at most `sync_load_max_blocks` blocks is loaded inside the step that
 computes the rest of the prompt (vLLM's synchronous load: a memcpy before that
@@ -72,28 +72,30 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
     MAX_DETAIL_CHARS,
     ChunkHash,
     Coverage,
+    HandoffClaim,
+    HitPlan,
+    HitQuery,
     KVPackConfig,
     MemberRole,
-    MemberSpec,
     MetricsInterval,
     Refusals,
     ReportedMemoryIndex,
+    RequestScope,
     Session,
     WaitBudget,
     chunk_hashes,
     clip,
-    tail_usable,
 )
 
 from .captures import CaptureTracker
 from .handoff import Handoff, HandoffError, HandoffRefusal, wants_remote_decode
-from .hit_plan import HitPlan, PartialTail
 from .metadata import (
     NO_BLOCK,
     NULL_BLOCK,
@@ -104,7 +106,7 @@ from .metadata import (
     TransferJob,
     block_at,
 )
-from .settings import BadTenant, RequestScope, Scope, cacheable, request_scope
+from .settings import BadTenant, Scope, cacheable, request_scope
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -113,6 +115,16 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("kvpack.vllm")
+
+
+@dataclass(frozen=True)
+class PartialTail:
+    """A Mamba state vLLM handed over at request finish (`register_finished_partial_tail`)."""
+
+    group: int
+    block_id: int
+    boundary: int
+    """Tokens the state covers."""
 
 
 class SchedulerSide:
@@ -129,7 +141,6 @@ class SchedulerSide:
         self.index = ReportedMemoryIndex()
         # a lookup view: the workers write, this process only reads (no write-back threads)
         self.session = Session.reader(config, [self.index] if config.memory.enabled else [], scope.fingerprint)
-        self.store = self.session.store
         self.members = scope.member_specs()
         self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
@@ -140,12 +151,11 @@ class SchedulerSide:
         """Requests whose hit, as last answered to vLLM, loads inside the step."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
-        self._interval = MetricsInterval(self.store.metrics)
+        self._interval = MetricsInterval(self.session.metrics)
         """The connector's per-interval stats: what this side's store counted since the last take."""
-        self._held_logged = False
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
-        self._handoff_refusals = Refusals(self.store.metrics, "handoff_refused", "prefill/decode handoff", log)
+        self._handoff_refusals = Refusals(self.session.metrics, "handoff_refused", "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
@@ -178,94 +188,49 @@ class SchedulerSide:
             return None
 
     def plan(self, request: Request) -> HitPlan:
+        """The request's hit, planned by the core (`Session.plan_hit`, or `plan_handoff` for a
+        prefill instance's handoff); memoised per token count: vLLM may ask more than once."""
         n = int(request.num_tokens)
         cached = self._plans.get(request.request_id)
         if cached is not None and cached.num_tokens == n:
             return cached
         rs = self._scope_of(request)
-        if rs is None:
-            plan = HitPlan(n, None, (), 0, 0, None)
-        elif request.request_id in self._failed:  # a load failed once: recompute, never retry
-            plan = HitPlan(n, rs, (), 0, 0, None)
+        if rs is None or request.request_id in self._failed:  # a load failed once: recompute, never retry
+            plan = HitPlan.miss(n, rs)
         else:
-            handoff = self._handoff_of(request, rs)
-            plan = self._handoff_plan(request, rs, n, *handoff) if handoff else self._lookup_any(request, rs, n)
+            query = self._query(request, rs, n)
+            claim = self._handoff_of(request, rs)
+            plan = self.session.plan_handoff(query, claim) if claim else self.session.plan_hit(query, self._budget)
         self._plans[request.request_id] = plan
         return plan
 
-    def _lookup_any(self, request: Request, rs: RequestScope, n: int) -> HitPlan:
-        """The lookup under the engine's own members; canonical objects written at another
-        TP size are other head splits (`kvpack.heads`), looked up in the same (one counted)
-        lookup, each chunk from the first split that holds all of it (`kvpack.split_lookup`)."""
-        if not self._splits:
-            return self._lookup(request, rs, n, self.members)
-        plan = self._lookup(request, rs, n, self._splits[0], self._splits[1:])
-        if any(plan.sources):
-            self._count("other_split_hits")
-        return plan
-
-    def _lookup(
-        self,
-        request: Request,
-        rs: RequestScope,
-        n: int,
-        members: Sequence[MemberSpec],
-        alternatives: Sequence[Sequence[MemberSpec]] = (),
-    ) -> HitPlan:
-        bs = self.scope.block_size
-        tokens = list(request.all_token_ids[:n])
-        hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        result = self.session.lookup(rs.tenant, hashes, members, bs, self._budget, alternatives)
-        k = result.hit_chunks
-        sources = result.chunk_sets or (0,) * k
-        source = sources[-1] if k else 0  # the tail: under the split of the chunk before it
-        members = [members, *alternatives][source]
-        matched = k * bs
-        tail: BlockRef | None = None
-        last = n - self.scope.min_prefill_tokens  # the most a hit may cover (vLLM computes the rest)
-        if self.config.tail_reuse and k * bs < last:
-            parent = hashes[k - 1] if k else rs.seed
-            rest = tokens[k * bs : min(last, (k + 1) * bs)]
-            tm = self.store.tails.find(
-                rs.tenant, self.scope.fingerprint, parent, rest, members, self.config.prefix_match_unit, self._budget
-            )
-            if tm is not None and not tail_usable(members, tm.members, tm.tokens, tm.stored_tokens):
-                tm = None  # a Mamba state of a longer tail: not the state this prompt needs
-            if tm is not None and tm.tokens > 0:
-                with_draft = all(m in tm.members for m in self.scope.draft_members)
-                tail = BlockRef(
-                    tm.chunk, (), tm.stored_tokens, tuple(rest[: tm.tokens]), with_draft, source=source
-                )  # blocks: at alloc
-                matched = k * bs + tm.tokens
-        matched = min(matched, last)
-        partial = matched % bs
-        matched -= partial % self.config.prefix_match_unit
-        if tail is not None:
-            used = matched - k * bs
-            if used <= 0:
-                tail = None
-            else:
-                tail = BlockRef(tail.chunk, (), tail.token_count, tail.token_ids[:used], tail.with_draft, source=source)  # type: ignore[index]
-                self.store.metrics.inc("tail_hit_tokens", used, tenant=rs.tenant)
-        found: dict[str, list[tuple[str, str]]] = {}
-        for key, tier in result.located.items():  # the tier of each key of the hit, for the workers' loads
-            found.setdefault(key.chunk, []).append((key.member, tier))
-        tiers = tuple(tuple(found.get(h, ())) for h in hashes[:k])
-        return HitPlan(
-            n, rs, hashes, k, max(matched, 0), tail, min(result.full_chunks, k), sources=tuple(sources), tiers=tiers
+    def _query(self, request: Request, rs: RequestScope, n: int) -> HitQuery:
+        """The request's facts for the core: its first `n` tokens, the engine's members, and,
+        for canonical objects, the other head splits' (`kvpack.heads`; the engine's own first)."""
+        members, others = (self._splits[0], self._splits[1:]) if self._splits else (self.members, [])
+        return HitQuery(
+            scope=rs,
+            token_ids=list(request.all_token_ids[:n]),
+            chunk_tokens=self.scope.block_size,
+            min_prefill_tokens=self.scope.min_prefill_tokens,
+            members=members,
+            alternatives=others,
+            draft_members=self.scope.draft_members,
         )
 
-    def _handoff_of(self, request: Request, rs: RequestScope) -> tuple[Handoff, int] | None:
+    def _handoff_of(self, request: Request, rs: RequestScope) -> HandoffClaim | None:
         """The prefill instance's handoff in `request`'s params, if it is one for this engine's
         layout and the request's tenant, with the head split it wrote (`_handoff_split`); a
-        mismatch is refused here, logged as an error and counted (the request is then served
-        as any other)."""
+        mismatch is refused here, counted by reason and logged once per reason (the request
+        is then served as any other)."""
         try:
             handoff = Handoff.from_params(getattr(request, "kv_transfer_params", None))
             if handoff is None:
                 return None
             handoff.check(self.scope.fingerprint, rs.tenant)
-            return handoff, self._handoff_split(handoff)
+            return HandoffClaim(
+                tokens=handoff.tokens, tail_chunk=handoff.tail_chunk, source=self._handoff_split(handoff)
+            )
         except HandoffError as exc:
             self._handoff_refusals.refuse(exc.reason, str(exc), request.request_id)
             return None
@@ -285,26 +250,6 @@ class SchedulerSide:
             )
         return index
 
-    def _handoff_plan(self, request: Request, rs: RequestScope, n: int, handoff: Handoff, source: int) -> HitPlan:
-        """Load what the prefill instance computed: its whole chunks, then its tail (n - 1 at
-        most), as the objects of the head split `source` it wrote (a prefill instance at
-        another TP size)."""
-        bs = self.scope.block_size
-        tokens = list(request.all_token_ids[:n])
-        hashes = tuple(chunk_hashes(tokens, bs, parent=rs.seed))
-        full = min(handoff.tokens // bs, len(hashes))
-        matched = min(handoff.tokens, n - self.scope.min_prefill_tokens)
-        tail: BlockRef | None = None
-        if matched > full * bs:
-            if handoff.tail_chunk is None or not self.config.tail_reuse:
-                matched = full * bs
-            else:
-                used = tuple(tokens[full * bs : matched])
-                tail = BlockRef(handoff.tail_chunk, (), handoff.tokens - full * bs, used, source=source)
-                self.store.metrics.inc("tail_hit_tokens", len(used), tenant=rs.tenant)
-        self._count("handoff_planned")
-        return HitPlan(n, rs, hashes, full, max(matched, 0), tail, full, handoff=True, sources=(source,) * full)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
             if self.can_save:
@@ -312,17 +257,8 @@ class SchedulerSide:
                 if rs is not None:
                     self._captures.track(request, rs, 0)
             return 0, False
-        if self.store.warming_up() and (held := self._scope_of(request)) is not None:
-            # A tier (Mooncake) is making its first connect: a lookup now would miss what it
-            # holds. vLLM keeps the request queued and asks again next step (the engine does
-            # not wait); the tier's connect_wait_ms bounds how long this lasts.
-            if not self._held_logged:
-                self._held_logged = True
-                log.warning(
-                    "kvpack: holding requests until a tier's first connect completes (at most its connect_wait_ms)"
-                )
-            self.store.metrics.inc("lookups_held", tenant=held.tenant)
-            return None, False
+        if self.session.lookups_held(lambda: self._scope_of(request)):
+            return None, False  # vLLM keeps the request queued and asks again next step
         if request.request_id in self._load_issued:
             # vLLM asks again only after the load failed (bad object, tier error, timeout: the
             # blocks were reported and num_computed_tokens went back to 0) or after a
@@ -381,7 +317,7 @@ class SchedulerSide:
             else:
                 assert plan.tail is not None and i == plan.hit_chunks
                 t = plan.tail
-                refs.append(BlockRef(t.chunk, ids, t.token_count, t.token_ids, t.with_draft, source=t.source))
+                refs.append(BlockRef(t.chunk, ids, t.stored_tokens, t.token_ids, t.with_draft, source=t.source))
         wait_s = self.config.handoff_wait_ms / 1000.0 if plan.handoff else 0.0
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
@@ -391,7 +327,7 @@ class SchedulerSide:
         self._load_issued.add(request.request_id)
         if sync:
             self._count("sync_load_requests")
-        self.store.metrics.inc("external_hit_tokens", num_external_tokens, tenant=plan.scope.tenant)
+        self.session.metrics.inc("external_hit_tokens", num_external_tokens, tenant=plan.scope.tenant)
         self._count("load_requests")
 
     def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
@@ -523,9 +459,7 @@ class SchedulerSide:
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
         """Where the tail `tail_ids` after `parent` goes, and whether it is stored already."""
-        return self.store.tails.place(
-            rs.tenant, self.scope.fingerprint, parent, self.scope.all_members, tail_ids, self._budget
-        )
+        return self.session.place_tail(rs.tenant, parent, self.scope.all_members, tail_ids, self._budget)
 
     def _state_tail_ref(
         self,
@@ -568,7 +502,7 @@ class SchedulerSide:
         return self._interval.take()
 
     def _count(self, name: str, amount: float = 1) -> None:
-        self.store.metrics.inc(name, amount)
+        self.session.metrics.inc(name, amount)
 
     def close(self) -> None:
-        self.store.close(flush_timeout_s=1.0)
+        self.session.close(flush_timeout_s=1.0)

@@ -310,3 +310,29 @@ def test_public_names_do_not_shadow_a_submodule() -> None:
     for package in ("kvpack", "kvpack.ops", "kvpack.canonical"):
         shadowed = sorted(n for n in _package_names(package, modules) if f"{package}.{n}" in modules)
         assert not shadowed, f"{package} binds names of its own submodules: {shadowed}"
+
+
+STORE_FREE = ("vllm_plugin/scheduler.py",)
+"""Adapter modules that reach the store only through `kvpack.Session` (no ``store.`` at all)."""
+
+
+def _store_uses(source: str) -> list[int]:
+    """Lines that name a store: ``store.x``, ``self.store``, ``session.store`` (an attribute or a name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "store":
+            found.append(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == "store":
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_the_vllm_scheduler_reaches_the_store_only_through_the_session() -> None:
+    # the hit rules, tail placement and warm-up holds are the session's (kvpack.hits)
+    found = {path: _store_uses((ROOT / path).read_text()) for path in STORE_FREE}
+    assert not any(found.values()), f"modules that reach into the store (use kvpack.Session): {found}"
+
+
+def test_the_store_check_sees_a_store_call() -> None:
+    source = "def f(self):\n    self.store.tails.find()\n    x = self.session.key()\n    store.close()\n"
+    assert _store_uses(source) == [2, 4]

@@ -149,7 +149,7 @@ def test_state_tail_is_used_only_whole(tmp_path: Path) -> None:
     for h in hashes[:3]:
         put(side, h, "kv")
         put(side, h, STATE)
-    chunk, _ = side.store.tails.place("default", side.scope.fingerprint, hashes[2], ("kv", STATE), IDS[48:56])
+    chunk, _ = side.session.place_tail("default", hashes[2], ("kv", STATE), IDS[48:56])
     put(side, chunk, "kv", tuple(IDS[48:56]))
     put(side, chunk, STATE, tuple(IDS[48:56]))
     whole = fake_request(IDS[:57], req_id="whole")  # contains the 8 tail tokens (+1 vLLM computes)

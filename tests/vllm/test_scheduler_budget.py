@@ -68,8 +68,8 @@ def _scheduler_over(remote: DiskTier, ids: list[int], chunks: int, **config: obj
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
     scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
     side = SchedulerSide(cfg, scope, can_load=True, can_save=False)
-    side.store.close()
-    side.store = side.session.store = KVStore(cfg, [side.index, remote], read_only=True)
+    side.session.close()
+    side.session.store = KVStore(cfg, [side.index, remote], read_only=True)
     for chunk in chunk_hashes(ids, BS)[:chunks]:
         payload = np.zeros(64, dtype=np.uint8)
         header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)
@@ -89,7 +89,7 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     assert matched[0] == 3 * BS, "the remote tier is asked while the step's budget lasts"
     assert matched[1:] == [0] * 7, "once it is spent, the step's other lookups skip the remote tier"
     assert late.lookup_calls == 2  # the first request's chunk lookup and tail lookup
-    assert side.store.metrics.value("budget_skips", tier="late") == 2 * 7
+    assert side.session.metrics.value("budget_skips", tier="late") == 2 * 7
     assert took < 1.5, f"eight lookups took {took:.2f}s (unbounded: {8 * 2 * DELAY_S:.1f}s)"
 
     side.build_connector_meta(None)  # the next engine step renews the budget
@@ -126,6 +126,6 @@ def test_a_request_is_held_not_missed_while_a_tier_makes_its_first_connect(tmp_p
     request = fake_request(ids, "early")
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # the next step, still connecting
-    assert side.store.metrics.value("lookups_held", tenant="default") == 2
+    assert side.session.metrics.value("lookups_held", tenant="default") == 2
     remote.connected = True
     assert side.get_num_new_matched_tokens(request, 0) == (3 * BS - 1, True)  # the last token is recomputed

@@ -111,7 +111,7 @@ def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: in
         )
         assert side.get_num_new_matched_tokens(fake_request(ids, "r"), 0) == (3 * BS, want_async)
     finally:
-        side.store.close()
+        side.close()
 
 
 @pytest.fixture(scope="module")
