@@ -118,8 +118,8 @@ class PinnedPool:
             if buf is None:
                 return
             cap = int(buf.numel())
-            if self._pinned > self.bound_bytes or not buf.is_pinned():
-                self._pinned -= cap  # over the bound (a lone oversized transfer), or never pinned
+            if self._pinned > self.bound_bytes or (self._allocate is _pin and not buf.is_pinned()):
+                self._pinned -= cap  # over the bound (a lone oversized transfer), or pinning was not possible
                 return
             self._free.setdefault(cap, []).append(buf)
 
