@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.staging import CpuDevice, Direction, Lane, Staging
 from fixtures.recording_device import RecordingDevice
+from kvpack.staging import CpuDevice, Direction, Lane, Staging
 
 
 def test_a_failed_batch_frees_its_rows_only_after_what_it_launched() -> None:

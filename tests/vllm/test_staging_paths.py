@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from fixtures.recording_device import POISON, RecordingDevice
 from kvpack.canonical import paged_geometry
 from kvpack.heads import HeadRange
 from kvpack.ops import PagedKV
 from kvpack.staging import Direction, Staging
-from fixtures.recording_device import POISON, RecordingDevice
 from kvpack.vllm_plugin.blocks import BlockLayout
 from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks
 

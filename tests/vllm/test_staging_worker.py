@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.recording_device import RecordingDevice
 from kvpack.config import KVPackConfig
 from kvpack.staging import CpuDevice, Direction, Staging
-from fixtures.recording_device import RecordingDevice
 
 pytest.importorskip("vllm")
 
