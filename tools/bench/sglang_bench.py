@@ -259,7 +259,12 @@ def _region_memcpy_timers(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--multiturn" in given:  # the multi-turn comparison on real CPU servers (its own options)
+        from kvpack.tools.bench import sglang_multiturn
+
+        return sglang_multiturn.main([a for a in given if a != "--multiturn"])
+    args = _parse(given)
     _torchvision_shim()
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile

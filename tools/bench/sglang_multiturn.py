@@ -1,0 +1,277 @@
+"""`kvpack bench sglang --multiturn`: SGLang's HiCache multi-turn shape against real CPU SGLang servers.
+
+The workload of SGLang's own ``benchmark/hicache/bench_multiturn.py``, small: `--clients`
+clients of `--rounds` rounds, each round appending `--question` new tokens to the client's whole
+history (greedy, `--answer` tokens), the clients in parallel, on a device pool of `--device`
+tokens and an L2 host pool of twice that, so later rounds find their history only in L3.
+Set-ups, one server each, one after another on the same machine: HiCache L2 only, SGLang's
+``file`` backend, kvpack (memory + disk), then both L3s again on a fresh server over the same
+store (a restart: the same conversations from their first round). Per set-up: the tokens SGLang
+served from storage (``meta_info.cached_tokens_details.storage``, summed), the mean time to the
+first token of rounds >= 2 (streamed), and the L3 failures in the server's log (failed writes,
+failed reads, kvpack calls answering a miss). Prints a table; asserts nothing.
+
+A CPU server needs the test-only shim of ``tests/sglang/server/cpu_site`` (a stub ``sgl_kernel``
+and three patches to SGLang internals): `--cpu-site` (default: that folder of this checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FAILURES = {
+    "failed writes": "Write page to storage",
+    "failed reads": "failed to retrieve page",
+    "kvpack misses": "failed, answering a miss",
+}
+"""Server log lines that are a failed L3 call (SGLang's controller, kvpack's backend)."""
+
+
+@dataclass
+class SetupResult:
+    """One set-up's figures."""
+
+    name: str
+    storage_tokens: int = 0
+    prompt_tokens: int = 0
+    ttft_later: list[float] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+    start_s: float = 0.0
+
+    @property
+    def mean_ttft(self) -> float:
+        return sum(self.ttft_later) / len(self.ttft_later) if self.ttft_later else float("nan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stream_generate(port: int, ids: list[int], answer: int, timeout_s: float) -> tuple[float, dict[str, object]]:
+    """(seconds to the first streamed chunk, the last chunk's JSON) of one greedy ``/generate``."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": answer, "ignore_eos": True},
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    start, first, last = time.perf_counter(), None, {}
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            last = json.loads(line[5:])
+    return (first if first is not None else time.perf_counter() - start), last
+
+
+class _Server:
+    """One CPU SGLang server in its own session, stopped by its PID."""
+
+    def __init__(self, args: argparse.Namespace, model: Path, storage: list[str], env: dict[str, str], log: Path):
+        self.port = _free_port()
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+            "--attention-backend", "torch_native", "--dtype", args.dtype,
+            "--max-total-tokens", str(args.device), "--page-size", str(args.page),
+            "--skip-server-warmup", "--enable-hierarchical-cache", "--hicache-size", "0",
+            "--hicache-ratio", "2", "--hicache-io-backend", "direct", *storage,
+        ]  # fmt: skip
+        full_env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", **env)
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.cpu_site), full_env.get("PYTHONPATH")]))
+        with open(log, "wb") as out:
+            self.popen = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,
+            )
+        began = time.monotonic()
+        while time.monotonic() - began < args.start_timeout:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"server exited with {self.popen.returncode}; log {log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.monotonic() - began
+                        return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"server not healthy within {args.start_timeout} s; log {log}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.popen.wait(10)
+
+
+def _conversations(args: argparse.Namespace) -> list[list[list[int]]]:
+    """Per client, per round, the new question's token ids (the same for every set-up)."""
+    out = []
+    for c in range(args.clients):
+        rng = random.Random(1000 + c)
+        out.append([[rng.randrange(50, 1900) for _ in range(args.question)] for _ in range(args.rounds)])
+    return out
+
+
+def _run_setup(
+    args: argparse.Namespace, model: Path, name: str, storage: list[str], env: dict[str, str], root: Path
+) -> SetupResult:
+    result = SetupResult(name)
+    log = root / f"{name.replace(' ', '_').replace('/', '_')}.log"
+    server = _Server(args, model, storage, env, log)
+    result.start_s = server.start_s
+    questions = _conversations(args)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def client(c: int) -> None:
+        history: list[int] = []
+        try:
+            for r in range(args.rounds):
+                history += questions[c][r]
+                ttft, last = _stream_generate(server.port, history, args.answer, args.request_timeout)
+                meta = last.get("meta_info", {}) if isinstance(last, dict) else {}
+                details = (meta.get("cached_tokens_details") or {}) if isinstance(meta, dict) else {}
+                with lock:
+                    result.storage_tokens += int(details.get("storage", 0) or 0)
+                    result.prompt_tokens += len(history)
+                    if r >= 1:
+                        result.ttft_later.append(ttft)
+                history += list(last.get("output_ids", []))[-args.answer :] if isinstance(last, dict) else []
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(args.settle)  # SGLang backs pages up to L3 after a request ends
+    finally:
+        server.stop()
+    text = log.read_text(errors="replace")
+    result.failures = {k: text.count(needle) for k, needle in FAILURES.items()}
+    if errors:
+        result.failures["client errors"] = len(errors)
+    return result
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvpack bench sglang --multiturn", description=__doc__.splitlines()[0])
+    p.add_argument("--model-size", choices=("tiny", "bench"), default="bench")
+    p.add_argument("--model-dir", default=str(Path.home() / ".cache" / "kvpack" / "models"))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--question", type=int, default=256, help="new tokens per round (>= SGLang's 256 threshold)")
+    p.add_argument("--answer", type=int, default=8)
+    p.add_argument("--device", type=int, default=1024, help="device KV pool tokens (L2 is twice that)")
+    p.add_argument("--page", type=int, default=32)
+    p.add_argument("--settle", type=float, default=3.0, help="seconds for L3 backups after the last round")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    default_site = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "server" / "cpu_site"
+    p.add_argument("--cpu-site", type=Path, default=default_site)
+    p.add_argument("--markdown", default="", help="append the table to this file")
+    p.add_argument("--keep", action="store_true", help="keep the servers' logs and stores (the folder is printed)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    if not args.cpu_site.is_dir():
+        print(f"kvpack bench sglang --multiturn: no CPU server shim at {args.cpu_site} (--cpu-site)", file=sys.stderr)
+        return 2
+    from kvpack.tools.bench.chat_bench import _model
+    from kvpack.tools.bench.sglang_bench import _torchvision_shim
+
+    _torchvision_shim()  # transformers (building the model) imports torchvision here too
+    model = _model(Path(args.model_dir), args.model_size, args.dtype)
+    root = Path(tempfile.mkdtemp(prefix="kvpack-sglang-multiturn-"))
+    file_dir, store = root / "file", root / "kvpack"
+    kvpack = {
+        "backend_name": "kvpack",
+        "module_path": "kvpack.sglang_plugin",
+        "class_name": "KVPackStorage",
+        "interface_v1": 1,
+        "memory": {"capacity": "64MiB"},
+        "disk": {"path": str(store), "capacity": "8GiB"},
+    }
+    file_args = ["--hicache-storage-backend", "file"]
+    file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(file_dir)}
+    kv_args = ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(kvpack)]
+    setups = [
+        ("L2 only", [], {}),
+        ("file", file_args, file_env),
+        ("kvpack", kv_args, {}),
+        ("file, restarted", file_args, file_env),
+        ("kvpack, restarted", kv_args, {}),
+    ]
+    results = []
+    for name, storage, env in setups:
+        print(f"# {name} ...", flush=True)
+        results.append(_run_setup(args, model, name, storage, env, root))
+    head = (
+        f"{args.clients} clients x {args.rounds} rounds of {args.question} tokens (+{args.answer} answered), "
+        f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, L2 {2 * args.device}"
+    )
+    lines = [
+        f"# kvpack bench sglang --multiturn: {head}",
+        "| set-up | tokens from storage | x file | mean TTFT rounds >= 2 (s) | x file | L3 failures in the log |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_name = {r.name: r for r in results}
+    for r in results:
+        ref = by_name.get("file, restarted" if "restarted" in r.name else "file")
+        tok = f"{r.storage_tokens / ref.storage_tokens:.2f}x" if ref and ref.storage_tokens else "-"
+        ttft = f"{r.mean_ttft / ref.mean_ttft:.2f}x" if ref and ref.ttft_later else "-"
+        fails = ", ".join(f"{k} {v}" for k, v in r.failures.items() if v) or "none"
+        lines.append(f"| {r.name} | {r.storage_tokens} | {tok} | {r.mean_ttft:.3f} | {ttft} | {fails} |")
+    print("\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + "\n".join(lines[1:]) + "\n")
+    if args.keep:
+        print(f"# logs and stores kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
