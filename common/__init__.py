@@ -50,6 +50,7 @@ the life of a stored block):
   and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
+from .adapter_events import AdapterEvent
 from .budget import WaitBudget
 from .canonical import (
     CanonicalGeometry,
@@ -86,6 +87,7 @@ from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, Save
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterEvent",
     "TransferRunner",
     "SaveJob",
     "PlannedLoad",

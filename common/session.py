@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .adapter_events import AdapterEvent
 from .budget import WaitBudget
+from .client_input import Refusals
 from .config import KVPackConfig
 from .cpu_features import request_amx_permission
 from .exit_flush import Flushable, flush_on_exit, forget
@@ -315,6 +317,17 @@ class Session:
         """Where the tail `token_ids` after chunk `parent` goes, and whether every member of it
         is stored there already (`TailSlots.place`)."""
         return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
+
+    def record(self, event: AdapterEvent, amount: float = 1, tenant: str | None = None) -> None:
+        """Count what an adapter reports (`AdapterEvent`: the core names the metric)."""
+        if tenant is None:
+            self.store.metrics.inc(event.value, amount)
+        else:
+            self.store.metrics.inc(event.value, amount, tenant=tenant)
+
+    def refusals(self, event: AdapterEvent, what: str, logger: logging.Logger) -> Refusals:
+        """A `Refusals` of client input of one kind, counted under `event`'s metric by reason."""
+        return Refusals(self.store.metrics, event.value, what, logger)
 
     @property
     def metrics(self) -> Metrics:

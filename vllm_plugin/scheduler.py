@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpack import (
     MAX_DETAIL_CHARS,
+    AdapterEvent,
     ChunkHash,
     Coverage,
     HandoffClaim,
@@ -85,7 +86,6 @@ from kvpack import (
     KVPackConfig,
     MemberRole,
     MetricsInterval,
-    Refusals,
     ReportedMemoryIndex,
     RequestScope,
     Session,
@@ -155,7 +155,7 @@ class SchedulerSide:
         """The connector's per-interval stats: what this side's store counted since the last take."""
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
-        self._handoff_refusals = Refusals(self.session.metrics, "handoff_refused", "prefill/decode handoff", log)
+        self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
@@ -174,7 +174,10 @@ class SchedulerSide:
             return None
         try:
             return request_scope(
-                request, self.config, lambda _asked: self._count("untrusted_tenants"), self._untrusted_warned
+                request,
+                self.config,
+                lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
+                self._untrusted_warned,
             )
         except BadTenant as exc:
             if not self._bad_tenant_logged.is_set():  # once per process: the name is the client's
@@ -184,7 +187,7 @@ class SchedulerSide:
                     clip(request.request_id),
                     clip(str(exc), MAX_DETAIL_CHARS),
                 )
-            self._count("bad_tenants")
+            self.session.record(AdapterEvent.BAD_TENANT)
             return None
 
     def plan(self, request: Request) -> HitPlan:
@@ -326,9 +329,9 @@ class SchedulerSide:
         )
         self._load_issued.add(request.request_id)
         if sync:
-            self._count("sync_load_requests")
-        self.session.metrics.inc("external_hit_tokens", num_external_tokens, tenant=plan.scope.tenant)
-        self._count("load_requests")
+            self.session.record(AdapterEvent.SYNC_LOAD_REQUESTED)
+        self.session.record(AdapterEvent.EXTERNAL_HIT_TOKENS, num_external_tokens, tenant=plan.scope.tenant)
+        self.session.record(AdapterEvent.LOAD_REQUESTED)
 
     def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
         """Per group, the block to restore chunk `chunk` into (NO_BLOCK: nothing to restore):
@@ -344,7 +347,7 @@ class SchedulerSide:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
                 self._expect_in_memory(job)
-                self._count("save_blocks_planned", len(job.blocks))
+                self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
@@ -429,7 +432,7 @@ class SchedulerSide:
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ranges = len(self._splits[0]) if self._splits else 0
             handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
-            self._count("handoff_sent")
+            self.session.record(AdapterEvent.HANDOFF_SENT)
             return False, handoff.to_params()
         if self.can_save and run is not None and not partial_tails:
             tail = self._captures.finish_tail(run, block_ids)
@@ -438,7 +441,7 @@ class SchedulerSide:
             job = TransferJob(req_id, run.scope.tenant, (tail,))
             self._pending_saves.append(job)
             self._expect_in_memory(job)  # a follow-up turn in the next step hits it (the load waits for it)
-            self._count("save_blocks_planned", 1)
+            self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
             return True, None
         if not self.can_save or not partial_tails:
             return False, None
@@ -454,7 +457,7 @@ class SchedulerSide:
         if tail is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
-        self._count("save_blocks_planned", 1)
+        self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
         return True, None
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
@@ -500,9 +503,6 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, float]:
         """What this side's store counted since the last call (`kvpack_*` metrics' increases)."""
         return self._interval.take()
-
-    def _count(self, name: str, amount: float = 1) -> None:
-        self.session.metrics.inc(name, amount)
 
     def close(self) -> None:
         self.session.close(flush_timeout_s=1.0)

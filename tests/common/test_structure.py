@@ -336,3 +336,42 @@ def test_the_vllm_scheduler_reaches_the_store_only_through_the_session() -> None
 def test_the_store_check_sees_a_store_call() -> None:
     source = "def f(self):\n    self.store.tails.find()\n    x = self.session.key()\n    store.close()\n"
     assert _store_uses(source) == [2, 4]
+
+
+def _metric_names() -> set[str]:
+    """Every metric name in `kvpack.metrics.SPECS` (the first argument of each ``MetricSpec(...)``)."""
+    tree = ast.parse((CORE / "metrics.py").read_text())
+    return {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "MetricSpec"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+
+
+def _counted(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, what) of each metric name literal and each ``.inc(`` / ``.observe(`` call."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append((node.lineno, node.value))
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("inc", "observe")
+        ):
+            found.append((node.lineno, node.func.attr))
+    return sorted(found)
+
+
+def test_the_vllm_scheduler_counts_no_metric_by_name() -> None:
+    # it reports events (kvpack.AdapterEvent, Session.record); the core names the metric
+    names = _metric_names()
+    assert "handoff_refused" in names and "lookups_held" in names
+    found = {path: _counted((ROOT / path).read_text(), names) for path in STORE_FREE}
+    assert not any(found.values()), f"metrics counted by name in an adapter (use Session.record): {found}"
+
+
+def test_the_metric_check_sees_a_count_by_name() -> None:
+    source = "m.inc('x')\ns.record(E.X)\ny = 'lookups_held'\n"
+    assert _counted(source, {"lookups_held"}) == [(1, "inc"), (3, "lookups_held")]
