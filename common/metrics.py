@@ -146,6 +146,11 @@ SPECS: tuple[MetricSpec, ...] = (
         ("direction", "bound"),
     ),
     MetricSpec("transfer_bytes_turned_away", "Payload bytes of the transfers turned away", ("direction", "bound")),
+    MetricSpec(
+        "transfers_skipped_cache_released",
+        "Loads (recomputed) and saves (a future miss) not run because the engine had released its KV cache (sleep)",
+        ("tenant",),
+    ),
     MetricSpec("pinned_bytes", "Host memory this process holds pinned for GPU staging", (), Kind.GAUGE),
 )
 

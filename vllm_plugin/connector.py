@@ -121,6 +121,21 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches, self._num_blocks)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
+        """vLLM 0.33's sleep mode: kvpack stops copying the cache while it is released."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 calls this before sleep releases the KV cache's memory (`release_caches`)."""
+        if self.worker is not None:
+            self.worker.release_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 calls this after wake-up mapped the KV cache again (`restore_caches`)."""
+        if self.worker is not None:
+            self.worker.restore_caches()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._connector_metadata

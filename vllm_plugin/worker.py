@@ -185,6 +185,22 @@ class WorkerSide:
         """What this worker's store counted since the last call (`kvpack_*` metrics' increases)."""
         return self.runner.take_stats()
 
+    # -- vLLM sleep mode (0.33+: unregister_kv_caches / restore_kv_caches) ----------
+
+    def release_caches(self) -> None:
+        """vLLM is about to release the KV cache's memory (sleep, discard): from here on
+        nothing reads or writes it (`TransferRunner.suspend`; copies already launched are
+        waited for, at most ``io_timeout_ms``). Saves already gathered are still stored;
+        loads not yet copied are reported failed, so vLLM recomputes them. Idempotent."""
+        if self.layout is not None:
+            self.runner.suspend(self.config.io_timeout_ms / 1000.0)
+
+    def restore_caches(self) -> None:
+        """The KV cache is mapped again. vLLM's sleep allocator remaps it at the same virtual
+        addresses, so the registered layout (its block addresses and the device's copy of
+        them) is still right and copies simply resume. Idempotent."""
+        self.runner.resume()
+
     def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
         """Wait (bounded) until queued saves reached the store and every tier (`TransferRunner`)."""
         return self.runner.flush_before_exit(timeout_s, reason)

@@ -42,6 +42,7 @@ from ..staging import CpuDevice, Lane, Staged, Staging
 from ..staging_pool import PinnedPool, StagingFull
 from ..tiers.base import TierStatus
 from ..tiers.reported import ReportedObject
+from .cache_gate import CacheGate
 from .jobs import ByteBound, Finished, Gathered, LoadJob, LoadTask, PlannedLoad, SaveJob
 
 log = logging.getLogger("kvpack.transfers")
@@ -69,6 +70,8 @@ class TransferRunner:
         self._metrics.gauge("pinned_bytes", self.pool.pinned_bytes)
         self._save_bytes = ByteBound(config.transfer.max_queued_save_bytes)
         self._load_bytes = ByteBound(config.transfer.max_inflight_load_bytes)
+        self.gate = CacheGate()
+        """Whether the engine's cache may be copied now (`suspend` / `resume`)."""
         self._lock = threading.Lock()
         self._loads: dict[str, LoadTask] = {}
         self._done_loads: set[str] = set()
@@ -228,18 +231,22 @@ class TransferRunner:
             good = self._read(task, plan, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
             ok = [i for i, g in enumerate(good) if g]
             failed = {b for c, g in zip(job.chunks, good) if not g for b in c.blocks}
-            with self._lock:
-                if task.cancelled:
-                    return
-                if ok:
-                    launched = True
-                    staged = task.staged = self.staging.scatter(plan.rows[0], _scatter_all(plan, good))
-                task.failed_blocks = failed
+            with self.gate.access() as allowed:
+                with self._lock:
+                    if task.cancelled:
+                        return
+                    if not allowed:  # the engine released its cache (sleep): recompute after wake-up
+                        self._metrics.inc("transfers_skipped_cache_released", tenant=job.tenant)
+                        ok, failed = [], set(job.blocks)
+                    if ok:
+                        launched = True
+                        staged = task.staged = self.staging.scatter(plan.rows[0], _scatter_all(plan, good))
+                    task.failed_blocks = failed
+                if staged is not None:
+                    staged.release()  # the scatter completed: only now may the load be reported done
         finally:
             if not launched:
                 self.staging.give_back(plan.rows)
-        if staged is not None:
-            staged.release()  # the scatter completed: only now may the load be reported done
         self._count_load(job, ok, failed)
 
     def _read(self, task: LoadTask, plan: PlannedLoad, save_wait_s: float) -> list[bool]:
@@ -318,7 +325,7 @@ class TransferRunner:
         gathered: list[Gathered] | None = None
         if job.capture:
             try:
-                gathered = job.gather(self.staging)
+                gathered = self._gather(job)
             except StagingFull as exc:
                 self._turned_away("save", "staging_bytes", exc.nbytes)
                 self._save_bytes.release(job.nbytes)
@@ -328,10 +335,39 @@ class TransferRunner:
                 self._metrics.inc("save_errors")
                 self._save_bytes.release(job.nbytes)
                 return False  # nothing queued: no load or exit flush waits for it
+            if gathered is None:  # the engine released its cache (counted by `_gather`)
+                self._save_bytes.release(job.nbytes)
+                return False
         with self._saves_cv:
             self._saves_queued += 1
         self._save_q.put((job, gathered))
         return True
+
+    def _gather(self, job: SaveJob) -> list[Gathered] | None:
+        """Launch `job`'s gather through the cache gate; None (counted) while the cache is released."""
+        with self.gate.access() as allowed:
+            if not allowed:
+                self._metrics.inc("transfers_skipped_cache_released", tenant=job.tenant)
+                return None
+            gathered = job.gather(self.staging)
+            self.gate.launched(g.staged for g in gathered)
+            return gathered
+
+    # -- the engine's cache released and restored (vLLM's sleep mode) ---------------
+
+    def suspend(self, timeout_s: float) -> bool:
+        """The engine is about to release its cache's memory: from now on no copy reads or
+        writes it (loads not yet copying fail, saves not yet gathered are dropped, both
+        counted); copies already launched are waited for, at most `timeout_s`. False when
+        one still ran at the bound. What was gathered before is still stored."""
+        drained = self.gate.close(timeout_s)
+        if not drained:
+            log.warning("kvpack: a copy of the KV cache still ran %.1f s after the engine released it", timeout_s)
+        return drained
+
+    def resume(self) -> None:
+        """The engine's cache is mapped again: copies run as before."""
+        self.gate.open()
 
     def _save_ended(self, job: SaveJob) -> None:
         if not job.capture:  # the engine keeps its blocks until this save is reported
@@ -347,12 +383,15 @@ class TransferRunner:
                 return
             job, gathered = entry
             try:
-                gathered = gathered if gathered is not None else job.gather(self.staging)
+                gathered = gathered if gathered is not None else self._gather(job)
+                if gathered is None:  # the engine released its cache before this save's gather
+                    continue
                 try:
                     self._put(job, [o for g in gathered for o in g.objects()])
                 finally:
                     for g in gathered:
                         g.staged.release()
+                    self.gate.settled(g.staged for g in gathered)
             except StagingFull as exc:
                 self._turned_away("save", "staging_bytes", exc.nbytes)
             except Exception as exc:  # a failed save is a future miss, never an engine error
