@@ -323,6 +323,9 @@ class EvictionConfig:
     guaranteed: another tenant can never evict it below that share; a tenant
     above its share is evicted first (its own entries before anyone else's).
     Tenants without an entry have a guaranteed share of 0.
+
+    `policy` orders the memory tier's victims; the disk tier's index, shared by
+    every process on its folder, orders them by LRU whatever `policy` says.
     """
 
     policy: EvictionPolicyName = EvictionPolicyName.LRU

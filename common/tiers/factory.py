@@ -74,7 +74,6 @@ def build_tiers(
             DiskTier(
                 config.disk.path,
                 config.disk.capacity,
-                make_policy(config.eviction.policy),
                 quotas,
                 config.disk.fsync,
                 io_threads=copy_threads,

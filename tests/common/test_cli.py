@@ -11,15 +11,13 @@ import pytest
 
 from fixtures.builders import chunk_id, make_item
 from kvpack.cli import main, tool_commands
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
 from kvpack.tails import tail_chunk
 from kvpack.tiers.disk import DiskTier
 from kvpack.tools.commands import BENCHES, RUNNERS
 
 
 def test_inspect_reports_per_tenant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tier = DiskTier(tmp_path, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    tier = DiskTier(tmp_path, 1 << 30)
     tier.put_from([make_item("acme", chunk_id(i), m)[0] for i in range(3) for m in ("kv", "draft")])
     tier.put_from([make_item("beta", chunk_id(9))[0]])
     tier.put_from([make_item("beta", tail_chunk(chunk_id(9)), token_ids=(1, 2), token_count=2)[0]])
@@ -48,12 +46,12 @@ def test_inspect_neither_hangs_on_a_fifo_nor_follows_a_symlink_out(
     import os
 
     store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
-    tier = DiskTier(store, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    tier = DiskTier(store, 1 << 30)
     tier.put_from([make_item("acme", chunk_id(1))[0]])
     fifo = tier.path_of(make_item("acme", chunk_id(2))[0].key)
     fifo.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(fifo)
-    other = DiskTier(elsewhere, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    other = DiskTier(elsewhere, 1 << 30)
     other.put_from([make_item("bob", chunk_id(3))[0]])
     (store / "mallory").symlink_to(elsewhere / "bob")
     result: list[int] = []

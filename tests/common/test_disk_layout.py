@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 from helpers import chunk_id, expect, make_item
 
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk import fs as disk_fs
@@ -48,7 +46,7 @@ def test_tenant_and_fingerprint_folders_spread_their_subfolders_and_objects_stil
     if not _supports_topdir(tmp_path):
         pytest.skip("this file system has no FS_TOPDIR_FL (not ext2/3/4)")
     root = tmp_path / "store"
-    tier = DiskTier(root, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    tier = DiskTier(root, 1 << 30)
     item, data = make_item("t", chunk_id(1), seed=1)
     assert tier.put_from([item]) == [TierStatus.OK]
     path = tier.path_of(item.key)
@@ -76,7 +74,7 @@ def test_regression_write_fails_when_an_eviction_removes_its_new_folder(
     # Found by test_lookups_only_see_own_entries (a FlakyFailure): two write-back threads on a full
     # folder; one thread's eviction removed the empty tenant folder the other had just created for
     # its write (`_remove_empty_folders`), and that write answered ERROR instead of retrying.
-    tier = DiskTier(tmp_path / "store", 1 << 20, make_policy(EvictionPolicyName.LRU))
+    tier = DiskTier(tmp_path / "store", 1 << 20)
     real_open_subdir = disk_fs._open_subdir
     raced: list[str] = []
 

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 from helpers import chunk_id, expect, make_item
 
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk import scan as disk_index
@@ -21,7 +19,7 @@ HOUR_NS = 3600 * 10**9
 
 
 def _disk(root: Path) -> DiskTier:
-    return DiskTier(root, 1 << 30, make_policy(EvictionPolicyName.LRU))
+    return DiskTier(root, 1 << 30)
 
 
 def _age(path: Path) -> None:

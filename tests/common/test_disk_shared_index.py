@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 from helpers import chunk_id, expect, make_item
 
-from kvpack.config import EvictionPolicyName
 from kvpack.errors import ConfigError
-from kvpack.eviction import make_policy
 from kvpack.inspect_store import summarize
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
@@ -34,7 +32,7 @@ from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
 from kvpack.tiers.disk import DiskTier
 root, capacity, proc, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-tier = DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), io_threads=2)
+tier = DiskTier(root, capacity, io_threads=2)
 for lo in range(0, count, 8):
     ids = [proc * 100000 + i for i in range(lo, min(count, lo + 8))]
     tier.put_from([make_item("t", chunk_id(i), seed=i)[0] for i in ids])
@@ -43,7 +41,7 @@ tier.close()
 
 
 def _disk(root: Path, capacity: int = 1 << 30, **kw: object) -> DiskTier:
-    return DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), **kw)  # type: ignore[arg-type]
+    return DiskTier(root, capacity, **kw)  # type: ignore[arg-type]
 
 
 def _drop_index(root: Path) -> None:
@@ -290,7 +288,7 @@ def test_a_store_that_arrives_late_never_evicts_a_newer_one(tmp_path: Path) -> N
     # Recency is when `KVStore.store` accepted an object (`PutItem.accepted_ns`), not when the
     # write-back delivered it: a full folder evicts only less recent groups for a late arrival,
     # and refuses one older than every resident group (in store order it would have gone first).
-    tier = DiskTier(tmp_path / "store", 2 * KIB, make_policy(EvictionPolicyName.LRU))
+    tier = DiskTier(tmp_path / "store", 2 * KIB)
     base = 1_000_000  # ns: older than any tick the index takes from the clock
     stamped = [replace(make_item("t", chunk_id(i), seed=i)[0], accepted_ns=base + i) for i in range(4)]
     assert tier.put_from([stamped[2]]) == [TierStatus.OK]  # the newer two arrive first

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from helpers import GROUP_FP, chunk_id, expect, make_item
 
-from kvpack.config import DiskTierConfig, EvictionPolicyName, KVPackConfig, MemoryTierConfig
+from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
 from kvpack.errors import ConfigError
-from kvpack.eviction import make_policy
 from kvpack.objects import RejectReason
 from kvpack.store import KVStore
 from kvpack.tiers.base import TierStatus
@@ -31,7 +30,7 @@ def _fs():  # type: ignore[no-untyped-def]
 
 
 def _disk(root: Path, capacity: int = 1 << 30, **kw: object) -> DiskTier:
-    return DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU), **kw)  # type: ignore[arg-type]
+    return DiskTier(root, capacity, **kw)  # type: ignore[arg-type]
 
 
 def _ours(name: str) -> bool:

@@ -199,7 +199,7 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
     from kvpack.tiers.memory import MemoryTier
 
     remote = SlowTier(
-        DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)),
+        DiskTier(tmp_path / "remote", 1 << 30),
         0.0,
         lookup_delay_s=0.2,
         remote=True,
@@ -234,11 +234,9 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
 def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """Tail lookups run on the engine's scheduler thread: all slots and members of a
     parent are peeked in one batched call per tier, not one call per slot and member."""
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
     from kvpack.tiers.disk import DiskTier
 
-    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, remote=True)
+    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30), 0.0, remote=True)
     store = keep(KVStore(KVPackConfig(), [remote]))
     for slot, ids in enumerate([(1, 2, 3), (1, 2, 9, 9)]):
         for member in ("kv", "draft"):
@@ -262,7 +260,7 @@ def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path, keep:
 
     cfg = KVPackConfig.from_dict({"write_queue_depth": 4, "io_threads": 1})
     gate = threading.Event()
-    slow = SlowTier(DiskTier(tmp_path, 1 << 30, make_policy(EvictionPolicyName.LRU)), 0.0, gate)
+    slow = SlowTier(DiskTier(tmp_path, 1 << 30), 0.0, gate)
     store = keep(KVStore(cfg, [MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False), slow]))
     items = [make_item("t", chunk_id(i), checksum=False)[0] for i in range(20)]
     start = time.perf_counter()

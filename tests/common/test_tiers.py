@@ -30,7 +30,7 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> TierFactory:
         policy = make_policy(EvictionPolicyName.LRU)
         if request.param == "memory":
             return MemoryTier(capacity, policy, pin=False)
-        return DiskTier(tmp_path / "disk", capacity, policy)
+        return DiskTier(tmp_path / "disk", capacity)
 
     return build
 
@@ -142,7 +142,7 @@ def test_concurrent_overlapping_puts_and_gets(make_tier: TierFactory) -> None:
 
 
 def _disk(root: Path, capacity: int = 1 << 30) -> DiskTier:
-    return DiskTier(root, capacity, make_policy(EvictionPolicyName.LRU))
+    return DiskTier(root, capacity)
 
 
 def _stored_file(tier: DiskTier, item_key) -> Path:  # type: ignore[no-untyped-def]
@@ -317,7 +317,7 @@ def test_memory_multi_region_payloads_round_trip() -> None:
 
 
 def test_disk_batch_larger_than_capacity_leaves_no_stray_files(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path / "disk", 4 * 1024, make_policy(EvictionPolicyName.LRU), io_threads=2)
+    tier = DiskTier(tmp_path / "disk", 4 * 1024, io_threads=2)
     items = [make_item("t", chunk_id(i), seed=i) for i in range(6)]
     statuses = tier.put_from([it for it, _ in items])
     # admitted one by one: the first two were evicted by later items of the batch
@@ -334,7 +334,7 @@ def test_batches_on_two_io_threads_round_trip_in_order(tmp_path: Path, kind: str
     tier: Tier = (
         MemoryTier(1 << 30, policy, pin=False, copy_threads=2)
         if kind == "memory"
-        else DiskTier(tmp_path / "disk", 1 << 30, policy, io_threads=2)
+        else DiskTier(tmp_path / "disk", 1 << 30, io_threads=2)
     )
     from dataclasses import replace
 

@@ -129,9 +129,9 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
         mem = MemoryTier(size * count * 2, make_policy(EvictionPolicyName.LRU), pin=False)
         mem_put, mem_get = _tier_rates(mem, items, exps, verify=False, repeats=repeats)
         raw_w, raw_r = _raw_file_rates(folder / f"raw-{label}", payloads, repeats)
-        disk = DiskTier(folder / f"kv-{label}", size * count * 4, make_policy(EvictionPolicyName.LRU))
+        disk = DiskTier(folder / f"kv-{label}", size * count * 4)
         disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
-        keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4, make_policy(EvictionPolicyName.LRU))
+        keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4)
         keyed_put, keyed_get = _keyed_disk_rates(keyed, items, exps, repeats)
         rows.append(
             {

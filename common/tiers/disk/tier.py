@@ -58,7 +58,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ...eviction import EvictionPolicy
 from ...keys import GroupKey, StoreKey
 from ...objects import (
     Expectation,
@@ -119,7 +118,6 @@ class DiskTier(Tier):
         self,
         root: str | os.PathLike[str],
         capacity: int,
-        policy: EvictionPolicy,
         quotas: dict[str, int] | None = None,
         fsync: bool = False,
         io_threads: int = 1,
@@ -131,14 +129,14 @@ class DiskTier(Tier):
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
-        `policy` is accepted for the config's sake: the shared index orders eviction by LRU
-        (`kvpack.tiers.disk.catalog`). `busy_timeout_s` bounds a wait for another process's
+        Eviction is LRU over the folder's groups, shared by every process on it (`kvpack.tiers.disk.catalog`;
+        the configured `eviction.policy` orders the memory tier only). `quotas`: the tenants' guaranteed
+        shares (`kvpack.eviction.shares`). `busy_timeout_s` bounds a wait for another process's
         index transaction. `open_scan_s` is how long opening waits for the folder scan
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
         test seam of that scan (`scan.build_index`)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        del policy
         self._root_str, self._root_fd = fs.open_store_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
