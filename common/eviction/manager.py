@@ -8,7 +8,8 @@ dropped and counted, nothing is evicted: batch eviction is all or nothing).
 Invariants (checked by property tests):
 - used bytes never exceed `capacity` after a reservation is applied;
 - a group is evicted whole, never one member;
-- a tenant U other than the requester is never pushed below its guaranteed
+- victims follow the one rule of `kvpack.eviction.shares` (also the disk index's):
+  a tenant U other than the requester is never pushed below its guaranteed
   share `quotas[U]` (bytes); a requester with a share that it exceeds evicts
   its own groups before anyone else's. Tenants without a configured share
   compete for the unreserved space in plain policy order (no tenant is held
@@ -29,10 +30,11 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .base import EvictionPolicy
+from .shares import Candidate, choose_victims
 
 
 class Admission(enum.Enum):
@@ -149,53 +151,29 @@ class CapacityManager:
                 return Reservation(Admission.NO_SPACE)
             final[(group, member)] = nbytes
         delta = 0
-        groups: set[Hashable] = set()
+        batch: set[Hashable] = set()
         for (group, member), nbytes in final.items():
             existing = self._groups.get(group)
             delta += nbytes - (existing.members.get(member, 0) if existing else 0)
-            groups.add(group)
-        need = self.used + delta - self.capacity
-        if need <= 0:
-            return Reservation(Admission.ADMITTED)
-        victims: list[Hashable] = []
-        freed = 0
-        # hypothetical per-tenant usage as victims are chosen
-        tenant_after = dict(self._tenant_used)
-        tenant_after[tenant] = tenant_after.get(tenant, 0) + delta
-        chosen: set[Hashable] = set()
-        pins, now = self._pins, time.monotonic() if self._pins else 0.0
-
-        def take(candidates: Iterable[Hashable], own_only: bool) -> None:
-            nonlocal freed
-            for cand in candidates:
-                if freed >= need:
-                    return
-                if cand in groups or cand in chosen:
-                    continue
-                if pins and cand in pins and pins[cand][1] > now:
-                    continue  # pinned by a load in progress
-                usage = self._groups.get(cand)
-                if usage is None:
-                    continue
-                size = usage.nbytes
-                if own_only and usage.tenant != tenant:
-                    continue
-                if usage.tenant != tenant and tenant_after.get(usage.tenant, 0) - size < self._quotas.get(
-                    usage.tenant, 0
-                ):
-                    continue  # would push another tenant below its guaranteed share
-                chosen.add(cand)
-                victims.append(cand)
-                freed += size
-                tenant_after[usage.tenant] = tenant_after.get(usage.tenant, 0) - size
-
-        if tenant in self._quotas and tenant_after[tenant] > self._quotas[tenant]:
-            take(self._policy.victims(), own_only=True)
-        if freed < need:
-            take(self._policy.victims(), own_only=False)
-        if freed < need:
+            batch.add(group)
+        victims = choose_victims(
+            tenant, delta, self.used, self.capacity, self._tenant_used, self._quotas, self._candidates, batch
+        )
+        if victims is None:
             return Reservation(Admission.NO_SPACE)
-        return Reservation(Admission.ADMITTED, tuple(victims))
+        return Reservation(Admission.ADMITTED, tuple(v.group for v in victims))
+
+    def _candidates(self, tenant: str | None) -> Iterator[Candidate]:
+        """Resident groups in the policy's victim order (of `tenant` only, when given), pinned ones left out."""
+        groups, pins = self._groups, self._pins
+        now = time.monotonic() if pins else 0.0
+        for group in self._policy.victims():
+            usage = groups.get(group)
+            if usage is None or (tenant is not None and usage.tenant != tenant):
+                continue
+            if pins and group in pins and pins[group][1] > now:
+                continue  # pinned by a load in progress
+            yield Candidate(group, usage.tenant, usage.nbytes)
 
     def admit(
         self,

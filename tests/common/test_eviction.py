@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
+from helpers import chunk_id, make_item
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +14,9 @@ from kvpack.config import EvictionPolicyName
 from kvpack.eviction import CapacityManager, make_policy
 from kvpack.eviction.arc import ARCPolicy
 from kvpack.eviction.manager import Admission
+from kvpack.eviction.shares import Candidate, choose_victims
+from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.memory import MemoryTier
 
 POLICIES = [EvictionPolicyName.LRU, EvictionPolicyName.ARC]
 TENANTS = ["a", "b", "c"]
@@ -237,3 +244,45 @@ def test_batch_that_does_not_fit_falls_back_to_one_by_one() -> None:
     assert admitted == [True] * 6  # each admitted in turn; the first two then evicted by later ones
     assert [g for g, _ in evicted] == ["t:0", "t:1"]
     assert mgr.used == 400 and not mgr.has_member("t:0", "kv")
+
+
+def _groups(*rows: tuple[str, str, int]) -> list[Candidate]:
+    return [Candidate(g, tenant, n) for g, tenant, n in rows]
+
+
+@pytest.mark.parametrize(
+    ("requester", "delta", "quotas", "want"),
+    [
+        ("a", 1, {}, ["a0"]),  # no shares: plain candidate order
+        ("b", 1, {"a": 2}, ["b0"]),  # a at its share of 2: only b's own group may go
+        ("a", 1, {"a": 1}, ["a0"]),  # a over its share evicts its own first
+        ("c", 3, {"a": 2}, None),  # b's two groups free 2 of 3 and a is protected: nothing goes
+        ("c", 0, {}, []),  # fits as it is
+    ],
+)
+def test_the_victim_rule(requester: str, delta: int, quotas: dict[str, int], want: list[str] | None) -> None:
+    resident = _groups(("a0", "a", 1), ("b0", "b", 1), ("a1", "a", 1), ("b1", "b", 1))
+
+    def candidates(tenant: str | None) -> list[Candidate]:
+        return [c for c in resident if tenant is None or c.tenant == tenant]
+
+    used = {"a": 2, "b": 2}
+    got = choose_victims(requester, delta, 4, 4, used, quotas, candidates)
+    assert (None if got is None else [c.group for c in got]) == want
+
+
+def test_the_memory_tier_and_the_disk_index_evict_the_same_groups(tmp_path: Path) -> None:
+    # One rule (`kvpack.eviction.shares`) for both accountings: the same stores, one at a time,
+    # leave the same groups resident in the in-process one and in the shared SQLite one.
+    quotas = {"a": 2048, "b": 1024}
+    memory = MemoryTier(4096, make_policy(EvictionPolicyName.LRU), quotas, pin=False)
+    disk = DiskTier(tmp_path / "disk", 4096, quotas)
+    rng = random.Random(7)
+    every = [make_item(t, chunk_id(i), seed=i)[0] for t in "abc" for i in range(4)]
+    for step in range(60):
+        item = make_item(rng.choice("abc"), chunk_id(rng.randrange(4)), seed=step)[0]
+        assert memory.put_from([item]) == disk.put_from([item]), f"step {step}"
+        keys = [it.key for it in every]
+        assert memory.contains(keys) == disk.contains(keys), f"step {step}"
+    memory.close()
+    disk.close()

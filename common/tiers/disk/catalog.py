@@ -34,9 +34,9 @@ is never loaded because loads verify the file's own header.
 
 A group's ``tick`` is when its last store was accepted (`PutItem.accepted_ns`, or the
 admission's own time) or it was last read: a store that arrives after newer ones evicts only
-less recent groups, or is refused. Eviction is LRU over groups with the tenant shares of
-`kvpack.eviction.CapacityManager` (a tenant over its share evicts its own
-groups first; no other tenant is pushed below its share). The configured ARC
+less recent groups, or is refused. Eviction is LRU over groups (this index selects the candidates in tick order)
+decided by the one victim rule of `kvpack.eviction.shares`, the memory tier's too
+(a tenant over its share evicts its own groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
 would not be shared, and the recency order is what all processes agree on.
 Reads do not write: touched groups are buffered and their ticks written in
@@ -53,11 +53,13 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import cast
 
 from ...errors import ConfigError
+from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 
 INDEX_NAME = ".kvpack-store.index"
@@ -354,40 +356,19 @@ class Catalog:
         """The victims that make room for `requests` (maybe none), or None when they cannot fit."""
         if any(n > capacity for _, n, _ in requests):
             return None
-        delta = self._deltas(db, requests)
-        need = sum(used.values()) + delta - capacity
-        if need <= 0:
-            return []
-        after = dict(used)
-        after[tenant] = after.get(tenant, 0) + delta
-        chosen: list[bytes] = []
-        taken: set[bytes] = set()
-        freed = 0
-
         stamps = [t for _, _, t in requests if t is not None]
-        where, args = (["tick<?"], [min(stamps)]) if stamps else ([], [])
+        older: list[tuple[str, object]] = [("tick<?", min(stamps))] if stamps else []  # less recent than the store
 
-        def take(own_only: bool) -> None:
-            nonlocal freed
-            conds, params = (["tenant=?", *where], [tenant, *args]) if own_only else (where, args)
-            sql = "SELECT g, tenant, nbytes FROM groups" + (" WHERE " + " AND ".join(conds) if conds else "")
-            for g, owner, size in db.execute(sql + " ORDER BY tick", params):
-                if freed >= need:
-                    return
-                if g in batch or g in taken:
-                    continue
-                if owner != tenant and after.get(owner, 0) - size < quotas.get(owner, 0):
-                    continue  # would push another tenant below its guaranteed share
-                taken.add(g)
-                chosen.append(g)
-                freed += size
-                after[owner] = after.get(owner, 0) - size
+        def candidates(owner: str | None) -> Iterator[Candidate]:
+            conds = older if owner is None else [("tenant=?", owner), *older]
+            where = " WHERE " + " AND ".join(c for c, _ in conds) if conds else ""
+            sql = f"SELECT g, tenant, nbytes FROM groups{where} ORDER BY tick"  # noqa: S608 - fixed text
+            for g, who, size in db.execute(sql, [v for _, v in conds]):
+                yield Candidate(g, who, size)
 
-        if tenant in quotas and after[tenant] > quotas[tenant]:
-            take(own_only=True)
-        if freed < need:
-            take(own_only=False)
-        return chosen if freed >= need else None
+        delta = self._deltas(db, requests)
+        victims = choose_victims(tenant, delta, sum(used.values()), capacity, used, quotas, candidates, batch)
+        return None if victims is None else [cast(bytes, v.group) for v in victims]
 
     def _apply(
         self,
