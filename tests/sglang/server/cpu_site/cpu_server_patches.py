@@ -19,7 +19,9 @@ and inherits PYTHONPATH).
    are bound here to torch index copies with the kernels' semantics: indices are
    token slots; ``layer_first`` host buffers are one tensor per layer (K layers
    then V layers), ``page_first_direct`` host buffers are ``[page, layer,
-   page_offset, head, dim]`` per K and V.
+   page_offset, head, dim]`` per K and V. Its ``get_dummy_flat_data_page`` (the
+   buffer SGLang's generic L3 read path, the ``file`` backend's, reads a page into)
+   asks for ``pin_memory=True``, which a CPU torch refuses; it is made unpinned.
 """
 
 from __future__ import annotations
@@ -101,6 +103,16 @@ def _direct_copies(module: ModuleType) -> None:
     module.transfer_kv_direct = transfer_kv_direct
     module.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf
     module.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
+    pool = module.MHATokenToKVPoolHost
+    assert callable(pool.get_dummy_flat_data_page)
+
+    def get_dummy_flat_data_page(self: object) -> torch.Tensor:
+        """SGLang's, unpinned (its ``pin_memory=self.pin_memory`` raises on a CPU torch)."""
+        p = self
+        shape = (2, p.layer_num, p.page_size, p.head_num, p.head_dim)  # type: ignore[attr-defined]
+        return torch.zeros(shape, dtype=p.dtype, device=p.device).flatten()  # type: ignore[attr-defined]
+
+    pool.get_dummy_flat_data_page = get_dummy_flat_data_page
 
 
 PATCHES: dict[str, Patch] = {
