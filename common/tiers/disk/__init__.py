@@ -4,6 +4,7 @@ Modules, each with one job:
 
 - `tier`: `DiskTier`, the `Tier` the store talks to (batched contains / get / put / remove);
 - `files`: the bytes of one object file (header, padding, payload) and their verified read;
+- `paths`: where an object's file lives, and the emptied folders that go;
 - `fs`: the file-system rules (the store root, opening beneath it without following links);
 - `catalog`: the persistent index every process on the folder shares, and its capacity;
 - `scan`: the folder scan that builds or reconciles that index.

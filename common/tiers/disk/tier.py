@@ -74,8 +74,9 @@ from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
 from .catalog import WRITE_GRACE_S, Victim, open_catalog
-from .files import SUFFIX, data_offset, read_header_fd, read_verified, write_all
+from .files import data_offset, read_header_fd, read_verified, write_all
 from .fs import UnsafeEntry
+from .paths import file_name, leaf_of, rel_file, remove_empty_folders
 
 # WRITE_GRACE_S (from `kvpack.tiers.disk.catalog`): a row not ready this long after its admission is a
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
@@ -222,7 +223,7 @@ class DiskTier(Tier):
     # -- paths -------------------------------------------------------------------
 
     def path_of(self, key: StoreKey) -> Path:
-        return Path(f"{self._root_str}/{_rel_file(key)}")
+        return Path(f"{self._root_str}/{rel_file(key)}")
 
     def _reopen_root(self, seen_fd: int) -> None:
         """The root folder was deleted under us: recreate and re-mark it (a new, empty folder).
@@ -248,16 +249,16 @@ class DiskTier(Tier):
                 if self._unlink_key(key):
                     self.counters.count_removed(reason)
                 removed += 1
-            _remove_empty_folders(self._root_fd, victim.group.member("kv"))
+            remove_empty_folders(self._root_fd, victim.group.member("kv"))
         return removed
 
     def _unlink_key(self, key: StoreKey) -> bool:
         try:
-            dfd = fs.open_dir(self._root_fd, _rel_leaf(key))
+            dfd = fs.open_dir(self._root_fd, leaf_of(key))
         except OSError:
             return False
         try:
-            os.unlink(_file_name(key), dir_fd=dfd)
+            os.unlink(file_name(key), dir_fd=dfd)
             return True
         except OSError:
             return False
@@ -296,7 +297,7 @@ class DiskTier(Tier):
 
     def _present(self, key: StoreKey, refused: tuple[int, int] | None) -> bool:
         try:
-            fd = fs.open_regular(self._root_fd, _rel_file(key))
+            fd = fs.open_regular(self._root_fd, rel_file(key))
         except UnsafeEntry:
             self.counters.count_unsafe()
             return False
@@ -316,7 +317,7 @@ class DiskTier(Tier):
         out: list[ObjectHeader | None] = []
         for key in keys:
             try:
-                fd = fs.open_regular(self._root_fd, _rel_file(key))
+                fd = fs.open_regular(self._root_fd, rel_file(key))
             except UnsafeEntry:
                 self.counters.count_unsafe()
                 out.append(None)
@@ -362,7 +363,7 @@ class DiskTier(Tier):
         return results
 
     def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
-        rel = _rel_file(key)
+        rel = rel_file(key)
         try:
             fd = fs.open_regular(self._root_fd, rel)
         except FileNotFoundError:
@@ -441,7 +442,7 @@ class DiskTier(Tier):
                 key = items[i].key
                 if self._unlink_key(key):
                     self.counters.count_removed("evicted_while_written")
-                _remove_empty_folders(self._root_fd, key)
+                remove_empty_folders(self._root_fd, key)
                 statuses[i] = TierStatus.NO_SPACE
         return statuses
 
@@ -458,7 +459,7 @@ class DiskTier(Tier):
         another process, or the whole root) is recreated and the write retried, at most
         `WRITE_ATTEMPTS` times: a removal needs an empty folder, and the write's own temporary
         makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
-        leaf, name = _rel_leaf(key), _file_name(key)
+        leaf, name = leaf_of(key), file_name(key)
         buffers: list[bytes | memoryview] = [header + bytes(data_offset(len(header)) - len(header))]
         buffers += payload_parts(payload)
         for _attempt in range(WRITE_ATTEMPTS):
@@ -557,39 +558,5 @@ _DAMAGED = frozenset({RejectReason.TRUNCATED, RejectReason.CHECKSUM, RejectReaso
 """Refusals of a file that decoded but is not a whole, intact object of its path: `contains` skips it."""
 
 
-def _rel_leaf(key: StoreKey) -> str:
-    return f"{key.tenant}/{key.fingerprint}/{key.chunk[:2]}"
-
-
-def _file_name(key: StoreKey) -> str:
-    return f"{key.chunk}.{key.member}{SUFFIX}"
-
-
-def _rel_file(key: StoreKey) -> str:
-    return f"{key.tenant}/{key.fingerprint}/{key.chunk[:2]}/{key.chunk}.{key.member}{SUFFIX}"
-
-
 def _write_status(exc: OSError) -> TierStatus:
     return TierStatus.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else TierStatus.ERROR
-
-
-def _remove_empty_folders(root_fd: int, key: StoreKey) -> None:
-    """``rmdir`` the key's leaf, fingerprint and tenant folders, innermost first, while empty.
-
-    `rmdir` never removes a folder with anything in it, so nothing but empty folders can go."""
-    chain = ((f"{key.tenant}/{key.fingerprint}", key.chunk[:2]), (key.tenant, key.fingerprint))
-    for parent, child in chain:
-        try:
-            pfd = fs.open_dir(root_fd, parent)
-        except OSError:
-            return
-        try:
-            os.rmdir(child, dir_fd=pfd)
-        except OSError:
-            return
-        finally:
-            os.close(pfd)
-    try:
-        os.rmdir(key.tenant, dir_fd=root_fd)
-    except OSError:
-        pass
