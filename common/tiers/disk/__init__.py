@@ -6,7 +6,8 @@ Modules, each with one job:
 - `files`: the bytes of one object file (header, padding, payload) and their verified read;
 - `paths`: where an object's file lives, and the emptied folders that go;
 - `fs`: the file-system rules (the store root, opening beneath it without following links);
-- `catalog`: the persistent index every process on the folder shares, and its capacity;
+- `catalog`: the persistent index every process on the folder shares, and its capacity
+  (`rows`: how it names groups and objects; `reconcile`: the folder scan's side of it);
 - `scan`: the folder scan that builds or reconciles that index.
 """
 

@@ -73,10 +73,11 @@ from ...objects import (
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
-from .catalog import WRITE_GRACE_S, Victim, open_catalog
+from .catalog import WRITE_GRACE_S, open_catalog
 from .files import data_offset, read_header_fd, read_verified, write_all
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file, remove_empty_folders
+from .rows import Victim
 
 # WRITE_GRACE_S (from `kvpack.tiers.disk.catalog`): a row not ready this long after its admission is a
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
