@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import random
 from pathlib import Path
 
@@ -286,3 +287,16 @@ def test_the_memory_tier_and_the_disk_index_evict_the_same_groups(tmp_path: Path
         assert memory.contains(keys) == disk.contains(keys), f"step {step}"
     memory.close()
     disk.close()
+
+
+def test_the_quota_rule_is_written_once() -> None:
+    # "never push another tenant below its guaranteed share": a tenant's share is compared with
+    # bytes in one module of the core only, whatever accounting (memory, the disk index) applies it
+    core = Path(__file__).resolve().parents[2] / "common"
+    found = {
+        str(path.relative_to(core))
+        for path in core.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare) and "quota" in ast.unparse(node)
+    }
+    assert found == {"eviction/shares.py"}
