@@ -37,6 +37,7 @@ FAILURES = {
     "failed writes": "Write page to storage",
     "failed reads": "failed to retrieve page",
     "kvpack misses": "failed, answering a miss",
+    "failed prefetches": "prefetch transfer failed",
 }
 """Server log lines that are a failed L3 call (SGLang's controller, kvpack's backend)."""
 
@@ -209,6 +210,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cpu-site", type=Path, default=default_site)
     p.add_argument("--markdown", default="", help="append the table to this file")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and stores (the folder is printed)")
+    p.add_argument("--io-threads", type=int, default=2, help="kvpack's io_threads (its copy and conversion threads)")
+    p.add_argument("--only", default="", help="comma-separated set-up names to run (default: all)")
     return p.parse_args(argv)
 
 
@@ -231,6 +234,7 @@ def main(argv: list[str]) -> int:
         "interface_v1": 1,
         "memory": {"capacity": "64MiB"},
         "disk": {"path": str(store), "capacity": "8GiB"},
+        "io_threads": args.io_threads,
     }
     file_args = ["--hicache-storage-backend", "file"]
     file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(file_dir)}
@@ -242,6 +246,9 @@ def main(argv: list[str]) -> int:
         ("file, restarted", file_args, file_env),
         ("kvpack, restarted", kv_args, {}),
     ]
+    if args.only:
+        wanted = {n.strip() for n in args.only.split(",")}
+        setups = [s for s in setups if s[0] in wanted]
     results = []
     for name, storage, env in setups:
         print(f"# {name} ...", flush=True)
