@@ -172,7 +172,8 @@ def _run_setup(
                     result.prompt_tokens += len(history)
                     if r >= 1:
                         result.ttft_later.append(ttft)
-                history += list(last.get("output_ids", []))[-args.answer :] if isinstance(last, dict) else []
+                output = last.get("output_ids") if isinstance(last, dict) else None
+                history += [int(t) for t in output][-args.answer :] if isinstance(output, list) else []
         except BaseException as exc:
             errors.append(exc)
 
