@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--multiturn" in given:  # the multi-turn comparison on real CPU servers (its own options)
         from kvpack.tools.bench import sglang_multiturn
 
-        return sglang_multiturn.main([a for a in given if a != "--multiturn"])
+        return sglang_multiturn.main([a for a in given if a != "--multiturn"], before_model=_torchvision_shim)
     args = _parse(given)
     _torchvision_shim()
     from sglang.srt.managers.cache_controller import HiCacheController

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,15 +217,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> int:
+    """Run (`argv`: this tool's options); `before_model` runs before the model is built
+    (`kvpack bench sglang` passes its torchvision shim: transformers imports torchvision)."""
     args = _parse(argv)
     if not args.cpu_site.is_dir():
         print(f"kvpack bench sglang --multiturn: no CPU server shim at {args.cpu_site} (--cpu-site)", file=sys.stderr)
         return 2
     from kvpack.tools.bench.chat_bench import _model
-    from kvpack.tools.bench.sglang_bench import _torchvision_shim
 
-    _torchvision_shim()  # transformers (building the model) imports torchvision here too
+    before_model()
     model = _model(Path(args.model_dir), args.model_size, args.dtype)
     root = Path(tempfile.mkdtemp(prefix="kvpack-sglang-multiturn-"))
     file_dir, store = root / "file", root / "kvpack"
@@ -279,7 +281,3 @@ def main(argv: list[str]) -> int:
     else:
         shutil.rmtree(root, ignore_errors=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
