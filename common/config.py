@@ -111,13 +111,44 @@ class MooncakeProtocol(enum.Enum):
     RDMA = "rdma"
 
 
+class MemoryMode(enum.Enum):
+    """Where the memory tier lives (`kvpack.tiers.host`).
+
+    PROCESS: an arena in each process (`capacity` per process). HOST: one store in the
+    host's shared memory (``/dev/shm``) that every kvpack process of this user and
+    `host_name` shares (`capacity` per host). AUTO: HOST when the engine runs more than
+    one process on the host (the adapter says so) or another live process already uses
+    the host store, else PROCESS (faster for one process: `kvpack.tiers.host.choice`)."""
+
+    PROCESS = "process"
+    HOST = "host"
+    AUTO = "auto"
+
+
+HOST_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"
+"""What `MemoryTierConfig.host_name` may be (it is part of a folder name)."""
+
+
 @dataclass(frozen=True)
 class MemoryTierConfig:
-    """Host-RAM tier. Capacity in bytes. Its memory is not pinned: GPU copies go through
-    the transfer staging (`TransferConfig`), never straight from the tier."""
+    """Host-RAM tier. Capacity in bytes (per process, or per host in `MemoryMode.HOST`).
+    Its memory is not pinned: GPU copies go through the transfer staging
+    (`TransferConfig`), never straight from the tier. `host_name` names the host store
+    (its folder is ``/dev/shm/kvpack-<uid>-<host_name>``): processes share it only when
+    they run as one user with one name."""
 
     enabled: bool = True
     capacity: int = _size_field("4GiB")
+    mode: MemoryMode = MemoryMode.AUTO
+    host_name: str = "default"
+
+    def validate(self, path: str) -> None:
+        import re
+
+        if not re.fullmatch(HOST_NAME_RE, self.host_name):
+            raise ConfigError(
+                join_path(path, "host_name"), f"{shown(self.host_name, 80)} must match {HOST_NAME_RE}"
+            )
 
 
 MAX_TRANSFER_BYTES = 1 << 40
