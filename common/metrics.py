@@ -91,6 +91,9 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
+    MetricSpec(
+        "tier_events_dropped", "Tier events (stored/removed, for KV-aware routers) dropped undrained, oldest first", ()
+    ),
     MetricSpec("handoff_loads", "Prefill/decode handoffs loaded (objects still landing waited for)", ("tenant",)),
     MetricSpec("handoff_missing", "Handoff objects not landed within handoff_wait_ms (recomputed)", ("tenant",)),
     MetricSpec(

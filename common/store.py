@@ -53,6 +53,8 @@ from .objects import ObjectHeader, copy_parts_into, payload_checksum
 from .reads import LoadItem, TierReads
 from .split_lookup import lookup_sets
 from .tails import TailSlots
+from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
+from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.factory import build_tiers
 from .tiers.parallel import RegionCopier
@@ -104,6 +106,8 @@ class KVStore(LentCopies):
         self._plans = PlanBook(pin_timeout_s)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         self._evictions: list[tuple[str, str, int]] = []
+        self.events: TierEventFeed | None = None
+        """What the tiers took and let go (`kvpack.tier_events`); None (no cost) until `tier_events`."""
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)
@@ -161,6 +165,8 @@ class KVStore(LentCopies):
             # Runs under the tier's lock, once per evicted group: note it now (an
             # atomic append), count it when the calling batch ends (`_count_evictions`).
             self._evictions.append((tier, group.tenant, nbytes))
+            if self.events is not None:
+                self.events.removed(tier, (group,))
             for listener in self._evict_listeners:
                 listener(tier, group, nbytes)
 
@@ -387,6 +393,8 @@ class KVStore(LentCopies):
         start = time.perf_counter()
         mem = self._memory.put_from(items)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
+        if self.events is not None:
+            self.events.stored_where(self._memory.name, [it.key for it in items], [st is TierStatus.OK for st in mem])
         statuses = list(mem)
         tally = Tally(self.metrics)
         stored: dict[str, list[int]] = {}  # tenant -> [bytes, objects]
@@ -484,6 +492,8 @@ class KVStore(LentCopies):
                 log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
                 got = [TierStatus.ERROR] * len(items)
             self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
+            if self.events is not None:
+                self.events.stored_where(tier.name, [it.key for it in items], [st is TierStatus.OK for st in got])
             tally = Tally(self.metrics)
             for i, (item, status) in enumerate(zip(items, got)):
                 if status is TierStatus.OK:
@@ -524,7 +534,20 @@ class KVStore(LentCopies):
     # -- misc ---------------------------------------------------------------------
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
-        return sum(t.remove_groups(groups) for t in self.tiers)
+        removed = 0
+        for tier in self.tiers:
+            n = tier.remove_groups(groups)
+            if n and self.events is not None:
+                self.events.removed(tier.name, groups)
+            removed += n
+        return removed
+
+    def tier_events(self, capacity: int = DEFAULT_EVENTS) -> TierEventFeed:
+        """Start reporting what the tiers take and let go into a bounded feed (idempotent: the
+        same feed after the first call); drops are counted as ``tier_events_dropped``."""
+        if self.events is None:
+            self.events = TierEventFeed(capacity, lambda n: self.metrics.inc("tier_events_dropped", n))
+        return self.events
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Drain the write-back queue (bounded by `flush_timeout_s`, default the config's
