@@ -433,8 +433,10 @@ class Catalog(ScanReconcile):
             os.close(self._lock_fd)
 
 
-def open_catalog(root: str, root_fd: int, busy_timeout_s: float) -> Catalog:
-    """The folder's shared index; ConfigError naming ``disk.path`` when its files are not
+def open_catalog(
+    root: str, root_fd: int, busy_timeout_s: float, field: str = "disk.path", kind: type[Catalog] = Catalog
+) -> Catalog:
+    """The folder's shared index (a `kind`); ConfigError naming `field` when its files are not
     regular files (a planted symlink is never opened) or it is not a readable index."""
     for name in (INDEX_NAME, *(INDEX_NAME + s for s in ("-wal", "-shm", ".lock"))):
         try:
@@ -442,14 +444,14 @@ def open_catalog(root: str, root_fd: int, busy_timeout_s: float) -> Catalog:
         except FileNotFoundError:
             continue
         except OSError as exc:
-            raise ConfigError("disk.path", f"{root}/{name}: {exc}") from None
+            raise ConfigError(field, f"{root}/{name}: {exc}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError("disk.path", f"{root}/{name} is not a regular file (kvpack's index is refused)")
+            raise ConfigError(field, f"{root}/{name} is not a regular file (kvpack's index is refused)")
     try:
-        return Catalog(f"{root}/{INDEX_NAME}", busy_timeout_s)
+        return kind(f"{root}/{INDEX_NAME}", busy_timeout_s)
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(
-            "disk.path",
+            field,
             f"{root}/{INDEX_NAME} is not a readable kvpack index ({exc}); delete it (and its -wal, -shm) "
             "to have it rebuilt from the object files",
         ) from None

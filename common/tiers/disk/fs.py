@@ -49,7 +49,9 @@ MARKER_TEXT = f"kvpack store\nformat {STORE_FORMAT}\n"
 MAX_PATH_BYTES = 4095
 MAX_NAME_BYTES = 255
 FORBIDDEN_UNDER = ("/proc", "/sys", "/dev")
-"""Pseudo file systems: nothing there is a store folder."""
+"""Pseudo file systems: nothing there is a store folder (but a folder right in `SHM` when asked)."""
+SHM = "/dev/shm"
+"""The host's shared memory (tmpfs): the host memory tier's stores are folders right in it."""
 _TEMP_RE = re.compile(r"\.[A-Za-z0-9_-]{1,128}\.[a-z0-9_@]{1,48}\.kvp\.[0-9a-f]{16}\.tmp")
 
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -81,21 +83,23 @@ def check_store_path_text(path: str) -> None:
         raise ValueError(f"has a component of {len(long)} bytes; the limit is {MAX_NAME_BYTES}")
 
 
-def _check_resolved(real: str) -> None:
+def _check_resolved(real: str, shm: bool = False) -> None:
     if real == "/" or real.count("/") == 1:
         raise ValueError(f"resolves to {real!r}: a top-level system folder is never a store folder")
+    if shm and real.startswith(SHM + "/") and real.count("/") == SHM.count("/") + 1:
+        return  # a folder right in the host's shared memory (the host memory tier's root)
     for top in FORBIDDEN_UNDER:
         if real == top or real.startswith(top + "/"):
             raise ValueError(f"resolves to {real!r}, under {top}")
 
 
-def _resolve_root(path: str, field: str) -> str:
+def _resolve_root(path: str, field: str, shm: bool = False) -> str:
     """The store folder `path` resolves to, if it is one kvpack may use as a folder (ConfigError naming `field`)."""
     try:
         check_store_path_text(path)
         real = os.path.realpath(os.path.expanduser(path))
         check_store_path_text(real)
-        _check_resolved(real)
+        _check_resolved(real, shm)
     except ValueError as exc:
         raise ConfigError(field, f"{path[:200]!r} {exc}") from None
     if os.path.lexists(real) and not os.path.isdir(real):
@@ -103,14 +107,15 @@ def _resolve_root(path: str, field: str) -> str:
     return real
 
 
-def check_store_root(path: str, field: str = "disk.path") -> str:
+def check_store_root(path: str, field: str = "disk.path", shm: bool = False) -> str:
     """Every rule `open_store_root` applies to a store folder, changing nothing; returns the resolved path.
 
     Reads only: resolves the path; for an existing folder, lists it and reads its
     marker (`_marker_state`); for a missing one, finds the nearest existing folder
     above it, which `open_store_root` would create it in (it must be a folder
-    this process may write into). Raises ConfigError naming `field`."""
-    real = _resolve_root(path, field)
+    this process may write into). Raises ConfigError naming `field`. `shm`: a folder
+    directly in `SHM` is allowed (the host memory tier's)."""
+    real = _resolve_root(path, field, shm)
     try:
         if not os.path.isdir(real):
             parent = os.path.dirname(real)
@@ -133,12 +138,12 @@ def check_store_root(path: str, field: str = "disk.path") -> str:
     return real
 
 
-def open_store_root(path: str, field: str = "disk.path") -> tuple[str, int]:
+def open_store_root(path: str, field: str = "disk.path", shm: bool = False) -> tuple[str, int]:
     """Check, create or adopt the store folder; returns (resolved path, directory fd).
 
     Raises ConfigError naming `field` for any folder kvpack must not use (the rules
     `check_store_root` checks without creating anything)."""
-    real = _resolve_root(path, field)
+    real = _resolve_root(path, field, shm)
     try:
         os.makedirs(real, mode=0o700, exist_ok=True)
         fd = os.open(real, _DIR_FLAGS)

@@ -73,7 +73,7 @@ from ...objects import (
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
-from .catalog import WRITE_GRACE_S, open_catalog
+from .catalog import WRITE_GRACE_S, Catalog, open_catalog
 from .files import data_offset, read_header_fd, read_verified, write_all
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file, remove_empty_folders
@@ -139,7 +139,7 @@ class DiskTier(Tier):
         test seam of that scan (`scan.build_index`)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        self._root_str, self._root_fd = fs.open_store_root(os.fspath(root))
+        self._root_str, self._root_fd = self._open_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
         self._fsync = fsync
@@ -149,7 +149,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._root_lock = threading.Lock()
         self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk")
-        self._catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s)
+        self._catalog = self._open_catalog(busy_timeout_s)
         self._refused: dict[StoreKey, tuple[int, int]] = {}
         """Keys whose file was refused, by the file's (inode, mtime_ns); bounded.
 
@@ -162,6 +162,20 @@ class DiskTier(Tier):
         self.scan_seconds: float | None = None
         """How long this process's folder scan took, once it ended (None: not scanned here, or still running)."""
         self._start_build(index_pace, open_scan_s)
+
+    # -- what a subclass roots elsewhere (the host memory tier: `kvpack.tiers.host`) ----
+
+    def _open_root(self, path: str) -> tuple[str, int]:
+        """Check, create or adopt the store folder (`fs.open_store_root`): (resolved path, fd)."""
+        return fs.open_store_root(path)
+
+    def _open_catalog(self, busy_timeout_s: float) -> Catalog:
+        """The folder's shared index (`catalog.open_catalog`)."""
+        return open_catalog(self._root_str, self._root_fd, busy_timeout_s)
+
+    def _charge(self, item: PutItem, nbytes: int) -> int:
+        """Bytes the index counts against `capacity` for `item`, whose payload is `nbytes`: the payload."""
+        return nbytes
 
     @property
     def startup_rejected(self) -> int:
@@ -233,7 +247,7 @@ class DiskTier(Tier):
         with self._root_lock:
             if self._root_fd != seen_fd:
                 return
-            _, fd = fs.open_store_root(self._root_str)
+            _, fd = self._open_root(self._root_str)
             self._old_root_fds.append(self._root_fd)
             self._root_fd = fd
 
@@ -412,7 +426,7 @@ class DiskTier(Tier):
             for tenant, idx in by_tenant.items():
                 admitted, gone = self._catalog.admit(
                     tenant,
-                    [(items[i].key, sizes[i], items[i].accepted_ns) for i in idx],
+                    [(items[i].key, self._charge(items[i], sizes[i]), items[i].accepted_ns) for i in idx],
                     self._capacity_bytes,
                     self._quotas,
                 )
