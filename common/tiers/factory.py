@@ -11,25 +11,30 @@ marker written, nothing connected). `build_tiers` runs it first, and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from ..config import KVPackConfig
 from ..eviction import make_policy
 from .base import Tier
+from .disk.check import check_index_files
 from .disk.fs import check_store_root
 from .parallel import RegionCopier
 
 
-def check_tiers(config: KVPackConfig) -> None:
+def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
     """Raise the ConfigError that building `config`'s tiers would raise for their config, changing nothing.
 
     Disk: the store folder rules (`disk.fs.check_store_root`: where it may be, what
     an existing one may hold, that a missing one can be created). Mooncake: the
     installed package and its tenant support (`connection.check_support`). The
     memory tier has no rule beyond the config's own fields (checked when it was built).
-    Not checked here: the disk index's own files, which the tier checks as it opens them."""
+    For an existing folder, the disk index's files too (`disk.check.check_index_files`), unless
+    `index_files` is False: `build_tiers`, whose `DiskTier` opens them by the same rules a moment later."""
     if config.disk.enabled:
-        check_store_root(config.disk.path)
+        root = check_store_root(config.disk.path)
+        if index_files and os.path.isdir(root):
+            check_index_files(root)
     if config.mooncake.enabled:
         from .mooncake.connection import check_support
 
@@ -52,7 +57,7 @@ def build_tiers(
     call on its caller's thread (an engine that saves off its forward path on
     a small machine wants that). `region_copier` hands the memory tier a native
     copy (`kvpack.ops.region_copier`) once one is loaded."""
-    check_tiers(config)
+    check_tiers(config, index_files=False)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
     if config.memory.enabled and include_memory:
