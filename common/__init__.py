@@ -50,7 +50,7 @@ the life of a stored block):
   and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
-from .adapter_events import AdapterEvent
+from .adapter_events import AdapterEvent, AdapterRefusal
 from .budget import WaitBudget
 from .canonical import (
     CanonicalGeometry,
@@ -76,6 +76,7 @@ from .model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.model_identity stays the module
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
+from .page_loads import PagePart
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
@@ -88,6 +89,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdapterEvent",
+    "AdapterRefusal",
+    "PagePart",
     "TransferRunner",
     "SaveJob",
     "PlannedLoad",

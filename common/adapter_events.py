@@ -2,7 +2,7 @@
 
 An adapter reports engine facts as events (`Session.record`); the core owns the metric
 each event is counted as (the member's value, a name in `kvpack.metrics.SPECS`), so no
-adapter names a metric (tests/common/test_structure.py holds it for the vLLM scheduler).
+adapter names a metric (tests/common/test_structure.py holds it for every adapter module).
 """
 
 from __future__ import annotations
@@ -29,3 +29,17 @@ class AdapterEvent(enum.Enum):
     """Tokens the engine accepted as loaded from kvpack (per tenant)."""
     SAVE_BLOCKS_PLANNED = "save_blocks_planned"
     """Blocks the engine's workers were asked to save."""
+    LOADED_TOKENS = "loaded_tokens"
+    """Tokens restored into the engine's cache (per tenant; a page counts once, whatever its pools)."""
+
+
+class AdapterRefusal(enum.Enum):
+    """Why an adapter answered an engine call as a miss without a store call; counted as
+    ``tier_errors`` with the adapter's engine as the tier and the member's value as status."""
+
+    BAD_KEY = "bad_key"
+    """A page or chunk key that is not a valid chunk hash."""
+    UNKNOWN_POOL = "unknown_pool"
+    """A call on a pool the adapter never bound (not registered, or not describable)."""
+    EXCEPTION = "exception"
+    """The call raised inside the adapter; the engine got a miss instead."""

@@ -35,13 +35,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .adapter_events import AdapterEvent
+from .adapter_events import AdapterEvent, AdapterRefusal
 from .budget import WaitBudget
 from .client_input import Refusals
 from .config import KVPackConfig
@@ -51,8 +50,10 @@ from .groups import GroupLookup, MemberSpec
 from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
 from .keys import StoreKey, chunk_hashes, validate_chunk_hash
 from .lifecycle import LoadPlan
+from .located import LocatedHints
 from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, Payload, payload_nbytes
+from .page_loads import PagePart, load_pages, located_splits
 from .reads import LoadItem
 from .store import KVStore
 from .tails import TailMatch
@@ -61,8 +62,6 @@ from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
 
-MAX_LOCATED = 1 << 16
-"""Object locations a session remembers between a lookup and its load (key + tier name each)."""
 POLL_FIRST_S = 0.005
 """`wait_until_stored`'s first pause between two looks at the store (seconds)."""
 POLL_MAX_S = 0.1
@@ -128,47 +127,6 @@ class LoadBatch:
 
     items: list[LoadItem]
     plan: LoadPlan
-
-
-class LocatedHints:
-    """Where lookups found each object (key -> tier name), for the load that follows.
-
-    Bounded to `capacity` keys, the oldest dropped first; a load takes (removes) the
-    hints of what it reads. Thread-safe."""
-
-    def __init__(self, capacity: int = MAX_LOCATED) -> None:
-        self._capacity = capacity
-        self._hints: OrderedDict[StoreKey, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def remember(self, located: Mapping[StoreKey, str]) -> None:
-        if not located or self._capacity <= 0:
-            return
-        with self._lock:
-            hints = self._hints
-            hints.update(located)
-            for key in located:
-                hints.move_to_end(key)
-            while len(hints) > self._capacity:
-                hints.popitem(last=False)
-
-    def take(self, keys: Sequence[StoreKey]) -> dict[StoreKey, str]:
-        with self._lock:
-            return {k: t for k in keys if (t := self._hints.pop(k, None)) is not None}
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._hints
-
-    def contain(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Per key: is a hint kept for it (under one lock)?"""
-        with self._lock:
-            hints = self._hints
-            return [k in hints for k in keys]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._hints)
 
 
 class Session:
@@ -328,6 +286,44 @@ class Session:
     def refusals(self, event: AdapterEvent, what: str, logger: logging.Logger) -> Refusals:
         """A `Refusals` of client input of one kind, counted under `event`'s metric by reason."""
         return Refusals(self.store.metrics, event.value, what, logger)
+
+    def refused(self, engine: str, why: AdapterRefusal) -> None:
+        """Count an engine call the adapter answered as a miss itself (`AdapterRefusal`): a
+        ``tier_errors`` count with `engine` as the tier and the reason as the status."""
+        self.store.metrics.inc("tier_errors", tier=engine, status=why.value)
+
+    def metrics_snapshot(self) -> dict[str, dict[str, float]]:
+        """Every counter's and gauge's value by label set (`Metrics.snapshot`)."""
+        return self.store.metrics.snapshot()
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The store's tiers by name, fastest first."""
+        return [t.name for t in self.store.tiers]
+
+    def wait_warm(self) -> bool:
+        """At once, unless a tier makes its first connect: then until it is up, at most that
+        tier's ``connect_wait_ms`` (a lookup before would miss what the tier holds)."""
+        return self.store.wait_warm()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` seconds until tiers that connect in the background are up."""
+        return self.store.wait_ready(timeout_s)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` seconds until every accepted object reached every tier."""
+        return self.store.flush(timeout_s)
+
+    def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
+        """Per chunk, which of `members` this session's last lookup found it under (`kvpack.page_loads`)."""
+        return located_splits(self, tenant, chunks, members)
+
+    def load_pages(
+        self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
+    ) -> list[bool]:
+        """One load of several objects per page; a page is restored only when all of its
+        objects loaded (`kvpack.page_loads.load_pages`)."""
+        return load_pages(self, parts, pages, lent=lent, tenant=tenant, page_tokens=page_tokens)
 
     @property
     def metrics(self) -> Metrics:

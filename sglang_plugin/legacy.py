@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 
-from .. import KVStore, MemberObject, Session
+from kvpack import AdapterEvent, MemberObject, Session
+
 from .pools import PoolBinding
+from .registry import PoolRegistry
 
 
 class LegacyPageInterface:
     """`get`, `batch_get`, `set`, `batch_set`, `exists` over flat pages (see the module docstring)."""
 
-    _bindings: dict[str, PoolBinding]
-    mem_pool_host: Any
+    pools: PoolRegistry
     tenant: str
     session: Session
-    store: KVStore
     _flat: _FlatMember | None = None
 
     def _valid_chunks(self, keys: Sequence[str]) -> bool:
@@ -35,12 +35,12 @@ class LegacyPageInterface:
         raise NotImplementedError
 
     def _flat_binding(self) -> _FlatMember | None:
-        kv = self._bindings.get("kv")
-        if kv is None or self.mem_pool_host is None:
+        kv = self.pools.kv
+        if kv is None or self.pools.mem_pool_host is None:
             return None
         flat = self._flat
         if flat is None:
-            flat = _FlatMember(kv, self.mem_pool_host)
+            flat = _FlatMember(kv, self.pools.mem_pool_host)
             self._flat = flat
         return flat
 
@@ -57,7 +57,7 @@ class LegacyPageInterface:
             if flat is None or not self._valid_chunks(keys):
                 return [None] * len(keys)
             given = list(target_locations) if target_locations is not None else [None] * len(keys)
-            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given]
+            targets = [t if t is not None else self.pools.mem_pool_host.get_dummy_flat_data_page() for t in given]
             dsts = []
             for t in targets:
                 dst = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.is_contiguous() else None
@@ -68,7 +68,7 @@ class LegacyPageInterface:
                 dsts.append(dst)
             results = self.session.load(self.session.page_reads(self.tenant, flat.obj, keys, dsts))
             loaded = sum(1 for r in results if r.ok)
-            self.store.metrics.inc("loaded_tokens", loaded * flat.page_size, tenant=self.tenant)
+            self.session.record(AdapterEvent.LOADED_TOKENS, loaded * flat.page_size, tenant=self.tenant)
             return [t if r.ok else None for t, r in zip(targets, results)]
         except Exception as exc:
             return self._data_path_error("batch_get", exc, [None] * len(keys))
@@ -98,7 +98,7 @@ class LegacyPageInterface:
     def exists(self, key: str) -> bool:
         try:
             flat = self._flat_binding()
-            kv = self._bindings.get("kv")
+            kv = self.pools.kv
             if kv is None or flat is None or not self._valid_chunks([key]):
                 return False
             found = self.session.contains_members(self.tenant, [key], [kv.member, flat.member])[0]

@@ -39,7 +39,7 @@ def test_factory_loads_kvpack_through_dynamic(store_dir):
     backend = make_backend(pool, kvpack_extra(store_dir))
     try:
         assert type(backend) is KVPackStorage
-        assert [t.name for t in backend.store.tiers] == ["memory", "disk"]
+        assert [t.name for t in backend.session.store.tiers] == ["memory", "disk"]
         assert backend.engine_config == DYNAMIC  # SGLang's keys were split off, not parsed as kvpack's
         assert backend.binding("kv").member == "kv"
     finally:
@@ -50,8 +50,8 @@ def test_default_config_is_memory_plus_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     backend = make_backend(make_pool("mha", "page_first"), dict(DYNAMIC))
     try:
-        assert [t.name for t in backend.store.tiers] == ["memory", "disk"]
-        assert str(backend.store.tiers[1].root).startswith(str(tmp_path))
+        assert [t.name for t in backend.session.store.tiers] == ["memory", "disk"]
+        assert str(backend.session.store.tiers[1].root).startswith(str(tmp_path))
     finally:
         backend.close()
 
@@ -265,7 +265,7 @@ def test_legacy_generic_path_round_trip(layout, store_dir):
 def _disk_file(backend, key):
     from kvpack.keys import StoreKey
 
-    disk = next(t for t in backend.store.tiers if t.name == "disk")
+    disk = next(t for t in backend.session.store.tiers if t.name == "disk")
     return disk.path_of(StoreKey(backend.tenant, backend.group_fingerprint, key, backend.binding("kv").member))
 
 
@@ -295,7 +295,7 @@ def test_corrupt_object_is_a_per_key_miss(where, store_dir):
         # payload can only come back damaged, which is why it must be reported False.
         if where == "payload":
             assert got[2] != want[2]
-        assert backend.metrics.value("rejected_objects", tier="disk") >= 1
+        assert backend.session.metrics.value("rejected_objects", tier="disk") >= 1
     finally:
         backend.close()
 
@@ -311,7 +311,7 @@ def test_bad_arguments_never_raise(store_dir):
         assert backend.batch_set_v1(["../../etc/passwd", keys[1]], idx) == [False, False]
         assert backend.batch_exists(["not a/hash"]) == 0
         assert backend.batch_get_v1(keys, None) == [False, False]
-        assert backend.metrics.value("tier_errors", tier="sglang") >= 3
+        assert backend.session.metrics.value("tier_errors", tier="sglang") >= 3
     finally:
         backend.close()
 

@@ -46,7 +46,7 @@ def store_as_two_ranks(
                     memoryview(rows[i].numpy()),
                 )
             )
-    assert all(st is TierStatus.OK for st in backend.store.store(items))
+    assert all(st is TierStatus.OK for st in backend.session.store.store(items))
 
 
 def assert_found_and_restored(backend, pool, keys: list[str], want) -> None:  # type: ignore[no-untyped-def]

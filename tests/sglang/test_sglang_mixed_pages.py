@@ -157,7 +157,7 @@ def _check_mixed(backend, pool) -> None:
     failures = [f"thread {w.seed}: {f}" for w in workers for f in w.failures]
     assert not failures, "\n".join(failures[:20])
     assert sum(w.get_calls for w in workers) >= THREADS * ROUNDS // 2
-    assert backend.metrics.value("tier_errors", tier="sglang", status="exception") == 0
+    assert backend.session.metrics.value("tier_errors", tier="sglang", status="exception") == 0
     assert [_page(pool, sources, p) for p in range(n_sources)] == want  # the sources were only read
 
 
@@ -189,7 +189,7 @@ def test_mixed_page_counts_on_mooncake(memory, mooncake_cluster):
     backend = make_backend(pool, extra)
     try:
         assert backend.wait_ready(20)
-        assert [t.name for t in backend.store.tiers][-1] == "mooncake"
+        assert [t.name for t in backend.session.store.tiers][-1] == "mooncake"
         _check_mixed(backend, pool)
     finally:
         backend.close()

@@ -1,0 +1,85 @@
+"""Page batches an adapter loads as several objects per page: which head split a lookup
+found each page under, and one load of all of a batch's objects where a page counts as
+restored only when every object of it loaded.
+
+An engine's host page may be restored from more than one object: a pool's own member,
+or (canonical KV stored at another TP size, `kvpack.heads`) one object per stored head
+range. The adapter builds one `PagePart` per such object set; `load_pages` reads them
+all in one `prepare_load` / `complete_load` and calls each part's `finish` with its
+pages' verdicts, so a page half-restored is never reported as restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .adapter_events import AdapterEvent
+from .reads import LoadItem
+
+if TYPE_CHECKING:
+    from .session import Session
+
+Finish = Callable[[Sequence[bool], Sequence[memoryview | None]], None]
+"""What a part's buffers do once loaded: per page of the part, restored or not, and the
+stored payload lent in place of a copy (None where the item's buffer was filled)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PagePart:
+    """One object per page of `pages` (indices into the batch): `items[j]` restores page
+    ``pages[j]``; `finish` is called once with those pages' verdicts (`Finish`)."""
+
+    pages: list[int]
+    items: list[LoadItem]
+    finish: Finish
+
+
+def located_splits(session: Session, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
+    """Per chunk, the index into `members` of the first member the session's last lookup
+    found it under (`members[0]`: the engine's own; 0 also for chunks no lookup found).
+    One batched look per member, only for chunks not placed yet."""
+    out = [0] * len(chunks)
+    if not members:
+        return out
+    rest = [i for i, own in enumerate(session.were_located(tenant, chunks, members[0])) if not own]
+    for split, member in enumerate(members[1:], start=1):
+        if not rest:
+            break
+        found = session.were_located(tenant, [chunks[i] for i in rest], member)
+        for i, hit in zip(rest, found):
+            if hit:
+                out[i] = split
+        rest = [i for i, hit in zip(rest, found) if not hit]
+    return out
+
+
+def load_pages(
+    session: Session, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int
+) -> list[bool]:
+    """Load every part in one `Session.prepare_load` / `complete_load` (`complete_load_lent`
+    when `lent`: the memory tier's payloads are lent, not copied), each object from the tier
+    the lookup found it in; per page of the batch (`pages` of them), True when every object
+    of it loaded. Each part's `finish` runs after all reads, with its pages' verdicts.
+    `page_tokens` tokens per restored page are counted as ``loaded_tokens`` of `tenant`
+    (0: the caller counts them elsewhere, e.g. a second pool of the same pages)."""
+    items = [item for part in parts for item in part.items]
+    batch = session.prepare_load(items)
+    if lent:
+        results, views = session.complete_load_lent(batch)
+    else:
+        results, views = session.complete_load(batch), [None] * len(items)
+    ok = [True] * pages
+    at = 0
+    for part in parts:
+        for p, res in zip(part.pages, results[at : at + len(part.items)]):
+            ok[p] = res.ok and ok[p]
+        at += len(part.items)
+    at = 0
+    for part in parts:
+        part.finish([ok[p] for p in part.pages], views[at : at + len(part.items)])
+        at += len(part.items)
+    if page_tokens:
+        session.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
+    return ok
