@@ -256,29 +256,6 @@ class CanonicalGeometry:
             stream=stream,
         )
 
-    def emulate_cuda(
-        self,
-        block_ids: Sequence[int],
-        staging: torch.Tensor,
-        *,
-        gather: bool,
-        obj_heads: int,
-        obj_h0: int = 0,
-        cache_h0: int = 0,
-        n_heads: int | None = None,
-    ) -> int:
-        """Test aid: the CUDA kernel's word-by-word copy run on the CPU with the same
-        indexing (raises on a word address the GPU would fault on). Returns the word size."""
-        n = obj_heads - obj_h0 if n_heads is None else n_heads
-        fields = self._fields(obj_heads, obj_h0, cache_h0, n)
-        table = torch.tensor(self.bases, dtype=torch.int64)
-        index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
-        return int(
-            torch.ops.kvpack.emulate_cuda_canonical_copy(
-                list(self.tensors), table, index, staging, fields, self.ptr_alignment(), gather
-            )
-        )
-
     def copy_at_simd(
         self, block_ids: Sequence[int], staging: torch.Tensor, *, gather: bool, obj_heads: int, simd: CpuSimd
     ) -> CpuSimd:

@@ -12,6 +12,8 @@ and 1-byte words, gathering, scattering and for head sub-ranges.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -24,6 +26,30 @@ pytestmark = pytest.mark.skipif(
 
 L, NB, H, T, D = 2, 6, 4, 16, 64
 IDS = [5, 0, 3]
+
+
+def emulate_cuda(
+    geo: CanonicalGeometry,
+    block_ids: Sequence[int],
+    staging: torch.Tensor,
+    *,
+    gather: bool,
+    obj_heads: int,
+    obj_h0: int = 0,
+    cache_h0: int = 0,
+    n_heads: int | None = None,
+) -> int:
+    """canonical_copy.cu's word-by-word copy of `geo`'s cache run on the CPU with the same
+    indexing (raises on a word address the GPU would fault on). Returns the word size."""
+    n = obj_heads - obj_h0 if n_heads is None else n_heads
+    fields = geo._fields(obj_heads, obj_h0, cache_h0, n)
+    table = torch.tensor(geo.bases, dtype=torch.int64)
+    index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
+    return int(
+        torch.ops.kvpack.emulate_cuda_canonical_copy(
+            list(geo.tensors), table, index, staging, fields, geo.ptr_alignment(), gather
+        )
+    )
 
 
 def _values(dtype: torch.dtype) -> torch.Tensor:
@@ -75,13 +101,13 @@ def test_emulated_kernel_writes_the_references_bytes(kind: str, dtype: torch.dty
     want = torch.zeros(nbytes, dtype=torch.uint8)
     geo.copy(IDS, want, gather=True, obj_heads=H, use_kernel=False)
     buf = torch.full((nbytes + offset,), 0xAB, dtype=torch.uint8)
-    vec = geo.emulate_cuda(IDS, buf[offset:], gather=True, obj_heads=H)
+    vec = emulate_cuda(geo, IDS, buf[offset:], gather=True, obj_heads=H)
     assert torch.equal(buf[offset:], want)
     assert bool((buf[:offset] == 0xAB).all())
     if kind in ("nhd", "hnd"):  # GPU layouts: the widest word the object offset allows
         assert vec == min(16, offset & -offset if offset else 16)
     back = _blank_like(geo)
-    back.emulate_cuda(IDS, buf[offset:], gather=False, obj_heads=H)
+    emulate_cuda(back, IDS, buf[offset:], gather=False, obj_heads=H)
     ref = _blank_like(geo)
     ref.copy(IDS, want, gather=False, obj_heads=H, use_kernel=False)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(back.tensors, ref.tensors))
@@ -95,7 +121,7 @@ def test_emulated_kernel_copies_a_head_range(kind: str) -> None:
     want = torch.zeros(nbytes, dtype=torch.uint8)
     got = torch.zeros(nbytes, dtype=torch.uint8)
     geo.copy(IDS, want, gather=True, obj_heads=H, obj_h0=1, cache_h0=2, n_heads=2, use_kernel=False)
-    geo.emulate_cuda(IDS, got, gather=True, obj_heads=H, obj_h0=1, cache_h0=2, n_heads=2)
+    emulate_cuda(geo, IDS, got, gather=True, obj_heads=H, obj_h0=1, cache_h0=2, n_heads=2)
     assert torch.equal(got, want)
 
 
