@@ -12,11 +12,10 @@ and 1-byte words, gathering, scattering and for head sub-ranges.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
+from fixtures.cuda_emulation import emulate_cuda
 from kvpack.canonical.geometry import CanonicalGeometry, TilePacking, paged_geometry, vllm_cpu_geometry
 from kvpack.ops import PagedKV, load_extension
 
@@ -26,30 +25,6 @@ pytestmark = pytest.mark.skipif(
 
 L, NB, H, T, D = 2, 6, 4, 16, 64
 IDS = [5, 0, 3]
-
-
-def emulate_cuda(
-    geo: CanonicalGeometry,
-    block_ids: Sequence[int],
-    staging: torch.Tensor,
-    *,
-    gather: bool,
-    obj_heads: int,
-    obj_h0: int = 0,
-    cache_h0: int = 0,
-    n_heads: int | None = None,
-) -> int:
-    """canonical_copy.cu's word-by-word copy of `geo`'s cache run on the CPU with the same
-    indexing (raises on a word address the GPU would fault on). Returns the word size."""
-    n = obj_heads - obj_h0 if n_heads is None else n_heads
-    fields = geo._fields(obj_heads, obj_h0, cache_h0, n)
-    table = torch.tensor(geo.bases, dtype=torch.int64)
-    index = torch.tensor([int(b) for b in block_ids], dtype=torch.int64)
-    return int(
-        torch.ops.kvpack.emulate_cuda_canonical_copy(
-            list(geo.tensors), table, index, staging, fields, geo.ptr_alignment(), gather
-        )
-    )
 
 
 def _values(dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from fixtures.cuda_emulation import emulate_cuda
 from kvpack import LayoutError
 from kvpack.ops import KVLayoutKind, load_extension
 from kvpack.vllm_plugin.blocks import BlockLayout
@@ -382,7 +383,7 @@ def test_the_cuda_kernels_indexing_reads_every_order(request: pytest.FixtureRequ
     assert isinstance(blocks, CanonicalBlocks)
     want = _gather(engine.layout, IDS).view(-1)  # type: ignore[arg-type]
     got = torch.zeros_like(want)
-    word = blocks.geometry.emulate_cuda(IDS, got, gather=True, obj_heads=blocks.own.size)
+    word = emulate_cuda(blocks.geometry, IDS, got, gather=True, obj_heads=blocks.own.size)
     assert torch.equal(got, want)
     assert word == 16  # K and V bases, every stride: 16-byte words
 
@@ -442,7 +443,7 @@ def test_a_refused_cache_disables_the_worker_instead_of_failing_the_start(llama_
     try:
         worker.register_kv_caches(engine.caches, engine.num_blocks)
         assert worker.layout is None
-        assert worker.store.metrics.value("workers_disabled") == 1
+        assert worker.session.store.metrics.value("workers_disabled") == 1
         chunk = "c" * 64
         loads = [
             TransferJob("async", "default", (BlockRef(chunk, (1,), 16),)),
@@ -453,7 +454,7 @@ def test_a_refused_cache_disables_the_worker_instead_of_failing_the_start(llama_
         assert done == failed == {"async"}  # the synchronous load reports through its blocks only
         assert worker.take_load_errors() == {1, 2}
         worker.queue_saves(KVPackConnectorMetadata(saves=[TransferJob("w", "default", (BlockRef(chunk, (3,), 16),))]))
-        assert worker.store.metrics.value("saved_blocks") == 0
+        assert worker.session.store.metrics.value("saved_blocks") == 0
     finally:
         worker.close()
 
