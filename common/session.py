@@ -1,4 +1,4 @@
-"""Session: the one door an engine adapter uses into the core (issue 28).
+"""Session: the one door an engine adapter uses into the core.
 
 An adapter hands a session engine facts only: which tenant, which chunks (SGLang's
 page hashes, vLLM's chained block hashes), which member object it registered once

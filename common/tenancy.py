@@ -2,7 +2,7 @@
 
 An adapter hands `resolve_tenant` the engine facts of one request (`TenantSource`:
 its cache salt, the tenant it names and that name's signature, its LoRA adapter)
-and the operator's config; the core decides. The rules (issue 15, docs/ARCHITECTURE.md):
+and the operator's config; the core decides. The rules (docs/ARCHITECTURE.md):
 
 - A named tenant is a client's word, not the operator's: it is honoured only when
   the config trusts whoever set it (`KVPackConfig.trusted_tenants` lists the name,

@@ -1,6 +1,6 @@
 """The chat bench's markdown report: TTFT per round per set-up, tokens per source, answers, targets.
 
-Targets (issue 26): kvpack's mean TTFT from round 2 on <= 0.5x vLLM prefix
+Targets (benchmarks/RESULTS.md): kvpack's mean TTFT from round 2 on <= 0.5x vLLM prefix
 caching alone and <= LMCache's; the restarted kvpack's mean TTFT (every round)
 <= 0.3x no cache; answers equal the no-cache run's.
 """

@@ -1,4 +1,4 @@
-"""`kvpack bench pd`: prefill/decode through the store vs one instance, end to end (issue 17).
+"""`kvpack bench pd`: prefill/decode through the store vs one instance, end to end.
 
 What is measured: client-side time to first token (TTFT: the time from
 sending the request to the first streamed ``data:`` chunk) and total latency

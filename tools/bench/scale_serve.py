@@ -1,4 +1,4 @@
-"""A TP=2 vLLM server's start-up on a disk tier that holds N objects (issue 25: no start-up wait).
+"""A TP=2 vLLM server's start-up on a disk tier that holds N objects: start-up does not wait on it.
 
     python -m kvpack.tools.bench.scale_serve --n 100000 [--tp 2] [--dir DIR]
 

@@ -38,7 +38,7 @@ an earlier one; the client returns per-request TTFTs in request order).
 
 Servers are stopped by PID with SIGINT (then SIGKILL of their process group
 after a bound), never by name. Every request loop is bounded in count and
-time. Prints a table with ratios and the issue's targets next to the measured
+time. Prints a table with ratios and the serving targets next to the measured
 values; asserts nothing about speed.
 """
 
@@ -101,7 +101,7 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    # prefixes repeated about twice (the issue's burst; 16 // 6 = 2 prompts per prefix)
+    # prefixes repeated about twice (a burst; 16 // 6 = 2 prompts per prefix)
     "short": Workload(
         "short", num_prefixes=6, prefix_len=768, suffix_len=256, num_prompts=16, concurrency=2, output_len=32
     ),

@@ -1,5 +1,5 @@
 """`kvpack bench serve`'s rows and report: what one server lifetime measured, the
-issue's targets (issue 13) as ratios of the same run, and the markdown table.
+serving targets (benchmarks/RESULTS.md) as ratios of the same run, and the markdown table.
 
 A row's reuse is vLLM's own count of prompt tokens by source over the run
 (``vllm:prompt_tokens_by_source``), against the tokens a cache could have reused
@@ -69,7 +69,7 @@ class Target:
 
 
 def targets(rows: list[Row]) -> list[Target]:
-    """The issue's targets (issue 13), as ratios in this run."""
+    """The serving targets (benchmarks/RESULTS.md), as ratios in this run."""
     by = {r.name: r for r in rows}
     out: list[Target] = []
 

@@ -358,7 +358,7 @@ def security_probes(soak: Soak) -> str:
 
 
 def _planted_entries(soak: Soak, fp: str, prompt: tuple[int, ...], n: int) -> str:
-    """Issue 15: a FIFO at an object path and a tenant folder symlinked out of the store.
+    """Hostile store entries: a FIFO at an object path and a tenant folder symlinked out of the store.
 
     The requests must complete (a FIFO never blocks a lookup or load) and nothing
     may be written where the symlink points (kvpack never follows it)."""
