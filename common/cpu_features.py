@@ -103,9 +103,3 @@ def _request() -> AmxPermission:
         return AmxPermission.GRANTED
     log.debug("kvpack: arch_prctl(ARCH_REQ_XCOMP_PERM) failed: errno %d", ctypes.get_errno())
     return AmxPermission.REFUSED
-
-
-def amx_permitted() -> bool:
-    """Whether this process may execute AMX tile instructions now (asks nothing)."""
-    syscall = _syscall() if host_has_amx() else None
-    return syscall is not None and _tile_data_permitted(syscall)

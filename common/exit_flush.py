@@ -115,8 +115,3 @@ def flush_on_exit(store: Flushable, timeout_s: float) -> None:
 def forget(store: Flushable) -> None:
     """`store` was closed (and flushed) already: nothing to do at exit."""
     _REGISTRY.unregister(store)
-
-
-def flush_all_now(reason: str) -> bool:
-    """Run the exit flush now (what exit would run); True when every store drained."""
-    return _REGISTRY.flush_all(reason)
