@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvpack import Session
+
 log = logging.getLogger("kvpack.vllm")
 
 _LIVE: weakref.WeakSet[KVPackConnector] = weakref.WeakSet()
@@ -105,11 +107,11 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         _LIVE.add(self)
 
     @property
-    def store(self):
-        """This process's `KVStore` (scheduler view or worker store)."""
+    def session(self) -> Session:
+        """This process's `kvpack.Session` (the scheduler's lookup view, or the worker's)."""
         side = self.scheduler or self.worker
         assert side is not None
-        return side.session.store
+        return side.session
 
     @property
     def requires_kv_delivery(self) -> bool:

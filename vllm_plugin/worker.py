@@ -8,7 +8,9 @@ into the blocks; a synchronous load (`TransferJob.sync`) runs before this step's
 computed into capture `SaveJob`s (see `captures`), gathered before vLLM can free the
 blocks. `get_finished` reports completed jobs; failed blocks go out through
 `take_load_errors` so vLLM recomputes them. What this worker copies is fixed at
-registration (`registration.WorkerLayout`).
+registration (`registration.WorkerLayout`); a load's staging rows and scatter are
+`loads.BlockLoads`. A cache registration refuses disables the runner
+(`TransferRunner.disable`): every load fails, so vLLM recomputes it, nothing is saved.
 
 Draft KV (speculative decoding): PACKED objects hold the draft layers after
 the target's; SIDECAR stores them as the ``draft`` member of the same group.
@@ -23,40 +25,21 @@ however often the drafter's layers call `save_kv_layer`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack import (
-    ChunkFacts,
-    DraftPlacement,
-    HeadRange,
-    KVPackConfig,
-    KVStore,
-    LayoutError,
-    LoadChunk,
-    LoadJob,
-    MemberObject,
-    ObjectIO,
-    PlannedLoad,
-    SaveJob,
-    Session,
-    TransferRunner,
-    start_engine_process,
-)
-from kvpack.ops import Lane, Staging
+from kvpack import KVPackConfig, LayoutError, LoadChunk, LoadJob, SaveJob, Session, TransferRunner, start_engine_process
+from kvpack.ops import Staging
 
-from .canonical_blocks import CanonicalBlocks
-from .metadata import NO_BLOCK, BlockRef, KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
-from .registration import MemberLayout, RankPosition, WorkerLayout, register_layout
+from .loads import BlockLoads, refused_plan, tokens_used
+from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
+from .registration import RankPosition, WorkerLayout, register_layout
 from .saves import gather_members, save_bytes
 from .settings import Scope
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from vllm.config import VllmConfig
 
 log = logging.getLogger("kvpack.vllm")
@@ -84,8 +67,10 @@ def keep_draft_on_load() -> bool:
 
 
 class WorkerSide:
+    """One vLLM worker's connector side (see the module docstring)."""
+
     def __init__(
-        self, vllm_config: VllmConfig, config: KVPackConfig, scope: Scope, store: KVStore | None = None
+        self, vllm_config: VllmConfig, config: KVPackConfig, scope: Scope, session: Session | None = None
     ) -> None:
         self.config = config
         self.scope = scope
@@ -93,12 +78,9 @@ class WorkerSide:
         self.position = RankPosition.of_this_process(vllm_config)
         # the session builds every key, header and expectation; its store copies into the
         # memory tier with kvpack's native region copy once the kernels are loaded
-        self.session = (
-            Session(store, scope.fingerprint) if store is not None else Session.start(config, scope.fingerprint)
-        )
-        self.store = self.session.store
+        self.session = session if session is not None else Session.start(config, scope.fingerprint)
         self.layout: WorkerLayout | None = None
-        """What this worker copies; fixed by `register_kv_caches` (None before)."""
+        """What this worker copies; fixed by `register_kv_caches` (None before, or refused)."""
         self.runner = TransferRunner(self.session, config)
 
     @property
@@ -126,8 +108,7 @@ class WorkerSide:
             self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
         except LayoutError as exc:
             self.layout = None
-            self.store.metrics.inc("workers_disabled")
-            log.error("kvpack: disabled on this worker (every load recomputes, nothing is saved): %s", exc)
+            self.runner.disable(str(exc))
 
     # -- per step ---------------------------------------------------------------
 
@@ -135,14 +116,7 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
-        if self.layout is None:  # registration refused the cache: each load fails, so vLLM recomputes it
-            for job in meta.loads:
-                if job.sync:
-                    self.runner.load_now(_refused_load(job))
-                else:
-                    self.runner.submit_load(_refused_load(job))
-            return
-        for job in meta.loads:
+        for job in meta.loads:  # a disabled runner (refused cache) fails each load: vLLM recomputes it
             if job.sync:
                 self.runner.load_now(self._load_job(job))
             else:
@@ -217,129 +191,16 @@ class WorkerSide:
         worker's memory stays pinned while the load waits for earlier saves; an object gone
         from its tier since is counted as ``evicted_before_load``)."""
         layout = self.layout
-        assert layout is not None  # loads are handed over only after registration
         restore_draft = keep_draft_on_load()
-        has_draft = layout.draft is not None
+        has_draft = layout is not None and layout.draft is not None
         chunks = tuple(
-            LoadChunk(frozenset(ref.blocks), _tokens_used(ref), restore_draft and ref.with_draft if has_draft else None)
+            LoadChunk(frozenset(ref.blocks), tokens_used(ref), restore_draft and ref.with_draft if has_draft else None)
             for ref in job.blocks
         )
+        if layout is None:  # registration refused the cache: the disabled runner fails it
+            return LoadJob(job.req_id, job.tenant, chunks, 0, refused_plan)
         # bytes of this rank's own objects (NO_BLOCK < 0; a head range of another TP size reads about as much)
         nbytes = sum(m.layout.slot_bytes for m in layout.members for r in job.blocks if r.block_ids[m.group] >= 0)
         hints = tuple((ref.chunk, member, tier) for ref in job.blocks for member, tier in ref.tiers)
-        plan = partial(self._plan_load, job, restore_draft)
+        plan = partial(BlockLoads(layout, self.scope).plan, job, restore_draft)
         return LoadJob(job.req_id, job.tenant, chunks, nbytes, plan, hints, job.handoff_wait_s)
-
-    def _plan_load(self, job: TransferJob, restore_draft: bool, staging: Staging) -> PlannedLoad:
-        """On the load thread: staging rows for every object `job` reads, and its scatter."""
-        layout = self.layout
-        assert layout is not None
-        plans: list[_MemberLoad] = []
-        reads: list[ObjectIO] = []
-        chunk_of: list[int] = []
-        facts = [ChunkFacts(b.chunk, b.token_count, b.token_ids) for b in job.blocks]
-        try:
-            for slot in layout.members:
-                wanted = [
-                    i
-                    for i, ref in enumerate(job.blocks)
-                    if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or (restore_draft and ref.with_draft))
-                ]
-                for source in sorted({job.blocks[i].source for i in wanted}):  # a request may mix head splits
-                    of_split = [i for i in wanted if job.blocks[i].source == source]
-                    for part in self._member_loads(staging, slot, of_split, source):
-                        plans.append(part)
-                        rows, obj = part.staging.numpy(), MemberObject(part.member, part.fingerprint)
-                        reads += [ObjectIO(facts[i], obj, memoryview(rows[j])) for j, i in enumerate(of_split)]
-                        chunk_of += of_split
-        except BaseException:
-            staging.give_back([p.staging for p in plans])
-            raise
-        scatter = partial(self._scatter, staging, job, plans, restore_draft)
-        return PlannedLoad(reads, chunk_of, [p.staging for p in plans], scatter)
-
-    def _member_loads(self, staging: Staging, slot: MemberLayout, wanted: list[int], source: int) -> list[_MemberLoad]:
-        """The objects to read for `slot`'s chunks `wanted`: its own member, or (canonical
-        objects stored at another TP size: `BlockRef.source`) every stored head range
-        that overlaps this rank's heads, each with the part of it this rank keeps."""
-        blocks = slot.layout
-        if source == 0 or not slot.sources:
-            rows = staging.rows(len(wanted), blocks.slot_bytes)
-            return [_MemberLoad(slot, wanted, rows, slot.member, slot.fingerprint)]
-        assert isinstance(blocks, CanonicalBlocks)
-        out = []
-        for obj in slot.sources[source]:
-            rows = staging.rows(len(wanted), blocks.object_bytes(obj.heads))
-            out.append(_MemberLoad(slot, wanted, rows, obj.member, obj.fingerprint, (obj.heads, obj.part)))
-        return out
-
-    def _scatter(
-        self,
-        staging: Staging,
-        job: TransferJob,
-        plans: list[_MemberLoad],
-        restore_draft: bool,
-        good: Sequence[bool],
-        lane: Lane,
-    ) -> None:
-        """Loaded rows -> blocks, member by member, launched on the load `lane` (the runner
-        calls it under its lock, never after a cancel, and waits for the lane's event)."""
-        layout = self.layout
-        assert layout is not None
-        packed_target_only = (
-            self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
-        )
-        for plan in plans:
-            slot, wanted, rows = plan.slot, plan.wanted, plan.staging
-            sel = [j for j, i in enumerate(wanted) if good[i]]
-            if not sel:
-                continue
-            ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
-            rows = staging.copy_rows(rows[sel], lane) if len(sel) < len(wanted) else rows
-            if plan.heads is not None:
-                assert isinstance(slot.layout, CanonicalBlocks)
-                slot.layout.scatter_from(ids, rows, *plan.heads, lane=lane)
-            elif packed_target_only and slot.group == 0 and not slot.draft:
-                layout.target.scatter(ids, staging.copy_rows(rows[:, : layout.target.slot_bytes], lane), lane)
-            else:
-                slot.layout.scatter(ids, rows, lane)
-        if layout.draft_member is None or layout.draft is None:
-            return
-        # target_only: chunks loaded without their draft member get empty draft state
-        empty = [
-            ref.block_ids[0]
-            for ref, ok in zip(job.blocks, good)
-            if ok and not ref.with_draft and ref.block_ids[0] != NO_BLOCK
-        ]
-        if empty:
-            layout.draft.scatter(empty, staging.zeros(len(empty), layout.draft.slot_bytes, lane), lane)
-
-
-@dataclass(frozen=True, eq=False)
-class _MemberLoad:
-    """One object per chunk `wanted` of a load, read into `staging` rows: `member` (with
-    `fingerprint`) restores `slot`; `heads` (stored range, the part this rank keeps) when
-    the object is a canonical head range other than this rank's own."""
-
-    slot: MemberLayout
-    wanted: list[int]
-    staging: torch.Tensor
-    member: str
-    fingerprint: str
-    heads: tuple[HeadRange, HeadRange] | None = None
-
-
-def _refused_load(job: TransferJob) -> LoadJob:
-    """`job` as the load of a worker whose cache registration was refused: it fails (a recompute)."""
-    chunks = tuple(LoadChunk(frozenset(r.blocks), _tokens_used(r), None) for r in job.blocks)
-    return LoadJob(job.req_id, job.tenant, chunks, 0, _refused)
-
-
-def _refused(staging: Staging) -> PlannedLoad:
-    """The load plan of a worker whose cache registration was refused: none."""
-    raise LayoutError("kvpack: this worker's KV cache was refused at registration")
-
-
-def _tokens_used(ref: BlockRef) -> int:
-    """Tokens a loaded block contributes: a whole block, or a tail's matched prefix."""
-    return ref.token_count if ref.token_ids is None else len(ref.token_ids)

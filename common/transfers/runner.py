@@ -83,6 +83,7 @@ class TransferRunner:
         self._evicted: list[str] = []
         self._interval = MetricsInterval(self._metrics)
         self._idle_step = False
+        self._disabled = False
         self._step_loads: list[LoadTask] = []
         self._saves_cv = threading.Condition()
         self._saves_queued = 0
@@ -109,6 +110,18 @@ class TransferRunner:
         engine's compute stream (the model runner's, at registration)."""
         self.staging = Staging.for_tensor(tensor)
 
+    def disable(self, reason: str) -> None:
+        """The engine's cache cannot be copied (refused at registration): from now on every load
+        fails, so the engine recomputes it, and no save is taken. Counted as
+        ``workers_disabled`` and logged with `reason`, once per call."""
+        self._disabled = True
+        self._metrics.inc("workers_disabled")
+        log.error("kvpack: disabled on this worker (every load recomputes, nothing is saved): %s", reason)
+
+    @property
+    def disabled(self) -> bool:
+        return self._disabled
+
     # -- loads --------------------------------------------------------------------
 
     def begin_step(self, has_forward: bool) -> None:
@@ -121,7 +134,7 @@ class TransferRunner:
         task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
         with self._lock:
             self._loads[job.job_id] = task
-        if not self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
+        if self._disabled or not self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
             task.failed_blocks = job.blocks
             task.done.set()
             return
@@ -133,7 +146,7 @@ class TransferRunner:
         `SYNC_SAVE_WAIT_S`); blocks that did not load go to `take_failed_blocks` and nothing
         is reported in `finished`."""
         task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
-        if self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
+        if not self._disabled and self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
             try:
                 self._run_load(task, save_wait_s=SYNC_SAVE_WAIT_S)
             except Exception as exc:  # a failed load is a recompute, never an engine error
@@ -318,7 +331,10 @@ class TransferRunner:
 
     def submit_save(self, job: SaveJob) -> bool:
         """Queue `job` (a capture is gathered here first); False when it was turned away or
-        its gather failed (counted: a future miss). Never waits for storage."""
+        its gather failed (counted: a future miss), or the runner is disabled. Never waits
+        for storage."""
+        if self._disabled:
+            return False
         if not self._admit(self._save_bytes, "save", "max_queued_save_bytes", job.nbytes):
             self._save_ended(job)
             return False

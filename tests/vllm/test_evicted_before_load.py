@@ -64,7 +64,7 @@ def test_worker_counts_an_object_gone_from_the_tier_the_lookup_named(tmp_path: P
         worker.queue_saves(KVPackConnectorMetadata(saves=[saved]))
         assert worker.flush_before_exit(10, "test")  # in memory and on disk
         want = cache[3].clone()
-        memory = worker.store.tiers[0]
+        memory = worker.session.store.tiers[0]
         assert memory.name == "memory"
         assert memory.remove_groups([GroupKey("default", worker.scope.fingerprint, CHUNK)]) == 1
         cache[5].zero_()
@@ -72,8 +72,8 @@ def test_worker_counts_an_object_gone_from_the_tier_the_lookup_named(tmp_path: P
         worker.start_step(KVPackConnectorMetadata(loads=[load]), has_forward=True)
         assert finished_load(worker, "r") == set()
         assert torch.equal(cache[5], want)  # read from disk instead
-        assert worker.store.metrics.value("evicted_before_load", tier="memory") == 1
-        assert worker.store.metrics.value("load_failures") == 0
+        assert worker.session.store.metrics.value("evicted_before_load", tier="memory") == 1
+        assert worker.session.store.metrics.value("load_failures") == 0
     finally:
         worker.close()
 
@@ -105,7 +105,7 @@ def test_engine_output_is_unchanged_when_memory_lost_a_hit_before_the_load(
         worker = _worker_store()
         assert worker.flush_before_exit(10, "test")
         chunks = chunk_hashes(P, BLOCK)
-        removed = worker.store.tiers[0].remove_groups(
+        removed = worker.session.store.tiers[0].remove_groups(
             [GroupKey("default", worker.scope.fingerprint, c) for c in chunks]
         )
         assert removed == len(chunks)  # the two whole blocks' kv objects

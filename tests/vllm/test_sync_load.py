@@ -71,7 +71,7 @@ def test_a_sync_load_is_restored_when_start_load_kv_returns(tmp_path: Path) -> N
         _, recving, failed = worker.get_finished()
         assert "r" not in recving and not failed
         assert worker.take_load_errors() == set()
-        assert worker.store.metrics.value("sync_loads", tenant="default") == 1
+        assert worker.session.store.metrics.value("sync_loads", tenant="default") == 1
     finally:
         worker.close()
 

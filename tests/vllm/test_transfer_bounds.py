@@ -37,7 +37,7 @@ def test_saves_and_loads_past_their_byte_bounds_are_turned_away_and_counted() ->
     worker = bare_worker(config, BS)
     cache = torch.randn((2 * BLOCKS + 2, 2, BS, 2 * 32))
     worker.register_kv_caches({"model.layers.0.attn": cache}, 2 * BLOCKS + 2)
-    metrics = worker.store.metrics
+    metrics = worker.session.store.metrics
     chunks = [f"{i:064x}" for i in range(BLOCKS)]
     try:
         dev = RecordingDevice()

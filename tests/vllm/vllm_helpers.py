@@ -144,6 +144,7 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
     registration: tests drive its load and save paths directly)."""
     from types import SimpleNamespace
 
+    from kvpack import Session
     from kvpack.groups import Coverage
     from kvpack.layout_spec import KVLayoutSpec
     from kvpack.vllm_plugin.settings import CacheGroup, Scope
@@ -164,7 +165,8 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
         compilation_config=SimpleNamespace(static_forward_context={}),
         cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
     )
-    return WorkerSide(vllm_config, config, scope, store=store)  # type: ignore[arg-type]
+    session = Session(store, scope.fingerprint) if store is not None else None
+    return WorkerSide(vllm_config, config, scope, session=session)  # type: ignore[arg-type]
 
 
 def same_output(a: Run, b: Run, tol: float = LOGPROB_TOL) -> bool:
@@ -180,7 +182,7 @@ def metrics(role: str = "WORKER") -> dict[str, float]:
     for conn in live_connectors():
         if conn.role.name != role:
             continue
-        for name, series in conn.store.metrics.snapshot().items():
+        for name, series in conn.session.metrics_snapshot().items():
             for labels, value in series.items():
                 key = f"{name}{{{labels}}}"
                 out[key] = out.get(key, 0.0) + value
