@@ -23,6 +23,7 @@ from typing import NewType
 
 import numpy as np
 
+from .client_input import clip
 from .slots import build_many
 
 ChunkHash = NewType("ChunkHash", str)
@@ -59,7 +60,7 @@ def validate_member(member: str) -> str:
 
 def validate_chunk_hash(chunk: str) -> str:
     if not isinstance(chunk, str) or not _CHUNK_RE.fullmatch(chunk):
-        raise ValueError(f"invalid chunk hash {chunk!r}: expected 1-128 characters of [A-Za-z0-9_-]")
+        raise ValueError(f"invalid chunk hash {clip(chunk)}: expected 1-128 characters of [A-Za-z0-9_-]")
     return chunk
 
 

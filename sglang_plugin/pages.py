@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvpack import AdapterRefusal, MemberObject, PagePart, Payload, Session
+from kvpack import AdapterRefusal, MemberObject, PagePart, Payload, Session, clip
 
 from .pools import PoolBinding
 from .registry import PoolRegistry
@@ -34,14 +34,24 @@ class PageCopies:
         self.session = session
         self.tenant = tenant
         self.pools = pools
+        self._logged: set[AdapterRefusal] = set()
+        """Refusal reasons already logged: each is logged once, then only counted (bounded by the enum)."""
+
+    def _first(self, why: AdapterRefusal) -> bool:
+        """Count a refusal; whether it is the first of its reason here (the one to log)."""
+        self.session.refused(ENGINE, why)
+        if why in self._logged:
+            return False
+        self._logged.add(why)
+        return True
 
     def valid(self, keys: Sequence[str]) -> bool:
         """Whether every page key is a valid chunk hash (a refusal is counted and logged)."""
         try:
             self.session.check_chunks(keys)
         except (ValueError, TypeError) as exc:
-            self.session.refused(ENGINE, AdapterRefusal.BAD_KEY)
-            log.warning("kvpack: SGLang page key refused: %s", exc)
+            if self._first(AdapterRefusal.BAD_KEY):  # the key is quoted cut (`keys.validate_chunk_hash`)
+                log.warning("kvpack: SGLang page key refused: %s; later ones are only counted", exc)
             return False
         return True
 
@@ -49,8 +59,8 @@ class PageCopies:
         """Whether the pool is bound and every page key valid (a refusal is counted and logged)."""
         if binding is None:
             why = self.pools.errors.get(name, "not registered")
-            self.session.refused(ENGINE, AdapterRefusal.UNKNOWN_POOL)
-            log.warning("kvpack: %s on pool %s refused: %s", op, name, why)
+            if self._first(AdapterRefusal.UNKNOWN_POOL):
+                log.warning("kvpack: %s on pool %s refused: %s; later ones are only counted", op, clip(name), clip(why))
             return False
         return self.valid(keys)
 
