@@ -76,6 +76,12 @@ def _chat() -> Tool:
     return chat_bench.main
 
 
+def _hostile() -> Tool:
+    from .bench import hostile_bench
+
+    return hostile_bench.main
+
+
 def _demo() -> Tool:
     from . import demo
 
@@ -105,6 +111,7 @@ BENCHES: dict[str, Callable[[], Tool]] = {
     "pd": _pd,
     "scale": _scale,
     "chat": _chat,
+    "hostile": _hostile,
 }
 """`kvpack bench NAME`: each benchmark's ``main``, imported when it runs."""
 
