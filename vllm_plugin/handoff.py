@@ -22,11 +22,11 @@ recomputed (counted), never waited on longer.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpack import clip
+from kvpack import HandoffClaim, clip
 
 HANDOFF_KEY = "kvpack"
 """Key of kvpack's handoff inside ``kv_transfer_params``."""
@@ -135,3 +135,29 @@ class Handoff:
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     """True for a prefill request of a disaggregated pair (vLLM's ``do_remote_decode``)."""
     return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
+
+
+def handoff_claim(
+    params: Mapping[str, Any] | None, fingerprint: str, tenant: str, split_sizes: Sequence[int]
+) -> HandoffClaim | None:
+    """The prefill instance's handoff in a request's ``kv_transfer_params``, as the core's
+    `HandoffClaim` (None: the request carries none). Checked against this engine's layout
+    `fingerprint` and the request's `tenant`; its head split is the index into `split_sizes`
+    (canonical objects: each head split's number of ranges, the engine's own first; empty
+    otherwise) of the ranges the prefill instance wrote (0: this engine's own). Raises
+    HandoffError, with its refusal reason, for a handoff this engine must refuse."""
+    handoff = Handoff.from_params(params)
+    if handoff is None:
+        return None
+    handoff.check(fingerprint, tenant)
+    source = 0
+    if handoff.head_ranges and split_sizes:
+        found = next((i for i, size in enumerate(split_sizes) if size == handoff.head_ranges), None)
+        if found is None:
+            raise HandoffError(
+                HandoffRefusal.OTHER_HEAD_SPLIT,
+                f"the prefill instance stores each chunk as {clip(handoff.head_ranges)} KV-head ranges; "
+                f"this model's heads split into {sorted(split_sizes)} ranges only",
+            )
+        source = found
+    return HandoffClaim(tokens=handoff.tokens, tail_chunk=handoff.tail_chunk, source=source)

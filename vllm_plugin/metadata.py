@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpack import ReportedObject
+from kvpack import HitPlan, ReportedObject
 
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
@@ -109,3 +109,30 @@ class KVPackWorkerMetadata(KVConnectorWorkerMetadata):
                 self.stored + other.stored, self.evicted + other.evicted, self.failed_loads + other.failed_loads
             )
         return self
+
+
+def hit_refs(
+    plan: HitPlan, block_ids: Sequence[Sequence[int]], external_tokens: int, block_size: int, state_groups: set[int]
+) -> tuple[BlockRef, ...]:
+    """The blocks vLLM allocated for the last `external_tokens` of `plan`'s hit, one `BlockRef`
+    per chunk (its tiers and head split from the plan; the plan's tail as the last one).
+    Per group (`block_ids`), every allocated block, except that Mamba state (`state_groups`)
+    goes into the boundary block only."""
+    first = (plan.matched - external_tokens) // block_size
+    last = -(-plan.matched // block_size)  # ceil
+    refs: list[BlockRef] = []
+    for i in range(first, last):
+        boundary = i == last - 1
+        ids = tuple(
+            NO_BLOCK if g in state_groups and not boundary else block_at(group, i) for g, group in enumerate(block_ids)
+        )
+        if i < plan.hit_chunks:
+            tiers = plan.tiers[i] if i < len(plan.tiers) else ()
+            source = plan.sources[i] if i < len(plan.sources) else 0
+            with_draft = i < plan.full_chunks
+            refs.append(BlockRef(plan.hashes[i], ids, block_size, with_draft=with_draft, tiers=tiers, source=source))
+        else:
+            assert plan.tail is not None and i == plan.hit_chunks
+            t = plan.tail
+            refs.append(BlockRef(t.chunk, ids, t.stored_tokens, t.token_ids, t.with_draft, source=t.source))
+    return tuple(refs)

@@ -72,7 +72,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
@@ -95,18 +94,17 @@ from kvpack import (
 )
 
 from .captures import CaptureTracker
-from .handoff import Handoff, HandoffError, HandoffRefusal, wants_remote_decode
+from .handoff import Handoff, HandoffError, handoff_claim, wants_remote_decode
 from .metadata import (
     NO_BLOCK,
-    NULL_BLOCK,
-    BlockRef,
     KVPackConnectorMetadata,
     KVPackWorkerMetadata,
     StoredObject,
     TransferJob,
-    block_at,
+    hit_refs,
 )
 from .settings import BadTenant, Scope, cacheable, request_scope
+from .state_tails import PartialTail, partial_tails, state_tail_ref
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -115,16 +113,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("kvpack.vllm")
-
-
-@dataclass(frozen=True)
-class PartialTail:
-    """A Mamba state vLLM handed over at request finish (`register_finished_partial_tail`)."""
-
-    group: int
-    block_id: int
-    boundary: int
-    """Tokens the state covers."""
 
 
 class SchedulerSide:
@@ -222,36 +210,15 @@ class SchedulerSide:
         )
 
     def _handoff_of(self, request: Request, rs: RequestScope) -> HandoffClaim | None:
-        """The prefill instance's handoff in `request`'s params, if it is one for this engine's
-        layout and the request's tenant, with the head split it wrote (`_handoff_split`); a
+        """The prefill instance's handoff in `request`'s params (`handoff.handoff_claim`); a
         mismatch is refused here, counted by reason and logged once per reason (the request
         is then served as any other)."""
+        params = getattr(request, "kv_transfer_params", None)
         try:
-            handoff = Handoff.from_params(getattr(request, "kv_transfer_params", None))
-            if handoff is None:
-                return None
-            handoff.check(self.scope.fingerprint, rs.tenant)
-            return HandoffClaim(
-                tokens=handoff.tokens, tail_chunk=handoff.tail_chunk, source=self._handoff_split(handoff)
-            )
+            return handoff_claim(params, self.scope.fingerprint, rs.tenant, [len(s) for s in self._splits])
         except HandoffError as exc:
             self._handoff_refusals.refuse(exc.reason, str(exc), request.request_id)
             return None
-
-    def _handoff_split(self, handoff: Handoff) -> int:
-        """Canonical objects: the head split (index into `_splits`) the prefill instance
-        wrote (`Handoff.head_ranges`; 0: this engine's own). HandoffError for a split this
-        model has not."""
-        if not handoff.head_ranges or not self._splits:
-            return 0
-        index = next((i for i, split in enumerate(self._splits) if len(split) == handoff.head_ranges), None)
-        if index is None:
-            raise HandoffError(
-                HandoffRefusal.OTHER_HEAD_SPLIT,
-                f"the prefill instance stores each chunk as {clip(handoff.head_ranges)} KV-head ranges; "
-                f"this model's heads split into {sorted(len(split) for split in self._splits)} ranges only",
-            )
-        return index
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
@@ -304,42 +271,19 @@ class SchedulerSide:
         plan = self._plans.get(request.request_id)
         if plan is None or plan.scope is None:
             return
-        bs = self.scope.block_size
         block_ids = blocks.get_block_ids()
-        first = (plan.matched - num_external_tokens) // bs
-        last = -(-plan.matched // bs)  # ceil
-        refs: list[BlockRef] = []
-        for i in range(first, last):
-            ids = self._load_blocks(block_ids, i, boundary=i == last - 1)
-            if i < plan.hit_chunks:
-                tiers = plan.tiers[i] if i < len(plan.tiers) else ()
-                source = plan.sources[i] if i < len(plan.sources) else 0
-                refs.append(
-                    BlockRef(plan.hashes[i], ids, bs, with_draft=i < plan.full_chunks, tiers=tiers, source=source)
-                )
-            else:
-                assert plan.tail is not None and i == plan.hit_chunks
-                t = plan.tail
-                refs.append(BlockRef(t.chunk, ids, t.stored_tokens, t.token_ids, t.with_draft, source=t.source))
+        refs = hit_refs(plan, block_ids, num_external_tokens, self.scope.block_size, self._state_groups)
         wait_s = self.config.handoff_wait_ms / 1000.0 if plan.handoff else 0.0
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
         self._pending_loads[request.request_id] = TransferJob(
-            request.request_id, plan.scope.tenant, tuple(refs), handoff_wait_s=wait_s, sync=sync
+            request.request_id, plan.scope.tenant, refs, handoff_wait_s=wait_s, sync=sync
         )
         self._load_issued.add(request.request_id)
         if sync:
             self.session.record(AdapterEvent.SYNC_LOAD_REQUESTED)
         self.session.record(AdapterEvent.EXTERNAL_HIT_TOKENS, num_external_tokens, tenant=plan.scope.tenant)
         self.session.record(AdapterEvent.LOAD_REQUESTED)
-
-    def _load_blocks(self, block_ids: Sequence[Sequence[int]], chunk: int, boundary: bool) -> tuple[int, ...]:
-        """Per group, the block to restore chunk `chunk` into (NO_BLOCK: nothing to restore):
-        every allocated block, except that Mamba state goes into the boundary block only."""
-        return tuple(
-            NO_BLOCK if g in self._state_groups and not boundary else block_at(ids, chunk)
-            for g, ids in enumerate(block_ids)
-        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
         self._budget.renew()  # once per scheduler step
@@ -386,12 +330,8 @@ class SchedulerSide:
             return False
         if self._scope_of(request) is None:
             return False
-        tails = []
-        for group, block, boundary in offloads:
-            if 0 <= group < len(self.scope.groups) and self.scope.groups[group].coverage is Coverage.BOUNDARY:
-                if 0 < boundary <= len(request.all_token_ids) and block != NULL_BLOCK:
-                    tails.append(PartialTail(int(group), int(block), int(boundary)))
-        if not tails or len({t.boundary for t in tails}) != 1:
+        tails = partial_tails(self.scope, len(request.all_token_ids), offloads)
+        if not tails:
             return False  # nothing kvpack stores, or states of different lengths: not one tail
         self._partial_tails[request.request_id] = tails
         return True
@@ -453,7 +393,8 @@ class SchedulerSide:
             return False, None
         tokens = list(request.all_token_ids[:n])
         hashes = chunk_hashes(tokens, self.scope.block_size, parent=rs.seed)
-        tail = self._state_tail_ref(rs, tokens, hashes, [list(ids) for ids in block_ids], partial_tails)
+        groups = [list(ids) for ids in block_ids]
+        tail = state_tail_ref(self.scope, rs, tokens, hashes, groups, partial_tails, self._place_tail)
         if tail is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
@@ -463,30 +404,6 @@ class SchedulerSide:
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:
         """Where the tail `tail_ids` after `parent` goes, and whether it is stored already."""
         return self.session.place_tail(rs.tenant, parent, self.scope.all_members, tail_ids, self._budget)
-
-    def _state_tail_ref(
-        self,
-        rs: RequestScope,
-        tokens: list[int],
-        hashes: list[ChunkHash],
-        groups: list[list[int]],
-        partial_tails: list[PartialTail],
-    ) -> BlockRef | None:
-        """The Mamba state vLLM handed over, as the member of a boundary chunk or of a tail
-        (with the attention groups' blocks of that tail); the tail ends where the state does."""
-        bs = self.scope.block_size
-        c, t = divmod(partial_tails[0].boundary, bs)
-        states = {pt.group: pt.block_id for pt in partial_tails}
-        if t == 0:  # a state at a block boundary is that chunk's member (its other members were captured)
-            if c == 0 or c > len(hashes):
-                return None
-            return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
-        ids = tuple(
-            states.get(g, NO_BLOCK if g in self._state_groups else block_at(b, c)) for g, b in enumerate(groups)
-        )
-        tail_ids = tuple(int(x) for x in tokens[c * bs : c * bs + t])
-        chunk, _ = self._place_tail(rs, hashes[c - 1] if c else rs.seed, tail_ids)
-        return BlockRef(chunk, ids, t, tail_ids)
 
     # -- worker reports ---------------------------------------------------------
 
