@@ -257,8 +257,8 @@ def _warn_if_killed_before_flush(vllm_config: VllmConfig, flush_s: float) -> Non
 
 SYNC_LOAD_MAX_BYTES = 64 << 20
 """The largest hit (one worker's bytes) loaded inside the engine step that computes the rest
-of its prompt: about 6 ms of memcpy, which the forward waits for; larger hits load in the
-background and cost the request one more step instead of stalling every other request."""
+of its prompt: the forward waits for a host copy of at most this many bytes; larger hits load
+in the background and cost the request one more step instead of stalling every other request."""
 
 
 def _sync_load_max_blocks(kv_cache_config: KVCacheConfig | None) -> int:
