@@ -70,12 +70,10 @@ worst a tail is written again).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
-    MAX_DETAIL_CHARS,
     AdapterEvent,
     ChunkHash,
     Coverage,
@@ -90,7 +88,6 @@ from kvpack import (
     Session,
     WaitBudget,
     chunk_hashes,
-    clip,
 )
 
 from .captures import CaptureTracker
@@ -103,7 +100,8 @@ from .metadata import (
     TransferJob,
     hit_refs,
 )
-from .settings import BadTenant, Scope, cacheable, request_scope
+from .request_scopes import RequestScopes
+from .settings import Scope
 from .state_tails import PartialTail, partial_tails, state_tail_ref
 
 if TYPE_CHECKING:
@@ -141,8 +139,8 @@ class SchedulerSide:
         self._pending_saves: list[TransferJob] = []
         self._interval = MetricsInterval(self.session.metrics)
         """The connector's per-interval stats: what this side's store counted since the last take."""
-        self._untrusted_warned = threading.Event()
-        self._bad_tenant_logged = threading.Event()
+        self._scope_of = RequestScopes(config, self.session).of
+        """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
         self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
@@ -156,27 +154,6 @@ class SchedulerSide:
         in all (renewed in `build_connector_meta`, once per step)."""
 
     # -- lookup -----------------------------------------------------------------
-
-    def _scope_of(self, request: Request) -> RequestScope | None:
-        if not cacheable(request):
-            return None
-        try:
-            return request_scope(
-                request,
-                self.config,
-                lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
-                self._untrusted_warned,
-            )
-        except BadTenant as exc:
-            if not self._bad_tenant_logged.is_set():  # once per process: the name is the client's
-                self._bad_tenant_logged.set()
-                log.warning(
-                    "kvpack: request %s runs without the cache: %s (later ones are only counted: kvpack_bad_tenants)",
-                    clip(request.request_id),
-                    clip(str(exc), MAX_DETAIL_CHARS),
-                )
-            self.session.record(AdapterEvent.BAD_TENANT)
-            return None
 
     def plan(self, request: Request) -> HitPlan:
         """The request's hit, planned by the core (`Session.plan_hit`, or `plan_handoff` for a
