@@ -7,9 +7,12 @@ builds the connector. ``kv_connector_module_path="kvpack.vllm_plugin"`` works
 too: the class is resolved lazily from this package.
 
 Modules: `connector` (the vLLM class, routing only), `scheduler` and `worker`
-(the two halves), `metadata` (what passes between them), `settings`
-(config, scope, tenant translation), `index` (the scheduler's view of the
-workers' memory tiers), `blocks` (whole-block copies).
+(the two halves), `metadata` (what passes between them, and a hit plan as the
+blocks vLLM allocated), `settings` (config and scope translation), `request_scopes`
+(a request's tenant and seed), `handoff` (prefill/decode), `captures` (what each
+step saves), `state_tails` (Mamba state handed over at finish), `registration`
+(what a worker copies), `loads` (a load's staging rows and scatter), `saves`,
+`blocks` and `canonical_blocks` (whole-block and canonical copies).
 """
 
 from __future__ import annotations
