@@ -55,6 +55,9 @@ PROMPT_WORDS = 2 * BLOCK_SIZE + 40
 METRICS_SPAN = 16
 """Ports from kvpack's ``metrics_port`` on that an engine's processes may serve."""
 REQUEST_TIMEOUT_S = 300.0
+DISK_CAPACITY = "8GiB"
+"""The store's capacity: every request's KV fits (about 0.6 MB each), so no eviction, which any
+client's traffic causes under LRU by design, hides whether the default tenant's hit survives."""
 
 
 @dataclass(frozen=True)
@@ -230,13 +233,21 @@ def _kvpack_refusals(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def run(work: Path, requests: int, rounds: int, field_bytes: int, concurrency: int = 4, seed: int = 0) -> Result:
+def run(
+    work: Path,
+    requests: int,
+    rounds: int,
+    field_bytes: int,
+    concurrency: int = 4,
+    seed: int = 0,
+    disk_capacity: str = DISK_CAPACITY,
+) -> Result:
     """The whole run in `work` (model, store, server log); see the module docstring."""
     model = build_tiny_llama(work / "model")
     metrics_port = free_port()
     kvpack = {
         "memory": {"enabled": False},
-        "disk": {"path": str(work / "store"), "capacity": "1GiB"},
+        "disk": {"path": str(work / "store"), "capacity": disk_capacity},
         "metrics_port": metrics_port,
     }
     server = Server(
@@ -339,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="hostile phases")
     parser.add_argument("--field-bytes", type=int, default=1 << 20, help="characters of each large field")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--disk-capacity", default=DISK_CAPACITY, help="the store's capacity (every request's KV fits)")
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
     parser.add_argument("--json", default=None, help="also write the result as JSON to this file")
     args = parser.parse_args(argv)
@@ -346,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         print(HEADER, flush=True)
-        result = run(work, args.requests, args.rounds, args.field_bytes, args.concurrency)
+        result = run(work, args.requests, args.rounds, args.field_bytes, args.concurrency, 0, args.disk_capacity)
         print("\n" + report(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
