@@ -35,10 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpack import ChunkHash, chunk_hashes
+from kvpack import ChunkHash, RequestScope, chunk_hashes
 
 from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
-from .settings import RequestScope
 
 TailPlacer = Callable[[RequestScope, "ChunkHash | None", tuple[int, ...]], "tuple[str, bool]"]
 """(request scope, parent chunk, tail token ids) -> (tail chunk, already stored): `TailSlots.place`."""

@@ -1,24 +1,74 @@
 """A vLLM request's tenant and chain seed (`kvpack.RequestScope`), or None for a request that
-does not use the cache: one with images or prompt embeddings (its KV is not a function of its
-token ids), or one whose trusted tenant name is invalid (`BadTenant`: logged once per process,
-counted as ``kvpack_bad_tenants``). A client-named tenant the config does not trust is
-ignored, counted as ``kvpack_untrusted_tenants`` and warned about once (`settings.request_scope`,
-`kvpack.tenancy.resolve_tenant`: the core holds the policy)."""
+does not use the cache.
+
+`request_scope` hands the core's `kvpack.tenancy.resolve_tenant` the request's engine facts
+(``cache_salt``, ``kv_transfer_params["kvpack_tenant"]`` and its signature, the LoRA
+adapter); the core holds the policy (trusted names, signed names, the salt's scope, the
+default). `RequestScopes.of` answers None for a request with images or prompt embeddings
+(its KV is not a function of its token ids, `cacheable`) or whose trusted tenant name is
+invalid (`BadTenant`: logged once per process, counted as ``kvpack_bad_tenants``); a
+client-named tenant the config does not trust is ignored, counted as
+``kvpack_untrusted_tenants`` and warned about once."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from kvpack import MAX_DETAIL_CHARS, AdapterEvent, KVPackConfig, RequestScope, Session, clip
-
-from .settings import BadTenant, cacheable, request_scope
+from kvpack import (
+    MAX_DETAIL_CHARS,
+    AdapterEvent,
+    BadTenant,
+    KVPackConfig,
+    RequestScope,
+    Session,
+    TenantSource,
+    clip,
+    resolve_tenant,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpack.vllm")
+
+TENANT_PARAM = "kvpack_tenant"
+"""Key of ``kv_transfer_params`` naming a request's tenant."""
+TENANT_SIG_PARAM = "kvpack_tenant_sig"
+"""Key of ``kv_transfer_params`` with a front end's signature of ``kvpack_tenant`` (`tenant_signing_key`)."""
+
+
+def request_scope(
+    request: Request,
+    config: KVPackConfig | str,
+    on_untrusted: Callable[[str], None] | None = None,
+    warned: threading.Event | None = None,
+) -> RequestScope:
+    """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
+    ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
+    adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which decides.
+    Raises BadTenant for an invalid trusted tenant name."""
+    params: dict[str, Any] = getattr(request, "kv_transfer_params", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    lora = getattr(request, "lora_request", None)
+    adapter = "" if lora is None else f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+    source = TenantSource(
+        salt=getattr(request, "cache_salt", None) or "",
+        named=params.get(TENANT_PARAM),
+        signature=params.get(TENANT_SIG_PARAM),
+        adapter=adapter,
+        named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
+        request_id=str(getattr(request, "request_id", "?")),
+    )
+    return resolve_tenant(source, config, on_untrusted, warned)
+
+
+def cacheable(request: Request) -> bool:
+    """Requests whose KV is a function of their token ids only (no images, no embeddings)."""
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
 
 class RequestScopes:

@@ -17,22 +17,18 @@ fingerprints and member names independently.
   coverage its attention type needs (`cache_groups`).
 - draft layers: which registered KV layers belong to the drafter, told apart by
   the speculative config, never by position alone (`split_draft_layers`).
-- tenant and chain seed of a request (`request_scope`): its engine facts
-  (``cache_salt``, ``kv_transfer_params["kvpack_tenant"]`` and its signature, the
-  LoRA adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which holds
-  the policy (trusted names, signed names, the salt's scope, the default).
+
+A request's tenant and chain seed are `request_scopes`'.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvpack import BadTenant as BadTenant  # re-exported: the scheduler imports it from here
 from kvpack import (
     ConfigError,
     Coverage,
@@ -44,10 +40,7 @@ from kvpack import (
     KVPackConfig,
     MemberRole,
     MemberSpec,
-    RequestScope,
-    TenantSource,
     identify_model,
-    resolve_tenant,
 )
 from kvpack import canonical_group_spec as canonical_group
 
@@ -56,12 +49,8 @@ from .canonical_blocks import head_split
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 log = logging.getLogger("kvpack.vllm")
-
-TENANT_PARAM = "kvpack_tenant"
-"""Key of ``kv_transfer_params`` naming a request's tenant."""
 
 
 def load_config(vllm_config: VllmConfig) -> KVPackConfig:
@@ -407,41 +396,3 @@ def make_scope(
         world=world,
         min_prefill_tokens=min_prefill_tokens(vllm_config),
     )
-
-
-# -- requests ------------------------------------------------------------------
-
-
-TENANT_SIG_PARAM = "kvpack_tenant_sig"
-"""Key of ``kv_transfer_params`` with a front end's signature of ``kvpack_tenant`` (`tenant_signing_key`)."""
-
-
-def request_scope(
-    request: Request,
-    config: KVPackConfig | str,
-    on_untrusted: Callable[[str], None] | None = None,
-    warned: threading.Event | None = None,
-) -> RequestScope:
-    """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
-    ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
-    adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which decides.
-    Raises BadTenant for an invalid trusted tenant name."""
-    params: dict[str, Any] = getattr(request, "kv_transfer_params", None) or {}
-    if not isinstance(params, dict):
-        params = {}
-    lora = getattr(request, "lora_request", None)
-    adapter = "" if lora is None else f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
-    source = TenantSource(
-        salt=getattr(request, "cache_salt", None) or "",
-        named=params.get(TENANT_PARAM),
-        signature=params.get(TENANT_SIG_PARAM),
-        adapter=adapter,
-        named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
-        request_id=str(getattr(request, "request_id", "?")),
-    )
-    return resolve_tenant(source, config, on_untrusted, warned)
-
-
-def cacheable(request: Request) -> bool:
-    """Requests whose KV is a function of their token ids only (no images, no embeddings)."""
-    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None

@@ -24,7 +24,8 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import fake_request  # noqa: E402
 
-from kvpack.vllm_plugin.settings import BadTenant, request_scope  # noqa: E402
+from kvpack import BadTenant  # noqa: E402
+from kvpack.vllm_plugin.request_scopes import request_scope  # noqa: E402
 
 KEY = "5e" * 32
 
