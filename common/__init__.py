@@ -63,7 +63,7 @@ from .canonical import (
 )
 from .canonical import group_spec as canonical_group_spec
 from .client_input import MAX_DETAIL_CHARS, Refusals, clip
-from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig
+from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .errors import ConfigError, KVPackError, LayoutError
 from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .heads import HeadRange, HeadSplit
@@ -82,6 +82,7 @@ from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tiers.base import GetResult, PutItem, TierStatus
+from .tiers.host import resolve_memory
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
@@ -131,6 +132,7 @@ __all__ = [
     "MemberObject",
     "MemberRole",
     "MemberSpec",
+    "MemoryMode",
     "Metrics",
     "MetricsInterval",
     "ModelIdentity",
@@ -158,6 +160,7 @@ __all__ = [
     "clip",
     "head_range_fingerprint",
     "identify_model",
+    "resolve_memory",
     "resolve_tenant",
     "split_sources",
     "start_engine_process",

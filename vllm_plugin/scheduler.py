@@ -82,6 +82,7 @@ from kvpack import (
     HitQuery,
     KVPackConfig,
     MemberRole,
+    MemoryMode,
     MetricsInterval,
     ReportedMemoryIndex,
     RequestScope,
@@ -113,6 +114,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpack.vllm")
 
 
+def _workers_report(config: KVPackConfig) -> bool:
+    """Do the workers report their memory tier here? Only a per-process one: a host memory tier
+    (``memory.mode: host``) is every process's, read directly by this side's own `HostTier`."""
+    return config.memory.enabled and config.memory.mode is not MemoryMode.HOST
+
+
 class SchedulerSide:
     def __init__(
         self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0
@@ -126,7 +133,7 @@ class SchedulerSide:
         self.can_save = can_save
         self.index = ReportedMemoryIndex()
         # a lookup view: the workers write, this process only reads (no write-back threads)
-        self.session = Session.reader(config, [self.index] if config.memory.enabled else [], scope.fingerprint)
+        self.session = Session.reader(config, [self.index] if _workers_report(config) else [], scope.fingerprint)
         self.members = scope.member_specs()
         self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
@@ -278,7 +285,7 @@ class SchedulerSide:
         """Count what `job` saves as in the workers' memory now, not when their report comes
         (the same step's saves land before any later load: `WorkerSide` orders them). A
         save that fails costs a counted load miss and a recompute, never a wrong load."""
-        if not self.config.memory.enabled:
+        if not _workers_report(self.config):
             return
         expected = []
         for ref in job.blocks:

@@ -41,6 +41,7 @@ from kvpack import (
     MemberRole,
     MemberSpec,
     identify_model,
+    resolve_memory,
 )
 from kvpack import canonical_group_spec as canonical_group
 
@@ -54,12 +55,17 @@ log = logging.getLogger("kvpack.vllm")
 
 
 def load_config(vllm_config: VllmConfig) -> KVPackConfig:
-    """kvpack config from ``kv_connector_extra_config``; raises ConfigError naming the field."""
+    """kvpack config from ``kv_connector_extra_config``, ``memory.mode`` resolved for this engine's
+    processes (`kvpack.resolve_memory`); raises ConfigError naming the field."""
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
     if not isinstance(extra, dict):
         raise ConfigError("kv_connector_extra_config", "must be a JSON object")
     config = KVPackConfig.from_dict(extra)
+    # memory.mode auto: the host memory tier when this engine runs several processes on the host
+    parallel = vllm_config.parallel_config
+    ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    config = resolve_memory(config, ranks * int(getattr(parallel, "data_parallel_size", 1) or 1))
     if not extra:
         where = [f"memory ({config.memory.capacity} bytes)"] if config.memory.enabled else []
         if config.disk.enabled:

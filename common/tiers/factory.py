@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..config import KVPackConfig
+from ..config import KVPackConfig, MemoryMode
 from ..eviction import make_policy
 from .base import Tier
 from .disk.check import check_index_files
@@ -35,6 +35,10 @@ def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
         root = check_store_root(config.disk.path)
         if index_files and os.path.isdir(root):
             check_index_files(root)
+    if config.memory.enabled and config.memory.mode is not MemoryMode.PROCESS:
+        from .host import memory_mode
+
+        memory_mode(config)  # HOST: the host's shared memory must hold memory.capacity
     if config.mooncake.enabled:
         from .mooncake.connection import check_support
 
@@ -48,10 +52,14 @@ def build_tiers(
     copy_threads: int = 1,
     region_copier: Callable[[], RegionCopier | None] | None = None,
 ) -> list[Tier]:
-    """The tiers `config` enables, fastest first: memory, disk, Mooncake.
+    """The tiers `config` enables, fastest first: memory (per process, or the host's), disk, Mooncake.
 
-    `include_memory=False` leaves out the host-memory tier, for a process that
-    sees another process's memory through an index (vLLM's scheduler side).
+    ``memory.mode`` decides the memory tier (`kvpack.tiers.host.choice`: AUTO is resolved
+    here unless the adapter resolved it with its process count): PROCESS the in-process
+    `MemoryTier`, HOST the `HostTier` every process on the host shares.
+    `include_memory=False` leaves out the per-process memory tier, for a process that
+    sees another process's memory through an index (vLLM's scheduler side); the host
+    tier stays (it is every process's).
     `copy_threads` (>= 1, the calling thread included) spreads one batch's
     memory copies and disk file I/O over that many threads; 1 keeps every
     call on its caller's thread (an engine that saves off its forward path on
@@ -60,7 +68,16 @@ def build_tiers(
     check_tiers(config, index_files=False)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
-    if config.memory.enabled and include_memory:
+    mode = MemoryMode.PROCESS
+    if config.memory.enabled:
+        from .host import memory_mode
+
+        mode = memory_mode(config)
+    if mode is MemoryMode.HOST:
+        from .host import HostTier
+
+        tiers.append(HostTier(config.memory.host_name, config.memory.capacity, quotas, io_threads=copy_threads))
+    elif config.memory.enabled and include_memory:
         from .memory import MemoryTier
 
         tiers.append(

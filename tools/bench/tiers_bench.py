@@ -6,6 +6,13 @@ put/get vs plain `write`+`rename` / `readinto` of the same bytes in the same
 folder. Gets from disk are served by the page cache in both columns, so the
 ratio isolates kvpack's own cost (header, checks, index, checksum).
 
+The host columns run the same puts and gets on the host memory tier
+(`kvpack.tiers.host.HostTier`: one store in ``/dev/shm`` shared by every
+process) next to the per-process memory tier: the ratio of their hit paths is
+what ``memory.mode: auto`` weighs for a single process. Host gets verify the
+payload checksum (checksum=boundary: its objects cross processes); the
+unverified column shows what that check costs.
+
 The keyed columns repeat the disk put/get with an integrity key
 (`kvpack.integrity`, as `KVStore` does with ``integrity_key`` set: a keyed
 HMAC-SHA256 sealed into each header on put, checked on get instead of xxh3)
@@ -30,6 +37,7 @@ from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.host import HostTier
 from kvpack.tiers.memory import MemoryTier
 
 from .timing import best_seconds, gbps, hardware
@@ -133,6 +141,13 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
         disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
         keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4)
         keyed_put, keyed_get = _keyed_disk_rates(keyed, items, exps, repeats)
+        host = HostTier(f"bench-{os.getpid()}-{label}", size * count * 4)
+        try:
+            host_put, host_get = _tier_rates(host, items, exps, verify=True, repeats=repeats)
+            _, host_get_raw = _tier_rates(host, items, exps, verify=False, repeats=repeats)
+        finally:
+            host.close()
+            shutil.rmtree(host.root, ignore_errors=True)
         rows.append(
             {
                 "size": label,
@@ -145,6 +160,9 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
                 "disk_get": disk_get,
                 "keyed_put": keyed_put,
                 "keyed_get": keyed_get,
+                "host_put": host_put,
+                "host_get": host_get,
+                "host_get_raw": host_get_raw,
             }
         )
     return rows
@@ -161,6 +179,22 @@ def format_keyed_table(rows: list[dict[str, float | str]]) -> str:
         lines.append(
             f"| {r['size']} | {f['disk_put']:.2f} | {f['keyed_put']:.2f} ({f['keyed_put'] / f['disk_put']:.2f}x) "
             f"| {f['disk_get']:.2f} | {f['keyed_get']:.2f} ({f['keyed_get'] / f['disk_get']:.2f}x) |"
+        )
+    return "\n".join(lines)
+
+
+def format_host_table(rows: list[dict[str, float | str]]) -> str:
+    lines = [
+        "| size | memory put GB/s | host put GB/s (x memory) | memory get GB/s | host get GB/s, xxh3 verified "
+        "(x memory) | host get GB/s, unverified (x memory) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = {k: v for k, v in r.items() if isinstance(v, float)}
+        lines.append(
+            f"| {r['size']} | {f['mem_put']:.2f} | {f['host_put']:.2f} ({f['host_put'] / f['mem_put']:.2f}x) "
+            f"| {f['mem_get']:.2f} | {f['host_get']:.2f} ({f['host_get'] / f['mem_get']:.2f}x) "
+            f"| {f['host_get_raw']:.2f} ({f['host_get_raw'] / f['mem_get']:.2f}x) |"
         )
     return "\n".join(lines)
 
@@ -202,4 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("integrity key (HMAC-SHA256 over header and payload) vs the unkeyed disk path:")
     print(format_keyed_table(rows))
+    print()
+    print("host memory tier (/dev/shm, shared by every process) vs the per-process memory tier, one process:")
+    print(format_host_table(rows))
     return 0

@@ -1,0 +1,69 @@
+"""Which memory tier a process uses: ``memory.mode`` resolved (`resolve_memory`).
+
+- PROCESS: the in-process arena (`kvpack.tiers.memory.MemoryTier`), `capacity` per process.
+- HOST: the host store (`kvpack.tiers.host.HostTier`), `capacity` per host; the
+  host's shared memory must hold it (`place.shm_problem`), else start-up fails with one line.
+- AUTO: HOST when the engine runs more than one process on this host (the adapter
+  passes `engine_processes`: vLLM's tensor x pipeline x data parallel ranks) or a live
+  process already uses the host store (a second server started after one in host
+  mode); else PROCESS, which serves one process's hits faster (no index transaction,
+  no checksum on load: ``kvpack bench tiers``). When the shared memory cannot hold
+  the store, AUTO falls back to PROCESS with a warning.
+
+Resolution reads the file system only (the host folder's owner files); it changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+from ...config import KVPackConfig, MemoryMode
+from ...errors import ConfigError
+from ..disk.fs import SHM
+from .owners import live_owners
+from .place import host_root, shm_problem
+
+log = logging.getLogger("kvpack")
+
+
+def _live_users(name: str, shm: str) -> int:
+    try:
+        fd = os.open(host_root(name, shm), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return live_owners(fd)
+    finally:
+        os.close(fd)
+
+
+def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM) -> MemoryMode:
+    """PROCESS or HOST for `config` (see the module docstring); ConfigError naming ``memory.mode``
+    when HOST is asked for and the shared memory cannot hold `memory.capacity`."""
+    mem = config.memory
+    if mem.mode is MemoryMode.PROCESS:
+        return MemoryMode.PROCESS
+    problem = shm_problem(mem.capacity, shm)
+    if mem.mode is MemoryMode.HOST:
+        if problem is not None:
+            raise ConfigError("memory.mode", f"host: {problem}; set memory.mode to process or lower memory.capacity")
+        return MemoryMode.HOST
+    if engine_processes <= 1 and _live_users(mem.host_name, shm) == 0:
+        return MemoryMode.PROCESS
+    if problem is not None:
+        log.warning("kvpack: memory.mode auto: the per-process memory tier (%s)", problem)
+        return MemoryMode.PROCESS
+    return MemoryMode.HOST
+
+
+def resolve_memory(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM) -> KVPackConfig:
+    """`config` with ``memory.mode`` PROCESS or HOST (`memory_mode`); unchanged when memory is off
+    or the mode is already resolved. Adapters call it once with their engine's process count."""
+    if not config.memory.enabled:
+        return config
+    mode = memory_mode(config, engine_processes, shm)
+    if mode is config.memory.mode:
+        return config
+    return replace(config, memory=replace(config.memory, mode=mode))

@@ -1,0 +1,63 @@
+"""Where a host store lives, and whether this host's shared memory can hold it.
+
+A host store is the folder ``<shm>/kvpack-<uid>-<name>`` (`host_root`): per user
+(a folder of another uid is never opened: `fs.open_store_root` creates ours 0700)
+and per `memory.host_name`, so two unrelated stores never mix. `shm_problem`
+says, in one line, why the folder cannot hold `capacity` bytes: no such folder,
+not tmpfs (a disk would be the disk tier, with a page-cache copy), not writable,
+or smaller than the capacity plus the index's allowance.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..disk.fs import SHM
+
+INDEX_ALLOWANCE = 64 << 20
+"""Room the shared memory needs beyond `capacity`: the SQLite index, its WAL and lock files (bytes)."""
+_TMPFS = "tmpfs"
+
+
+def host_root(name: str, shm: str = SHM, uid: int | None = None) -> str:
+    """The folder of host store `name` for user `uid` (default: this process's)."""
+    return f"{shm}/kvpack-{os.getuid() if uid is None else uid}-{name}"
+
+
+def _fs_type(path: str) -> str | None:
+    """The file-system type of the mount holding `path` (the longest mount point above it)."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def shm_problem(capacity: int, shm: str = SHM) -> str | None:
+    """Why `shm` cannot hold a host store of `capacity` bytes (one line), or None when it can."""
+    real = os.path.realpath(shm)
+    if not os.path.isdir(real):
+        return f"{shm} does not exist (no shared memory on this host)"
+    kind = _fs_type(real)
+    if kind is not None and kind != _TMPFS:
+        return f"{shm} is {kind}, not tmpfs"
+    if not os.access(real, os.W_OK | os.X_OK):
+        return f"{shm} is not writable by uid {os.getuid()}"
+    st = os.statvfs(real)
+    size = st.f_blocks * st.f_frsize
+    if size < capacity + INDEX_ALLOWANCE:
+        return (
+            f"{shm} holds {size >> 20} MiB, less than memory.capacity ({capacity >> 20} MiB) plus "
+            f"{INDEX_ALLOWANCE >> 20} MiB for the index (docker: --shm-size)"
+        )
+    return None

@@ -1,0 +1,231 @@
+"""The host memory tier (`kvpack.tiers.host`): one store in /dev/shm for every kvpack process.
+
+Real processes (tests/common/host_child.py, each a `kvpack.Session` with
+``memory.mode: host`` and the disk off) write and read one host store:
+
+- what one process stored, a second process loads, byte for byte;
+- 1, 2 and 4 processes writing 1.5x the budget each: the shared memory (every
+  file of the store folder, as tmpfs holds it) plus each writer's resident growth
+  stays within 1.05x the budget plus `STAGING_BOUND` per process;
+- writers SIGKILLed mid-store five times: every later load is exact or a miss, no
+  temporary file or dead owner is left, the index and the files agree, and a store
+  of the whole budget succeeds (the space the dead writers had reserved came back
+  at once, not after the disk tier's 60 s grace);
+- ``memory.mode: auto`` picks the host tier for an engine of several processes or
+  beside a live user of the store; /dev/shm too small is one line (host) or a
+  warning and the per-process tier (auto);
+- stores of another name or user never mix; the integrity key applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fixtures.builders import GROUP_FP, MEMBER_FP, TOKENS, chunk_id
+from kvpack import (
+    ChunkFacts,
+    ConfigError,
+    KVPackConfig,
+    KVStore,
+    MemberObject,
+    MemoryMode,
+    ObjectIO,
+    Session,
+    TierStatus,
+)
+from kvpack.tiers.factory import build_tiers
+from kvpack.tiers.host import HostTier, host_root, memory_mode, resolve_memory, shm_problem
+from kvpack.tiers.host.owners import OWNERS, TEMPS
+from kvpack.tiers.memory import MemoryTier
+
+CHILD = str(Path(__file__).with_name("host_child.py"))
+PAGE = 256 << 10
+STAGING_BOUND = 16 << 20
+"""What one writer process may hold beyond the shared store (bytes): its batch in flight (8 pages
+of 256 KiB), SQLite's page cache (2 MiB) and the allocator's slack."""
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    n = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield n
+    shutil.rmtree(host_root(n), ignore_errors=True)
+
+
+def child(mode: str, name: str, capacity: int, first: int, count: int) -> subprocess.Popen[str]:
+    args = [sys.executable, CHILD, mode, name, str(capacity), str(first), str(count), str(PAGE)]
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def line(proc: subprocess.Popen[str], word: str) -> list[int]:
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        if text.startswith(word):
+            return [int(x) for x in text.split()[1:]]
+    raise AssertionError(f"child ended (rc={proc.wait()}) without {word}")
+
+
+def held_bytes(root: str) -> int:
+    """What tmpfs holds for every file under `root` (allocated blocks)."""
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_a_second_process_loads_what_the_first_stored(name: str) -> None:
+    writer = child("store", name, 64 << 20, 0, 32)
+    assert line(writer, "STORED") == [32]
+    assert writer.wait() == 0
+    reader = child("load", name, 64 << 20, 0, 40)
+    assert line(reader, "LOADED") == [32, 0, 8]  # 32 exact hits, none wrong, 8 never stored
+    assert reader.wait() == 0
+
+
+@pytest.mark.parametrize("writers", [1, 2, 4])
+def test_one_budget_for_every_process_of_the_host(name: str, writers: int) -> None:
+    budget = 64 << 20
+    each = (budget * 3 // 2) // PAGE  # every writer alone writes 1.5x the budget
+    procs = [child("budget", name, budget, 1_000_000 * (w + 1), each) for w in range(writers)]
+    try:
+        growth = [line(p, "GROWTH")[0] for p in procs]
+        shared = held_bytes(host_root(name))  # while every writer still has the store open
+    finally:
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait()
+    total = shared + sum(growth)
+    print(f"writers={writers} shared={shared >> 20} MiB growth={[g >> 20 for g in growth]} MiB")
+    assert shared > budget * 0.9  # the store filled
+    assert total <= 1.05 * budget + writers * STAGING_BOUND
+
+
+def test_writers_killed_mid_store_leave_exact_loads_and_their_space(name: str) -> None:
+    budget = 32 << 20
+    root = host_root(name)
+    for k in range(5):
+        proc = child("loop", name, budget, 10_000 * k, 0)
+        line(proc, "STARTED")
+        watch = HostTier(name, budget)
+        try:  # until it has stored a few pages (and is storing more): then kill it by its pid
+            deadline = time.monotonic() + 60
+            while watch.usage().objects < 8 * (k + 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            watch.close()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+    tier = HostTier(name, budget)  # opening reclaims what the dead writers held
+    try:
+        mine = [tier.owner_token]
+        assert os.listdir(f"{root}/{TEMPS}") == mine, "a dead writer's temporary folder is left"
+        assert os.listdir(f"{root}/{TEMPS}/{mine[0]}") == []
+        assert [n for n in os.listdir(f"{root}/{OWNERS}") if not n.startswith(".")] == mine
+        objects = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kvp") and "/." not in d]
+        pages = sum(-(-os.lstat(p).st_size // 4096) * 4096 for p in objects)
+        assert pages == tier.usage().used_bytes, "the index and the files disagree"
+    finally:
+        tier.close()
+    for k in range(5):  # every page any writer may have stored: exact or a miss
+        reader = child("load", name, budget, 10_000 * k, 128)
+        hits, wrong, _ = line(reader, "LOADED")
+        assert wrong == 0
+        assert reader.wait() == 0
+    whole = budget // (PAGE + 4096)  # a page costs its payload and one header page
+    writer = child("store", name, budget, 500_000, whole)
+    assert line(writer, "STORED") == [whole], "the dead writers' space did not come back"
+    assert writer.wait() == 0
+
+
+def test_auto_picks_the_host_tier_for_several_processes_or_beside_a_live_user(name: str) -> None:
+    def cfg(mode: str, capacity: int = 64 << 20) -> KVPackConfig:
+        return KVPackConfig.from_dict(
+            {"memory": {"mode": mode, "host_name": name, "capacity": capacity}, "disk": {"enabled": False}}
+        )
+
+    assert memory_mode(cfg("auto")) is MemoryMode.PROCESS  # one process, nobody else on the store
+    assert memory_mode(cfg("auto"), engine_processes=2) is MemoryMode.HOST
+    assert resolve_memory(cfg("auto"), 4).memory.mode is MemoryMode.HOST
+    assert memory_mode(cfg("process"), engine_processes=8) is MemoryMode.PROCESS
+    other = HostTier(name, 64 << 20)  # another live process's store (an owner of its own)
+    try:
+        assert memory_mode(cfg("auto")) is MemoryMode.HOST
+        tiers = build_tiers(cfg("auto"))
+        assert [t.name for t in tiers] == ["host"]
+        for t in tiers:
+            t.close()
+    finally:
+        other.close()
+    assert memory_mode(cfg("auto")) is MemoryMode.PROCESS  # it left: nobody lives on the store
+    assert isinstance(build_tiers(cfg("auto"))[0], MemoryTier)
+
+
+def test_shared_memory_too_small_is_one_line_or_the_per_process_tier(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = 1 << 50
+    assert shm_problem(huge) is not None
+    big = KVPackConfig.from_dict({"memory": {"mode": "host", "host_name": name, "capacity": huge}})
+    with pytest.raises(ConfigError) as err:
+        build_tiers(big)
+    assert "memory.mode" in str(err.value) and "\n" not in str(err.value)
+    auto = KVPackConfig.from_dict({"memory": {"mode": "auto", "host_name": name, "capacity": huge}})
+    with caplog.at_level(logging.WARNING, logger="kvpack"):
+        assert memory_mode(auto, engine_processes=2) is MemoryMode.PROCESS
+    assert "per-process memory tier" in caplog.text
+    assert shm_problem(64 << 20, "/nonexistent-shm") is not None
+
+
+def session(name: str, key: str = "") -> Session:
+    """A session on host store `name` (disk off), with integrity key `key` when given."""
+    extra = {"integrity_key": key} if key else {}
+    config = KVPackConfig.from_dict(
+        {"memory": {"mode": "host", "host_name": name, "capacity": 8 << 20}, "disk": {"enabled": False}, **extra}
+    )
+    return Session(KVStore(config, build_tiers(config)), GROUP_FP)
+
+
+OBJ = MemberObject("kv", MEMBER_FP, TOKENS, 4096)
+DATA = np.arange(4096, dtype=np.uint8)
+
+
+def loaded(s: Session) -> bool:
+    """Did `s` load chunk 1 exactly (False: a miss or a refusal: the buffer's bytes are not the object's)?"""
+    buf = np.zeros(4096, np.uint8)
+    got = s.load(s.reads("t", [ObjectIO(ChunkFacts(chunk_id(1), TOKENS), OBJ, buf.data)]))
+    ok = got[0].status is TierStatus.OK
+    assert np.array_equal(buf, DATA) or not ok
+    return ok
+
+
+def test_stores_of_another_name_or_user_never_mix(name: str) -> None:
+    assert host_root(name, uid=1) != host_root(name, uid=2)
+    other = f"{name}-other"
+    sessions = [session(name), session(other), session(name)]
+    try:
+        assert sessions[0].save_pages("t", OBJ, [chunk_id(1)], lambda todo: [DATA.data]) == [True]
+        assert [loaded(s) for s in sessions[1:]] == [False, True]
+    finally:
+        for s in sessions:
+            s.close()
+        shutil.rmtree(host_root(other), ignore_errors=True)
+
+
+def test_the_integrity_key_applies_to_the_host_tier(name: str) -> None:
+    writer, stranger, reader = session(name, "11" * 16), session(name, "22" * 16), session(name, "11" * 16)
+    try:
+        assert writer.save_pages("t", OBJ, [chunk_id(1)], lambda todo: [DATA.data]) == [True]
+        assert [loaded(reader), loaded(stranger)] == [True, False]
+    finally:
+        for s in (writer, stranger, reader):
+            s.close()
