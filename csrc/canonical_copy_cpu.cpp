@@ -216,6 +216,16 @@ void copy_tile(uint8_t* cache, uint8_t* obj, const KvpCanonGeometry& g, int s, b
       memcpy(dst, src, (size_t)(T * row));
       return;
     }
+#ifdef KVP_HAVE_SSE2
+    // scatter, a run per token (SGLang's page_first: a token holds every layer): whole cache
+    // lines streamed, so memory sees 2 passes, not 3 (no line read before it is written);
+    // 96 MiB on the 2-core EPYC: 12.3 -> 6.7 ms (memcpy 7.5-8.2). A gather streamed was
+    // slower than plain stores there (13.6-14.0 ms against 11.9-12.3), so it stays plain.
+    if (stream && !gather && ((row | ti | to) & 15) == 0 && ((uintptr_t)cache & 15) == 0) {
+      for (int64_t t = 0; t < T; ++t) stream_copy(cache + (t / tg) * to + (t % tg) * ti, obj + t * row, row);
+      return;
+    }
+#endif
     for (int64_t t = 0; t < T; ++t) {
       uint8_t* c = cache + (t / tg) * to + (t % tg) * ti;
       if (gather) memcpy(obj + t * row, c, (size_t)row); else memcpy(c, obj + t * row, (size_t)row);

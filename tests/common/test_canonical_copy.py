@@ -243,3 +243,32 @@ def _at(name: str, e: int, tokens: int, dim: int) -> TilePacking:
         "panels4": lambda: TilePacking.panels(4, 8, dim, e),
         "pairs4x32": lambda: TilePacking.token_pairs(4, 32, tokens, e),
     }[name]()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streamed_scatter_of_token_major_rows_writes_the_references_bytes(dtype: torch.dtype) -> None:
+    """A DRAM-sized scatter into a token-major cache (a run of one head's dims per token at
+    a stride: SGLang's ``page_first`` host pools, vLLM's NHD) streams each run with
+    non-temporal stores; it must write exactly the torch reference's bytes, and only them."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    layers, heads, tokens, dim = 4, 2, 64, 128
+    per_block = 2 * tokens * heads * dim * e
+    nb = 2 * -(-_streamed_bytes() // (layers * per_block)) + 1
+    g = torch.Generator().manual_seed(5)
+    src = [torch.randn((2, nb, tokens, heads, dim), generator=g).to(dtype) for _ in range(layers)]
+    geo = paged_geometry(PagedKV.from_layers(src, block_size=tokens))
+    ids = list(range(nb - 1, 0, -2))  # every other block: the blocks between stay as they were
+    objs = torch.zeros(len(ids) * geo.object_bytes(heads), dtype=torch.uint8)
+    geo.copy(ids, objs, gather=True, obj_heads=heads, use_kernel=False)
+    assert len(ids) * layers * per_block >= _streamed_bytes()
+    outs = []
+    for kernel in (True, False):
+        dst = [torch.full_like(t, 3.0) for t in src]
+        paged_geometry(PagedKV.from_layers(dst, block_size=tokens)).copy(
+            ids, objs, gather=False, obj_heads=heads, use_kernel=kernel
+        )
+        outs.append(dst)
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "streamed row scatter differs"
+    assert all(torch.equal(d[:, ids], s[:, ids]) for d, s in zip(outs[0], src))
