@@ -157,3 +157,33 @@ def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
 def test_checksum_always_turns_lending_off(make_session):
     session = make_session(checksum="always")
     assert not session.lends_slots
+
+
+def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
+    """One count per tenant of a batch, summing every object of it: stored_objects,
+    stored_bytes (the memory tier's admitted objects), store_dropped (per reason) and
+    loaded_bytes (what was lent)."""
+    session = make_session(disk=False, capacity=5 * PAGE)
+    metrics = session.store.metrics
+    pages = _pages(3, seed=7)
+    for tenant in ("alice", "bob"):
+        assert session.save_pages_lent(tenant, KV, [chunk_id(i) for i in range(3)], _filler(pages, [])) == [True] * 3
+    assert metrics.value("stored_objects", tenant="alice", tier="memory") == 3
+    assert metrics.value("stored_bytes", tenant="alice", tier="memory") == 3 * PAGE
+    assert metrics.value("stored_bytes", tenant="bob", tier="memory") == 3 * PAGE
+    assert metrics.value("store_dropped", tier="memory") == 0
+    chunks = [chunk_id(i) for i in range(3)]
+    results, views = session.complete_load_lent(
+        session.prepare_load(session.page_reads("bob", KV, chunks, [np.zeros(PAGE, np.uint8).data for _ in chunks]))
+    )
+    lent = sum(v is not None for v in views)
+    assert lent >= 1 and metrics.value("loaded_bytes", tenant="bob", tier="memory") == lent * PAGE
+    big = MemberObject("kv", MEMBER_FP, TOKENS, 8 * PAGE)  # larger than the whole tier: dropped, counted once each
+
+    def fill(todo: Sequence[int], dsts: list[np.ndarray]) -> None:
+        for d in dsts:
+            d[:] = 1
+
+    assert session.save_pages_lent("carol", big, [chunk_id(10), chunk_id(11)], fill) == [False, False]
+    assert metrics.value("store_dropped", tier="memory") == 2
+    assert metrics.value("stored_objects", tenant="carol", tier="memory") == 0
