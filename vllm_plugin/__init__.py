@@ -8,7 +8,7 @@ too: the class is resolved lazily from this package.
 
 Modules: `connector` (the vLLM class, routing only), `scheduler` and `worker`
 (the two halves), `metadata` (what passes between them, and a hit plan as the
-blocks vLLM allocated), `settings` (config and scope translation), `request_scopes`
+blocks vLLM allocated), `scopes` (vLLM's config -> kvpack config and `Scope`), `request_scopes`
 (a request's tenant and seed), `handoff` (prefill/decode), `captures` (what each
 step saves), `state_tails` (Mamba state handed over at finish), `registration`
 (what a worker copies), `loads` (a load's staging rows and scatter), `saves`,

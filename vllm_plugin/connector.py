@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from .metadata import KVPackConnectorMetadata
 from .scheduler import SchedulerSide
-from .settings import load_config, make_scope
+from .scopes import load_config, make_scope
 from .worker import WorkerSide
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from kvpack.ops import Lane, Staging
 from .canonical_blocks import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, TransferJob
 from .registration import MemberLayout, WorkerLayout
-from .settings import Scope
+from .scopes import Scope
 
 
 @dataclass(frozen=True, eq=False)

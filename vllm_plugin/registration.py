@@ -34,7 +34,7 @@ from kvpack import (
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
 from .canonical_blocks import CacheKind, CanonicalBlocks, cache_kind, uses_mla, view_content
-from .settings import DRAFT_MEMBER, Scope, member_name, split_draft_layers
+from .scopes import DRAFT_MEMBER, Scope, member_name, split_draft_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

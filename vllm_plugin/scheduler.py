@@ -2,7 +2,7 @@
 
 Lookup (`get_num_new_matched_tokens`): vLLM's request translated into a
 `kvpack.HitQuery` (tenant and seed, tokens, block size, members, the tokens vLLM
-must compute: `settings.min_prefill_tokens`) and planned by the core
+must compute: `scopes.min_prefill_tokens`) and planned by the core
 (`Session.plan_hit`; a handoff: `Session.plan_handoff`). The rules (whole chunks,
 the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
 tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
@@ -102,7 +102,7 @@ from .metadata import (
     hit_refs,
 )
 from .request_scopes import RequestScopes
-from .settings import Scope
+from .scopes import Scope
 from .state_tails import PartialTail, partial_tails, state_tail_ref
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvpack import ChunkHash, Coverage, RequestScope
 
 from .metadata import NO_BLOCK, NULL_BLOCK, BlockRef, block_at
-from .settings import Scope
+from .scopes import Scope
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from .loads import BlockLoads, refused_plan, tokens_used
 from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
 from .registration import RankPosition, WorkerLayout, register_layout
 from .saves import gather_members, save_bytes
-from .settings import Scope
+from .scopes import Scope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

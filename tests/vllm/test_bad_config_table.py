@@ -27,7 +27,7 @@ from vllm_helpers import kv_config
 from fixtures.bad_configs import CASES, Case, made, one_line
 from kvpack import ConfigError
 from kvpack.store import KVStore
-from kvpack.vllm_plugin.settings import load_config
+from kvpack.vllm_plugin.scopes import load_config
 
 
 def test_the_table_has_a_dozen_for_both() -> None:

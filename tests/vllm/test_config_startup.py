@@ -14,7 +14,7 @@ from vllm.plugins import load_general_plugins
 from vllm_helpers import kv_config
 
 from kvpack import ConfigError
-from kvpack.vllm_plugin.settings import load_config
+from kvpack.vllm_plugin.scopes import load_config
 
 
 def _deep(depth: int) -> list[Any]:

@@ -149,7 +149,7 @@ def allocate(
 
 def register(engine: Engine) -> WorkerLayout:
     from kvpack import KVPackConfig
-    from kvpack.vllm_plugin.settings import make_scope
+    from kvpack.vllm_plugin.scopes import make_scope
 
     scope = make_scope(engine.vllm_config, KVPackConfig.from_dict({}))
     engine.layout = register_layout(engine.vllm_config, scope, RankPosition(), engine.caches, engine.num_blocks)
@@ -316,7 +316,7 @@ def _cpu_objects(cfg: Any, values: torch.Tensor, mla: bool, block: int) -> torch
         return _gather(layout, IDS)
     from kvpack import HeadRange, KVPackConfig
     from kvpack.vllm_plugin.canonical_blocks import CacheKind
-    from kvpack.vllm_plugin.settings import make_scope
+    from kvpack.vllm_plugin.scopes import make_scope
 
     split = make_scope(cfg, KVPackConfig.from_dict({})).heads
     assert split is not None
@@ -433,7 +433,7 @@ def test_a_refused_cache_disables_the_worker_instead_of_failing_the_start(llama_
 
     from kvpack import KVPackConfig
     from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob
-    from kvpack.vllm_plugin.settings import make_scope
+    from kvpack.vllm_plugin.scopes import make_scope
     from kvpack.vllm_plugin.worker import WorkerSide
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD, head_size_v=32, dtype=torch.bfloat16)

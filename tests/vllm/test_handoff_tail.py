@@ -29,7 +29,7 @@ from vllm_helpers import fake_request  # noqa: E402
 
 from kvpack.vllm_plugin.handoff import Handoff  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
 
 BS = 16
 IDS = list(range(300, 340))  # 2 whole chunks and an 8-token tail

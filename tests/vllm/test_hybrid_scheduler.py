@@ -37,7 +37,7 @@ from vllm_helpers import fake_request  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import NO_BLOCK, BlockRef  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
 
 BS = 16
 STATE = "kv_g1"

@@ -87,7 +87,7 @@ def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_p
     from kvpack.groups import Coverage
     from kvpack.layout_spec import KVLayoutSpec
     from kvpack.vllm_plugin.scheduler import SchedulerSide
-    from kvpack.vllm_plugin.settings import CacheGroup, Scope
+    from kvpack.vllm_plugin.scopes import CacheGroup, Scope
 
     config = KVPackConfig.from_dict({"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}})
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)

@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 from vllm_helpers import fake_request  # noqa: E402
 
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
 
 BS = 16
 DELAY_S = 0.2

@@ -23,7 +23,7 @@ Queries share a long prefix with a stored prompt (680 of 700 tokens: 5 blocks
 and 40 tokens of the stored tail) and then diverge, so the hit engine prefills
 20 tokens. A query equal to a stored prompt (A itself) hits n - 2 with a
 drafter model, not n - 1: vLLM 0.32's drafter loses a whole draft round after
-a prefill step of one token, whatever the cache (`settings.min_prefill_tokens`;
+a prefill step of one token, whatever the cache (`scopes.min_prefill_tokens`;
 measured 36/39 accepted after vLLM's own prefix-cache hit of 512 of 513 tokens,
 36/36 with 2 or 3 tokens to prefill: `prefix_cache_hits`, a fourth engine with
 vLLM's prefix cache and no kvpack), so that hit must accept exactly what the
@@ -271,7 +271,7 @@ def test_kvpack_hit_accepts_what_a_vllm_prefix_cache_hit_accepts(
 def test_vllm_loses_a_draft_round_after_a_one_token_prefill(prefix_cache_hits) -> None:  # type: ignore[no-untyped-def]
     """The cause, in vLLM itself: its own prefix cache leaving one token to prefill costs one
     draft round (measured 36/39 vs 36/36), tokens equal. This is why a hit leaves two
-    (`settings.min_prefill_tokens`); when a vLLM release fixes it, this fails and the cap can go."""
+    (`scopes.min_prefill_tokens`); when a vLLM release fixes it, this fails and the cap can go."""
     cold, hit = prefix_cache_hits["ONE_cold"], prefix_cache_hits["ONE"]
     assert hit.out.cached == len(ONE) - 1 and hit.out.tokens == cold.out.tokens
     assert hit.accepted == cold.accepted and hit.drafted == cold.drafted + SPEC_TOKENS
@@ -354,20 +354,20 @@ TARGET = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 @pytest.mark.parametrize(("method", "tokens"), [(None, 1), ("ngram", 1), ("draft_model", 2), ("eagle", 2)])
 def test_min_prefill_tokens_is_two_with_a_drafter_model(method: str | None, tokens: int) -> None:
-    from kvpack.vllm_plugin.settings import min_prefill_tokens
+    from kvpack.vllm_plugin.scopes import min_prefill_tokens
 
     assert min_prefill_tokens(_vllm_config(method)) == tokens
 
 
 def test_split_draft_model_layers_by_prefix() -> None:
-    from kvpack.vllm_plugin.settings import split_draft_layers
+    from kvpack.vllm_plugin.scopes import split_draft_layers
 
     draft = ("draft_model.model.layers.0.self_attn.attn", "draft_model.model.layers.1.self_attn.attn")
     assert split_draft_layers(_vllm_config("draft_model"), TARGET + draft) == (TARGET, draft)
 
 
 def test_split_eagle_head_by_layer_index_not_position() -> None:
-    from kvpack.vllm_plugin.settings import split_draft_layers
+    from kvpack.vllm_plugin.scopes import split_draft_layers
 
     head = ("model.layers.2.self_attn.attn",)  # an EAGLE head after the target's 2 layers
     names = (TARGET[0], *head, TARGET[1])  # registration order does not matter
@@ -377,7 +377,7 @@ def test_split_eagle_head_by_layer_index_not_position() -> None:
 @pytest.mark.parametrize("method", [None, "ngram"])
 def test_no_draft_kv_no_draft_member(method: str | None) -> None:
     from kvpack import DraftPlacement, KVPackConfig
-    from kvpack.vllm_plugin.settings import resolve_draft_placement, split_draft_layers
+    from kvpack.vllm_plugin.scopes import resolve_draft_placement, split_draft_layers
 
     cfg = _vllm_config(method)
     names = TARGET + ("model.layers.2.self_attn.attn",)
@@ -390,7 +390,7 @@ def test_no_draft_kv_no_draft_member(method: str | None) -> None:
 @pytest.mark.parametrize(("setting", "expected"), [("auto", "packed"), ("packed", "packed"), ("sidecar", "sidecar")])
 def test_placement_resolution(setting: str, expected: str) -> None:
     from kvpack import KVPackConfig
-    from kvpack.vllm_plugin.settings import resolve_draft_placement
+    from kvpack.vllm_plugin.scopes import resolve_draft_placement
 
     config = KVPackConfig.from_dict({"draft_placement": setting})
     assert resolve_draft_placement(_vllm_config("draft_model"), config).value == expected

@@ -39,7 +39,7 @@ from vllm_helpers import (
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, StoredObject, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
-from kvpack.vllm_plugin.settings import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -147,7 +147,7 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
     from kvpack import Session
     from kvpack.groups import Coverage
     from kvpack.layout_spec import KVLayoutSpec
-    from kvpack.vllm_plugin.settings import CacheGroup, Scope
+    from kvpack.vllm_plugin.scopes import CacheGroup, Scope
     from kvpack.vllm_plugin.worker import WorkerSide
 
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=block_size)

@@ -18,7 +18,7 @@ Rows:
   ``draft_policy: target_only`` (a counted partial hit) and under
   ``recompute`` (no hit, so no damage);
 - the stored prompt itself: a kvpack hit of n - 2 tokens (with a drafter model
-  kvpack leaves vLLM two tokens to prefill, `settings.min_prefill_tokens`), a hit
+  kvpack leaves vLLM two tokens to prefill, `scopes.min_prefill_tokens`), a hit
   row; and the control it avoids, vLLM's own prefix cache with one token to
   prefill (prompt = whole blocks + 1 token): vLLM's drafter loses one round there.
 

@@ -1,7 +1,8 @@
-"""Translation of vLLM's configuration and requests into kvpack terms.
+"""vLLM's configuration as kvpack's config and the engine's `Scope`: what keys, fingerprints
+and member names this engine's objects have.
 
 Everything here is a pure function of the `VllmConfig` (and, for workers,
-the cache tensors) or of one request, so the scheduler-side and worker-side
+the cache tensors), so the scheduler-side and worker-side
 connectors, which may live in different processes, compute the same keys,
 fingerprints and member names independently.
 
