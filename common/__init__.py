@@ -81,6 +81,7 @@ from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, 
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
+from .tier_events import TierEvent, TierEventFeed, TierEventKind
 from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
@@ -152,6 +153,9 @@ __all__ = [
     "StoredRange",
     "TailMatch",
     "TenantSource",
+    "TierEvent",
+    "TierEventFeed",
+    "TierEventKind",
     "TierStatus",
     "WaitBudget",
     "canonical_group_spec",

@@ -58,6 +58,7 @@ from .reads import LoadItem
 from .store import KVStore
 from .tails import TailMatch
 from .tenancy import RequestScope
+from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
@@ -275,6 +276,11 @@ class Session:
         """Where the tail `token_ids` after chunk `parent` goes, and whether every member of it
         is stored there already (`TailSlots.place`)."""
         return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
+
+    def tier_events(self) -> TierEventFeed:
+        """From now on, report what this process's tiers take and let go (`kvpack.tier_events`:
+        a bounded feed the adapter drains, e.g. into vLLM's KV events for routers)."""
+        return self.store.tier_events()
 
     def record(self, event: AdapterEvent, amount: float = 1, tenant: str | None = None) -> None:
         """Count what an adapter reports (`AdapterEvent`: the core names the metric)."""

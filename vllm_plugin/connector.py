@@ -29,13 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from .kv_events import router_events, tier_feed, worker_events
 from .metadata import KVPackConnectorMetadata
 from .scheduler import SchedulerSide
 from .scopes import load_config, make_scope
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -104,6 +108,9 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        # vLLM's KV events (--kv-events-config): the workers' tier events, published by the scheduler side
+        self.router_events = router_events(vllm_config, self.kvpack_config, self.scope) if self.scheduler else None
+        self._tier_feed = tier_feed(vllm_config, self.worker.session) if self.worker is not None else None
         _LIVE.add(self)
 
     @property
@@ -191,6 +198,12 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         stats = side.take_stats() if side is not None else {}
         return KVPackConnectorStats(data=stats) if stats else None
 
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return worker_events(self._tier_feed)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.router_events.take() if self.router_events is not None else ()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPackConnectorStats(data=dict(data or {}))
@@ -204,6 +217,8 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        if self.router_events is not None:
+            self.router_events.follow(request)
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -212,22 +227,28 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        if self.router_events is not None:
+            self.router_events.note_saves(meta)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(
             connector_output.finished_sending, connector_output.kv_connector_worker_meta
         )
+        if self.router_events is not None:
+            self.router_events.on_worker_events(connector_output.kv_cache_events)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
-        return self.scheduler.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        if self.router_events is not None:
+            self.router_events.finished(request.request_id)
         return self.scheduler.request_finished(request, block_ids)
 
     def register_finished_partial_tail(

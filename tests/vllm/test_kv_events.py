@@ -1,0 +1,177 @@
+"""kvpack's tiers seen by a KV-aware router: vLLM's KV events (``kv_events_config``, zmq).
+
+A real vLLM engine publishes on a zmq PUB socket; the test subscribes as a router does (SUB,
+with vLLM's replay socket for the batches a late subscriber missed) and decodes with vLLM's
+own classes. It sees ``BlockStored`` for each whole block kvpack stored (medium ``CPU`` for the
+memory tier, ``STORAGE`` for the disk tier, the tier's name as ``ownership``, the block's
+token ids and parent hash) and ``BlockRemoved`` when kvpack's memory tier evicts a block to
+make room; what the events say each tier holds is what the tiers then answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm_helpers import BLOCK, close_llm, free_port, kv_config, make_llm, prompt, run  # noqa: E402
+
+from kvpack import StoreKey, chunk_hashes  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TOPIC = "kv"
+OBJECT_BYTES = 2 * 2 * BLOCK * 2 * 64 * 4
+"""One block of the tiny Llama (2 layers, K and V, 2 KV heads of 64, fp32): 256 KiB."""
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class Subscriber:
+    """A router's side of vLLM's KV events: SUB for the live stream, the replay socket for
+    the batches published before it joined (zmq's slow joiner)."""
+
+    def __init__(self, port: int, replay_port: int) -> None:
+        ctx = zmq.Context.instance()
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.replay_addr = f"tcp://127.0.0.1:{replay_port}"
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.batches: dict[int, KVEventBatch] = {}
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+
+    def events(self) -> list[Any]:
+        return [e for seq in sorted(self.batches) for e in self.batches[seq].events]
+
+    def wait_for(self, done: Callable[[list[Any]], bool], timeout_s: float = 30.0) -> list[Any]:
+        """Receive until `done(events)` holds (or the bound passes: the caller's assert then fails)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sub.poll(100):
+                _topic, seq, payload = self.sub.recv_multipart()
+                self.batches[int.from_bytes(seq, "big")] = self.decoder.decode(payload)
+            if self.batches and len(self.batches) <= max(self.batches):
+                self._replay()  # a gap before the newest: ask the publisher for what was missed
+            if done(self.events()):
+                break
+        return self.events()
+
+    def _replay(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            sock.connect(self.replay_addr)
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            while sock.poll(5000):
+                _, _topic, seq, payload = sock.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                self.batches.setdefault(int.from_bytes(seq, "big"), self.decoder.decode(payload))
+        finally:
+            sock.close(linger=0)
+
+
+def held(events: list[Any], owner: str) -> set[Any]:
+    """Block hashes the events say tier `owner` holds now (stored and not removed since)."""
+    now: set[Any] = set()
+    for e in events:
+        if getattr(e, "ownership", None) != owner:
+            continue
+        if isinstance(e, BlockStored):
+            now.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            now.difference_update(e.block_hashes)
+    return now
+
+
+def _connector(role: str) -> Any:
+    from kvpack.vllm_plugin import live_connectors
+
+    (conn,) = [c for c in live_connectors() if c.role.name == role]
+    return conn
+
+
+A = prompt(21, 2 * BLOCK + 45)  # 2 whole blocks + a 45-token tail each
+B = prompt(22, 2 * BLOCK + 45)
+
+
+def test_a_router_sees_kvpack_blocks_stored_and_evicted_per_tier(tiny_llama: Path, tmp_path: Path) -> None:
+    port, replay_port = free_port(), free_port()
+    events_config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": TOPIC,
+    }
+    # memory holds 4 objects (a whole block or a tail each): A's 3 and B's 3 do not fit, disk holds all
+    extra = {
+        "memory": {"capacity": 4 * OBJECT_BYTES},
+        "disk": {"path": str(tmp_path / "kv")},
+        "trusted_tenants": ["*"],
+    }
+    subscriber = Subscriber(port, replay_port)
+    llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=events_config)
+    try:
+        worker = _connector("WORKER").worker
+        run(llm, A)
+        assert worker.flush_before_exit(10, "test")
+        run(llm, B)
+        assert worker.flush_before_exit(10, "test")
+        # a request kvpack refuses to cache (a malformed tenant) saves and loads nothing: its engine
+        # step only carries what the tiers did since the last step to the publisher
+        run(llm, prompt(23, 20), tenant="not/a tenant")
+
+        memory, disk = worker.session.store.tiers[0], worker.session.store.tiers[1]
+        assert (memory.name, disk.name) == ("memory", "disk")
+        chunks = {name: chunk_hashes(ids, BLOCK) for name, ids in (("A", A), ("B", B))}
+        keys = {
+            name: [StoreKey("default", worker.scope.fingerprint, c, "kv") for c in cs] for name, cs in chunks.items()
+        }
+        in_memory = {name: memory.contains(ks) for name, ks in keys.items()}
+        on_disk_now = sum(sum(disk.contains(ks)) for ks in keys.values())
+        assert in_memory["B"] == [True, True] and in_memory["A"] != [True, True]  # B's store evicted A's
+
+        blocks = {tuple(ids[i * BLOCK : (i + 1) * BLOCK]) for ids in (A, B) for i in range(2)}
+
+        def settled(events: list[Any]) -> bool:
+            announced = {tuple(e.token_ids) for e in events if isinstance(e, BlockStored) and e.ownership == "memory"}
+            in_mem = sum(sum(v) for v in in_memory.values())
+            return announced >= blocks and (len(held(events, "memory")), len(held(events, "disk"))) == (
+                in_mem,
+                on_disk_now,
+            )
+
+        events = subscriber.wait_for(settled)
+        stored = [e for e in events if isinstance(e, BlockStored) and e.ownership in ("memory", "disk")]
+        by_tokens = {tuple(e.token_ids): e for e in stored if e.ownership == "memory"}
+        hashes: dict[str, list[Any]] = {}
+        for name, ids in (("A", A), ("B", B)):
+            blocks = [by_tokens[tuple(ids[i * BLOCK : (i + 1) * BLOCK])] for i in range(2)]  # KeyError: not announced
+            assert [b.medium for b in blocks] == ["CPU", "CPU"]
+            assert [b.block_size for b in blocks] == [BLOCK, BLOCK]
+            assert blocks[0].parent_block_hash is None and blocks[1].parent_block_hash == blocks[0].block_hashes[0]
+            hashes[name] = [b.block_hashes[0] for b in blocks]
+        on_disk = {e.block_hashes[0] for e in stored if e.ownership == "disk"}
+        assert {e.medium for e in stored if e.ownership == "disk"} == {"STORAGE"}
+        assert on_disk == set(hashes["A"] + hashes["B"])  # the disk evicted nothing
+
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == "memory"]
+        assert removed and {e.medium for e in removed} == {"CPU"}
+        # what the events say each tier holds is what the tiers answer
+        now = held(events, "memory")
+        for name in ("A", "B"):
+            assert [h in now for h in hashes[name]] == in_memory[name]
+            assert [h in held(events, "disk") for h in hashes[name]] == disk.contains(keys[name])
+    finally:
+        close_llm(llm)
+        subscriber.close()

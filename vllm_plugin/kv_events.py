@@ -1,0 +1,306 @@
+"""kvpack's tiers as vLLM KV events (``--kv-events-config``), for KV-aware routers.
+
+The core reports what each tier took and let go (`kvpack.TierEvent`: one group on one tier).
+This module carries those events from the workers to the scheduler through vLLM's own
+connector path (`get_kv_connector_kv_cache_events` -> ``KVConnectorOutput.kv_cache_events``
+-> `update_connector_output`) and translates them there into vLLM's ``BlockStored`` /
+``BlockRemoved``, which vLLM's scheduler publishes with its own (``take_events``).
+
+Only the scheduler side knows a group's vLLM block hash: when it plans a save it has the
+request, so `RouterEvents.note_saves` remembers, per saved chunk, the request's block hash(es),
+the parent hash, the token ids, the block size and the LoRA adapter (bounded: the oldest go
+first; one that goes while announced is announced removed, so a router never keeps a block
+kvpack can no longer withdraw). A stored event is published once per tier; a removal only for
+a tier it was announced on.
+
+Medium per tier (vLLM's own names, as its offloading connector uses them), with the tier's
+name as ``ownership`` and its locality:
+
+=========  =========  ========  ==========================================
+tier       medium     locality  removals reported
+=========  =========  ========  ==========================================
+memory     CPU        LOCAL     evictions and removals in this instance
+disk       STORAGE    LOCAL     those this instance made (other processes
+                                sharing the folder evict unreported)
+mooncake   STORAGE    REMOTE    none of the master's own evictions
+=========  =========  ========  ==========================================
+
+Not reported: partial-block tails (vLLM hashes whole blocks only), blocks promoted into memory
+by a read from a lower tier, a chunk larger than vLLM's hash block that is not a multiple of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+from kvpack import (
+    BadTenant,
+    ChunkHash,
+    GroupKey,
+    KVPackConfig,
+    Session,
+    TierEvent,
+    TierEventFeed,
+    TierEventKind,
+    chunk_hashes,
+)
+
+from .metadata import KVPackConnectorMetadata
+from .request_scopes import request_scope
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+    from .scopes import Scope as EngineScope
+
+MEDIUMS: dict[str, tuple[str, str]] = {
+    "memory": (MEDIUM_CPU, "LOCAL"),
+    "host": (MEDIUM_CPU, "LOCAL"),
+    "disk": (MEDIUM_STORAGE, "LOCAL"),
+    "mooncake": (MEDIUM_STORAGE, "REMOTE"),
+}
+"""kvpack tier name -> (vLLM event medium, locality). Any other tier: STORAGE, no locality."""
+
+MAX_BLOCKS = 1 << 17
+"""Saved chunks whose vLLM facts the scheduler keeps (about 300 bytes + token ids each)."""
+MAX_REQUESTS = 4096
+"""Live requests followed for their block hashes (vLLM's scheduler holds them anyway)."""
+
+
+def medium_of(tier: str) -> tuple[str, str | None]:
+    """(medium, locality) of a kvpack tier's events."""
+    return MEDIUMS.get(tier, (MEDIUM_STORAGE, None))
+
+
+class KVPackKVEvents(KVConnectorKVEvents):
+    """One step's tier events of the workers (vLLM merges the ranks' into the first's)."""
+
+    def __init__(self, events: Sequence[TierEvent] = (), workers: int = 1) -> None:
+        self._events: list[TierEvent] = list(events)
+        self._workers = workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(e for e in events if isinstance(e, TierEvent))
+
+    def aggregate(self) -> KVPackKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)  # type: ignore[arg-type]  # kvpack's own events, translated by RouterEvents
+
+    def tier_events(self) -> list[TierEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+
+
+def worker_events(feed: TierEventFeed | None) -> KVPackKVEvents | None:
+    """What this worker's tiers took and let go since the last step (None: nothing, or events off)."""
+    if feed is None:
+        return None
+    events = feed.take()
+    return KVPackKVEvents(events) if events else None
+
+
+@dataclass
+class _Block:
+    """A saved chunk's vLLM facts, and the tiers it was announced on."""
+
+    hashes: list[BlockHash]
+    parent: BlockHash | None
+    token_ids: list[int]
+    lora_id: int | None
+    lora_name: str | None
+    tiers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Followed:
+    request: Request
+    seed: ChunkHash | None
+    chunks: list[ChunkHash] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+
+
+class RouterEvents:
+    """Scheduler side: kvpack tier events -> vLLM ``BlockStored`` / ``BlockRemoved`` (module docstring).
+
+    `block_size` is kvpack's chunk (the engine block) in tokens; `hash_block_size` the tokens per
+    vLLM request block hash (a chunk carries ``block_size // hash_block_size`` of them)."""
+
+    def __init__(
+        self,
+        config: KVPackConfig,
+        fingerprint: str,
+        block_size: int,
+        hash_block_size: int,
+        max_blocks: int = MAX_BLOCKS,
+    ) -> None:
+        self._config = config
+        self._fingerprint = fingerprint
+        self._bs = block_size
+        self._per_chunk = block_size // hash_block_size if hash_block_size and block_size % hash_block_size == 0 else 0
+        self._max_blocks = max_blocks
+        self._warned = threading.Event()
+        self._warned.set()  # the scheduler already warned about the request's tenant
+        self._requests: OrderedDict[str, _Followed] = OrderedDict()
+        self._finished: set[str] = set()
+        self._blocks: OrderedDict[tuple[str, str], _Block] = OrderedDict()
+        self._out: list[KVCacheEvent] = []
+
+    # -- requests and saves ---------------------------------------------------------
+
+    def follow(self, request: Request) -> None:
+        """Keep `request` until its saves are planned (its block hashes grow as it runs)."""
+        rid = request.request_id
+        if rid in self._requests or not self._per_chunk:
+            return
+        try:
+            seed = request_scope(request, self._config, None, self._warned).seed
+        except BadTenant:
+            return
+        self._requests[rid] = _Followed(request, seed)
+        while len(self._requests) > MAX_REQUESTS:
+            self._requests.popitem(last=False)
+
+    def finished(self, req_id: str) -> None:
+        """The request ended: forget it after the saves planned at its end."""
+        if req_id in self._requests:
+            self._finished.add(req_id)
+
+    def note_saves(self, meta: KVPackConnectorMetadata) -> None:
+        """Remember the vLLM facts of every whole chunk this step's saves store."""
+        for job in meta.saves:
+            followed = self._requests.get(job.req_id)
+            if followed is None:
+                continue
+            for ref in job.blocks:
+                if ref.token_ids is None and (job.tenant, ref.chunk) not in self._blocks:
+                    self._remember(job.tenant, ref.chunk, followed)
+        for rid in self._finished:
+            self._requests.pop(rid, None)
+        self._finished.clear()
+
+    def _remember(self, tenant: str, chunk: str, f: _Followed) -> None:
+        i = f.index.get(chunk)
+        if i is None:
+            i = self._extend(f, chunk)
+            if i is None:
+                return
+        hashes = f.request.block_hashes[i * self._per_chunk : (i + 1) * self._per_chunk]
+        if len(hashes) < self._per_chunk:
+            return
+        lora = getattr(f.request, "lora_request", None)
+        self._blocks[(tenant, chunk)] = _Block(
+            hashes=list(hashes),
+            parent=f.request.block_hashes[i * self._per_chunk - 1] if i else None,
+            token_ids=list(f.request.all_token_ids[i * self._bs : (i + 1) * self._bs]),
+            lora_id=getattr(lora, "lora_int_id", None),
+            lora_name=getattr(lora, "lora_name", None),
+        )
+        while len(self._blocks) > self._max_blocks:
+            _, old = self._blocks.popitem(last=False)
+            self._out.extend(self._removed(old, sorted(old.tiers)))
+
+    def _extend(self, f: _Followed, chunk: str) -> int | None:
+        """Hash the request's whole chunks not hashed yet (kvpack's chain); `chunk`'s index or None."""
+        full = len(f.request.block_hashes) // self._per_chunk
+        if full > len(f.chunks):
+            parent = f.chunks[-1] if f.chunks else f.seed
+            tokens = list(f.request.all_token_ids[len(f.chunks) * self._bs : full * self._bs])
+            for h in chunk_hashes(tokens, self._bs, parent=parent):
+                f.index[str(h)] = len(f.chunks)
+                f.chunks.append(h)
+        return f.index.get(chunk)
+
+    # -- tier events -----------------------------------------------------------------
+
+    def on_worker_events(self, events: KVConnectorKVEvents | None) -> None:
+        """Translate the workers' tier events (``KVConnectorOutput.kv_cache_events``)."""
+        if isinstance(events, KVPackKVEvents):
+            self.translate(events.tier_events())
+
+    def translate(self, events: Iterable[TierEvent]) -> None:
+        for event in events:
+            try:
+                group = GroupKey.parse(event.group)
+            except ValueError:
+                continue
+            if group.fingerprint != self._fingerprint:
+                continue  # another model's group on a shared tier
+            block = self._blocks.get((group.tenant, group.chunk))
+            if block is None:
+                continue  # not stored by this instance (or forgotten): never announced
+            if event.kind is TierEventKind.STORED and event.tier not in block.tiers:
+                block.tiers.add(event.tier)
+                self._out.append(self._stored(block, event.tier))
+            elif event.kind is TierEventKind.REMOVED and event.tier in block.tiers:
+                block.tiers.discard(event.tier)
+                self._out.extend(self._removed(block, [event.tier]))
+
+    def take(self) -> list[KVCacheEvent]:
+        """The vLLM events since the last call (vLLM's scheduler publishes them each step)."""
+        out, self._out = self._out, []
+        return out
+
+    def _stored(self, block: _Block, tier: str) -> BlockStored:
+        medium, locality = medium_of(tier)
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in block.hashes],
+            parent_block_hash=maybe_convert_block_hash(block.parent) if block.parent is not None else None,
+            token_ids=list(block.token_ids),
+            block_size=self._bs // self._per_chunk,
+            lora_id=block.lora_id,
+            medium=medium,
+            lora_name=block.lora_name,
+            locality=locality,
+            ownership=tier,
+        )
+
+    def _removed(self, block: _Block, tiers: Iterable[str]) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        for tier in tiers:
+            medium, locality = medium_of(tier)
+            hashes = [maybe_convert_block_hash(h) for h in block.hashes]
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=tier))
+        return out
+
+
+def events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def router_events(vllm_config: VllmConfig, config: KVPackConfig, scope: EngineScope) -> RouterEvents | None:
+    """The scheduler side's translator, or None when vLLM publishes no KV events (no cost)."""
+    if not events_enabled(vllm_config):
+        return None
+    return RouterEvents(config, scope.fingerprint, scope.block_size, int(vllm_config.cache_config.block_size))
+
+
+def tier_feed(vllm_config: VllmConfig, session: Session) -> TierEventFeed | None:
+    """A worker's feed of its tiers' events, or None when vLLM publishes no KV events (no cost)."""
+    return session.tier_events() if events_enabled(vllm_config) else None
