@@ -1,0 +1,91 @@
+"""RouterEvents (kvpack.vllm_plugin.kv_events) without an engine: which tier events become vLLM events.
+
+The request is the scheduler-side shape `vllm_helpers.fake_request` gives, plus vLLM's block hashes.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm_helpers import fake_request, prompt  # noqa: E402
+
+from kvpack import KVPackConfig, StoreKey, TierEvent, TierEventKind, chunk_hashes  # noqa: E402
+from kvpack.vllm_plugin.kv_events import KVPackKVEvents, RouterEvents  # noqa: E402
+from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BS = 4
+FP = "f" * 32
+STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
+
+
+def _request(req_id: str, ids: list[int]):  # type: ignore[no-untyped-def]
+    req = fake_request(ids, req_id)
+    req.block_hashes = [bytes([i]) * 32 + req_id.encode() for i in range(len(ids) // BS)]
+    return req
+
+
+def _saved(events: RouterEvents, req, chunks: list[str]) -> None:  # type: ignore[no-untyped-def]
+    events.follow(req)
+    refs = tuple(BlockRef(c, (i + 1,), BS) for i, c in enumerate(chunks))
+    events.note_saves(KVPackConnectorMetadata(saves=[TransferJob(req.request_id, "default", refs)]))
+
+
+def _group(chunk: str, fp: str = FP) -> str:
+    return StoreKey("default", fp, chunk, "kv").group.as_str()
+
+
+def test_a_stored_chunk_is_announced_once_per_tier_and_removed_only_where_announced() -> None:
+    ids = prompt(1, 3 * BS)
+    req = _request("r", ids)
+    chunks = [str(c) for c in chunk_hashes(ids, BS)]
+    events = RouterEvents(KVPackConfig.from_dict({}), FP, BS, BS)
+    _saved(events, req, chunks[:2])
+    events.translate(
+        [
+            TierEvent(STORED, "memory", _group(chunks[0])),
+            TierEvent(STORED, "memory", _group(chunks[0])),  # again (a later put): no second announcement
+            TierEvent(STORED, "disk", _group(chunks[1])),
+            TierEvent(STORED, "memory", _group(chunks[2])),  # never planned here: unknown, not announced
+            TierEvent(STORED, "memory", _group(chunks[1], "e" * 32)),  # another model's group on a shared tier
+            TierEvent(REMOVED, "disk", _group(chunks[0])),  # never announced on disk
+            TierEvent(REMOVED, "memory", _group(chunks[0])),
+        ]
+    )
+    out = events.take()
+    assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
+    first, second, gone = out
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored) and isinstance(gone, BlockRemoved)
+    assert (first.medium, first.ownership, first.locality, first.token_ids) == ("CPU", "memory", "LOCAL", ids[:BS])
+    assert (second.medium, second.ownership, second.token_ids) == ("STORAGE", "disk", ids[BS : 2 * BS])
+    assert second.parent_block_hash == first.block_hashes[0]
+    assert (gone.medium, gone.ownership, gone.block_hashes) == ("CPU", "memory", first.block_hashes)
+    assert events.take() == []
+
+
+def test_facts_dropped_for_room_withdraw_what_they_announced() -> None:
+    # a router must never keep a block kvpack can no longer withdraw
+    ids = prompt(2, 3 * BS)
+    chunks = [str(c) for c in chunk_hashes(ids, BS)]
+    events = RouterEvents(KVPackConfig.from_dict({}), FP, BS, BS, max_blocks=2)
+    req = _request("r", ids)
+    _saved(events, req, chunks[:1])
+    events.translate([TierEvent(STORED, "memory", _group(chunks[0]))])
+    _saved(events, req, chunks[1:3])  # the third chunk's facts push the first's out
+    out = events.take()
+    assert [type(e) for e in out] == [BlockStored, BlockRemoved]
+    assert out[1].block_hashes == out[0].block_hashes
+
+
+def test_the_workers_events_cross_a_process_boundary() -> None:
+    # vLLM pickles a worker's KVConnectorOutput across processes (TP > 1)
+    batch = KVPackKVEvents([TierEvent(STORED, "memory", _group("a" * 64))])
+    batch.add_events(KVPackKVEvents([TierEvent(REMOVED, "disk", _group("b" * 64))]).get_all_events())
+    again = pickle.loads(pickle.dumps(batch))
+    assert again.tier_events() == batch.tier_events() and len(again.tier_events()) == 2
