@@ -134,21 +134,20 @@ class MemoryTierConfig:
     """Host-RAM tier. Capacity in bytes (per process, or per host in `MemoryMode.HOST`).
     Its memory is not pinned: GPU copies go through the transfer staging
     (`TransferConfig`), never straight from the tier. `host_name` names the host store
-    (its folder is ``/dev/shm/kvpack-<uid>-<host_name>``): processes share it only when
-    they run as one user with one name."""
+    (its folder is ``/dev/shm/kvpack-<uid>-<name>``): processes share it only when they run
+    as one user with one name. Empty (the default): named after the disk store (processes
+    on one ``disk.path`` share one host store), or ``default`` with the disk tier off."""
 
     enabled: bool = True
     capacity: int = _size_field("4GiB")
     mode: MemoryMode = MemoryMode.AUTO
-    host_name: str = "default"
+    host_name: str = ""
 
     def validate(self, path: str) -> None:
         import re
 
-        if not re.fullmatch(HOST_NAME_RE, self.host_name):
-            raise ConfigError(
-                join_path(path, "host_name"), f"{shown(self.host_name, 80)} must match {HOST_NAME_RE}"
-            )
+        if self.host_name and not re.fullmatch(HOST_NAME_RE, self.host_name):
+            raise ConfigError(join_path(path, "host_name"), f"{shown(self.host_name, 80)} must match {HOST_NAME_RE}")
 
 
 MAX_TRANSFER_BYTES = 1 << 40
