@@ -74,9 +74,9 @@ def build_tiers(
 
         mode = memory_mode(config)
     if mode is MemoryMode.HOST:
-        from .host import HostTier
+        from .host import HostTier, store_name
 
-        tiers.append(HostTier(config.memory.host_name, config.memory.capacity, quotas, io_threads=copy_threads))
+        tiers.append(HostTier(store_name(config), config.memory.capacity, quotas, io_threads=copy_threads))
     elif config.memory.enabled and include_memory:
         from .memory import MemoryTier
 

@@ -46,7 +46,7 @@ from kvpack import (
     TierStatus,
 )
 from kvpack.tiers.factory import build_tiers
-from kvpack.tiers.host import HostTier, host_root, memory_mode, resolve_memory, shm_problem
+from kvpack.tiers.host import HostTier, host_root, memory_mode, resolve_memory, shm_problem, store_name
 from kvpack.tiers.host.owners import OWNERS, TEMPS
 from kvpack.tiers.memory import MemoryTier
 
@@ -167,6 +167,9 @@ def test_auto_picks_the_host_tier_for_several_processes_or_beside_a_live_user(na
     finally:
         other.close()
     assert memory_mode(cfg("auto")) is MemoryMode.PROCESS  # it left: nobody lives on the store
+    unnamed = [KVPackConfig.from_dict({"disk": {"path": p}}) for p in ("/tmp/a", "/tmp/b", "/tmp/a/")]
+    assert store_name(unnamed[0]) != store_name(unnamed[1]) and store_name(unnamed[0]) == store_name(unnamed[2])
+    assert store_name(KVPackConfig.from_dict({"disk": {"enabled": False}})) == "default"
     assert isinstance(build_tiers(cfg("auto"))[0], MemoryTier)
 
 

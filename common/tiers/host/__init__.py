@@ -8,7 +8,7 @@ dead ones, `catalog` records who is writing what, `choice` decides
 """
 
 from .choice import memory_mode, resolve_memory
-from .place import host_root, shm_problem
+from .place import host_root, shm_problem, store_name
 from .tier import HostTier
 
-__all__ = ["HostTier", "host_root", "memory_mode", "resolve_memory", "shm_problem"]
+__all__ = ["HostTier", "host_root", "memory_mode", "resolve_memory", "shm_problem", "store_name"]

@@ -23,7 +23,7 @@ from ...config import KVPackConfig, MemoryMode
 from ...errors import ConfigError
 from ..disk.fs import SHM
 from .owners import live_owners
-from .place import host_root, shm_problem
+from .place import host_root, shm_problem, store_name
 
 log = logging.getLogger("kvpack")
 
@@ -50,7 +50,7 @@ def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM)
         if problem is not None:
             raise ConfigError("memory.mode", f"host: {problem}; set memory.mode to process or lower memory.capacity")
         return MemoryMode.HOST
-    if engine_processes <= 1 and _live_users(mem.host_name, shm) == 0:
+    if engine_processes <= 1 and _live_users(store_name(config), shm) == 0:
         return MemoryMode.PROCESS
     if problem is not None:
         log.warning("kvpack: memory.mode auto: the per-process memory tier (%s)", problem)

@@ -2,7 +2,8 @@
 
 A host store is the folder ``<shm>/kvpack-<uid>-<name>`` (`host_root`): per user
 (a folder of another uid is never opened: `fs.open_store_root` creates ours 0700)
-and per `memory.host_name`, so two unrelated stores never mix. `shm_problem`
+and per store (`store_name`: `memory.host_name`, else the disk store's identity), so
+two unrelated stores never mix. `shm_problem`
 says, in one line, why the folder cannot hold `capacity` bytes: no such folder,
 not tmpfs (a disk would be the disk tier, with a page-cache copy), not writable,
 or smaller than the capacity plus the index's allowance.
@@ -10,13 +11,26 @@ or smaller than the capacity plus the index's allowance.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+from ...config import KVPackConfig
 from ..disk.fs import SHM
 
 INDEX_ALLOWANCE = 64 << 20
 """Room the shared memory needs beyond `capacity`: the SQLite index, its WAL and lock files (bytes)."""
 _TMPFS = "tmpfs"
+
+
+def store_name(config: KVPackConfig) -> str:
+    """The host store `config` names: ``memory.host_name``; else one per disk store
+    (``disk-`` and a hash of its resolved path), or ``default`` with the disk tier off."""
+    if config.memory.host_name:
+        return config.memory.host_name
+    if not config.disk.enabled:
+        return "default"
+    real = os.path.realpath(os.path.expanduser(config.disk.path))
+    return "disk-" + hashlib.blake2b(os.fsencode(real), digest_size=8).hexdigest()
 
 
 def host_root(name: str, shm: str = SHM, uid: int | None = None) -> str:
