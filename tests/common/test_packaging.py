@@ -83,3 +83,23 @@ def test_pins_are_in_one_place_and_in_the_readme() -> None:
         assert re.search(rf"{re.escape(name)}\W+{re.escape(pins[name])}", readme), (
             f"README must state {name} {pins[name]}"
         )
+
+
+def test_every_source_package_is_in_the_wheel() -> None:
+    """A folder with an __init__.py under a mapped source folder is a listed package.
+
+    The wheel test only sees packages something imports at start-up; this one sees every
+    folder, so a new subpackage cannot be left out of the wheel.
+    """
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    on_disk = set()
+    for name, folder in setup["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.parent.relative_to(ROOT / folder).parts
+            on_disk.add(".".join((name, *rel)))
+    assert on_disk <= listed, f"missing from pyproject.toml packages: {sorted(on_disk - listed)}"
