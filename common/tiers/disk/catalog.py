@@ -65,6 +65,8 @@ from .rows import Victim, group_id, pack_name, unpack_name
 INDEX_NAME = ".kvpack-store.index"
 """Starts with the marker's name plus a dot: `fs` treats it (and its -wal/-shm) as the marker's own."""
 SCHEMA_VERSION = "2"
+INDEX_BUSY_TIMEOUT_S = 10.0
+"""Seconds start-up (and `kvpack config`'s read-only check) waits for another process's index lock."""
 WRITE_GRACE_S = 60.0
 """A row not ready this long after its admission is a crashed writer's (no write takes this long)."""
 TOUCH_FLUSH_S = 1.0
@@ -101,7 +103,7 @@ def _flock(fd: int, timeout_s: float) -> None:
 class Catalog(ScanReconcile):
     """One process's connection to the folder's index. Thread-safe (one lock per connection)."""
 
-    def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S) -> None:
         """Open (or create) the index at `path`; a file of another schema version is emptied
         and rebuilt from the folder (it is derived data: the object files are the truth)."""
         self._lock = threading.Lock()

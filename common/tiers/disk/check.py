@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ...errors import ConfigError
-from .catalog import INDEX_NAME, Catalog
+from .catalog import INDEX_BUSY_TIMEOUT_S, INDEX_NAME, Catalog
 
 INDEX_FILES = (INDEX_NAME, *(INDEX_NAME + s for s in ("-wal", "-shm", ".lock")))
 """The index's files in the store folder, as `catalog.open_catalog` checks them."""
@@ -40,7 +40,7 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 """The first bytes of every SQLite database file (an empty file is a new database)."""
 
 
-def check_index_files(root: str, busy_timeout_s: float = 10.0, field: str = "disk.path") -> None:
+def check_index_files(root: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, field: str = "disk.path") -> None:
     """Raise the ConfigError start-up (`catalog.open_catalog`) would raise for the index files
     of the existing store folder `root`, changing nothing. `busy_timeout_s` (seconds) is how
     long start-up waits for the writer lock (`DiskTier`'s default)."""

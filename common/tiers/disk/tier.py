@@ -73,7 +73,7 @@ from ...objects import (
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
-from .catalog import WRITE_GRACE_S, Catalog, open_catalog
+from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
 from .files import data_offset, read_header_fd, read_verified, write_all
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file, remove_empty_folders
@@ -125,7 +125,7 @@ class DiskTier(Tier):
         io_threads: int = 1,
         *,
         stale_temp_s: float = STALE_TEMP_S,
-        busy_timeout_s: float = 10.0,
+        busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S,
         open_scan_s: float = 0.5,
         index_pace: Callable[[int], None] | None = None,
     ) -> None:
