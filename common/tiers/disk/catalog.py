@@ -52,7 +52,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import cast
 
@@ -64,6 +64,8 @@ from .rows import Victim, group_id, pack_name, unpack_name
 
 INDEX_NAME = ".kvpack-store.index"
 """Starts with the marker's name plus a dot: `fs` treats it (and its -wal/-shm) as the marker's own."""
+INDEX_FILES = (INDEX_NAME, *(INDEX_NAME + suffix for suffix in ("-wal", "-shm", ".lock")))
+"""The index and SQLite's and the writer lock's files beside it."""
 SCHEMA_VERSION = "2"
 INDEX_BUSY_TIMEOUT_S = 10.0
 """Seconds start-up (and `kvpack config`'s read-only check) waits for another process's index lock."""
@@ -435,20 +437,32 @@ class Catalog(ScanReconcile):
             os.close(self._lock_fd)
 
 
-def open_catalog(
-    root: str, root_fd: int, busy_timeout_s: float, field: str = "disk.path", kind: type[Catalog] = Catalog
-) -> Catalog:
-    """The folder's shared index (a `kind`); ConfigError naming `field` when its files are not
-    regular files (a planted symlink is never opened) or it is not a readable index."""
-    for name in (INDEX_NAME, *(INDEX_NAME + s for s in ("-wal", "-shm", ".lock"))):
+def present_index_files(root: str, lstat: Callable[[str], os.stat_result], field: str) -> list[str]:
+    """The index's files (`INDEX_FILES`) present in the store folder `root`, by name.
+
+    `lstat(name)` stats a name in `root` without following a link. Every one present is a
+    regular file: a link or anything else raises ConfigError naming `field` (never opened).
+    """
+    present: list[str] = []
+    for name in INDEX_FILES:
         try:
-            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            st = lstat(name)
         except FileNotFoundError:
             continue
         except OSError as exc:
             raise ConfigError(field, f"{root}/{name}: {exc}") from None
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(field, f"{root}/{name} is not a regular file (kvpack's index is refused)")
+        present.append(name)
+    return present
+
+
+def open_catalog(
+    root: str, root_fd: int, busy_timeout_s: float, field: str = "disk.path", kind: type[Catalog] = Catalog
+) -> Catalog:
+    """The folder's shared index (a `kind`); ConfigError naming `field` when its files are not
+    regular files (a planted symlink is never opened) or it is not a readable index."""
+    present_index_files(root, lambda name: os.stat(name, dir_fd=root_fd, follow_symlinks=False), field)
     try:
         return kind(f"{root}/{INDEX_NAME}", busy_timeout_s)
     except (OSError, sqlite3.Error) as exc:

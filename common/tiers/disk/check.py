@@ -25,16 +25,14 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
-import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import NoReturn
 
 from ...errors import ConfigError
-from .catalog import INDEX_BUSY_TIMEOUT_S, INDEX_NAME, Catalog
+from .catalog import INDEX_BUSY_TIMEOUT_S, INDEX_FILES, INDEX_NAME, Catalog, present_index_files
 
-INDEX_FILES = (INDEX_NAME, *(INDEX_NAME + s for s in ("-wal", "-shm", ".lock")))
 """The index's files in the store folder, as `catalog.open_catalog` checks them."""
 SQLITE_MAGIC = b"SQLite format 3\x00"
 """The first bytes of every SQLite database file (an empty file is a new database)."""
@@ -44,17 +42,7 @@ def check_index_files(root: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, f
     """Raise the ConfigError start-up (`catalog.open_catalog`) would raise for the index files
     of the existing store folder `root`, changing nothing. `busy_timeout_s` (seconds) is how
     long start-up waits for the writer lock (`DiskTier`'s default)."""
-    present: list[str] = []
-    for name in INDEX_FILES:
-        try:
-            st = os.lstat(os.path.join(root, name))
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise ConfigError(field, f"{root}/{name}: {exc}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(field, f"{root}/{name} is not a regular file (kvpack's index is refused)")
-        present.append(name)
+    present = present_index_files(root, lambda name: os.lstat(os.path.join(root, name)), field)
     for name in present:
         if not os.access(os.path.join(root, name), os.R_OK | os.W_OK):
             _refuse(root, f"{root}/{name} is not readable and writable by this process", field)
