@@ -68,9 +68,6 @@ class LoadPlan:
     pinned: tuple[StoreKey, ...] = ()
     expires: float = 0.0
 
-    def tier_of(self, key: StoreKey) -> str | None:
-        return self.located.get(key)
-
 
 class PlanBook:
     """Open load plans and prepared stores, each with a deadline. Thread-safe.

@@ -123,14 +123,6 @@ class PinnedPool:
                 return
             self._free.setdefault(cap, []).append(buf)
 
-    def release_free(self) -> int:
-        """Unpin every free buffer; the bytes unpinned."""
-        with self._lock:
-            before = self._pinned
-            while self._drop_one_free():
-                pass
-            return before - self._pinned
-
     def _drop_one_free(self) -> bool:
         """Unpin the largest free buffer (under the lock); False when none is free."""
         classes = [c for c, bufs in self._free.items() if bufs]

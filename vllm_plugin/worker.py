@@ -103,7 +103,7 @@ class WorkerSide:
         start_engine_process()
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
-            self.staging = Staging.for_tensor(first)
+            self.runner.use_device_of(first)
         try:
             self.layout = register_layout(self.vllm_config, self.scope, self.position, kv_caches, num_blocks)
         except LayoutError as exc:

@@ -194,18 +194,3 @@ def stream_completion(
         result.finished = time.monotonic()
         conn.close()
     return result
-
-
-def post_json(port: int, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, dict[str, Any] | str]:
-    """A plain (non-streamed) POST; returns (status, parsed JSON or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read().decode(errors="replace")
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, raw
-    finally:
-        conn.close()
