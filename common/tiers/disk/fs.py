@@ -19,9 +19,9 @@ delete anything kvpack did not put in its own store folder.
   the inode allocator then places their subfolders in distinct, emptier block
   groups instead of next to the parent's. Without it every object file lands
   in the store root's group; on a file system without a journal each file
-  creation there scans past that group's recently deleted inodes (measured on
-  this host: 0.7-0.9 ms of kernel CPU per ``open(O_CREAT)`` in a busy group,
-  17-25 us once spread). Layout and crash safety do not change.
+  creation there scans past that group's recently deleted inodes (kernel CPU
+  per ``open(O_CREAT)`` that grows with the group's churn; spread, each new
+  folder starts in an emptier group). Layout and crash safety do not change.
 - Temporary files have a random name (`temp_name`) and are created with
   ``O_CREAT | O_EXCL | O_NOFOLLOW``; `is_temp_name` matches only that pattern,
   so a sweep can never take another program's ``*.tmp.*`` file.
