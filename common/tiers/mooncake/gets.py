@@ -21,7 +21,6 @@ from operator import methodcaller
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ...keys import StoreKey
 from ...objects import (
@@ -33,6 +32,7 @@ from ...objects import (
     Payload,
     RejectReason,
     check_header,
+    check_payload,
     decode_header,
     header_length,
     payload_nbytes,
@@ -293,6 +293,6 @@ def check_staged(
             ),
             0,
         )
-    if verify and header.checksum is not None and xxhash.xxh3_64_intdigest(raw[header_len:]) != header.checksum:
-        return GetResult(TierStatus.REJECTED, header, RejectReason.CHECKSUM), 0
+    if verify and (bad := check_payload(header, raw[header_len:])) is not None:  # the staged bytes, before the copy
+        return GetResult(TierStatus.REJECTED, header, bad), 0
     return GetResult(TierStatus.OK, header), header_len
