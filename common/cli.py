@@ -2,11 +2,12 @@
 
     kvpack inspect DIR [--json]
     kvpack config [FILE]        # check FILE as engine start-up does; print the effective config
+    kvpack host [drop NAME... | drop --unused]  # this user's host memory stores; give one's memory back
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
     kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
 
-``inspect`` and ``config`` are the core's own. Every other subcommand is a tool
+``inspect``, ``config`` and ``host`` are the core's own. Every other subcommand is a tool
 (`kvpack.tools`, folder tools/) that registers itself in the ``kvpack.commands``
 entry-point group (pyproject.toml): the core names no tool and never imports one;
 a tool's module is imported only when it runs, so `kvpack inspect` works without
@@ -62,10 +63,39 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host(args: argparse.Namespace) -> int:
+    """List this user's host stores, or drop some (`kvpack.tiers.host.stores`); exit 2 with one
+    line per store that could not be dropped (a live user, a bad name)."""
+    import re
+
+    from .config import HOST_NAME_RE
+    from .tiers.host.stores import drop, host_stores
+
+    stores = host_stores()
+    if args.action is None:
+        for s in stores:
+            print(f"{s.name}\t{s.held_bytes >> 20} MiB\t{s.users} live user(s)\t{s.path}")
+        return 0
+    names = [s.name for s in stores if s.users == 0] if args.unused else args.names
+    if not names and not args.unused:
+        print("kvpack host drop: name a store (kvpack host lists them) or pass --unused", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in names:
+        problem = None if re.fullmatch(HOST_NAME_RE, name) else f"{name[:80]!r} is not a host store name"
+        problem = problem or drop(name)
+        if problem is not None:
+            print(f"kvpack host drop: {problem}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"dropped {name}")
+    return 2 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tools = tool_commands()
-    if argv and argv[0] in tools and argv[0] not in ("inspect", "config"):
+    if argv and argv[0] in tools and argv[0] not in ("inspect", "config", "host"):
         return int(tools[argv[0]].load()(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvpack", description="kvpack: KV-cache reuse for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true")
     p_config = sub.add_parser("config", help="check a config file as start-up does and print the effective config")
     p_config.add_argument("file", nargs="?")
+    p_host = sub.add_parser("host", help="list this user's host memory stores (memory.mode host), or drop some")
+    p_host.add_argument("action", nargs="?", choices=["drop"])
+    p_host.add_argument("names", nargs="*", help="stores to drop (the names `kvpack host` lists)")
+    p_host.add_argument("--unused", action="store_true", help="drop every store no live process uses")
     for name in sorted(tools):
         # no arguments of its own here: everything after the name, --help too, goes to the tool
         sub.add_parser(name, help=f"the {name} tool (`kvpack {name} --help` for its arguments)", add_help=False)
@@ -82,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return _inspect(args)
     if args.command == "config":
         return _config(args)
+    if args.command == "host":
+        return _host(args)
     parser.print_help()
     return 2
 

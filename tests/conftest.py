@@ -9,7 +9,9 @@ time; a suite that needs one starts it in a fixture.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,3 +34,23 @@ def pytest_configure(config: pytest.Config) -> None:
     exec resets a caught signal, never an ignored one."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_the_host_stores_of_this_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A host store outlives its processes (`kvpack.tiers.host.stores`). Every store this run
+    made is named after a disk folder under its own temporary root (`disk_store_name`; tests
+    with the disk off name theirs and drop them): those with no live user go when the run
+    ends, so a run leaves /dev/shm as it found it and never touches a store another run,
+    or a user, made. A store's name differs with its disk folder: tests never share one."""
+    base = os.path.realpath(tmp_path_factory.getbasetemp())
+    yield
+    from kvpack.tiers.host import disk_store_name, drop, host_stores
+
+    names = {s.name for s in host_stores()}
+    if not names:
+        return
+    for folder, _, _ in os.walk(base):
+        name = disk_store_name(folder)
+        if name in names:
+            drop(name)

@@ -14,7 +14,9 @@ Real processes (tests/common/host_child.py, each a `kvpack.Session` with
 - ``memory.mode: auto`` picks the host tier for an engine of several processes or
   beside a live user of the store; /dev/shm too small is one line (host) or a
   warning and the per-process tier (auto);
-- stores of another name or user never mix; the integrity key applies.
+- stores of another name or user never mix; the integrity key applies;
+- a store outlives its processes until dropped (``kvpack host drop``), which a live
+  user prevents.
 """
 
 from __future__ import annotations
@@ -45,8 +47,19 @@ from kvpack import (
     Session,
     TierStatus,
 )
+from kvpack.cli import main
 from kvpack.tiers.factory import build_tiers
-from kvpack.tiers.host import HostTier, host_root, memory_mode, resolve_memory, shm_problem, store_name
+from kvpack.tiers.host import (
+    HostTier,
+    disk_store_name,
+    drop,
+    host_root,
+    host_stores,
+    memory_mode,
+    resolve_memory,
+    shm_problem,
+    store_name,
+)
 from kvpack.tiers.host.owners import OWNERS, TEMPS
 from kvpack.tiers.memory import MemoryTier
 
@@ -232,3 +245,26 @@ def test_the_integrity_key_applies_to_the_host_tier(name: str) -> None:
     finally:
         for s in (writer, stranger, reader):
             s.close()
+
+
+def test_a_store_outlives_its_processes_until_dropped_and_never_under_a_live_user(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = host_root(name)
+    tier = HostTier(name, 8 << 20)
+    try:
+        assert [(s.name, s.users) for s in host_stores() if s.name == name] == [(name, 1)]
+        assert drop(name) is not None and os.path.isdir(root)  # a live user: refused, one line
+        assert main(["host", "drop", name]) == 2
+        assert "1 live user" in capsys.readouterr().err
+    finally:
+        tier.close()
+    assert os.path.isdir(root)  # the last user's exit leaves it (a later process finds its objects)
+    assert main(["host"]) == 0 and f"{name}\t" in capsys.readouterr().out
+    assert main(["host", "drop", name]) == 0
+    assert not os.path.exists(root)
+    assert not [n for n in os.listdir(os.path.dirname(root)) if n.startswith(os.path.basename(root) + ".")]
+    assert main(["host", "drop", "../etc"]) == 2  # a name, never a path
+    assert "not a host store name" in capsys.readouterr().err
+    cfg = KVPackConfig.from_dict({"disk": {"path": "/tmp/a"}})
+    assert store_name(cfg) == disk_store_name("/tmp/a")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 from fixtures.builders import GROUP_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, StoreKey, TierStatus
 from kvpack.keys import GroupKey
 from kvpack.tier_events import TierEvent, TierEventFeed, TierEventKind
+from kvpack.tiers.host import drop
 
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
 
@@ -79,3 +82,25 @@ def test_the_feed_keeps_the_newest_and_counts_what_it_dropped() -> None:
     events = feed.take()
     assert dropped == [2, 1] and feed.dropped == 3
     assert [e.group for e in events] == [k.group.as_str() for k in keys[3:]] + [keys[0].group.as_str()]
+
+
+def test_the_host_tier_reports_its_evictions(tmp_path: Path) -> None:
+    """The shared host tier (``memory.mode: host``) announces what it took and withdraws what it
+    evicted, under its own name (vLLM's KV events: medium CPU, `vllm_plugin.kv_events.MEDIUMS`)."""
+    name = f"events-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # an object costs its header page and its payload page in tmpfs (8 KiB): 32 KiB holds four
+    memory = {"mode": "host", "host_name": name, "capacity": "32KiB"}
+    store = _store(tmp_path, memory=memory, disk={"enabled": False})
+    try:
+        assert [t.name for t in store.tiers] == ["host"]
+        feed = store.tier_events()
+        for i in range(5):
+            assert store.store([make_item("t", chunk_id(i), seed=i)[0]]) == [TierStatus.OK]
+        assert store.flush(10)
+        events = feed.take()
+        assert [e.group for e in events if e.kind is STORED and e.tier == "host"] == [_group(i) for i in range(5)]
+        assert [e for e in events if e.kind is REMOVED] == [TierEvent(REMOVED, "host", _group(0))]
+        assert store.contains([StoreKey("t", GROUP_FP, chunk_id(i), "kv") for i in (0, 4)]) == [False, True]
+    finally:
+        store.close()
+        drop(name)

@@ -4,11 +4,23 @@
 a file's pages are host memory, counted once (tmpfs has no second page-cache
 copy). `place` finds and checks the folder, `owners` tells live processes from
 dead ones, `catalog` records who is writing what, `choice` decides
-``memory.mode: auto``.
+``memory.mode: auto``, `stores` lists this user's stores and drops one (``kvpack host``).
 """
 
 from .choice import memory_mode, resolve_memory
-from .place import host_root, shm_problem, store_name
+from .place import disk_store_name, host_root, shm_problem, store_name
+from .stores import HostStore, drop, host_stores
 from .tier import HostTier
 
-__all__ = ["HostTier", "host_root", "memory_mode", "resolve_memory", "shm_problem", "store_name"]
+__all__ = [
+    "HostStore",
+    "HostTier",
+    "disk_store_name",
+    "drop",
+    "host_root",
+    "host_stores",
+    "memory_mode",
+    "resolve_memory",
+    "shm_problem",
+    "store_name",
+]

@@ -29,7 +29,11 @@ def store_name(config: KVPackConfig) -> str:
         return config.memory.host_name
     if not config.disk.enabled:
         return "default"
-    real = os.path.realpath(os.path.expanduser(config.disk.path))
+    return disk_store_name(os.path.realpath(os.path.expanduser(config.disk.path)))
+
+
+def disk_store_name(real: str) -> str:
+    """The host store name of the disk store at resolved path `real`: ``disk-`` and a hash of it."""
     return "disk-" + hashlib.blake2b(os.fsencode(real), digest_size=8).hexdigest()
 
 
