@@ -58,6 +58,12 @@ def _serve() -> Tool:
     return serve_bench.main
 
 
+def _pair() -> Tool:
+    from .bench import serve_pair
+
+    return serve_pair.main
+
+
 def _pd() -> Tool:
     from .bench import pd_bench
 
@@ -108,6 +114,7 @@ BENCHES: dict[str, Callable[[], Tool]] = {
     "sglang": _sglang,
     "spec": _spec,
     "serve": _serve,
+    "pair": _pair,
     "pd": _pd,
     "scale": _scale,
     "chat": _chat,

@@ -17,14 +17,22 @@ the two instances only need kvpack with one shared tier (disk or Mooncake):
 GET paths (``/health``, ``/v1/models``) go to the decode instance. Listens on
 127.0.0.1 unless told otherwise. Standard library only; one thread per
 connection; every upstream call has a timeout (``--timeout-s``).
+
+    kvpack proxy --round-robin http://127.0.0.1:8100 http://127.0.0.1:8200 --port 8000
+
+sends each request whole to the next instance in turn (`RoundRobin`), as a
+load balancer that knows nothing of prefixes does: what one instance computed
+reaches another only through a tier they share (``kvpack bench pair``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -65,7 +73,44 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
     return urllib.request.urlopen(req, timeout=timeout_s)
 
 
-def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
+class RoundRobin:
+    """The next upstream base URL, in turn (thread-safe: one thread per connection)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("round robin over no instance")
+        self._cycle = itertools.cycle(urls)
+        self._lock = threading.Lock()
+
+    def next(self) -> str:
+        with self._lock:
+            return next(self._cycle)
+
+
+def _relay(handler: BaseHTTPRequestHandler, resp: Any, stream: bool) -> None:
+    """Send upstream response `resp` back to the client: whole, or chunk by chunk as it arrives."""
+    if not stream:
+        payload = resp.read()
+        handler.send_response(resp.status)
+        handler.send_header("Content-Type", resp.headers.get("Content-Type", "application/json"))
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.end_headers()
+        handler.wfile.write(payload)
+        return
+    handler.send_response(resp.status)
+    handler.send_header("Content-Type", resp.headers.get("Content-Type", "text/event-stream"))
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    while chunk := resp.read1(65536):
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        handler.wfile.flush()
+    handler.wfile.write(b"0\r\n\r\n")
+
+
+def make_handler(up: Upstreams | RoundRobin, timeout_s: float = 600.0) -> type[BaseHTTPRequestHandler]:
+    """The request handler: prefill/decode over `up` (`Upstreams`), or each request to the next
+    instance (`RoundRobin`, each call bounded by `timeout_s`)."""
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -80,8 +125,9 @@ def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(payload)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            base, limit = (up.next(), timeout_s) if isinstance(up, RoundRobin) else (up.decode, up.timeout_s)
             try:
-                with urllib.request.urlopen(up.decode + self.path, timeout=up.timeout_s) as resp:
+                with urllib.request.urlopen(base + self.path, timeout=limit) as resp:
                     self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
             except urllib.error.HTTPError as exc:
                 self._reply(exc.code, exc.read())
@@ -96,6 +142,9 @@ def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
             except ValueError as exc:
                 self._reply(400, json.dumps({"error": f"not JSON: {exc}"}).encode())
+                return
+            if isinstance(up, RoundRobin):
+                self._whole(up.next(), body)
                 return
             try:
                 with _post(up.prefill + self.path, prefill_body(body), up.timeout_s) as resp:
@@ -115,17 +164,19 @@ def make_handler(up: Upstreams) -> type[BaseHTTPRequestHandler]:
                 self._reply(502, json.dumps({"error": f"decode instance: {exc}"}).encode())
                 return
             with resp:
-                if not body.get("stream"):
-                    self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
-                    return
-                self.send_response(resp.status)
-                self.send_header("Content-Type", resp.headers.get("Content-Type", "text/event-stream"))
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while chunk := resp.read1(65536):
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+                _relay(self, resp, bool(body.get("stream")))
+
+        def _whole(self, base: str, body: dict[str, Any]) -> None:
+            try:
+                resp = _post(base + self.path, body, timeout_s)
+            except urllib.error.HTTPError as exc:
+                self._reply(exc.code, exc.read())
+                return
+            except OSError as exc:
+                self._reply(502, json.dumps({"error": f"instance {base}: {exc}"}).encode())
+                return
+            with resp:
+                _relay(self, resp, bool(body.get("stream")))
 
     return Handler
 
@@ -144,26 +195,34 @@ class ProxyServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def serve(up: Upstreams, host: str, port: int) -> ThreadingHTTPServer:
+def serve(up: Upstreams | RoundRobin, host: str, port: int, timeout_s: float = 600.0) -> ThreadingHTTPServer:
     """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one."""
-    return ProxyServer((host, port), make_handler(up))
+    return ProxyServer((host, port), make_handler(up, timeout_s))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpack proxy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefill", required=True, help="base URL of the prefill instance (kv_producer)")
-    parser.add_argument("--decode", required=True, help="base URL of the decode instance (kv_consumer)")
+    parser.add_argument("--prefill", help="base URL of the prefill instance (kv_producer)")
+    parser.add_argument("--decode", help="base URL of the decode instance (kv_consumer)")
+    parser.add_argument("--round-robin", nargs="+", metavar="URL", help="instances to send requests to in turn")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound of each upstream call")
     args = parser.parse_args(argv)
+    if bool(args.round_robin) == bool(args.prefill or args.decode) or (
+        not args.round_robin and not (args.prefill and args.decode)
+    ):
+        parser.error("give --prefill and --decode, or --round-robin URL...")
     logging.basicConfig(level=logging.INFO)
-    server = serve(Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s), args.host, args.port)
-    print(
-        f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, decode "
-        f"{args.decode}",
-        flush=True,
-    )
+    if args.round_robin:
+        urls = [u.rstrip("/") for u in args.round_robin]
+        server = serve(RoundRobin(urls), args.host, args.port, args.timeout_s)
+        where = "round robin over " + ", ".join(urls)
+    else:
+        up = Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s)
+        server = serve(up, args.host, args.port, args.timeout_s)
+        where = f"prefill {args.prefill}, decode {args.decode}"
+    print(f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> {where}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
