@@ -10,7 +10,8 @@ Modules: `connector` (the vLLM class, routing only), `scheduler` and `worker`
 (the two halves), `metadata` (what passes between them, and a hit plan as the
 blocks vLLM allocated), `scopes` (vLLM's config -> kvpack config and `Scope`), `request_scopes`
 (a request's tenant and seed), `handoff` (prefill/decode), `captures` (what each
-step saves), `state_tails` (Mamba state handed over at finish), `registration`
+step saves), `state_tails` (Mamba state handed over at finish), `workers_memory` (the
+scheduler's index of the workers' memory tiers), `registration`
 (what a worker copies), `loads` (a load's staging rows and scatter), `saves`,
 `blocks` and `canonical_blocks` (whole-block and canonical copies).
 """

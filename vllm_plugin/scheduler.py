@@ -22,7 +22,7 @@ Save (`build_connector_meta`, every step; see `captures`): the chunks the
 step computes, the prompt's partial tail in the step that finishes the
 prompt, the tail of a request that may end by length; the workers copy them
 right after that step's forward. The scheduler counts them as in the
-workers' memory at once (`_expect_in_memory`), so the next request with the
+workers' memory at once (`WorkersMemory.expect`), so the next request with the
 same prefix hits while the first still decodes. `request_finished` saves
 the last partial block of a request that ended otherwise (EOS, stop, abort:
 `CaptureTracker.finish_tail`) and a Mamba state vLLM hands over: it returns
@@ -56,8 +56,9 @@ computed is what makes them storable at all, and Mamba's state at a partial bloc
 vLLM hands it over (`register_finished_partial_tail`); the state of a tail
 is usable only for a prompt that contains the whole tail.
 
-The store seen here has the workers' memory tiers as a `ReportedMemoryIndex`
-(fed by worker reports) in front of the shared tiers (disk, Mooncake).
+The store seen here has the workers' memory tiers as an index (`workers_memory`,
+fed by their reports and this side's saves) in front of the shared tiers (disk,
+Mooncake); a host memory tier is read directly.
 
 Every store call here runs on vLLM's scheduler thread, between two engine
 steps. Besides each remote call's own bound, one `WaitBudget`
@@ -81,29 +82,24 @@ from kvpack import (
     HitPlan,
     HitQuery,
     KVPackConfig,
-    MemberRole,
-    MemoryMode,
     MetricsInterval,
-    ReportedMemoryIndex,
     RequestScope,
     Session,
     WaitBudget,
-    chunk_hashes,
 )
 
 from .captures import CaptureTracker
 from .handoff import Handoff, HandoffError, handoff_claim, wants_remote_decode
 from .metadata import (
-    NO_BLOCK,
     KVPackConnectorMetadata,
     KVPackWorkerMetadata,
-    StoredObject,
     TransferJob,
     hit_refs,
 )
 from .request_scopes import RequestScopes
 from .scopes import Scope
 from .state_tails import PartialTail, partial_tails, state_tail_ref
+from .workers_memory import WorkersMemory
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -112,12 +108,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("kvpack.vllm")
-
-
-def _workers_report(config: KVPackConfig) -> bool:
-    """Do the workers report their memory tier here? Only a per-process one: a host memory tier
-    (``memory.mode: host``) is every process's, read directly by this side's own `HostTier`."""
-    return config.memory.enabled and config.memory.mode is not MemoryMode.HOST
 
 
 class SchedulerSide:
@@ -131,9 +121,9 @@ class SchedulerSide:
         self.scope = scope
         self.can_load = can_load
         self.can_save = can_save
-        self.index = ReportedMemoryIndex()
+        self.memory = WorkersMemory(config, scope)
         # a lookup view: the workers write, this process only reads (no write-back threads)
-        self.session = Session.reader(config, [self.index] if _workers_report(config) else [], scope.fingerprint)
+        self.session = Session.reader(config, self.memory.tiers, scope.fingerprint)
         self.members = scope.member_specs()
         self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
@@ -233,21 +223,12 @@ class SchedulerSide:
     def _loads_in_step(self, plan: HitPlan) -> bool:
         """Whether `plan` loads synchronously: one KV cache group (vLLM takes block-level
         failures), not a handoff, at most `sync_load_max_blocks` blocks, and every object
-        (chunks and tail) in the workers' memory as far as their reports say."""
+        in the workers' memory (`WorkersMemory.holds`)."""
         blocks = plan.hit_chunks + (plan.tail is not None)
-        if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid or plan.scope is None:
+        if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid:
             return False
-        if len(plan.tiers) < plan.hit_chunks or any(t != self.index.name for chunk in plan.tiers for _m, t in chunk):
-            return False
-        if plan.tail is None:
-            return True
-        members = self._splits[plan.tail.source] if self._splits else self.members
-        names = [
-            m.name
-            for m in members
-            if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)
-        ]
-        return all(self.index.contains([self.session.key(plan.scope.tenant, plan.tail.chunk, m) for m in names]))
+        tail_members = self._splits[plan.tail.source] if self._splits and plan.tail else self.members
+        return self.memory.holds(plan, tail_members, self.session.key)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -274,35 +255,12 @@ class SchedulerSide:
         if scheduler_output is not None and self._captures:
             for job in self._captures.step(scheduler_output):
                 self._pending_saves.append(job)
-                self._expect_in_memory(job)
+                self.memory.expect(job, self.session.key)
                 self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
         return meta
-
-    def _expect_in_memory(self, job: TransferJob) -> None:
-        """Count what `job` saves as in the workers' memory now, not when their report comes
-        (the same step's saves land before any later load: `WorkerSide` orders them). A
-        save that fails costs a counted load miss and a recompute, never a wrong load."""
-        if not _workers_report(self.config):
-            return
-        expected = []
-        for ref in job.blocks:
-            for g, block in enumerate(ref.block_ids):
-                if block == NO_BLOCK:
-                    continue
-                members = self.scope.group_members(g) + (self.scope.draft_members if g == 0 else ())
-                expected += [
-                    StoredObject(
-                        self.session.key(job.tenant, ref.chunk, m).as_str(),
-                        ref.token_count,
-                        0,
-                        ref.token_ids,
-                    )
-                    for m in members
-                ]
-        self.index.apply(expected, ())
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]
@@ -310,9 +268,7 @@ class SchedulerSide:
         """Take Mamba state at a partial block (group, block, boundary tokens) for the save in
         `request_finished`. True: a save job is queued for this request, so vLLM keeps its
         blocks until the workers report it."""
-        if not self.can_save or not self.config.tail_reuse or not offloads:
-            return False
-        if self._scope_of(request) is None:
+        if not self.can_save or not self.config.tail_reuse or not offloads or self._scope_of(request) is None:
             return False
         tails = partial_tails(self.scope, len(request.all_token_ids), offloads)
         if not tails:
@@ -364,22 +320,17 @@ class SchedulerSide:
                 return False, None
             job = TransferJob(req_id, run.scope.tenant, (tail,))
             self._pending_saves.append(job)
-            self._expect_in_memory(job)  # a follow-up turn in the next step hits it (the load waits for it)
+            # a follow-up turn in the next step hits it (the load waits for it)
+            self.memory.expect(job, self.session.key)
             self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
             return True, None
         if not self.can_save or not partial_tails:
             return False, None
         rs = plan.scope if plan is not None else self._scope_of(request)
-        if rs is None:
-            return False, None
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
-        if n <= 0:
-            return False, None
         tokens = list(request.all_token_ids[:n])
-        hashes = chunk_hashes(tokens, self.scope.block_size, parent=rs.seed)
-        groups = [list(ids) for ids in block_ids]
-        tail = state_tail_ref(self.scope, rs, tokens, hashes, groups, partial_tails, self._place_tail)
-        if tail is None:
+        tail = state_tail_ref(self.scope, rs, tokens, block_ids, partial_tails, self._place_tail) if rs else None
+        if tail is None or rs is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
         self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
@@ -395,7 +346,7 @@ class SchedulerSide:
         """Apply the workers' report (`finished_sending` needs no bookkeeping here: vLLM
         itself frees a finished request's blocks once its save is reported)."""
         if isinstance(report, KVPackWorkerMetadata):
-            self.index.apply(report.stored, report.evicted)
+            self.memory.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)

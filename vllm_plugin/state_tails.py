@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpack import ChunkHash, Coverage, RequestScope
+from kvpack import ChunkHash, Coverage, RequestScope, chunk_hashes
 
 from .metadata import NO_BLOCK, NULL_BLOCK, BlockRef, block_at
 from .scopes import Scope
@@ -47,16 +47,18 @@ def state_tail_ref(
     scope: Scope,
     rs: RequestScope,
     tokens: Sequence[int],
-    hashes: Sequence[ChunkHash],
     groups: Sequence[Sequence[int]],
     tails: Sequence[PartialTail],
     place_tail: Callable[[RequestScope, ChunkHash | None, tuple[int, ...]], tuple[str, bool]],
 ) -> BlockRef | None:
     """The handed-over state as the member of a boundary chunk or of a tail (with the
     attention groups' blocks of that tail, `groups`: per group the request's blocks); the
-    tail ends where the state does and goes where `place_tail` says. None: the state's
-    chunk is not among `hashes`."""
+    tail ends where the state does and goes where `place_tail` says. `tokens`: those the
+    request computed. None: the state's chunk is not among `tokens`' whole chunks."""
     bs = scope.block_size
+    if not tokens:
+        return None
+    hashes = chunk_hashes(list(tokens), bs, parent=rs.seed)
     state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
     c, t = divmod(tails[0].boundary, bs)
     states = {pt.group: pt.block_id for pt in tails}

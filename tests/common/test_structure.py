@@ -317,7 +317,7 @@ def test_public_names_do_not_shadow_a_submodule() -> None:
 ADAPTER_FOLDERS = ("vllm_plugin", "sglang_plugin")
 MAX_ADAPTER_CLASS_LINES = 250
 """An adapter class translates; one that grows past this holds the core's work (plans, jobs, counts)."""
-CLASS_CEILINGS = {"vllm_plugin/scheduler.py:SchedulerSide": 287, "sglang_plugin/pools.py:PoolBinding": 289}
+CLASS_CEILINGS = {"sglang_plugin/pools.py:PoolBinding": 289}
 """Adapter classes still over `MAX_ADAPTER_CLASS_LINES`, at their present size: they may shrink, never grow."""
 
 
@@ -413,3 +413,4 @@ def test_adapter_classes_translate_in_about_250_lines() -> None:
 
 def test_the_class_size_check_counts_a_class() -> None:
     assert _class_sizes("import x\n\n@dataclass\nclass A:\n    a: int\n\n    b: int\n") == {"A": 5}
+

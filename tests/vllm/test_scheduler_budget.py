@@ -69,7 +69,7 @@ def _scheduler_over(remote: DiskTier, ids: list[int], chunks: int, **config: obj
     scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
     side = SchedulerSide(cfg, scope, can_load=True, can_save=False)
     side.session.close()
-    side.session.store = KVStore(cfg, [side.index, remote], read_only=True)
+    side.session.store = KVStore(cfg, [side.memory.index, remote], read_only=True)
     for chunk in chunk_hashes(ids, BS)[:chunks]:
         payload = np.zeros(64, dtype=np.uint8)
         header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)

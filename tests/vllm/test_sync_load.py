@@ -106,7 +106,7 @@ def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: in
     try:
         ids = list(range(500, 549))  # 3 whole chunks and one token
         chunks = chunk_hashes(ids, BS)
-        side.index.apply(
+        side.memory.index.apply(
             [StoredObject(StoreKey("default", side.scope.fingerprint, c, "kv").as_str(), BS, 64) for c in chunks], []
         )
         assert side.get_num_new_matched_tokens(fake_request(ids, "r"), 0) == (3 * BS, want_async)
