@@ -414,3 +414,50 @@ def test_adapter_classes_translate_in_about_250_lines() -> None:
 def test_the_class_size_check_counts_a_class() -> None:
     assert _class_sizes("import x\n\n@dataclass\nclass A:\n    a: int\n\n    b: int\n") == {"A": 5}
 
+
+RULE_HOMES = {
+    "quota": ("common/eviction/shares.py",),
+    "checksum": ("common/objects.py", "common/integrity.py"),
+}
+"""Rules written once, by the module that may state them: a tenant's guaranteed share read
+(`quotas[t]`, `quotas.get(t)`: the victim rule, used by the memory tier and the disk index),
+and a loaded payload's checksum compared (`== / != x.checksum`: `objects.check_payload`, the
+keyed MAC in `integrity`). Every other module passes them on."""
+
+
+def _rule_uses(source: str) -> list[tuple[int, str]]:
+    """(line, rule) of each place `source` states a rule of `RULE_HOMES`."""
+
+    def quotas(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.endswith("quotas")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and quotas(node.value):
+            found.append((node.lineno, "quota"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if quotas(node.func.value):
+                found.append((node.lineno, "quota"))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "checksum" for s in sides):
+                found.append((node.lineno, "checksum"))
+    return sorted(set(found))
+
+
+def test_each_rule_is_written_once() -> None:
+    # the quota rule once for both accountings (memory, disk index); one payload check for every tier's read
+    found = {
+        f"{path.relative_to(ROOT)}:{line}": rule
+        for folder in PACKAGE_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, rule in _rule_uses(path.read_text())
+        if str(path.relative_to(ROOT)) not in RULE_HOMES[rule]
+    }
+    assert not found, f"a rule stated outside its one home ({RULE_HOMES}): {found}"
+
+
+def test_the_rule_check_sees_a_second_copy() -> None:
+    source = "if used[t] > self._quotas.get(t, 0):\n    pass\nok = h.checksum != xxh3(p)\nq = quotas[t]\nn = h.checksum is None\n"
+    assert _rule_uses(source) == [(1, "quota"), (3, "checksum"), (4, "quota")]
