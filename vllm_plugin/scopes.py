@@ -41,10 +41,10 @@ from kvpack import (
     KVPackConfig,
     MemberRole,
     MemberSpec,
+    canonical_group_spec,
     identify_model,
     resolve_memory,
 )
-from kvpack import canonical_group_spec as canonical_group
 
 from .canonical_blocks import head_split
 
@@ -371,7 +371,7 @@ def make_scope(
     )
     if split is not None:
         return Scope(
-            spec=canonical_group(model, dtype.replace("torch.", ""), block_size),
+            spec=canonical_group_spec(model, dtype.replace("torch.", ""), block_size),
             members=split.written_members(),
             block_size=block_size,
             draft=draft,
