@@ -20,6 +20,8 @@ name as ``ownership`` and its locality:
 tier       medium     locality  removals reported
 =========  =========  ========  ==========================================
 memory     CPU        LOCAL     evictions and removals in this instance
+host       CPU        LOCAL     those this instance made (the host store is
+                                shared: other processes evict unreported)
 disk       STORAGE    LOCAL     those this instance made (other processes
                                 sharing the folder evict unreported)
 mooncake   STORAGE    REMOTE    none of the master's own evictions
