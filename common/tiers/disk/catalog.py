@@ -202,10 +202,6 @@ class Catalog(ScanReconcile):
         with self._lock, self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta VALUES('complete', '1')")
 
-    def is_empty(self) -> bool:
-        with self._lock:
-            return self._db.execute("SELECT 1 FROM groups LIMIT 1").fetchone() is None
-
     # -- reads ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[StoreKey]) -> list[bool]:
