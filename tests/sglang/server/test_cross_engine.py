@@ -50,9 +50,12 @@ pytestmark = [
 ]
 
 
-def vllm_run(model: Path, store: Path | None, log: Path) -> dict[str, object]:
-    """`PROMPT` through a vLLM engine in its own process (kvpack on `store`; None: no connector)."""
-    extra = None if store is None else {"tenant": TENANT, "disk": {"path": str(store)}}
+def vllm_run(model: Path, store: Path | None, log: Path, config: dict[str, object] | None = None) -> dict[str, object]:
+    """`PROMPT` through a vLLM engine in its own process (kvpack on `store`, or with `config`
+    when given; neither: no connector)."""
+    extra = (
+        config if config is not None else None if store is None else {"tenant": TENANT, "disk": {"path": str(store)}}
+    )
     spec = {
         "model": str(model),
         "extra": extra,
