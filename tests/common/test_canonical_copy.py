@@ -272,3 +272,37 @@ def test_streamed_scatter_of_token_major_rows_writes_the_references_bytes(dtype:
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "streamed row scatter differs"
     assert all(torch.equal(d[:, ids], s[:, ids]) for d, s in zip(outs[0], src))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", ["all", "range"])
+def test_streamed_gather_of_token_major_pages_writes_the_kv_values(dtype: torch.dtype, heads: str) -> None:
+    """A DRAM-sized gather out of SGLang ``page_first`` pages (``[2, tokens, layers, heads,
+    dim]``) walks each page in address order, token by token, streaming every (layer, head)
+    row to its tile; the objects must hold exactly the pool's K/V values in the canonical
+    order ``[layer][kv][head][token][dim]``, for every head or a head range (into heads
+    1-2 of 3-head objects, head 0 left as it was), and equal the torch reference's bytes."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    layers, n_heads, tokens, dim = 3, 4, 64, 128
+    h0, count, obj_heads, obj_h0 = (0, n_heads, n_heads, 0) if heads == "all" else (1, 2, 3, 1)
+    per_page = 2 * layers * count * tokens * dim * e
+    pages = -(-_streamed_bytes() // per_page) + 3
+    g = torch.Generator().manual_seed(9)
+    buf = torch.randn((2, pages * tokens, layers, n_heads, dim), generator=g).to(dtype)
+    geo = paged_geometry(PagedKV.from_sglang_host_pool(buf, "page_first", page_size=tokens))
+    ids = list(range(pages - 1, 2, -1)) + [0]  # pages 1 and 2 not asked for
+    assert len(ids) * per_page >= _streamed_bytes()
+    outs = []
+    for kernel in (True, False):
+        objs = torch.full((len(ids) * geo.object_bytes(obj_heads),), 7, dtype=torch.uint8)
+        geo.copy(
+            ids, objs, gather=True, obj_heads=obj_heads, obj_h0=obj_h0, cache_h0=h0, n_heads=count, use_kernel=kernel
+        )
+        outs.append(objs)
+    got = outs[0].view(len(ids), layers, 2, obj_heads, -1)
+    want = buf.view(2, pages, tokens, layers, n_heads, dim)[:, ids, :, :, h0 : h0 + count]
+    want = want.permute(1, 3, 0, 4, 2, 5).contiguous().view(torch.uint8).view(len(ids), layers, 2, count, -1)
+    assert torch.equal(got[:, :, :, obj_h0 : obj_h0 + count], want), "streamed gather is not the pool's K/V values"
+    assert bool((got[:, :, :, :obj_h0] == 7).all()), "streamed gather wrote outside its head range"
+    assert torch.equal(outs[0], outs[1]), "streamed token-major gather differs from the reference"
