@@ -4,6 +4,7 @@ scattered), in runs and on several threads, byte for byte what one contiguous co
 
 from __future__ import annotations
 
+import ctypes
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,3 +64,26 @@ def test_copy_runs_equals_one_contiguous_conversion(layout, threads, monkeypatch
     finally:
         if workers is not None:
             workers.shutdown()
+
+
+def test_address_of_is_the_first_byte_of_every_kind_of_buffer():
+    """`address_of` (the conversion's per-object address: a tier's lent slot, a lent view,
+    a staging row) is where the buffer's first byte lies, writable or read-only, sliced or
+    whole, array or memoryview; an empty buffer has numpy's address for it."""
+    base = np.arange(4096, dtype=np.uint8)
+    start = int(base.ctypes.data)
+    cases = {
+        "array": (base, 0),
+        "array slice": (base[100:300], 100),
+        "read-only array": (np.frombuffer(base[64:128].tobytes(), dtype=np.uint8), None),
+        "memoryview slice": (memoryview(base)[200:400], 200),
+        "read-only memoryview": (memoryview(base)[300:500].toreadonly(), 300),
+        "read-only view of a whole slot": (base[512:1024].data.toreadonly(), 512),
+        "read-only view of a read-only array": (memoryview(np.frombuffer(bytes(64), dtype=np.uint8)), None),
+        "empty": (base[7:7], None),
+    }
+    for name, (buf, offset) in cases.items():
+        want = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if offset is None else start + offset
+        assert conversion.address_of(buf) == want, name
+        view = (ctypes.c_ubyte * 1).from_address(conversion.address_of(buf)) if len(buf) else None
+        assert view is None or view[0] == np.frombuffer(buf, dtype=np.uint8)[0], name
