@@ -89,7 +89,7 @@ def address_of(buf: Any) -> int:
     if isinstance(buf, memoryview) and buf.readonly:
         owner = buf.obj
         whole = isinstance(owner, np.ndarray) and buf.c_contiguous and owner.nbytes == buf.nbytes
-        target = owner if whole and owner.flags.writeable else None
+        target = owner if whole and isinstance(owner, np.ndarray) and owner.flags.writeable else None
     if target is not None:
         try:
             return ctypes.addressof(ctypes.c_char.from_buffer(target))
