@@ -53,7 +53,8 @@ from .. import (
     validate_member,
 )
 from ..ops import PagedKV
-from .conversion import StagingRows, address_of, copy_runs, raw_view
+from .conversion import StagingRows, address_of, copy_runs
+from .regions import PageRegions
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 """MHA host layouts whose KV pool is stored as canonical objects (`kvpack.canonical`)."""
@@ -308,8 +309,8 @@ class PoolBinding:
         self.spec = MemberSpec(self.member, self.member_fingerprint, role_of(name))
         self.obj = MemberObject(self.member, self.member_fingerprint, self.page_size, self.page_bytes)
         """The pool's object per page, as the session saves and loads it (`kvpack.session`)."""
-        self._span: tuple[int, int, memoryview] | None = None
-        """(address, bytes, view) of the pool's buffer, while it stays where it was."""
+        self.pages = PageRegions(name, host_pool, self.page_size, self.part_sizes)
+        """Page ids, regions and in-place payloads of the pool's pages."""
         self._staging = StagingRows()
         """Canonical pools: the conversion's staging, kept between saves and loads."""
         self._threads = max(1, copy_threads)
@@ -322,10 +323,10 @@ class PoolBinding:
         (`page_payloads`; nothing to do after), or canonical objects gathered into staging
         rows (the conversion is the copy), given back after."""
         if self.canonical is None:
-            return self.page_payloads(host_indices, n_pages), lambda: None
+            return self.pages.page_payloads(host_indices, n_pages), lambda: None
         staging = self._staging.take(n_pages, self.page_bytes)
         self.canonical.copy(
-            self.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
+            self.pages.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
         )
         rows = staging.numpy()
         return [memoryview(rows[i]) for i in range(n_pages)], lambda: self._staging.give_back(staging)
@@ -337,7 +338,7 @@ class PoolBinding:
         assert geo is not None, "fill_objects is for canonical pools"
         if len(dsts) != n_pages or any(d.nbytes != self.page_bytes for d in dsts):
             raise ValueError(f"pool {self.name}: {len(dsts)} destinations for {n_pages} objects of {self.page_bytes} B")
-        self._convert(self.page_ids(host_indices, n_pages), [address_of(d) for d in dsts], gather=True)
+        self._convert(self.pages.page_ids(host_indices, n_pages), [address_of(d) for d in dsts], gather=True)
 
     def _convert(self, ids: Sequence[int], addrs: Sequence[int], *, gather: bool) -> None:
         """`copy_runs` on this binding's threads."""
@@ -365,8 +366,8 @@ class PoolBinding:
         from a tier, not copied into its row): in place (nothing to do after), or each
         loaded page's object, from its view or its staging row, scattered into the page."""
         if self.canonical is None:
-            return self.page_payloads(host_indices, n_pages), _nothing_after_load
-        ids = self.page_ids(host_indices, n_pages)
+            return self.pages.page_payloads(host_indices, n_pages), _nothing_after_load
+        ids = self.pages.page_ids(host_indices, n_pages)
         staging = self._staging.take(n_pages, self.page_bytes)
         rows = staging.numpy()
         base, size = int(rows.ctypes.data), self.page_bytes
@@ -389,7 +390,7 @@ class PoolBinding:
         `obj.part` this rank holds are scattered into the pages that loaded."""
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
-        ids = self.page_ids(host_indices, n_pages)
+        ids = self.pages.page_ids(host_indices, n_pages)
         staging = self._staging.take(n_pages, geo.object_bytes(obj.heads.size))
         rows = staging.numpy()
 
@@ -406,104 +407,5 @@ class PoolBinding:
         return [memoryview(rows[i]) for i in range(n_pages)], finish
 
     def page_ids(self, host_indices: torch.Tensor, n_pages: int) -> list[int]:
-        """The host pool page of each of `n_pages` pages of `host_indices` (each a whole, aligned page)."""
-        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
-        idx = host_indices.to("cpu", torch.int64).view(n_pages, self.page_size)
-        first = idx[:, 0]
-        expect = first[:, None] + torch.arange(self.page_size, dtype=torch.int64)
-        if bool((first % self.page_size).any()) or not torch.equal(idx, expect):
-            raise ValueError(f"pool {self.name}: host indices are not whole, aligned pages")
-        return (first // self.page_size).tolist()
-
-    def regions(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[int], list[int]]:
-        """Pointers and sizes of every page's regions (``n_pages * parts`` each).
-
-        Raises ValueError when the indices do not cover `n_pages` pages or the
-        pool's metadata does not match the geometry seen at registration.
-        """
-        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
-        ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices.to("cpu"))
-        if len(ptrs) != n_pages * self.parts or len(sizes) != len(ptrs):
-            raise ValueError(f"pool {self.name}: {len(ptrs)} regions for {n_pages} pages of {self.parts}")
-        sizes = list(map(int, sizes))
-        if sizes != list(self.part_sizes) * n_pages:
-            raise ValueError(f"pool {self.name}: region sizes changed since registration")
-        return list(map(int, ptrs)), sizes
-
-    def page_payload(self, ptrs: list[int], page: int) -> Payload:
-        """Page `page` as kvpack payload regions, in place in the host pool.
-
-        One view when its regions are contiguous in memory, else one view per
-        region (kvpack's tiers read and write regions in order: no staging copy)."""
-        return self._payloads(ptrs, page, page + 1, self._buffer_span())[0]
-
-    def page_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
-        """Every page's payload (`page_payload`), from one metadata call."""
-        ptrs, _ = self.regions(host_indices, n_pages)
-        return self._payloads(ptrs, 0, n_pages, self._buffer_span())
-
-    def _buffer_span(self) -> tuple[int, int, memoryview] | None:
-        """A view over the pool's whole ``kv_buffer`` (CPU tensor), re-made if it moved."""
-        buf = getattr(self.host_pool, "kv_buffer", None)
-        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
-            return None
-        addr, nbytes = int(buf.data_ptr()), int(buf.numel() * buf.element_size())
-        span = self._span
-        if span is None or span[0] != addr or span[1] != nbytes:
-            span = self._span = (addr, nbytes, raw_view(addr, nbytes)) if nbytes else None
-        return span
-
-    def _payloads(self, ptrs: list[int], lo: int, hi: int, span: tuple[int, int, memoryview] | None) -> list[Payload]:
-        if span is not None and hi > lo:
-            sliced = self._sliced_payloads(ptrs[lo * self.parts : hi * self.parts], span)
-            if sliced is not None:
-                return sliced
-        parts, sizes, page_bytes = self.parts, self.part_sizes, self.page_bytes
-        start, length, whole = span if span is not None else (0, 0, None)
-
-        def view(ptr: int, size: int) -> memoryview:
-            offset = ptr - start
-            if whole is not None and 0 <= offset and offset + size <= length:
-                return whole[offset : offset + size]
-            return raw_view(ptr, size)
-
-        out: list[Payload] = []
-        for page in range(lo, hi):
-            base = page * parts
-            if self.contiguous(ptrs, page):
-                out.append(view(ptrs[base], page_bytes))
-            else:
-                out.append(tuple(view(ptrs[base + j], size) for j, size in enumerate(sizes)))
-        return out
-
-    def _sliced_payloads(self, ptrs: list[int], span: tuple[int, int, memoryview]) -> list[Payload] | None:
-        """Payloads as slices of the pool's view, bounds and contiguity checked
-        for the whole batch at once; None when a region lies outside the view."""
-        start, length, whole = span
-        offsets = np.asarray(ptrs, dtype=np.int64).reshape(-1, self.parts) - start
-        ends = offsets + np.asarray(self.part_sizes, dtype=np.int64)
-        if offsets.min() < 0 or ends.max() > length:
-            return None
-        rows = offsets.tolist()
-        if self.parts == 1 or bool((offsets[:, 1:] == ends[:, :-1]).all()):
-            n = self.page_bytes
-            return [whole[row[0] : row[0] + n] for row in rows]
-        if self.parts == 2:
-            k, v = self.part_sizes
-            return [(whole[a : a + k], whole[b : b + v]) for a, b in rows]
-        sizes = self.part_sizes
-        return [tuple(whole[o : o + n] for o, n in zip(row, sizes)) for row in rows]
-
-    def contiguous(self, ptrs: list[int], page: int) -> bool:
-        """Whether page `page`'s regions form one contiguous run in host memory."""
-        base = page * self.parts
-        addr = ptrs[base]
-        for j, size in enumerate(self.part_sizes):
-            if ptrs[base + j] != addr:
-                return False
-            addr += size
-        return True
+        """`PageRegions.page_ids` of this pool."""
+        return self.pages.page_ids(host_indices, n_pages)

@@ -317,7 +317,7 @@ def test_public_names_do_not_shadow_a_submodule() -> None:
 ADAPTER_FOLDERS = ("vllm_plugin", "sglang_plugin")
 MAX_ADAPTER_CLASS_LINES = 250
 """An adapter class translates; one that grows past this holds the core's work (plans, jobs, counts)."""
-CLASS_CEILINGS = {"sglang_plugin/pools.py:PoolBinding": 289}
+CLASS_CEILINGS: dict[str, int] = {}
 """Adapter classes still over `MAX_ADAPTER_CLASS_LINES`, at their present size: they may shrink, never grow."""
 
 

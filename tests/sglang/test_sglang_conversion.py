@@ -87,3 +87,22 @@ def test_address_of_is_the_first_byte_of_every_kind_of_buffer():
         assert conversion.address_of(buf) == want, name
         view = (ctypes.c_ubyte * 1).from_address(conversion.address_of(buf)) if len(buf) else None
         assert view is None or view[0] == np.frombuffer(buf, dtype=np.uint8)[0], name
+
+
+def test_page_ids_are_the_pages_of_whole_aligned_host_indices():
+    """`PageRegions.page_ids`: the page of each run of `page_size` host indices, in the
+    batch's order; indices that are not whole, aligned pages (a shifted run, a page with a
+    slot out of order, a count that is not whole pages) are refused with one ValueError."""
+    from kvpack.sglang_plugin.regions import PageRegions
+
+    ps = 4
+    pages = PageRegions("kv", None, ps, (16, 16))
+    order = [5, 0, 3, 9]
+    idx = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in order]).to(torch.int32)
+    assert pages.page_ids(idx, len(order)) == order
+    shifted = idx + 1
+    swapped = idx.clone()
+    swapped[[5, 6]] = swapped[[6, 5]]
+    for bad, n in ((shifted, 4), (swapped, 4), (idx[:-1], 4), (idx, 3)):
+        with pytest.raises(ValueError, match="kv"):
+            pages.page_ids(bad, n)
