@@ -65,6 +65,8 @@ class PairRow:
     first_b_reused: int
     """Tokens B reused over the probes (of `probe_tokens`)."""
     probe_tokens: int
+    failed: int = 0
+    """Requests of the client's run that failed (not in the TTFTs)."""
 
     @property
     def reuse(self) -> float:
@@ -154,8 +156,11 @@ class Pair:
             proxy.server_close()
             for s in servers:
                 s.stop()
+        errors = [e for e in result.get("errors", []) if e]
+        if errors:
+            print(f"[pair bench] {name}: {len(errors)} failed requests, first: {errors[0][:300]}", file=sys.stderr)
         if not result.get("completed"):
-            raise RuntimeError(f"no request completed: {[e for e in result.get('errors', []) if e][:1]}")
+            raise RuntimeError(f"no request completed: {errors[:1]}")
         ttfts = [t for t, e in zip(result.get("ttfts", []), result.get("errors", [])) if not e]
         shared = common_prefixes(self.prompts)
         again = [
@@ -175,20 +180,22 @@ class Pair:
             first_b_s=probe[1],
             first_b_reused=probe[2],
             probe_tokens=probe[3],
+            failed=len(errors),
         )
 
 
 def report(rows: list[PairRow]) -> str:
     out = [
         "| tiers | reused / repeatable | reuse | mean TTFT ms | median TTFT ms | repeats' mean TTFT ms "
-        "| probe: A repeat ms | B first ms | B first / A repeat | B reused |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| probe: A repeat ms | B first ms | B first / A repeat | B reused | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r.name} | {r.reused} / {r.repeatable} | {r.reuse:.2f} | {r.ttft_mean_s * 1e3:.0f} "
             f"| {r.ttft_median_s * 1e3:.0f} | {r.ttft_repeats_mean_s * 1e3:.0f} | {r.repeat_a_s * 1e3:.0f} "
-            f"| {r.first_b_s * 1e3:.0f} | {r.first_b_s / r.repeat_a_s:.2f}x | {r.first_b_reused} / {r.probe_tokens} |"
+            f"| {r.first_b_s * 1e3:.0f} | {r.first_b_s / r.repeat_a_s:.2f}x | {r.first_b_reused} / {r.probe_tokens} "
+            f"| {r.failed} |"
         )
     base = next((r for r in rows if r.name == "process"), None)
     for r in rows:
@@ -209,6 +216,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=400.0)
     p.add_argument("--client-timeout-s", type=float, default=0.0, help="default: 10 s per request, at least 180 s")
     p.add_argument("--out", default="", help="write a markdown results file here")
+    p.add_argument("--keep", action="store_true", help="keep the stores and server logs (printed at the end)")
     return p.parse_args(argv)
 
 
@@ -263,7 +271,10 @@ def main(argv: list[str]) -> int:
             drop(host_name)
     finally:
         drop(host_name)
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"[pair bench] kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     publish(
         "pair",
         argv,
