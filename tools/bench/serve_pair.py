@@ -129,12 +129,12 @@ class Pair:
         print(f"[pair bench] {name}: starting two servers (logs {servers[0].log.parent})", flush=True)
         with ThreadPoolExecutor(2) as pool:
             started = [pool.submit(s.start, self.start_timeout_s) for s in servers]
-            errors = [f.exception() for f in started]
+            start_errors = [f.exception() for f in started]
         proxy = serve(RoundRobin([f"http://{HOST}:{s.port}" for s in servers]), HOST, 0, self.client_timeout_s)
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         try:
-            if any(errors):
-                raise RuntimeError(f"a server did not start: {next(e for e in errors if e)}")
+            if any(start_errors):
+                raise RuntimeError(f"a server did not start: {next(e for e in start_errors if e)}")
             before = [Counters.settled(s.port) for s in servers]
             result = _run_client(
                 self.model,
