@@ -77,6 +77,29 @@ def save(
     return session.save_pages(tenant, KV, chunks, payloads_of), asked
 
 
+def test_keys_asked_again_are_the_same_keys_and_a_changed_field_rebuilds_them(
+    make_session: Callable[..., Session],
+) -> None:
+    """`Session.keys` keeps its last batch (a load asks for the same keys twice): asked
+    again it returns equal keys in a fresh list; another tenant, member, group fingerprint
+    or chunk list gives that field's keys, and a bad chunk is refused as before."""
+    session = make_session(disk=False)
+    chunks = [chunk_id(i) for i in range(4)]
+    first = session.keys("t", chunks, "kv")
+    again = session.keys("t", list(chunks), "kv")
+    assert again == first and again is not first
+    again.append(first[0])
+    assert session.keys("t", chunks, "kv") == first
+    # each call changes one field of the call before it
+    assert [k.member for k in session.keys("t", chunks, "draft")] == ["draft"] * 4
+    session.bind_group("cd" * 16)
+    assert {k.fingerprint for k in session.keys("t", chunks, "draft")} == {"cd" * 16}
+    assert [k.tenant for k in session.keys("u", chunks, "draft")] == ["u"] * 4
+    assert [k.chunk for k in session.keys("u", chunks[::-1], "draft")] == chunks[::-1]
+    with pytest.raises(ValueError):
+        session.keys("t", [*chunks[:3], "not a chunk hash"], "kv")
+
+
 def test_pages_round_trip_and_saves_are_deduplicated(make_session: Callable[..., Session]) -> None:
     session = make_session()
     chunks = [chunk_id(i) for i in range(4)]
