@@ -16,27 +16,15 @@ Resolution reads the file system only (the host folder's owner files); it change
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 from ...config import KVPackConfig, MemoryMode
 from ...errors import ConfigError
 from ..disk.fs import SHM
-from .owners import live_owners
+from .owners import live_users
 from .place import host_root, shm_problem, store_name
 
 log = logging.getLogger("kvpack")
-
-
-def _live_users(name: str, shm: str) -> int:
-    try:
-        fd = os.open(host_root(name, shm), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return 0
-    try:
-        return live_owners(fd)
-    finally:
-        os.close(fd)
 
 
 def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM) -> MemoryMode:
@@ -50,7 +38,7 @@ def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM)
         if problem is not None:
             raise ConfigError("memory.mode", f"host: {problem}; set memory.mode to process or lower memory.capacity")
         return MemoryMode.HOST
-    if engine_processes <= 1 and _live_users(store_name(config), shm) == 0:
+    if engine_processes <= 1 and live_users(host_root(store_name(config), shm)) == 0:
         return MemoryMode.PROCESS
     if problem is not None:
         log.warning("kvpack: memory.mode auto: the per-process memory tier (%s)", problem)

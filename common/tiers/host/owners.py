@@ -92,6 +92,19 @@ def _lock_now(dir_fd: int, name: str, mode: int) -> int | None:
         return None
 
 
+def live_users(root: str) -> int:
+    """How many processes have the store at path `root` open now; 0 when it cannot be opened
+    (absent, a link, not a folder)."""
+    try:
+        fd = os.open(root, _DIR)
+    except OSError:
+        return 0
+    try:
+        return live_owners(fd)
+    finally:
+        os.close(fd)
+
+
 def live_owners(root_fd: int) -> int:
     """How many processes have the store open now (their owner file is locked)."""
     try:

@@ -21,10 +21,8 @@ import shutil
 from dataclasses import dataclass
 
 from ..disk.fs import SHM
-from .owners import live_owners
+from .owners import live_users
 from .place import host_root
-
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -48,17 +46,6 @@ def _held(path: str) -> int:
     return total
 
 
-def _users(path: str) -> int:
-    try:
-        fd = os.open(path, _DIR)
-    except OSError:
-        return 0
-    try:
-        return live_owners(fd)
-    finally:
-        os.close(fd)
-
-
 def host_stores(shm: str = SHM, uid: int | None = None) -> list[HostStore]:
     """This user's host stores in `shm` (folders ``kvpack-<uid>-<name>``), by name."""
     prefix = os.path.basename(host_root("", shm, uid))
@@ -71,7 +58,7 @@ def host_stores(shm: str = SHM, uid: int | None = None) -> list[HostStore]:
         path = os.path.join(shm, entry)
         if not entry.startswith(prefix) or ".dropped-" in entry or not os.path.isdir(path) or os.path.islink(path):
             continue
-        out.append(HostStore(entry[len(prefix) :], path, _users(path), _held(path)))
+        out.append(HostStore(entry[len(prefix) :], path, live_users(path), _held(path)))
     return out
 
 
@@ -81,7 +68,7 @@ def drop(name: str, shm: str = SHM) -> str | None:
     path = host_root(name, shm)
     if not os.path.isdir(path) or os.path.islink(path):
         return None
-    users = _users(path)
+    users = live_users(path)
     if users:
         return f"host store {name!r} has {users} live user(s); stop them first"
     aside = f"{path}.dropped-{secrets.token_hex(4)}"
