@@ -213,7 +213,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--markdown", default="", help="append the table to this file")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and stores (the folder is printed)")
     p.add_argument("--io-threads", type=int, default=2, help="kvpack's io_threads (its copy and conversion threads)")
-    p.add_argument("--only", default="", help="comma-separated set-up names to run (default: all)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="a set-up to run, by its name in the table ('kvpack, restarted'); repeat for more (default: all)",
+    )
     return p.parse_args(argv)
 
 
@@ -250,8 +255,11 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
         ("kvpack, restarted", kv_args, {}),
     ]
     if args.only:
-        wanted = {n.strip() for n in args.only.split(",")}
-        setups = [s for s in setups if s[0] in wanted]
+        names = [s[0] for s in setups]
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"--only: no set-up named {unknown[0]!r} (set-ups: {'; '.join(names)})")
+        setups = [s for s in setups if s[0] in args.only]
     results = []
     for name, storage, env in setups:
         print(f"# {name} ...", flush=True)
