@@ -33,7 +33,6 @@ from typing import NoReturn
 from ...errors import ConfigError
 from .catalog import INDEX_BUSY_TIMEOUT_S, INDEX_FILES, INDEX_NAME, Catalog, present_index_files
 
-"""The index's files in the store folder, as `catalog.open_catalog` checks them."""
 SQLITE_MAGIC = b"SQLite format 3\x00"
 """The first bytes of every SQLite database file (an empty file is a new database)."""
 
