@@ -405,7 +405,3 @@ class PoolBinding:
             self._staging.give_back(staging)
 
         return [memoryview(rows[i]) for i in range(n_pages)], finish
-
-    def page_ids(self, host_indices: torch.Tensor, n_pages: int) -> list[int]:
-        """`PageRegions.page_ids` of this pool."""
-        return self.pages.page_ids(host_indices, n_pages)

@@ -36,14 +36,18 @@ class PageRegions:
 
     def page_ids(self, host_indices: torch.Tensor, n_pages: int) -> list[int]:
         """The host pool page of each of `n_pages` pages of `host_indices` (each a whole, aligned page)."""
-        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
+        self._check_count(host_indices, n_pages)
         idx = host_indices.to("cpu", torch.int64).numpy().reshape(n_pages, self.page_size)  # numpy: half torch's time
         first = idx[:, 0]
         if (first % self.page_size).any() or (idx != first[:, None] + self._steps).any():
             raise ValueError(f"pool {self.name}: host indices are not whole, aligned pages")
         return (first // self.page_size).tolist()
+
+    def _check_count(self, host_indices: torch.Tensor | None, n_pages: int) -> None:
+        """ValueError unless `host_indices` holds `n_pages` pages' worth of indices."""
+        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
+            got = None if host_indices is None else int(host_indices.numel())
+            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
 
     def regions(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[int], list[int]]:
         """Pointers and sizes of every page's regions (``n_pages * parts`` each).
@@ -51,9 +55,7 @@ class PageRegions:
         Raises ValueError when the indices do not cover `n_pages` pages or the
         pool's metadata does not match the geometry seen at registration.
         """
-        if host_indices is None or int(host_indices.numel()) != n_pages * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"pool {self.name}: {got} host indices for {n_pages} pages of {self.page_size}")
+        self._check_count(host_indices, n_pages)
         ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices.to("cpu"))
         if len(ptrs) != n_pages * self.parts or len(sizes) != len(ptrs):
             raise ValueError(f"pool {self.name}: {len(ptrs)} regions for {n_pages} pages of {self.parts}")
@@ -62,15 +64,10 @@ class PageRegions:
             raise ValueError(f"pool {self.name}: region sizes changed since registration")
         return list(map(int, ptrs)), sizes
 
-    def page_payload(self, ptrs: list[int], page: int) -> Payload:
-        """Page `page` as kvpack payload regions, in place in the host pool.
-
-        One view when its regions are contiguous in memory, else one view per
-        region (kvpack's tiers read and write regions in order: no staging copy)."""
-        return self._payloads(ptrs, page, page + 1, self._buffer_span())[0]
-
     def page_payloads(self, host_indices: torch.Tensor, n_pages: int) -> list[Payload]:
-        """Every page's payload (`page_payload`), from one metadata call."""
+        """Every page's kvpack payload regions, in place in the host pool, from one metadata
+        call: one view when a page's regions are contiguous in memory, else one view per
+        region (kvpack's tiers read and write regions in order: no staging copy)."""
         ptrs, _ = self.regions(host_indices, n_pages)
         return self._payloads(ptrs, 0, n_pages, self._buffer_span())
 

@@ -28,7 +28,7 @@ def store_as_two_ranks(
     """What a TP=2 writer stores for these pages (minus the (page, member) pairs in `skip`)."""
     binding = backend.binding("kv")
     geo = binding.canonical
-    ids = binding.page_ids(src, len(keys))
+    ids = binding.pages.page_ids(src, len(keys))
     two_ranks = next(objects for objects in binding.sources if len(objects) == 2)
     items = []
     for obj in two_ranks:
