@@ -74,11 +74,13 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
 
 
 class RoundRobin:
-    """The next upstream base URL, in turn (thread-safe: one thread per connection)."""
+    """The next upstream base URL, in turn (thread-safe: one thread per connection); each
+    upstream call bounded by `timeout_s` seconds."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], timeout_s: float = 600.0) -> None:
         if not urls:
             raise ValueError("round robin over no instance")
+        self.timeout_s = timeout_s
         self._cycle = itertools.cycle(urls)
         self._lock = threading.Lock()
 
@@ -107,9 +109,9 @@ def _relay(handler: BaseHTTPRequestHandler, resp: Any, stream: bool) -> None:
     handler.wfile.write(b"0\r\n\r\n")
 
 
-def make_handler(up: Upstreams | RoundRobin, timeout_s: float = 600.0) -> type[BaseHTTPRequestHandler]:
+def make_handler(up: Upstreams | RoundRobin) -> type[BaseHTTPRequestHandler]:
     """The request handler: prefill/decode over `up` (`Upstreams`), or each request to the next
-    instance (`RoundRobin`, each call bounded by `timeout_s`)."""
+    instance (`RoundRobin`)."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -125,9 +127,9 @@ def make_handler(up: Upstreams | RoundRobin, timeout_s: float = 600.0) -> type[B
             self.wfile.write(payload)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            base, limit = (up.next(), timeout_s) if isinstance(up, RoundRobin) else (up.decode, up.timeout_s)
+            base = up.next() if isinstance(up, RoundRobin) else up.decode
             try:
-                with urllib.request.urlopen(base + self.path, timeout=limit) as resp:
+                with urllib.request.urlopen(base + self.path, timeout=up.timeout_s) as resp:
                     self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
             except urllib.error.HTTPError as exc:
                 self._reply(exc.code, exc.read())
@@ -143,8 +145,10 @@ def make_handler(up: Upstreams | RoundRobin, timeout_s: float = 600.0) -> type[B
             except ValueError as exc:
                 self._reply(400, json.dumps({"error": f"not JSON: {exc}"}).encode())
                 return
+            stream = bool(body.get("stream"))
             if isinstance(up, RoundRobin):
-                self._whole(up.next(), body)
+                base = up.next()
+                self._forward(base + self.path, body, up.timeout_s, f"instance {base}", stream)
                 return
             try:
                 with _post(up.prefill + self.path, prefill_body(body), up.timeout_s) as resp:
@@ -155,28 +159,21 @@ def make_handler(up: Upstreams | RoundRobin, timeout_s: float = 600.0) -> type[B
             except OSError as exc:
                 self._reply(502, json.dumps({"error": f"prefill instance: {exc}"}).encode())
                 return
-            try:
-                resp = _post(up.decode + self.path, decode_body(body, handoff), up.timeout_s)
-            except urllib.error.HTTPError as exc:
-                self._reply(exc.code, exc.read())
-                return
-            except OSError as exc:
-                self._reply(502, json.dumps({"error": f"decode instance: {exc}"}).encode())
-                return
-            with resp:
-                _relay(self, resp, bool(body.get("stream")))
+            self._forward(up.decode + self.path, decode_body(body, handoff), up.timeout_s, "decode instance", stream)
 
-        def _whole(self, base: str, body: dict[str, Any]) -> None:
+        def _forward(self, url: str, body: dict[str, Any], timeout_s: float, who: str, stream: bool) -> None:
+            """POST `body` to `url` and relay the answer (`_relay`); an upstream error is
+            answered with its status, an unreachable `who` with 502."""
             try:
-                resp = _post(base + self.path, body, timeout_s)
+                resp = _post(url, body, timeout_s)
             except urllib.error.HTTPError as exc:
                 self._reply(exc.code, exc.read())
                 return
             except OSError as exc:
-                self._reply(502, json.dumps({"error": f"instance {base}: {exc}"}).encode())
+                self._reply(502, json.dumps({"error": f"{who}: {exc}"}).encode())
                 return
             with resp:
-                _relay(self, resp, bool(body.get("stream")))
+                _relay(self, resp, stream)
 
     return Handler
 
@@ -195,9 +192,9 @@ class ProxyServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def serve(up: Upstreams | RoundRobin, host: str, port: int, timeout_s: float = 600.0) -> ThreadingHTTPServer:
+def serve(up: Upstreams | RoundRobin, host: str, port: int) -> ThreadingHTTPServer:
     """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one."""
-    return ProxyServer((host, port), make_handler(up, timeout_s))
+    return ProxyServer((host, port), make_handler(up))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,18 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound of each upstream call")
     args = parser.parse_args(argv)
-    if bool(args.round_robin) == bool(args.prefill or args.decode) or (
-        not args.round_robin and not (args.prefill and args.decode)
-    ):
+    if bool(args.round_robin) == bool(args.prefill or args.decode) or bool(args.prefill) != bool(args.decode):
         parser.error("give --prefill and --decode, or --round-robin URL...")
     logging.basicConfig(level=logging.INFO)
     if args.round_robin:
         urls = [u.rstrip("/") for u in args.round_robin]
-        server = serve(RoundRobin(urls), args.host, args.port, args.timeout_s)
+        server = serve(RoundRobin(urls, args.timeout_s), args.host, args.port)
         where = "round robin over " + ", ".join(urls)
     else:
         up = Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s)
-        server = serve(up, args.host, args.port, args.timeout_s)
+        server = serve(up, args.host, args.port)
         where = f"prefill {args.prefill}, decode {args.decode}"
     print(f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> {where}", flush=True)
     try:

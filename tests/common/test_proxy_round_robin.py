@@ -50,7 +50,7 @@ def instance(name: str) -> ThreadingHTTPServer:
 def proxy_url() -> Iterator[str]:
     servers = [instance("a"), instance("b")]
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
-    proxy = serve(RoundRobin(urls), "127.0.0.1", 0, timeout_s=30)
+    proxy = serve(RoundRobin(urls, timeout_s=30), "127.0.0.1", 0)
     servers.append(proxy)
     for s in servers:
         threading.Thread(target=s.serve_forever, daemon=True).start()

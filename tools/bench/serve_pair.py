@@ -130,7 +130,7 @@ class Pair:
         with ThreadPoolExecutor(2) as pool:
             started = [pool.submit(s.start, self.start_timeout_s) for s in servers]
             start_errors = [f.exception() for f in started]
-        proxy = serve(RoundRobin([f"http://{HOST}:{s.port}" for s in servers]), HOST, 0, self.client_timeout_s)
+        proxy = serve(RoundRobin([f"http://{HOST}:{s.port}" for s in servers], self.client_timeout_s), HOST, 0)
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         try:
             if any(start_errors):
