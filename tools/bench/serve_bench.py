@@ -208,7 +208,7 @@ def repeatable_tokens(prompts: list[list[int]]) -> int:
     return sum(common_prefixes(prompts))
 
 
-def _traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
+def traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
     """The client's prompts in its order, as the server tokenizes them (same seed, same sampler)."""
     from vllm.benchmarks.datasets import get_samples
     from vllm.tokenizers import get_tokenizer
@@ -219,7 +219,7 @@ def _traffic(model: str, w: Workload, seed: int) -> list[list[int]]:
     return [list(tok(cast(str, r.prompt)).input_ids) for r in get_samples(args, tok)]  # these datasets give text
 
 
-def _run_client(
+def run_client(
     model: str, port: int, w: Workload, seed: int, timeout_s: float, out_dir: Path, log: Path
 ) -> dict[str, Any]:
     """vLLM's benchmark client against the server, in a child process bounded by `timeout_s`
@@ -291,7 +291,7 @@ class Bench:
         try:
             _warm_up(server.port, self.model, self.workload, seed=1000 + self.seed)
             before = Counters.settled(server.port)
-            result = _run_client(
+            result = run_client(
                 self.model,
                 server.port,
                 self.workload,
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], str]:
     blocks = kv_cache_blocks(w, args.kv_cache_fraction)
     per_token = _kv_bytes_per_token(model)
     kv_bytes = blocks * BLOCK_SIZE * per_token
-    prompts = _traffic(str(model), w, args.seed)
+    prompts = traffic(str(model), w, args.seed)
     shared = common_prefixes(prompts)
     repeatable = sum(shared)
     bound = sum(len(p) - 1 for p in prompts)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpack.tools.bench.serve_bench import WORKLOADS, Workload, _run_client, _traffic, common_prefixes, kv_cache_blocks
+from kvpack.tools.bench.serve_bench import WORKLOADS, Workload, common_prefixes, kv_cache_blocks, run_client, traffic
 from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
 from kvpack.tools.bench.timing import publish
 from kvpack.tools.proxy import RoundRobin, serve
@@ -136,7 +136,7 @@ class Pair:
             if any(start_errors):
                 raise RuntimeError(f"a server did not start: {next(e for e in start_errors if e)}")
             before = [Counters.settled(s.port) for s in servers]
-            result = _run_client(
+            result = run_client(
                 self.model,
                 int(proxy.server_address[1]),
                 self.workload,
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
     from kvpack.tools.bench.serve_bench import _kv_bytes_per_token
 
     kv_bytes = blocks * BLOCK_SIZE * _kv_bytes_per_token(model)
-    prompts = _traffic(str(model), w, args.seed)
+    prompts = traffic(str(model), w, args.seed)
     root = Path(tempfile.mkdtemp(prefix="kvpack-pair-bench-"))
     host_name = f"pair-bench-{os.getpid()}"
     plans: dict[str, dict[str, Any]] = {
