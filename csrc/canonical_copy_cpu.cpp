@@ -312,11 +312,10 @@ int64_t token_major_pitch(const KvpCanonGeometry& g, const uint64_t* ptr_table, 
 // A DRAM-sized gather out of token-major pages in the pages' address order: per block
 // and K/V region, token by token, every (layer, head) row of the token streamed to its
 // tile (one read stream, layers x heads write streams of whole lines). Walked tile by
-// tile instead, each tile reads runs at a stride of a whole token and the page's lines
-// come back from L3 once per tile: 96 MiB of bf16 pages (64 tokens x 12 layer-heads x
-// 256 B) on the 2-core EPYC (1 MiB L2), tile by tile 12.5-14 ms plain, 9.7-11 ms streamed;
-// in this order 5.3-5.8 ms (memcpy beside it 9.6-10.7 ms: its stores read each line
-// first). False: not this shape (the caller copies tile by tile).
+// tile instead, each tile reads runs at a stride of a whole token, so once a page is
+// larger than L2 its lines come back from L3 once per tile; in address order each line
+// is read once (RESULTS.md, "the gather in address order", has the measurements).
+// False: not this shape (the caller copies tile by tile).
 bool gather_token_major(const KvpCanonGeometry& g, const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
                         uint8_t* staging) {
   int64_t pitch[2] = {0, 0};
