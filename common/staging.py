@@ -82,15 +82,20 @@ class StagingDevice(Protocol):
 
 class CpuDevice:
     """A CPU cache: no streams, no events, plain host memory (the copy is done when
-    `launch` returns)."""
+    `launch` returns). `scratch_on` is where `device_rows` lives: the cache's device, so an
+    inline lane (`inline_lane`) over a GPU cache stages its intermediate parts on the GPU,
+    on the current stream, whose caching allocator orders their reuse."""
 
     kind = "cpu"
+
+    def __init__(self, scratch_on: torch.device | None = None) -> None:
+        self.scratch_on = scratch_on if scratch_on is not None else torch.device("cpu")
 
     def host_rows(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty((rows, width), dtype=torch.uint8)
 
     def device_rows(self, rows: int, width: int) -> torch.Tensor:
-        return torch.empty((rows, width), dtype=torch.uint8)
+        return torch.empty((rows, width), dtype=torch.uint8, device=self.scratch_on)
 
     def stream(self, direction: Direction) -> None:
         return None
@@ -306,7 +311,9 @@ class Staging:
         return Staged(self.device, rows, event, lane.kept)
 
 
-def cpu_lane(direction: Direction) -> Lane:
-    """A lane that runs launches inline on the current stream, with no event (callers that
-    pass none: CPU caches, tests, tools that synchronize themselves)."""
-    return Lane(CpuDevice(), direction)
+def inline_lane(direction: Direction, device: torch.device) -> Lane:
+    """A lane that runs launches inline on the current stream, with no event, its scratch on
+    the cache's `device` (callers that pass none: CPU caches, tests, tools that synchronize
+    themselves). A GPU copy kernel refuses unpinned host scratch, so the scratch follows
+    the cache, never the host."""
+    return Lane(CpuDevice(device), direction)

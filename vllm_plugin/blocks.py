@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from kvpack import LayoutError
-from kvpack.ops import Direction, Lane, PagedKV, cpu_lane, gather_blocks, scatter_blocks
+from kvpack.ops import Direction, Lane, PagedKV, gather_blocks, inline_lane, scatter_blocks
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class BlockLayout:
         Several runs on a GPU gather into device scratch rows (column by column), then one
         contiguous async copy into `out`; all on the lane, so the host never touches `out`
         before the lane's event."""
-        lane = lane if lane is not None else cpu_lane(Direction.SAVE)
+        lane = lane if lane is not None else inline_lane(Direction.SAVE, self.runs[0].device)
         ids = list(block_ids)
         if len(self.runs) == 1:
             run0 = self.runs[0]
@@ -101,7 +101,7 @@ class BlockLayout:
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, lane: Lane | None = None) -> None:
         """Rows of `src` (contiguous) -> blocks, launched on `lane` (see `gather`); `src`
         stays untouched until the lane's event (`kvpack.staging.Staged`)."""
-        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        lane = lane if lane is not None else inline_lane(Direction.LOAD, self.runs[0].device)
         ids = list(block_ids)
         if not src.is_contiguous():
             raise ValueError("kvpack: staging rows to scatter must be contiguous")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, vllm_cpu_geometry
-from kvpack.ops import Direction, Lane, cpu_lane
+from kvpack.ops import Direction, Lane, inline_lane
 
 from .byte_facts import UNKNOWN, BlockByteFacts
 from .packing import find_packing
@@ -137,13 +137,13 @@ class CanonicalBlocks:
     def gather(self, block_ids: Sequence[int], out: torch.Tensor, lane: Lane | None = None) -> None:
         """Blocks -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8): objects of `own`,
         launched on `lane` (`kvpack.staging`; inline without one)."""
-        lane = lane if lane is not None else cpu_lane(Direction.SAVE)
+        lane = lane if lane is not None else inline_lane(Direction.SAVE, self.geometry.tensors[0].device)
         ids, flat = list(block_ids), out.view(-1)
         lane.launch(lambda: self.geometry.copy(ids, flat, gather=True, obj_heads=self.own.size, stream=lane.stream))
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, lane: Lane | None = None) -> None:
         """Rows of `src` (contiguous objects of `own`) -> blocks, launched on `lane`."""
-        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        lane = lane if lane is not None else inline_lane(Direction.LOAD, self.geometry.tensors[0].device)
         ids, flat = list(block_ids), lane.keep(src).contiguous().view(-1)
         lane.launch(lambda: self.geometry.copy(ids, flat, gather=False, obj_heads=self.own.size, stream=lane.stream))
 
@@ -152,7 +152,7 @@ class CanonicalBlocks:
     ) -> None:
         """Rows of `src`, objects of the range `stored`: heads `part` (inside both `stored`
         and `own`) -> this worker's blocks, launched on `lane`."""
-        lane = lane if lane is not None else cpu_lane(Direction.LOAD)
+        lane = lane if lane is not None else inline_lane(Direction.LOAD, self.geometry.tensors[0].device)
         ids, rows = list(block_ids), lane.keep(src)
         lane.launch(lambda: self.geometry.scatter_heads(ids, rows, stored, part, self.own, stream=lane.stream))
 

@@ -16,7 +16,7 @@ kernels are JIT-built on first use (``kvpack.ops._build``). Importing this modul
 builds nothing and needs no CUDA.
 """
 
-from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, cpu_lane
+from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, inline_lane
 from ._build import ExtensionStatus, load_extension, region_copier
 from .copy import (
     Backend,
@@ -39,7 +39,7 @@ __all__ = [
     "Staged",
     "Staging",
     "StagingDevice",
-    "cpu_lane",
+    "inline_lane",
     "ExtensionStatus",
     "KVLayout",
     "KVLayoutKind",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fixtures.recording_device import RecordingDevice
-from kvpack.staging import CpuDevice, Direction, Lane, Staging
+from kvpack.staging import CpuDevice, Direction, Lane, Staging, inline_lane
 
 
 def test_a_failed_batch_frees_its_rows_only_after_what_it_launched() -> None:
@@ -34,3 +34,12 @@ def test_the_cpu_device_copies_inline_into_plain_host_rows() -> None:
     assert staged.host_rows().ctypes.data == staged.rows.data_ptr()  # zero-copy
     with staging.lane(Direction.LOAD) as lane:
         assert lane.stream is None
+
+
+def test_an_inline_lane_keeps_its_scratch_on_the_cache_device() -> None:
+    """A layout copied with no lane (tests, tools) over a GPU cache stages its parts on the
+    GPU: the CUDA copy kernel refuses unpinned host scratch (found by the GPU check)."""
+    lane = inline_lane(Direction.SAVE, torch.device("meta"))
+    assert lane.scratch(3, 8).device == torch.device("meta")
+    assert lane.stream is None
+    assert inline_lane(Direction.LOAD, torch.device("cpu")).scratch(1, 4).device == torch.device("cpu")
