@@ -88,9 +88,11 @@ def _copy(kv: PagedKV, ids: list[int], staging: torch.Tensor, first_offset: int,
         .view(n, lay.num_layers, lay.num_segments, lay.outer.count, lay.inner.count, lay.row_bytes // word)
     )
     ranges = [token_range(lay, i, n, first_offset, last_count) for i in range(n)]
-    # Big blocks: one copy_ per block-segment runs at memcpy speed; small blocks: batched
-    # index ops (the per-call overhead would dominate).
-    batched = lay.segment_bytes < _PER_BLOCK_COPY_BYTES
+    # On the CPU, big blocks: one copy_ per block-segment runs at memcpy speed; small blocks:
+    # batched index ops (the per-call overhead would dominate). On a GPU always batched: a
+    # launch per block-segment is bound by the host's launch rate (RESULTS.md, block copy on
+    # a GPU: the torch path).
+    batched = lay.segment_bytes < _PER_BLOCK_COPY_BYTES or kv.device.type != "cpu"
     full = [i for i in range(n) if batched and ranges[i] == (0, lay.tokens_per_block)]
     partial = [i for i in range(n) if not (batched and ranges[i] == (0, lay.tokens_per_block))]
     cache_dev, stage_dev = kv.device, staging.device

@@ -77,8 +77,8 @@ def _block_id_list(block_ids: BlockIds) -> list[int]:
             raise ValueError(
                 f"kvpack.ops: block_ids must be a 1-D integer tensor, got {block_ids.dtype} {tuple(block_ids.shape)}"
             )
-        return [int(b) for b in block_ids.tolist()]
-    return [int(b) for b in block_ids]
+        return list(map(int, block_ids.tolist()))
+    return list(map(int, block_ids))
 
 
 def _validate(
@@ -87,8 +87,8 @@ def _validate(
     """Checks arguments; returns the effective last_token_count."""
     t = lay.tokens_per_block
     last = t if last_count is None else last_count
-    bad = [b for b in ids if b < 0 or b >= lay.num_blocks]
-    if bad:
+    if ids and (min(ids) < 0 or max(ids) >= lay.num_blocks):
+        bad = [b for b in ids if b < 0 or b >= lay.num_blocks]
         raise IndexError(f"kvpack.ops: block ids {bad[:8]} outside [0, {lay.num_blocks})")
     if (first_offset, last) != (0, t):
         if not lay.token_addressable:

@@ -141,6 +141,16 @@ def check_engine_sized(kind: str) -> None:
     gather_blocks(kv, ids, b, backend=Backend.TORCH)
     torch.cuda.synchronize()
     assert torch.equal(a.cpu(), b), f"{kind}: CUDA and torch gathers differ"
+    owners = views if kind == "block_view" else raw  # the tensors that own the cache's bytes
+    back = {  # the same rows scattered by each path into zeroed caches of the same layout
+        backend: [torch.zeros_like(r) for r in owners] for backend in (Backend.CUDA, Backend.TORCH)
+    }
+    for backend, zeroed in back.items():
+        into = [z.permute(0, 1, 3, 2, 4) for z in zeroed] if kind == "hnd" else zeroed
+        scatter_blocks(PagedKV.from_layers(into), ids, b if backend is Backend.TORCH else a, backend=backend)
+    torch.cuda.synchronize()
+    for c, t_ in zip(back[Backend.CUDA], back[Backend.TORCH]):
+        assert torch.equal(c.view(torch.uint8), t_.view(torch.uint8)), f"{kind}: CUDA and torch scatters differ"
     for first, last in [(5, 77), (127, 1)]:
         a.fill_(POISON)
         b.fill_(POISON)
