@@ -8,8 +8,19 @@ Set-ups, one server each, one after another on the same machine: HiCache L2 only
 ``file`` backend, kvpack (memory + disk), then both L3s again on a fresh server over the same
 store (a restart: the same conversations from their first round). Per set-up: the tokens SGLang
 served from storage (``meta_info.cached_tokens_details.storage``, summed), the mean time to the
-first token of rounds >= 2 (streamed), and the L3 failures in the server's log (failed writes,
-failed reads, kvpack calls answering a miss). Prints a table; asserts nothing.
+first token of rounds >= 2 (streamed), the L3 failures in the server's log (failed writes,
+failed reads, kvpack calls answering a miss), and per prefetch (`sglang_prefetch_stats`): its
+latency from submission to its last page read (a timing probe in the CPU shim, the same for both
+backends), the tokens the hit query found, read and credited to the request when it was
+scheduled, and SGLang's own reasons for the found tokens it did not credit. SGLang credits a
+request with L3 tokens only when its prefetch is done when the scheduler admits it; under the
+default ``timeout`` policy the scheduler holds a request for its prefetch at most
+``1 s + 0.25 s per 1024 tokens`` from its first blocked admission poll, then cuts the read
+(``deadline``); ``--prefetch-policy wait_complete`` holds it until the read ends (a control:
+what each L3 holds, independent of timing); `--in-turn` sends one request at a time, the clients
+taking turns (no queueing: the same schedule for every backend). `--repeat` runs every set-up
+again on fresh stores.
+Prints a table per run; asserts nothing.
 
 A CPU server needs the test-only shim of ``tests/sglang/server/cpu_site`` (a stub ``sgl_kernel``
 and three patches to SGLang internals): `--cpu-site` (default: that folder of this checkout).
@@ -34,6 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpack.tools.bench.sglang_prefetch_stats import HEADER as PREFETCH_HEADER
+from kvpack.tools.bench.sglang_prefetch_stats import PrefetchStats
+
 FAILURES = {
     "failed writes": "Write page to storage",
     "failed reads": "failed to retrieve page",
@@ -53,6 +67,7 @@ class SetupResult:
     ttft_later: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
     start_s: float = 0.0
+    prefetch: PrefetchStats = field(default_factory=PrefetchStats)
 
     @property
     def mean_ttft(self) -> float:
@@ -99,9 +114,12 @@ class _Server:
             "--attention-backend", "torch_native", "--dtype", args.dtype,
             "--max-total-tokens", str(args.device), "--page-size", str(args.page),
             "--skip-server-warmup", "--enable-hierarchical-cache", "--hicache-size", "0",
-            "--hicache-ratio", "2", "--hicache-io-backend", "direct", *storage,
+            "--hicache-ratio", "2", "--hicache-io-backend", "direct", "--enable-metrics",
+            "--hicache-storage-prefetch-policy", args.prefetch_policy, *storage,
         ]  # fmt: skip
-        full_env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", **env)
+        full_env = dict(
+            os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", KVPACK_SGLANG_PREFETCH_PROBE="1", **env
+        )
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.cpu_site), full_env.get("PYTHONPATH")]))
         with open(log, "wb") as out:
             self.popen = subprocess.Popen(
@@ -125,6 +143,14 @@ class _Server:
                 time.sleep(1)
         self.stop()
         raise RuntimeError(f"server not healthy within {args.start_timeout} s; log {log}")
+
+    def metrics(self) -> str:
+        """SGLang's ``/metrics`` text ("" when it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -160,16 +186,36 @@ def _run_setup(
     lock = threading.Lock()
     errors: list[BaseException] = []
 
+    turn = threading.Condition()
+    next_turn = [0]  # --in-turn: the index (round x clients + client) of the request whose turn it is
+    failed: set[int] = set()  # clients stopped by an error: their turns are skipped
+
+    def advance() -> None:
+        """Past the request just sent and the turns of failed clients (`turn` held)."""
+        next_turn[0] += 1
+        while next_turn[0] < args.rounds * args.clients and next_turn[0] % args.clients in failed:
+            next_turn[0] += 1
+        turn.notify_all()
+
     def client(c: int) -> None:
         history: list[int] = []
         try:
             for r in range(args.rounds):
                 history += questions[c][r]
-                ttft, last = _stream_generate(server.port, history, args.answer, args.request_timeout)
+                if args.in_turn:
+                    with turn:
+                        turn.wait_for(lambda: next_turn[0] == r * args.clients + c)
+                try:
+                    ttft, last = _stream_generate(server.port, history, args.answer, args.request_timeout)
+                finally:
+                    if args.in_turn:
+                        with turn:
+                            advance()
                 meta = last.get("meta_info", {}) if isinstance(last, dict) else {}
                 details = (meta.get("cached_tokens_details") or {}) if isinstance(meta, dict) else {}
                 with lock:
                     result.storage_tokens += int(details.get("storage", 0) or 0)
+                    result.prefetch.add_response(meta if isinstance(meta, dict) else {})
                     result.prompt_tokens += len(history)
                     if r >= 1:
                         result.ttft_later.append(ttft)
@@ -177,6 +223,10 @@ def _run_setup(
                 history += [int(t) for t in output][-args.answer :] if isinstance(output, list) else []
         except BaseException as exc:
             errors.append(exc)
+            with turn:
+                failed.add(c)
+                if next_turn[0] % args.clients == c:
+                    advance()
 
     try:
         threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
@@ -185,9 +235,11 @@ def _run_setup(
         for t in threads:
             t.join()
         time.sleep(args.settle)  # SGLang backs pages up to L3 after a request ends
+        result.prefetch.add_metrics(server.metrics())
     finally:
         server.stop()
     text = log.read_text(errors="replace")
+    result.prefetch.add_log(text)
     result.failures = {k: text.count(needle) for k, needle in FAILURES.items()}
     if errors:
         result.failures["client errors"] = len(errors)
@@ -214,12 +266,75 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and stores (the folder is printed)")
     p.add_argument("--io-threads", type=int, default=2, help="kvpack's io_threads (its copy and conversion threads)")
     p.add_argument(
+        "--prefetch-policy",
+        choices=("timeout", "best_effort", "wait_complete"),
+        default="timeout",
+        help="SGLang's --hicache-storage-prefetch-policy (its default: timeout)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="runs of every set-up, each on fresh stores")
+    p.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="one request at a time, the clients taking turns round by round (a schedule that does not "
+        "depend on timing: what each L3 holds, apart from SGLang's scheduling)",
+    )
+    p.add_argument(
         "--only",
         action="append",
         default=[],
         help="a set-up to run, by its name in the table ('kvpack, restarted'); repeat for more (default: all)",
     )
     return p.parse_args(argv)
+
+
+def _setups(args: argparse.Namespace, root: Path) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, server arguments, server environment) of the set-ups asked for, stores under `root`."""
+    kvpack = {
+        "backend_name": "kvpack",
+        "module_path": "kvpack.sglang_plugin",
+        "class_name": "KVPackStorage",
+        "interface_v1": 1,
+        "memory": {"capacity": "64MiB"},
+        "disk": {"path": str(root / "kvpack"), "capacity": "8GiB"},
+        "io_threads": args.io_threads,
+    }
+    file_args = ["--hicache-storage-backend", "file"]
+    file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "file")}
+    kv_args = ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(kvpack)]
+    setups: list[tuple[str, list[str], dict[str, str]]] = [
+        ("L2 only", [], {}),
+        ("file", file_args, file_env),
+        ("kvpack", kv_args, {}),
+        ("file, restarted", file_args, file_env),
+        ("kvpack, restarted", kv_args, {}),
+    ]
+    if args.only:
+        names = [s[0] for s in setups]
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"--only: no set-up named {unknown[0]!r} (set-ups: {'; '.join(names)})")
+        setups = [s for s in setups if s[0] in args.only]
+    return setups
+
+
+def _table(results: list[SetupResult]) -> list[str]:
+    """The markdown table of one run: tokens and TTFT against `file` (the restarted rows against
+    `file, restarted`), L3 failures, then the per-prefetch columns (`PrefetchStats.cells`)."""
+    lines = [
+        "| set-up | tokens from storage | x file | mean TTFT rounds >= 2 (s) | x file | L3 failures in the log | "
+        + " | ".join(PREFETCH_HEADER)
+        + " |",
+        "|---" * (6 + len(PREFETCH_HEADER)) + "|",
+    ]
+    by_name = {r.name: r for r in results}
+    for r in results:
+        ref = by_name.get("file, restarted" if "restarted" in r.name else "file")
+        tok = f"{r.storage_tokens / ref.storage_tokens:.2f}x" if ref and ref.storage_tokens else "-"
+        ttft = f"{r.mean_ttft / ref.mean_ttft:.2f}x" if ref and ref.ttft_later else "-"
+        fails = ", ".join(f"{k} {v}" for k, v in r.failures.items() if v) or "none"
+        cells = [r.name, str(r.storage_tokens), tok, f"{r.mean_ttft:.3f}", ttft, fails, *r.prefetch.cells()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> int:
@@ -234,56 +349,23 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
     before_model()
     model = _model(Path(args.model_dir), args.model_size, args.dtype)
     root = Path(tempfile.mkdtemp(prefix="kvpack-sglang-multiturn-"))
-    file_dir, store = root / "file", root / "kvpack"
-    kvpack = {
-        "backend_name": "kvpack",
-        "module_path": "kvpack.sglang_plugin",
-        "class_name": "KVPackStorage",
-        "interface_v1": 1,
-        "memory": {"capacity": "64MiB"},
-        "disk": {"path": str(store), "capacity": "8GiB"},
-        "io_threads": args.io_threads,
-    }
-    file_args = ["--hicache-storage-backend", "file"]
-    file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(file_dir)}
-    kv_args = ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(kvpack)]
-    setups = [
-        ("L2 only", [], {}),
-        ("file", file_args, file_env),
-        ("kvpack", kv_args, {}),
-        ("file, restarted", file_args, file_env),
-        ("kvpack, restarted", kv_args, {}),
-    ]
-    if args.only:
-        names = [s[0] for s in setups]
-        unknown = sorted(set(args.only) - set(names))
-        if unknown:
-            raise SystemExit(f"--only: no set-up named {unknown[0]!r} (set-ups: {'; '.join(names)})")
-        setups = [s for s in setups if s[0] in args.only]
-    results = []
-    for name, storage, env in setups:
-        print(f"# {name} ...", flush=True)
-        results.append(_run_setup(args, model, name, storage, env, root))
     head = (
         f"{args.clients} clients x {args.rounds} rounds of {args.question} tokens (+{args.answer} answered), "
-        f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, L2 {2 * args.device}"
+        f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, L2 {2 * args.device}, "
+        f"prefetch policy {args.prefetch_policy}{', in turn' if args.in_turn else ''}"
     )
-    lines = [
-        f"# kvpack bench sglang --multiturn: {head}",
-        "| set-up | tokens from storage | x file | mean TTFT rounds >= 2 (s) | x file | L3 failures in the log |",
-        "|---|---|---|---|---|---|",
-    ]
-    by_name = {r.name: r for r in results}
-    for r in results:
-        ref = by_name.get("file, restarted" if "restarted" in r.name else "file")
-        tok = f"{r.storage_tokens / ref.storage_tokens:.2f}x" if ref and ref.storage_tokens else "-"
-        ttft = f"{r.mean_ttft / ref.mean_ttft:.2f}x" if ref and ref.ttft_later else "-"
-        fails = ", ".join(f"{k} {v}" for k, v in r.failures.items() if v) or "none"
-        lines.append(f"| {r.name} | {r.storage_tokens} | {tok} | {r.mean_ttft:.3f} | {ttft} | {fails} |")
-    print("\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + "\n".join(lines[1:]) + "\n")
+    for run in range(1, args.repeat + 1):
+        run_root = root / f"run{run}" if args.repeat > 1 else root
+        run_root.mkdir(exist_ok=True)
+        results = []
+        for name, storage, env in _setups(args, run_root):
+            print(f"# {name} ...", flush=True)
+            results.append(_run_setup(args, model, name, storage, env, run_root))
+        lines = [f"# kvpack bench sglang --multiturn, run {run} of {args.repeat}: {head}", *_table(results)]
+        print("\n".join(lines), flush=True)
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write("\n" + "\n".join(lines) + "\n")
     if args.keep:
         print(f"# logs and stores kept in {root}")
     else:

@@ -11,12 +11,15 @@ detokenizer processes inherit it). It:
 3. moves this folder to the end of ``sys.path``, so the stub ``sgl_kernel`` package
    here is used only where no real one is installed;
 4. installs the SGLang patches of ``cpu_server_patches.py`` (no CUDA host-register,
-   torch copies for the ``direct`` HiCache IO kernels).
+   torch copies for the ``direct`` HiCache IO kernels);
+5. with ``KVPACK_SGLANG_PREFETCH_PROBE=1`` (the multi-turn bench), the L3 prefetch timing
+   probe of ``cpu_server_probe.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +43,10 @@ def _install() -> None:
 
     cpu_server_stand_ins.install()
     cpu_server_patches.install()
+    if os.environ.get("KVPACK_SGLANG_PREFETCH_PROBE") == "1":
+        import cpu_server_probe
+
+        cpu_server_probe.install()
 
 
 _install()

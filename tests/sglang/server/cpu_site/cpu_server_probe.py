@@ -1,0 +1,129 @@
+"""Test/bench-only timing probe on SGLang 0.5.23's L3 prefetch, for any storage backend. Never part of kvpack.
+
+Installed by this folder's ``sitecustomize.py`` when ``KVPACK_SGLANG_PREFETCH_PROBE=1`` (the
+multi-turn bench sets it). It wraps two methods of SGLang's HiCache controller and prints one
+line per call to the server's stdout (its log), seconds from ``PrefetchOperation.start_time``
+(monotonic, set when the scheduler submits the prefetch):
+
+- the hit query (``_storage_hit_query``: the backend's ``batch_exists``/``batch_exists_v2``,
+  on SGLang's prefetch thread)::
+
+    kvpack-probe query rid=R queued_s=Q query_s=S asked=A found=F
+
+  (`queued_s`: submit to the query's start; `asked`/`found`: tokens; an ``assume_stored``
+  prefetch skips the backend and reports every page found);
+- the page reads (the KV part of ``_page_transfer``: the backend's ``batch_get_v1`` or
+  ``batch_get`` + SGLang's page copies, on its prefetch IO thread)::
+
+    kvpack-probe transfer rid=R start_s=T transfer_s=S asked=A loaded=L terminated=0|1
+
+  (`start_s`: submit to the first read, so it holds the query and the scheduler's host
+  allocation; `start_s + transfer_s` is the prefetch's latency to its last page;
+  `terminated`: the scheduler had cut it by the time the reads returned);
+- each L3 backup (``_page_backup``: the backend's ``batch_set_v1`` or ``batch_set``, on SGLang's
+  backup thread; SGLang holds the L2 pages it writes until it drains the write's ack, so a slow
+  write keeps L2 pages from eviction and prefetched ones go first)::
+
+    kvpack-probe backup queued_s=Q backup_s=S asked=A written=W
+
+  (`queued_s`: the write's creation (``write_storage``) to the backend's first call).
+
+The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
+never edited; each wrapper calls the original and returns its result.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+PAGE_TRANSFER = "sglang.srt.managers.cache_controller"
+HIT_QUERY = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
+
+
+def _query_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def storage_hit_query(self: Any, operation: Any) -> Any:
+        began = time.monotonic()
+        hashes, hit_tokens = original(self, operation)
+        done = time.monotonic()
+        asked = len(getattr(operation, "all_hash_values", None) or []) * int(self.page_size)
+        print(
+            f"kvpack-probe query rid={operation.request_id} queued_s={began - operation.start_time:.4f} "
+            f"query_s={done - began:.4f} asked={asked} found={int(hit_tokens)}",
+            flush=True,
+        )
+        return hashes, hit_tokens
+
+    return storage_hit_query
+
+
+def _transfer_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def page_transfer(self: Any, operation: Any) -> Any:
+        began = time.monotonic()
+        completed_pages = original(self, operation)
+        done = time.monotonic()
+        print(
+            f"kvpack-probe transfer rid={operation.request_id} start_s={began - operation.start_time:.4f} "
+            f"transfer_s={done - began:.4f} asked={len(operation.hash_value) * int(self.page_size)} "
+            f"loaded={int(completed_pages or 0) * int(self.page_size)} "
+            f"terminated={int(operation.is_terminated())}",
+            flush=True,
+        )
+        return completed_pages
+
+    return page_transfer
+
+
+def _backup_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def page_backup(self: Any, operation: Any) -> Any:
+        began = time.monotonic()
+        out = original(self, operation)
+        done = time.monotonic()
+        created = getattr(operation, "kvpack_probe_created", began)
+        print(
+            f"kvpack-probe backup queued_s={began - created:.4f} backup_s={done - began:.4f} "
+            f"asked={len(operation.hash_value) * int(self.page_size)} written={int(operation.completed_tokens)}",
+            flush=True,
+        )
+        return out
+
+    return page_backup
+
+
+def _stamped(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.kvpack_probe_created = time.monotonic()
+
+    return init
+
+
+def _wrap_page_transfer(module: ModuleType) -> None:
+    cls = module.HiCacheController
+    cls._page_transfer = _transfer_probe(cls._page_transfer)
+    cls._page_backup = _backup_probe(cls._page_backup)
+    module.StorageOperation.__init__ = _stamped(module.StorageOperation.__init__)
+
+
+def _wrap_hit_query(module: ModuleType) -> None:
+    cls = module.HybridCacheController
+    cls._storage_hit_query = _query_probe(cls._storage_hit_query)
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {PAGE_TRANSFER: _wrap_page_transfer, HIT_QUERY: _wrap_hit_query}
+
+
+def install() -> None:
+    """Add a post-import patcher for the two controller modules (after the CPU patches)."""
+    import sys
+
+    from cpu_server_patches import PostImportPatcher
+
+    sys.meta_path.insert(0, PostImportPatcher(PATCHES))
