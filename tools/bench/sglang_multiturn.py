@@ -19,7 +19,7 @@ default ``timeout`` policy the scheduler holds a request for its prefetch at mos
 (``deadline``); ``--prefetch-policy wait_complete`` holds it until the read ends (a control:
 what each L3 holds, independent of timing); `--in-turn` sends one request at a time, the clients
 taking turns (no queueing: the same schedule for every backend). `--repeat` runs every set-up
-again on fresh stores.
+again on fresh stores, kvpack first in even runs.
 Prints a table per run; asserts nothing.
 
 A CPU server needs the test-only shim of ``tests/sglang/server/cpu_site`` (a stub ``sgl_kernel``
@@ -287,8 +287,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _setups(args: argparse.Namespace, root: Path) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, server arguments, server environment) of the set-ups asked for, stores under `root`."""
+def _setups(args: argparse.Namespace, root: Path, run: int = 1) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, server arguments, server environment) of the set-ups asked for, stores under `root`;
+    in even runs kvpack goes before `file` (before and after the restart), so neither backend is
+    always the later one."""
     kvpack = {
         "backend_name": "kvpack",
         "module_path": "kvpack.sglang_plugin",
@@ -308,6 +310,8 @@ def _setups(args: argparse.Namespace, root: Path) -> list[tuple[str, list[str], 
         ("file, restarted", file_args, file_env),
         ("kvpack, restarted", kv_args, {}),
     ]
+    if run % 2 == 0:
+        setups = [setups[0], setups[2], setups[1], setups[4], setups[3]]
     if args.only:
         names = [s[0] for s in setups]
         unknown = sorted(set(args.only) - set(names))
@@ -358,7 +362,7 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
         run_root = root / f"run{run}" if args.repeat > 1 else root
         run_root.mkdir(exist_ok=True)
         results = []
-        for name, storage, env in _setups(args, run_root):
+        for name, storage, env in _setups(args, run_root, run):
             print(f"# {name} ...", flush=True)
             results.append(_run_setup(args, model, name, storage, env, run_root))
         lines = [f"# kvpack bench sglang --multiturn, run {run} of {args.repeat}: {head}", *_table(results)]
