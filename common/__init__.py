@@ -78,6 +78,7 @@ from .model_identity import (
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .page_loads import PagePart
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
+from .shared_sweep import SharedSweep, shared_tier_sweep
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
@@ -149,6 +150,7 @@ __all__ = [
     "RequestScope",
     "SaveResult",
     "Session",
+    "SharedSweep",
     "StoreKey",
     "StoredRange",
     "TailMatch",
@@ -166,6 +168,7 @@ __all__ = [
     "identify_model",
     "resolve_memory",
     "resolve_tenant",
+    "shared_tier_sweep",
     "split_sources",
     "start_engine_process",
     "tail_chunk",

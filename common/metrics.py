@@ -94,6 +94,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "tier_events_dropped", "Tier events (stored/removed, for KV-aware routers) dropped undrained, oldest first", ()
     ),
+    MetricSpec(
+        "shared_withdrawals",
+        "Announced groups withdrawn from routers (removed events) because another process evicted them",
+        ("tier",),
+    ),
     MetricSpec("handoff_loads", "Prefill/decode handoffs loaded (objects still landing waited for)", ("tenant",)),
     MetricSpec("handoff_missing", "Handoff objects not landed within handoff_wait_ms (recomputed)", ("tenant",)),
     MetricSpec(

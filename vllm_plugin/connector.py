@@ -109,7 +109,11 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         # vLLM's KV events (--kv-events-config): the workers' tier events, published by the scheduler side
-        self.router_events = router_events(vllm_config, self.kvpack_config, self.scope) if self.scheduler else None
+        self.router_events = (
+            router_events(vllm_config, self.kvpack_config, self.scope, self.scheduler.session)
+            if self.scheduler is not None
+            else None
+        )
         self._tier_feed = tier_feed(vllm_config, self.worker.session) if self.worker is not None else None
         _LIVE.add(self)
 

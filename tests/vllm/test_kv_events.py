@@ -5,12 +5,16 @@ with vLLM's replay socket for the batches a late subscriber missed) and decodes 
 own classes. It sees ``BlockStored`` for each whole block kvpack stored (medium ``CPU`` for the
 memory tier, ``STORAGE`` for the disk tier, the tier's name as ``ownership``, the block's
 token ids and parent hash) and ``BlockRemoved`` when kvpack's memory tier evicts a block to
-make room; what the events say each tier holds is what the tiers then answer.
+make room; what the events say each tier holds is what the tiers then answer. With the shared
+host store (``memory.mode: host``), another engine process's saves that evict blocks this
+engine announced are withdrawn too (``BlockRemoved``, medium ``CPU``), exactly those.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +26,20 @@ pytest.importorskip("vllm")
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
-from vllm_helpers import BLOCK, close_llm, free_port, kv_config, make_llm, prompt, run  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    BLOCK,
+    close_llm,
+    free_port,
+    kv_config,
+    make_llm,
+    metric,
+    prompt,
+    run,
+    start_engine_process,
+)
 
 from kvpack import StoreKey, chunk_hashes  # noqa: E402
+from kvpack.tiers.host import drop  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -104,15 +119,19 @@ A = prompt(21, 2 * BLOCK + 45)  # 2 whole blocks + a 45-token tail each
 B = prompt(22, 2 * BLOCK + 45)
 
 
-def test_a_router_sees_kvpack_blocks_stored_and_evicted_per_tier(tiny_llama: Path, tmp_path: Path) -> None:
-    port, replay_port = free_port(), free_port()
-    events_config = {
+def _events_config(port: int, replay_port: int) -> dict[str, Any]:
+    return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{port}",
         "replay_endpoint": f"tcp://*:{replay_port}",
         "topic": TOPIC,
     }
+
+
+def test_a_router_sees_kvpack_blocks_stored_and_evicted_per_tier(tiny_llama: Path, tmp_path: Path) -> None:
+    port, replay_port = free_port(), free_port()
+    events_config = _events_config(port, replay_port)
     # memory holds 4 objects (a whole block or a tail each): A's 3 and B's 3 do not fit, disk holds all
     extra = {
         "memory": {"capacity": 4 * OBJECT_BYTES},
@@ -175,3 +194,60 @@ def test_a_router_sees_kvpack_blocks_stored_and_evicted_per_tier(tiny_llama: Pat
     finally:
         close_llm(llm)
         subscriber.close()
+
+
+H = prompt(31, 3 * BLOCK + 45)  # 3 whole blocks (announced) + a tail (stored, never announced)
+OTHER = prompt(32, BLOCK + 45)
+
+
+def test_a_router_sees_blocks_another_process_evicted_from_the_host_store_withdrawn(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Engine 1 (this process, publishing KV events) stores H's blocks in the shared host store;
+    engine 2 (a process of its own, same store) computes another prompt, whose saves evict the
+    oldest of them. Engine 1's next steps withdraw exactly the evicted blocks (medium CPU), and
+    what the events say the host store holds is what a lookup then finds."""
+    port, replay_port = free_port(), free_port()
+    name = f"events-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # an object costs its payload and a header page in tmpfs: the store holds 4, not 5 (H's are 4)
+    memory = {"mode": "host", "host_name": name, "capacity": 4 * (OBJECT_BYTES + (16 << 10))}
+    extra = {"memory": memory, "disk": {"enabled": False}, "trusted_tenants": ["*"]}
+    subscriber = Subscriber(port, replay_port)
+    llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=_events_config(port, replay_port))
+    try:
+        worker = _connector("WORKER").worker
+        run(llm, H)
+        assert worker.flush_before_exit(10, "test")
+        (host,) = worker.session.store.tiers
+        keys = [StoreKey("default", worker.scope.fingerprint, c, "kv") for c in chunk_hashes(H, BLOCK)]
+        assert host.name == "host" and host.contains(keys) == [True] * 3
+        blocks = [tuple(H[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+
+        def announced(events: list[Any]) -> bool:
+            return {tuple(e.token_ids) for e in events if isinstance(e, BlockStored)} >= set(blocks)
+
+        events = subscriber.wait_for(announced)
+        by_tokens = {tuple(e.token_ids): e for e in events if isinstance(e, BlockStored) and e.ownership == "host"}
+        hashes = [by_tokens[b].block_hashes[0] for b in blocks]  # KeyError: not announced
+        assert {by_tokens[b].medium for b in blocks} == {"CPU"}
+
+        other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
+        assert other.result()["OTHER"].cached == 0
+        present = host.contains(keys)
+        assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
+        # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
+        # only run this engine's sweep of the host blocks it announced
+        run(llm, prompt(23, 20), tenant="not/a tenant")
+
+        expected = {h for h, ok in zip(hashes, present) if ok}
+        events = subscriber.wait_for(lambda ev: held(ev, "host") == expected)
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == "host"]
+        withdrawn = [h for e in removed for h in e.block_hashes]
+        assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
+        assert {e.medium for e in removed} == {"CPU"}
+        assert host.contains(keys) == [h in held(events, "host") for h in hashes]  # withdrawn: miss; held: hit
+        assert metric("shared_withdrawals", "SCHEDULER", tier="host") == len(withdrawn)
+    finally:
+        close_llm(llm)
+        subscriber.close()
+        drop(name)

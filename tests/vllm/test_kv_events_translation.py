@@ -5,7 +5,10 @@ The request is the scheduler-side shape `vllm_helpers.fake_request` gives, plus 
 
 from __future__ import annotations
 
+import os
 import pickle
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +17,19 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm_helpers import fake_request, prompt  # noqa: E402
 
-from kvpack import KVPackConfig, StoreKey, TierEvent, TierEventKind, chunk_hashes  # noqa: E402
+from fixtures.builders import item, payload  # noqa: E402
+from kvpack import (  # noqa: E402
+    KVPackConfig,
+    KVStore,
+    Session,
+    StoreKey,
+    TierEvent,
+    TierEventKind,
+    TierStatus,
+    chunk_hashes,
+    shared_tier_sweep,
+)
+from kvpack.tiers.host import drop  # noqa: E402
 from kvpack.vllm_plugin.kv_events import KVPackKVEvents, RouterEvents  # noqa: E402
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, TransferJob  # noqa: E402
 
@@ -89,3 +104,37 @@ def test_the_workers_events_cross_a_process_boundary() -> None:
     batch.add_events(KVPackKVEvents([TierEvent(REMOVED, "disk", _group("b" * 64))]).get_all_events())
     again = pickle.loads(pickle.dumps(batch))
     assert again.tier_events() == batch.tier_events() and len(again.tier_events()) == 2
+
+
+def test_a_shared_host_block_is_withdrawn_once_whoever_evicts_it(tmp_path: Path) -> None:
+    # the sweep (kvpack.SharedSweep) finds what another process evicted; this process's own
+    # removal of a block the sweep withdrew first (or the reverse) adds no second BlockRemoved
+    name = f"xlate-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    data = {"memory": {"mode": "host", "host_name": name, "capacity": "64MiB"}, "disk": {"enabled": False}}
+    mine, other = (KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2))
+    try:
+        ids = prompt(3, 3 * BS)
+        chunks = [str(c) for c in chunk_hashes(ids, BS)]
+        sweep = shared_tier_sweep(Session(mine))
+        events = RouterEvents(KVPackConfig.from_dict({}), FP, BS, BS, sweep=sweep)
+        _saved(events, _request("r", ids), chunks)
+        keys = [StoreKey("default", FP, c, "kv") for c in chunks]
+        for k in keys:
+            assert mine.store([item(k, payload(1, 1024))]) == [TierStatus.OK]
+        events.translate([TierEvent(STORED, "host", _group(c)) for c in chunks])
+        stored = events.take()
+        assert [type(e) for e in stored] == [BlockStored] * 3 and {e.medium for e in stored} == {"CPU"}
+        other.remove_groups([keys[0].group, keys[1].group])  # another process evicts two blocks
+        events.translate([TierEvent(REMOVED, "host", _group(chunks[1]))])  # ... and this one saw one go too
+        out = events.take()  # chunk 1: the own removal; chunk 0: the sweep
+        assert sorted((e.block_hashes[0], e.medium) for e in out) == sorted(
+            (stored[i].block_hashes[0], "CPU") for i in (0, 1)
+        )
+        assert all(isinstance(e, BlockRemoved) for e in out)
+        events.translate([TierEvent(REMOVED, "host", _group(chunks[0]))])  # late own removal: no duplicate
+        assert events.take() == []
+        assert mine.metrics.snapshot()["shared_withdrawals"] == {"tier=host": 1.0}
+    finally:
+        mine.close()
+        other.close()
+        drop(name)

@@ -310,6 +310,16 @@ class DiskTier(Tier):
             marks = [None if ok else self._refused.get(k) for k, ok in zip(keys, known)]
         return [ok or self._present(k, mark) for k, ok, mark in zip(keys, known, marks)]
 
+    @property
+    def capacity_bytes(self) -> int:
+        """The bytes every process on the folder shares (`capacity`)."""
+        return self._capacity_bytes
+
+    def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:
+        """Per group: the bytes of its ready objects the index holds, None when none. One indexed
+        read per batch, no file touched: the answer is the folder's only while `index_complete`."""
+        return self._catalog.ready_bytes(groups)
+
     def _present(self, key: StoreKey, refused: tuple[int, int] | None) -> bool:
         try:
             fd = fs.open_regular(self._root_fd, rel_file(key))

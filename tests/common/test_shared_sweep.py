@@ -1,0 +1,112 @@
+"""The sweep of announced groups on the shared host store (kvpack.shared_sweep): another process's
+evictions are withdrawn, a bounded slice per step, once each, counted; the followed set is bounded."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.builders import GROUP_FP, chunk_id, make_item
+from kvpack import KVPackConfig, KVStore, Session, SharedSweep, StoreKey, TierStatus, shared_tier_sweep
+from kvpack.keys import GroupKey
+from kvpack.tier_events import TierEvent, TierEventKind
+from kvpack.tiers.host import drop
+
+REMOVED = TierEventKind.REMOVED
+
+
+def _key(i: int) -> StoreKey:
+    return StoreKey("t", GROUP_FP, chunk_id(i), "kv")
+
+
+def _group(i: int) -> GroupKey:
+    return _key(i).group
+
+
+@pytest.fixture
+def two_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
+    """Two stores on one host store (each its own tier and owner, as two processes): 32 KiB
+    holds four 1 KiB objects (a header page and a payload page each)."""
+    name = f"sweep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
+    stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
+    try:
+        yield stores[0], stores[1]
+    finally:
+        for s in stores:
+            s.close()
+        drop(name)
+
+
+def _put(store: KVStore, chunks: range) -> None:
+    for i in chunks:
+        assert store.store([make_item("t", chunk_id(i), seed=i)[0]]) == [TierStatus.OK]
+
+
+def test_another_process_evictions_are_withdrawn_a_slice_per_step_once_each(
+    two_processes: tuple[KVStore, KVStore],
+) -> None:
+    mine, other = two_processes
+    sweep = shared_tier_sweep(Session(mine))
+    assert sweep is not None and sweep.tier.name == "host"
+    sweep.per_step = 2
+    _put(mine, range(4))
+    for i in range(4):
+        assert sweep.announced(_group(i)) == []
+    assert sweep.sweep() == [] and sweep.sweep() == []  # all four held: nothing withdrawn
+    _put(other, range(4, 6))  # the other process's saves evict the two oldest groups
+    held = mine.contains([_key(i) for i in range(4)])
+    assert held == [False, False, True, True]
+    steps = [sweep.sweep() for _ in range(3)]
+    # the first step checks the two checked longest ago (0, 1): both gone; the next two find 2, 3 held
+    assert steps == [
+        [TierEvent(REMOVED, "host", _group(0).as_str()), TierEvent(REMOVED, "host", _group(1).as_str())],
+        [],
+        [],
+    ]
+    assert len(sweep) == 2 and sweep.withdrawn == 2
+    assert mine.metrics.snapshot()["shared_withdrawals"] == {"tier=host": 2.0}
+
+
+def test_a_group_forgotten_after_an_own_removal_is_never_withdrawn_again(
+    two_processes: tuple[KVStore, KVStore],
+) -> None:
+    mine, other = two_processes
+    sweep = shared_tier_sweep(Session(mine))
+    assert sweep is not None
+    _put(mine, range(2))
+    sweep.announced(_group(0))
+    sweep.announced(_group(1))
+    mine.remove_groups([_group(0)])  # this process's own removal: its adapter withdrew it already
+    sweep.forget(_group(0))
+    assert [e.group for e in sweep.sweep()] == []
+    other.remove_groups([_group(1)])
+    assert [e.group for e in sweep.sweep()] == [_group(1).as_str()]
+    assert sweep.sweep() == [] and len(sweep) == 0
+
+
+def test_the_followed_set_never_outgrows_what_the_store_can_hold(two_processes: tuple[KVStore, KVStore]) -> None:
+    mine, _ = two_processes
+    sweep = shared_tier_sweep(Session(mine))
+    assert sweep is not None
+    _put(mine, range(1))
+    sweep.announced(_group(0))
+    assert sweep.sweep() == []  # learns a group's bytes: 8 KiB in tmpfs, so 32 KiB holds 4
+    assert sweep.limit == 4
+    out = [e for i in range(1, 6) for e in sweep.announced(_group(i))]
+    assert len(sweep) == 4
+    assert out == [TierEvent(REMOVED, "host", _group(i).as_str()) for i in (0, 1)]  # checked longest ago
+
+
+def test_no_sweep_without_a_shared_tier(tmp_path: Path) -> None:
+    store = KVStore.from_config(KVPackConfig.from_dict({"disk": {"path": str(tmp_path / "kv")}}))
+    try:
+        assert shared_tier_sweep(Session(store)) is None
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="per_step"):
+        SharedSweep(store.tiers[0], per_step=0)  # type: ignore[arg-type]
