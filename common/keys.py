@@ -34,6 +34,8 @@ hashes such as SGLang's page keys are accepted as they are)."""
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MEMBER_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(@[0-9]{1,4}(of[0-9]{1,4})?)?")
 _CHUNK_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_CHUNKS_RE = re.compile(r"(?:[A-Za-z0-9_-]{1,128}\n)*")
+"""Many chunk hashes joined by newlines (a newline is no chunk character, so each piece is one chunk)."""
 
 
 def validate_tenant(tenant: str) -> str:
@@ -62,6 +64,19 @@ def validate_chunk_hash(chunk: str) -> str:
     if not isinstance(chunk, str) or not _CHUNK_RE.fullmatch(chunk):
         raise ValueError(f"invalid chunk hash {clip(chunk)}: expected 1-128 characters of [A-Za-z0-9_-]")
     return chunk
+
+
+def validate_chunk_hashes(chunks: Sequence[str]) -> None:
+    """`validate_chunk_hash` for each of `chunks` (the same ValueError for the first bad one),
+    in one match over all of them joined (a page batch's 256 keys: 0.1 ms one by one)."""
+    try:
+        joined = "\n".join(chunks) + "\n" if chunks else ""
+    except TypeError:  # not every chunk is a str: name the first that fails
+        joined = None
+    if joined is not None and joined.count("\n") == len(chunks) and _CHUNKS_RE.fullmatch(joined):
+        return  # as many pieces as chunks: no chunk held a newline
+    for chunk in chunks:
+        validate_chunk_hash(chunk)
 
 
 def _tokens_le_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -136,8 +151,7 @@ class StoreKey:
         validate_tenant(tenant)
         validate_chunk_hash(fingerprint)
         validate_member(member)
-        for chunk in chunks:
-            validate_chunk_hash(chunk)
+        validate_chunk_hashes(chunks)
         return build_many(cls, {"tenant": tenant, "fingerprint": fingerprint, "member": member}, "chunk", chunks)
 
     @property

@@ -116,8 +116,14 @@ class LentCopies:
         except BaseException:
             memory.publish(keys, headers, slots, [TierStatus.ERROR] * n)
             raise
+        if not self._lower:  # the memory tier alone: no item for another tier to take
+            mem = memory.publish(keys, headers, slots, reserved)
+            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)
+            _count_stored(self.metrics, memory.name, keys, headers, mem)
+            self._count_evictions()
+            return mem
         items = [PutItem(k, h, d.data) for k, h, d in zip(keys, headers, dsts)]
-        if self._lower and not self.write_back:  # one checksum for every tier, as `_write_through` gives
+        if not self.write_back:  # one checksum for every tier, as `_write_through` gives
             items = [
                 replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
                 if it.header.checksum is None
@@ -126,11 +132,11 @@ class LentCopies:
             ]
         mem = memory.publish(keys, [it.header for it in items], slots, reserved)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)
-        _count_stored(self.metrics, memory.name, items, mem)
+        _count_stored(self.metrics, memory.name, keys, [it.header for it in items], mem)
         statuses = list(mem)
-        if self._lower and self.write_back:
+        if self.write_back:
             self._queue_stored(items, mem, statuses)
-        elif self._lower:
+        else:
             lower = self._write_through(items, self._lower)
             statuses = [m if m is TierStatus.OK or lo is not TierStatus.OK else lo for m, lo in zip(mem, lower)]
         self._count_evictions()
@@ -162,37 +168,51 @@ class LentCopies:
             return self.complete_load(plan, items), [None] * len(items)
         try:
             lent = memory.lend([it.key for it in items], [it.expected for it in items])
-            results = [GetResult(TierStatus.OK, got[0]) if got is not None else _NOT_LENT for got in lent]
+            results: list[GetResult] = []
+            views: list[memoryview | None] = []
+            rest: list[int] = []
             loaded: dict[str, int] = {}  # bytes per tenant: one count per tenant, not per object
-            for item, got in zip(items, lent):
-                if got is not None:
-                    tenant = item.key.tenant
-                    loaded[tenant] = loaded.get(tenant, 0) + got[0].payload_len
+            for i, (item, got) in enumerate(zip(items, lent)):
+                if got is None:
+                    results.append(_NOT_LENT)
+                    views.append(None)
+                    rest.append(i)
+                    continue
+                header, view = got
+                results.append(GetResult(TierStatus.OK, header))
+                views.append(view)
+                tenant = item.key.tenant
+                loaded[tenant] = loaded.get(tenant, 0) + header.payload_len
             for tenant, nbytes in loaded.items():
                 self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=memory.name)
-            rest = [i for i, got in enumerate(lent) if got is None]
             if rest:
                 located: Mapping[StoreKey, str] = plan.located
                 first = [self._by_name.get(located.get(items[i].key, "")) for i in rest]
                 for i, res in zip(rest, self._reads.load([items[i] for i in rest], first)):
                     results[i] = res
-            return results, [got[1] if got is not None else None for got in lent]
+            return results, views
         finally:
             self.release(plan)
 
 
-def _count_stored(metrics: Metrics, tier: str, items: Sequence[PutItem], statuses: Sequence[TierStatus]) -> None:
+def _count_stored(
+    metrics: Metrics,
+    tier: str,
+    keys: Sequence[StoreKey],
+    headers: Sequence[ObjectHeader],
+    statuses: Sequence[TierStatus],
+) -> None:
     """`stored_bytes` and `stored_objects` per tenant, `store_dropped` per reason: one
     count per label set of the batch (hundreds of pages a call), as `Tally` would give."""
     stored: dict[str, list[int]] = {}  # tenant -> [objects, bytes]
     dropped: dict[str, int] = {}
-    for item, st in zip(items, statuses):
+    for key, header, st in zip(keys, headers, statuses):
         if st is TierStatus.OK:
-            acc = stored.get(item.key.tenant)
+            acc = stored.get(key.tenant)
             if acc is None:
-                acc = stored[item.key.tenant] = [0, 0]
+                acc = stored[key.tenant] = [0, 0]
             acc[0] += 1
-            acc[1] += item.header.payload_len
+            acc[1] += header.payload_len
         else:
             dropped[st.value] = dropped.get(st.value, 0) + 1
     for tenant, (objects, nbytes) in stored.items():

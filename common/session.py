@@ -48,7 +48,7 @@ from .cpu_features import request_amx_permission
 from .exit_flush import Flushable, flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec
 from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
-from .keys import StoreKey, chunk_hashes, validate_chunk_hash
+from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
 from .lifecycle import LoadPlan
 from .located import LocatedHints
 from .metrics import Metrics
@@ -201,8 +201,7 @@ class Session:
     @staticmethod
     def check_chunks(chunks: Sequence[str]) -> None:
         """Raise ValueError (naming it) for a chunk that is not a valid chunk hash."""
-        for chunk in chunks:
-            validate_chunk_hash(chunk)
+        validate_chunk_hashes(chunks)
 
     # -- lookup ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import CanonicalGeometry
+from .. import CanonicalGeometry, Payload
 
 
 def raw_view(ptr: int, nbytes: int) -> memoryview:
@@ -98,6 +98,16 @@ def address_of(buf: Any) -> int:
     return (
         int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
     )
+
+
+def row_views(rows: np.ndarray) -> list[Payload]:
+    """Each row of a C-contiguous 2-D uint8 array as a writable 1-D memoryview of its bytes,
+    equal to ``memoryview(rows[i])``: slices of one view of the whole buffer (0.1 us a row;
+    indexing the array first costs 0.6 us: a save's or a load's 256 objects)."""
+    if rows.ndim != 2 or not rows.flags.c_contiguous:
+        raise ValueError(f"row_views: a C-contiguous 2-D array, not shape {rows.shape}")
+    flat, width = rows.reshape(-1).data, rows.shape[1]
+    return [flat[i : i + width] for i in range(0, rows.shape[0] * width, width)]
 
 
 STAGING_KEPT_BYTES = 512 << 20

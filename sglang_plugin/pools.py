@@ -53,7 +53,7 @@ from .. import (
     validate_member,
 )
 from ..ops import PagedKV
-from .conversion import StagingRows, address_of, copy_runs
+from .conversion import StagingRows, address_of, copy_runs, row_views
 from .regions import PageRegions
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
@@ -328,8 +328,7 @@ class PoolBinding:
         self.canonical.copy(
             self.pages.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
         )
-        rows = staging.numpy()
-        return [memoryview(rows[i]) for i in range(n_pages)], lambda: self._staging.give_back(staging)
+        return row_views(staging.numpy()), lambda: self._staging.give_back(staging)
 
     def fill_objects(self, host_indices: torch.Tensor, n_pages: int, dsts: Sequence[np.ndarray]) -> None:
         """Canonical pools: page j's object gathered straight into ``dsts[j]`` (a tier's slot
@@ -373,14 +372,22 @@ class PoolBinding:
         base, size = int(rows.ctypes.data), self.page_bytes
 
         def finish(ok: Sequence[bool], views: Sequence[memoryview | None]) -> None:
-            sel = [i for i, good in enumerate(ok) if good]
-            if any(views[i] is not None and views[i].nbytes != size for i in sel):  # type: ignore[union-attr]
-                raise ValueError(f"pool {self.name}: a lent object is not {size} B")
-            addrs = [address_of(views[i]) if views[i] is not None else base + i * size for i in sel]
-            self._convert([ids[i] for i in sel], addrs, gather=False)
+            sel: list[int] = []
+            addrs: list[int] = []
+            for i, (good, view) in enumerate(zip(ok, views)):
+                if not good:
+                    continue
+                if view is None:
+                    addrs.append(base + i * size)
+                elif view.nbytes != size:
+                    raise ValueError(f"pool {self.name}: a lent object is not {size} B")
+                else:
+                    addrs.append(address_of(view))
+                sel.append(ids[i])
+            self._convert(sel, addrs, gather=False)
             self._staging.give_back(staging)
 
-        return [memoryview(rows[i]) for i in range(n_pages)], finish
+        return row_views(rows), finish
 
     def range_load_buffers(
         self, host_indices: torch.Tensor, n_pages: int, obj: StoredRange
@@ -404,4 +411,4 @@ class PoolBinding:
                 geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
             self._staging.give_back(staging)
 
-        return [memoryview(rows[i]) for i in range(n_pages)], finish
+        return row_views(rows), finish

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpack.keys import StoreKey, chain_hash, chunk_hashes, seed_hash, validate_tenant
+from kvpack.keys import (
+    StoreKey,
+    chain_hash,
+    chunk_hashes,
+    seed_hash,
+    validate_chunk_hash,
+    validate_chunk_hashes,
+    validate_tenant,
+)
 
 FP = "0" * 32
 
@@ -115,3 +123,25 @@ def test_group_key_parse_is_the_inverse_of_as_str_and_refuses_anything_else() ->
     ):
         with pytest.raises(ValueError):
             GroupKey.parse(bad)
+
+
+@given(st.lists(st.text(max_size=140), max_size=12))
+def test_chunk_hashes_validated_at_once_refuse_exactly_what_one_by_one_refuses(chunks: list[str]) -> None:
+    """`validate_chunk_hashes` (one match over the joined batch) accepts a batch exactly when
+    every chunk passes `validate_chunk_hash`, and raises the same error for the first bad one:
+    a newline inside a chunk, an empty chunk, 129 characters, a '/' or a non-string."""
+    cases = [chunks, ["ok", "a\nb"], ["a\n"], ["ok", ""], ["x" * 129], ["ok", "a/b"], ["ok", 5], ["x" * 128, "y"]]
+    for batch in cases:
+        want: str | None = None
+        for chunk in batch:
+            try:
+                validate_chunk_hash(chunk)  # type: ignore[arg-type]
+            except ValueError as exc:
+                want = str(exc)
+                break
+        try:
+            validate_chunk_hashes(batch)  # type: ignore[arg-type]
+            got = None
+        except ValueError as exc:
+            got = str(exc)
+        assert got == want, batch

@@ -89,6 +89,25 @@ def test_address_of_is_the_first_byte_of_every_kind_of_buffer():
         assert view is None or view[0] == np.frombuffer(buf, dtype=np.uint8)[0], name
 
 
+def test_row_views_are_each_rows_bytes_writable():
+    """`row_views` (a load's and a save's per-object buffers) gives each row of a staging
+    buffer as ``memoryview(rows[i])`` does: same bytes, same address, writable in place;
+    anything but a C-contiguous 2-D array is refused."""
+    rows = torch.arange(5 * 48, dtype=torch.int64).to(torch.uint8).view(5, 48).numpy()
+    views = conversion.row_views(rows)
+    assert len(views) == 5
+    for i, view in enumerate(views):
+        want = memoryview(rows[i])
+        assert (view.nbytes, view.format, view.ndim, view.readonly) == (want.nbytes, want.format, 1, False)
+        assert bytes(view) == bytes(want) and conversion.address_of(view) == conversion.address_of(rows[i])
+        view[0] = 200 + i
+        assert rows[i, 0] == 200 + i
+    assert conversion.row_views(rows[:0]) == []
+    for bad in (rows[:, :8], rows.reshape(-1), rows[::2]):
+        with pytest.raises(ValueError):
+            conversion.row_views(bad)
+
+
 def test_page_ids_are_the_pages_of_whole_aligned_host_indices():
     """`PageRegions.page_ids`: the page of each run of `page_size` host indices, in the
     batch's order; indices that are not whole, aligned pages (a shifted run, a page with a
