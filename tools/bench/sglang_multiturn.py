@@ -3,7 +3,7 @@
 The workload of SGLang's own ``benchmark/hicache/bench_multiturn.py``, small: `--clients`
 clients of `--rounds` rounds, each round appending `--question` new tokens to the client's whole
 history (greedy, `--answer` tokens), the clients in parallel, on a device pool of `--device`
-tokens and an L2 host pool of twice that, so later rounds find their history only in L3.
+tokens and an L2 host pool of twice that (`--l2-ratio`), so later rounds find their history only in L3.
 Set-ups, one server each, one after another on the same machine: HiCache L2 only, SGLang's
 ``file`` backend, kvpack (memory + disk), then both L3s again on a fresh server over the same
 store (a restart: the same conversations from their first round). Per set-up: the tokens SGLang
@@ -114,7 +114,7 @@ class _Server:
             "--attention-backend", "torch_native", "--dtype", args.dtype,
             "--max-total-tokens", str(args.device), "--page-size", str(args.page),
             "--skip-server-warmup", "--enable-hierarchical-cache", "--hicache-size", "0",
-            "--hicache-ratio", "2", "--hicache-io-backend", "direct", "--enable-metrics",
+            "--hicache-ratio", str(args.l2_ratio), "--hicache-io-backend", "direct", "--enable-metrics",
             "--hicache-storage-prefetch-policy", args.prefetch_policy, *storage,
         ]  # fmt: skip
         full_env = dict(
@@ -255,7 +255,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--question", type=int, default=256, help="new tokens per round (>= SGLang's 256 threshold)")
     p.add_argument("--answer", type=int, default=8)
-    p.add_argument("--device", type=int, default=1024, help="device KV pool tokens (L2 is twice that)")
+    p.add_argument("--device", type=int, default=1024, help="device KV pool tokens")
+    p.add_argument("--l2-ratio", type=float, default=2.0, help="HiCache L2 host pool size / device pool size")
     p.add_argument("--page", type=int, default=32)
     p.add_argument("--settle", type=float, default=3.0, help="seconds for L3 backups after the last round")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -355,7 +356,8 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
     root = Path(tempfile.mkdtemp(prefix="kvpack-sglang-multiturn-"))
     head = (
         f"{args.clients} clients x {args.rounds} rounds of {args.question} tokens (+{args.answer} answered), "
-        f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, L2 {2 * args.device}, "
+        f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, "
+        f"L2 {int(args.l2_ratio * args.device)}, "
         f"prefetch policy {args.prefetch_policy}{', in turn' if args.in_turn else ''}"
     )
     for run in range(1, args.repeat + 1):
