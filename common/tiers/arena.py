@@ -241,6 +241,10 @@ class SlabArena:
         if slot.nbytes:
             self._deferred.append(slot)
 
+    def release_many(self, slots: Sequence[np.ndarray]) -> None:
+        """`release` each slot (a batch of evicted objects)."""
+        self._deferred.extend([slot for slot in slots if slot.nbytes])
+
     def _sweep(self) -> None:
         waiting: list[np.ndarray] = []
         for slot in self._deferred:

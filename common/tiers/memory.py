@@ -352,21 +352,25 @@ class MemoryTier(Tier):
         self._drop_groups_locked(cast("Sequence[str]", gids), evicted=True)
 
     def _drop_groups_locked(self, gids: Sequence[str], evicted: bool = False) -> int:
-        """Forget whole groups and hand their slots back; returns objects removed."""
+        """Forget whole groups and hand their slots back (one `SlabArena.release_many` for
+        the batch); returns objects removed. `on_evict` hears of each group (`evicted`)."""
+        released = self._capacity.release_many(gids)
         on_evict = self.on_evict if evicted else None
-        members_pop, objects_pop, release = self._members.pop, self._objects.pop, self._arena.release
-        removed = 0
-        for gid, sizes in zip(gids, self._capacity.release_many(gids)):
-            if on_evict is not None:
+        if on_evict is not None:
+            for gid, sizes in zip(gids, released):
                 on_evict(_group_of(gid), sum(sizes.values()))
-            keys = members_pop(gid, None)
-            if not keys:
-                continue
+        members_pop, objects_pop = self._members.pop, self._objects.pop
+        slots: list[np.ndarray] = []
+        add = slots.append
+        removed = 0
+        for gid in gids:
+            keys = members_pop(gid, ())
             removed += len(keys)
             for k in keys:
                 entry = objects_pop(k, None)
                 if entry is not None:
-                    release(entry.data)
+                    add(entry.data)
+        self._arena.release_many(slots)
         return removed
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:

@@ -349,3 +349,31 @@ def test_batches_on_two_io_threads_round_trip_in_order(tmp_path: Path, kind: str
     for d, (_, p) in zip(dsts, items):
         assert np.array_equal(d, p)
     tier.close()
+
+
+def test_memory_batch_eviction_reports_every_group_and_recycles_every_slot_but_a_lent_one() -> None:
+    """A batch that evicts many groups at once (`MemoryTier._drop_groups_locked`, one
+    `SlabArena.release_many`): each victim group is reported once with its bytes, in the
+    policy's order, the victims are gone and the batch is stored, every victim's slot is
+    reused by the next batch without a new slab, except one still lent, which keeps its
+    bytes until the view goes and is then free again."""
+    tier = MemoryTier(8 * 1024, make_policy(EvictionPolicyName.LRU), pin=False)
+    heard: list[tuple[str, int]] = []
+    tier.on_evict = lambda group, nbytes: heard.append((group.chunk, nbytes))
+    old = [make_item("t", chunk_id(i), seed=i) for i in range(8)]
+    assert tier.put_from([it for it, _ in old]) == [TierStatus.OK] * 8
+    lent = tier.lend([old[2][0].key], [expect(old[2][0])])[0]
+    assert lent is not None
+    reserved = tier._arena.reserved_bytes  # noqa: SLF001 - white-box check of reuse
+    new = [make_item("t", chunk_id(100 + i), seed=100 + i) for i in range(5)]
+    assert tier.put_from([it for it, _ in new]) == [TierStatus.OK] * 5
+    victims = [chunk_id(i) for i in (0, 1, 3, 4, 5)]  # LRU order; the lend touched chunk 2
+    assert heard == [(c, 1024) for c in victims]
+    assert tier.contains([it.key for it, _ in old]) == [i in (2, 6, 7) for i in range(8)]
+    assert tier.contains([it.key for it, _ in new]) == [True] * 5
+    assert tier._arena.reserved_bytes == reserved  # noqa: SLF001 - no slab for the new batch
+    assert tier.remove_groups([old[2][0].key.group]) == 1  # the lent object's group goes...
+    assert np.array_equal(np.asarray(lent[1]), old[2][1])  # ...its lent view still reads its bytes
+    free = tier._arena.free_bytes()  # noqa: SLF001
+    del lent
+    assert tier._arena.free_bytes() == free + 1024  # noqa: SLF001
