@@ -242,8 +242,12 @@ class SlabArena:
             self._deferred.append(slot)
 
     def release_many(self, slots: Sequence[np.ndarray]) -> None:
-        """`release` each slot (a batch of evicted objects)."""
-        self._deferred.extend([slot for slot in slots if slot.nbytes])
+        """`release` each slot (a batch of evicted objects), last first: a free list hands out
+        its last slot first, so slots released in ascending address order (the order a batch
+        was given them and is evicted in) come back ascending, as a fresh slab's do. A
+        conversion then walks both sides forward: in reverse, SGLang page gathers and scatters
+        (`kvpack bench sglang`, 256 pages) ran 0.2-1.3 ms slower."""
+        self._deferred.extend([slot for slot in reversed(slots) if slot.nbytes])
 
     def _sweep(self) -> None:
         waiting: list[np.ndarray] = []
