@@ -27,7 +27,9 @@ QUERY = re.compile(r"kvpack-probe query rid=(\S+) queued_s=([\d.]+) query_s=([\d
 TRANSFER = re.compile(
     r"kvpack-probe transfer rid=(\S+) start_s=([\d.]+) transfer_s=([\d.]+) asked=(\d+) loaded=(\d+) terminated=(\d)"
 )
-BACKUP = re.compile(r"kvpack-probe backup queued_s=([\d.]+) backup_s=([\d.]+) asked=(\d+) written=(\d+)")
+BACKUP = re.compile(
+    r"kvpack-probe backup queued_s=([\d.]+) backup_s=([\d.]+) asked=(\d+) written=(\d+)(?: cpu_s=([\d.]+))?"
+)
 SAMPLE = re.compile(r"^([a-zA-Z_:]+)(?:\{(.*)\})? ([0-9.eE+-]+)$")
 
 
@@ -48,6 +50,7 @@ class PrefetchStats:
     """Reads the scheduler had terminated by the time they returned."""
     backup_queued_s: list[float] = field(default_factory=list)
     backup_s: list[float] = field(default_factory=list)
+    backup_cpu_s: list[float] = field(default_factory=list)
     sglang_prefetched: int = 0
     sglang_hit: int = 0
     unfulfilled: dict[str, int] = field(default_factory=dict)
@@ -70,6 +73,8 @@ class PrefetchStats:
         for m in BACKUP.finditer(text):
             self.backup_queued_s.append(float(m.group(1)))
             self.backup_s.append(float(m.group(2)))
+            if m.group(5) is not None:
+                self.backup_cpu_s.append(float(m.group(5)))
 
     def add_metrics(self, text: str) -> None:
         for line in text.splitlines():
@@ -114,7 +119,7 @@ class PrefetchStats:
             f"{self.sglang_hit} / {self.sglang_prefetched}",
             held,
             unfulfilled,
-            f"{len(self.backup_s)}: {mean(self.backup_queued_s)} / {mean(self.backup_s)}",
+            f"{len(self.backup_s)}: {mean(self.backup_queued_s)} / {mean(self.backup_s)} / {mean(self.backup_cpu_s)}",
         ]
 
 
@@ -126,5 +131,5 @@ HEADER = [
     "SGLang hit / prefetched",
     "requests held (mean wait)",
     "SGLang unfulfilled by reason",
-    "L3 writes: ms queued / writing, mean",
+    "L3 writes: ms queued / writing / on the writing thread's CPU, mean",
 ]

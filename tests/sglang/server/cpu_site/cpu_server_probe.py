@@ -24,9 +24,13 @@ line per call to the server's stdout (its log), seconds from ``PrefetchOperation
   backup thread; SGLang holds the L2 pages it writes until it drains the write's ack, so a slow
   write keeps L2 pages from eviction and prefetched ones go first)::
 
-    kvpack-probe backup queued_s=Q backup_s=S asked=A written=W
+    kvpack-probe backup queued_s=Q backup_s=S asked=A written=W cpu_s=C samples=F:N,...
 
-  (`queued_s`: the write's creation (``write_storage``) to the backend's first call).
+  (`queued_s`: the write's creation (``write_storage``) to the backend's first call; `cpu_s`:
+  the backup thread's CPU time in the call (``time.thread_time``: Python holding the GIL plus
+  native code; the rest of `backup_s` is waiting: for the GIL, the disk, a lock, a core);
+  `samples`: where the backup thread's stack was, sampled every ~1 ms by a probe thread
+  (``sys._current_frames``), innermost frame as file:function, most frequent first).
 
 The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
 never edited; each wrapper calls the original and returns its result.
@@ -35,7 +39,10 @@ never edited; each wrapper calls the original and returns its result.
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -79,16 +86,56 @@ def _transfer_probe(original: Callable[..., Any]) -> Callable[..., Any]:
     return page_transfer
 
 
+class _Sampler:
+    """Samples one thread's innermost frame every ~1 ms while `watch` is set (bench-only)."""
+
+    def __init__(self) -> None:
+        self.target: int | None = None
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, name="kvpack-probe-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.001)
+            target = self.target
+            if target is None:
+                continue
+            frame = sys._current_frames().get(target)
+            if frame is not None:
+                where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}:{frame.f_code.co_name}"
+                with self.lock:
+                    self.counts[where] += 1
+
+    def start(self) -> None:
+        with self.lock:
+            self.counts = Counter()
+        self.target = threading.get_ident()
+
+    def stop(self) -> str:
+        self.target = None
+        with self.lock:
+            top = self.counts.most_common(6)
+        return ",".join(f"{w}:{n}" for w, n in top)
+
+
 def _backup_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    sampler = _Sampler()
+
     @functools.wraps(original)
     def page_backup(self: Any, operation: Any) -> Any:
+        sampler.start()
+        cpu0 = time.thread_time()
         began = time.monotonic()
         out = original(self, operation)
         done = time.monotonic()
+        cpu = time.thread_time() - cpu0
+        samples = sampler.stop()
         created = getattr(operation, "kvpack_probe_created", began)
         print(
             f"kvpack-probe backup queued_s={began - created:.4f} backup_s={done - began:.4f} "
-            f"asked={len(operation.hash_value) * int(self.page_size)} written={int(operation.completed_tokens)}",
+            f"asked={len(operation.hash_value) * int(self.page_size)} written={int(operation.completed_tokens)} "
+            f"cpu_s={cpu:.4f} samples={samples}",
             flush=True,
         )
         return out
