@@ -29,8 +29,10 @@ line per call to the server's stdout (its log), seconds from ``PrefetchOperation
   (`queued_s`: the write's creation (``write_storage``) to the backend's first call; `cpu_s`:
   the backup thread's CPU time in the call (``time.thread_time``: Python holding the GIL plus
   native code; the rest of `backup_s` is waiting: for the GIL, the disk, a lock, a core);
-  `samples`: where the backup thread's stack was, sampled every ~1 ms by a probe thread
-  (``sys._current_frames``), innermost frame as file:function, most frequent first).
+  `samples`, only with ``KVPACK_SGLANG_PROBE_SAMPLE=1``: where the backup thread's stack was,
+  sampled every ~1 ms by a probe thread (``sys._current_frames``), innermost frame as
+  file:line:function, most frequent first; the sampler competes for the GIL, so it slows a
+  write that gives the GIL up often: never on in a run whose credited tokens are compared).
 
 The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
 never edited; each wrapper calls the original and returns its result.
@@ -39,6 +41,7 @@ never edited; each wrapper calls the original and returns its result.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -120,17 +123,18 @@ class _Sampler:
 
 
 def _backup_probe(original: Callable[..., Any]) -> Callable[..., Any]:
-    sampler = _Sampler()
+    sampler = _Sampler() if os.environ.get("KVPACK_SGLANG_PROBE_SAMPLE") == "1" else None
 
     @functools.wraps(original)
     def page_backup(self: Any, operation: Any) -> Any:
-        sampler.start()
+        if sampler is not None:
+            sampler.start()
         cpu0 = time.thread_time()
         began = time.monotonic()
         out = original(self, operation)
         done = time.monotonic()
         cpu = time.thread_time() - cpu0
-        samples = sampler.stop()
+        samples = sampler.stop() if sampler is not None else "-"
         created = getattr(operation, "kvpack_probe_created", began)
         print(
             f"kvpack-probe backup queued_s={began - created:.4f} backup_s={done - began:.4f} "
