@@ -78,7 +78,7 @@ from .model_identity import (
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .page_loads import PagePart
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
-from .shared_sweep import SharedSweep, shared_tier_sweep
+from .shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
@@ -169,6 +169,7 @@ __all__ = [
     "resolve_memory",
     "resolve_tenant",
     "shared_tier_sweep",
+    "shared_tier_sweeps",
     "split_sources",
     "start_engine_process",
     "tail_chunk",

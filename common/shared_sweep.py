@@ -1,10 +1,12 @@
 """Withdraw, for KV-aware routers, what other processes evicted from a shared tier.
 
 A process reports the groups its own tiers let go (`TierEventFeed.removed`). On a tier
-shared with other processes (the host store, ``memory.mode: host``) another process's
-saves also evict, and nothing tells this process: a router would keep sending it requests
+shared with other processes (the host store, ``memory.mode: host``; the disk tier, whose
+``disk.path`` several processes share) another process's saves also evict, and nothing tells
+this process: a router would keep sending it requests
 for groups it can no longer load (a miss on load, never a wrong load, but a wrong view).
-`SharedSweep` is the policy that corrects the view, run once per engine step by an adapter
+`SharedSweep` is the policy that corrects the view, one per shared tier (the same rule for
+each; `shared_tier_sweeps`), run once per engine step by an adapter
 (vLLM: the scheduler side, `kvpack.vllm_plugin.kv_events`), which translates its answer.
 
 Invariants:
@@ -15,8 +17,9 @@ Invariants:
   (a rotation: every followed group is checked once per ``len / per_step`` steps), with one
   batched read of the tier's index (`groups_present`: one ``SELECT`` per 500 groups, no file
   opened, no write, the index's busy timeout its bound); it checks nothing while the index is
-  not the tier's truth (`index_complete`), and an index error skips the step (the next
-  step retries): a step never waits on storage past that bound;
+  not the tier's truth (`index_complete`: the disk index while a process still scans a large
+  existing folder into it; re-read at most twice a second, one small read), and an index
+  error skips the step (the next step retries): a step never waits on storage past that bound;
 - a followed group the index no longer holds is answered once as a REMOVED `TierEvent` and
   forgotten (if another process stores it again, this process did not announce that copy);
 - bounded: at most `limit` groups are followed: ``min(max_groups, capacity // smallest group
@@ -42,9 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpack")
 
-SWEPT_TIERS = ("host",)
-"""Tiers shared with other processes whose index answers presence in one read. (The disk tier
-also answers from its index once complete; its withdrawals are not swept yet.)"""
+SWEPT_TIERS = ("host", "disk")
+"""Tiers shared with other processes whose index answers presence in one read."""
 PER_STEP = 64
 """Followed groups checked per engine step (one indexed read of at most this many rows)."""
 MAX_GROUPS = 1 << 17
@@ -140,10 +142,16 @@ class SharedSweep:
         return [TierEvent(TierEventKind.REMOVED, self.tier.name, g.as_str()) for g in groups]
 
 
-def shared_tier_sweep(session: Session) -> SharedSweep | None:
-    """The sweep of `session`'s first tier named in `SWEPT_TIERS`, counted in its metrics (None:
-    no such tier here)."""
-    for tier in session.store.tiers:
-        if tier.name in SWEPT_TIERS and hasattr(tier, "groups_present"):
-            return SharedSweep(tier, session.metrics)  # type: ignore[arg-type]  # a DiskTier by its methods
-    return None
+def shared_tier_sweeps(session: Session) -> list[SharedSweep]:
+    """A sweep of each of `session`'s tiers named in `SWEPT_TIERS`, counted in its metrics (in
+    the store's tier order; empty: no shared tier here)."""
+    return [
+        SharedSweep(tier, session.metrics)  # type: ignore[arg-type]  # a DiskTier by its methods
+        for tier in session.store.tiers
+        if tier.name in SWEPT_TIERS and hasattr(tier, "groups_present")
+    ]
+
+
+def shared_tier_sweep(session: Session, tier: str | None = None) -> SharedSweep | None:
+    """The sweep of `session`'s first shared tier (named `tier` if given; None: no such tier here)."""
+    return next((s for s in shared_tier_sweeps(session) if tier is None or s.tier.name == tier), None)

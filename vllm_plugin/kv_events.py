@@ -22,15 +22,16 @@ tier       medium     locality  removals reported
 memory     CPU        LOCAL     evictions and removals in this instance
 host       CPU        LOCAL     those this instance made, and those other
                                 processes made (swept: `kvpack.SharedSweep`)
-disk       STORAGE    LOCAL     those this instance made (other processes
-                                sharing the folder evict unreported)
+disk       STORAGE    LOCAL     those this instance made, and those other
+                                processes sharing the folder made (swept)
 mooncake   STORAGE    REMOTE    none of the master's own evictions
 =========  =========  ========  ==========================================
 
-Another process's evictions of the shared host store: the core's `kvpack.SharedSweep` follows the
-blocks announced on it and, once per step (`take`), checks a bounded slice of them in the host
-index; this module only turns the groups it finds gone into ``BlockRemoved`` (medium CPU), through
-the same translation as the workers' own removals, so a block is withdrawn once whichever comes first.
+Another process's evictions of a shared tier (the host store, the disk folder): the core's
+`kvpack.SharedSweep` of each such tier follows the blocks announced on it and, once per step
+(`take`), checks a bounded slice of them in that tier's index; this module only turns the groups
+it finds gone into ``BlockRemoved`` (the tier's medium), through the same translation as the
+workers' own removals, so a block is withdrawn once whichever comes first.
 
 Not reported: partial-block tails (vLLM hashes whole blocks only), blocks promoted into memory
 by a read from a lower tier, a chunk larger than vLLM's hash block that is not a multiple of it.
@@ -65,7 +66,7 @@ from kvpack import (
     TierEventFeed,
     TierEventKind,
     chunk_hashes,
-    shared_tier_sweep,
+    shared_tier_sweeps,
 )
 
 from .metadata import KVPackConnectorMetadata
@@ -168,9 +169,9 @@ class RouterEvents:
         block_size: int,
         hash_block_size: int,
         max_blocks: int = MAX_BLOCKS,
-        sweep: SharedSweep | None = None,
+        sweeps: Sequence[SharedSweep] = (),
     ) -> None:
-        """`sweep`: the core's check of the shared tier's blocks announced here (None: none)."""
+        """`sweeps`: the core's check of each shared tier's blocks announced here (none: no shared tier)."""
         self._config = config
         self._fingerprint = fingerprint
         self._bs = block_size
@@ -182,7 +183,7 @@ class RouterEvents:
         self._finished: set[str] = set()
         self._blocks: OrderedDict[tuple[str, str], _Block] = OrderedDict()
         self._out: list[KVCacheEvent] = []
-        self._sweep = sweep
+        self._sweeps = {s.tier.name: s for s in sweeps}
 
     # -- requests and saves ---------------------------------------------------------
 
@@ -237,8 +238,9 @@ class RouterEvents:
         while len(self._blocks) > self._max_blocks:
             _, old = self._blocks.popitem(last=False)
             self._out.extend(self._removed(old, sorted(old.tiers)))
-            if self._sweep is not None and old.group is not None:
-                self._sweep.forget(old.group)
+            if old.group is not None:
+                for sweep in self._sweeps.values():
+                    sweep.forget(old.group)
 
     def _extend(self, f: _Followed, chunk: str) -> int | None:
         """Hash the request's whole chunks not hashed yet (kvpack's chain); `chunk`'s index or None."""
@@ -269,26 +271,24 @@ class RouterEvents:
             block = self._blocks.get((group.tenant, group.chunk))
             if block is None:
                 continue  # not stored by this instance (or forgotten): never announced
-            swept = self._sweep is not None and event.tier == self._sweep.tier.name
+            sweep = self._sweeps.get(event.tier)
             if event.kind is TierEventKind.STORED and event.tier not in block.tiers:
                 block.tiers.add(event.tier)
                 self._out.append(self._stored(block, event.tier))
-                if swept:
-                    assert self._sweep is not None
+                if sweep is not None:
                     block.group = group
-                    self.translate(self._sweep.announced(group))
+                    self.translate(sweep.announced(group))
             elif event.kind is TierEventKind.REMOVED and event.tier in block.tiers:
                 block.tiers.discard(event.tier)
                 self._out.extend(self._removed(block, [event.tier]))
-                if swept:
-                    assert self._sweep is not None
-                    self._sweep.forget(group)
+                if sweep is not None:
+                    sweep.forget(group)
 
     def take(self) -> list[KVCacheEvent]:
         """The vLLM events since the last call (vLLM's scheduler publishes them each step), with
-        this step's sweep of the shared tier (`kvpack.SharedSweep`: a bounded, batched check)."""
-        if self._sweep is not None:
-            self.translate(self._sweep.sweep())
+        this step's sweep of each shared tier (`kvpack.SharedSweep`: a bounded, batched check)."""
+        for sweep in self._sweeps.values():
+            self.translate(sweep.sweep())
         out, self._out = self._out, []
         return out
 
@@ -325,12 +325,12 @@ def router_events(
     vllm_config: VllmConfig, config: KVPackConfig, scope: EngineScope, session: Session
 ) -> RouterEvents | None:
     """The scheduler side's translator, or None when vLLM publishes no KV events (no cost);
-    `session` is the scheduler's, whose shared tier (if any) the sweep reads."""
+    `session` is the scheduler's, whose shared tiers (if any) the sweeps read."""
     if not events_enabled(vllm_config):
         return None
-    sweep = shared_tier_sweep(session)
     block_size = int(vllm_config.cache_config.block_size)
-    return RouterEvents(config, scope.fingerprint, scope.block_size, block_size, sweep=sweep)
+    sweeps = shared_tier_sweeps(session)
+    return RouterEvents(config, scope.fingerprint, scope.block_size, block_size, sweeps=sweeps)
 
 
 def tier_feed(vllm_config: VllmConfig, session: Session) -> TierEventFeed | None:

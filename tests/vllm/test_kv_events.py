@@ -7,7 +7,8 @@ memory tier, ``STORAGE`` for the disk tier, the tier's name as ``ownership``, th
 token ids and parent hash) and ``BlockRemoved`` when kvpack's memory tier evicts a block to
 make room; what the events say each tier holds is what the tiers then answer. With the shared
 host store (``memory.mode: host``), another engine process's saves that evict blocks this
-engine announced are withdrawn too (``BlockRemoved``, medium ``CPU``), exactly those.
+engine announced are withdrawn too (``BlockRemoved``, medium ``CPU``), exactly those; the same
+on a disk folder two engines share (medium ``STORAGE``).
 """
 
 from __future__ import annotations
@@ -207,47 +208,66 @@ def test_a_router_sees_blocks_another_process_evicted_from_the_host_store_withdr
     engine 2 (a process of its own, same store) computes another prompt, whose saves evict the
     oldest of them. Engine 1's next steps withdraw exactly the evicted blocks (medium CPU), and
     what the events say the host store holds is what a lookup then finds."""
-    port, replay_port = free_port(), free_port()
     name = f"events-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     # an object costs its payload and a header page in tmpfs: the store holds 4, not 5 (H's are 4)
     memory = {"mode": "host", "host_name": name, "capacity": 4 * (OBJECT_BYTES + (16 << 10))}
-    extra = {"memory": memory, "disk": {"enabled": False}, "trusted_tenants": ["*"]}
+    try:
+        _another_process_evicts(tiny_llama, tmp_path, {"memory": memory, "disk": {"enabled": False}}, "CPU")
+    finally:
+        drop(name)
+
+
+def test_a_router_sees_blocks_another_process_evicted_from_the_shared_disk_folder_withdrawn(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The same with the disk tier alone (memory off): engine 2 shares engine 1's ``disk.path``
+    and its saves evict the oldest of H's files; engine 1's steps withdraw exactly those
+    (medium STORAGE, ownership disk)."""
+    disk = {"path": str(tmp_path / "kv"), "capacity": 4 * (OBJECT_BYTES + (16 << 10))}
+    _another_process_evicts(tiny_llama, tmp_path, {"memory": {"enabled": False}, "disk": disk}, "STORAGE")
+
+
+def _another_process_evicts(tiny_llama: Path, tmp_path: Path, tiers: dict[str, Any], medium: str) -> None:
+    """Engine 1 stores H's blocks on its only tier (shared); engine 2 (a process) evicts some; the
+    subscriber sees exactly those withdrawn, once each, and a lookup agrees with the events."""
+    port, replay_port = free_port(), free_port()
+    extra = {**tiers, "trusted_tenants": ["*"]}
     subscriber = Subscriber(port, replay_port)
     llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=_events_config(port, replay_port))
     try:
         worker = _connector("WORKER").worker
         run(llm, H)
         assert worker.flush_before_exit(10, "test")
-        (host,) = worker.session.store.tiers
+        (tier,) = worker.session.store.tiers
+        owner = tier.name
         keys = [StoreKey("default", worker.scope.fingerprint, c, "kv") for c in chunk_hashes(H, BLOCK)]
-        assert host.name == "host" and host.contains(keys) == [True] * 3
+        assert tier.contains(keys) == [True] * 3
         blocks = [tuple(H[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
 
         def announced(events: list[Any]) -> bool:
             return {tuple(e.token_ids) for e in events if isinstance(e, BlockStored)} >= set(blocks)
 
         events = subscriber.wait_for(announced)
-        by_tokens = {tuple(e.token_ids): e for e in events if isinstance(e, BlockStored) and e.ownership == "host"}
+        by_tokens = {tuple(e.token_ids): e for e in events if isinstance(e, BlockStored) and e.ownership == owner}
         hashes = [by_tokens[b].block_hashes[0] for b in blocks]  # KeyError: not announced
-        assert {by_tokens[b].medium for b in blocks} == {"CPU"}
+        assert {by_tokens[b].medium for b in blocks} == {medium}
 
         other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
         assert other.result()["OTHER"].cached == 0
-        present = host.contains(keys)
+        present = tier.contains(keys)
         assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
         # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
-        # only run this engine's sweep of the host blocks it announced
+        # only run this engine's sweeps of the blocks it announced on shared tiers
         run(llm, prompt(23, 20), tenant="not/a tenant")
 
         expected = {h for h, ok in zip(hashes, present) if ok}
-        events = subscriber.wait_for(lambda ev: held(ev, "host") == expected)
-        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == "host"]
+        events = subscriber.wait_for(lambda ev: held(ev, owner) == expected)
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == owner]
         withdrawn = [h for e in removed for h in e.block_hashes]
         assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
-        assert {e.medium for e in removed} == {"CPU"}
-        assert host.contains(keys) == [h in held(events, "host") for h in hashes]  # withdrawn: miss; held: hit
-        assert metric("shared_withdrawals", "SCHEDULER", tier="host") == len(withdrawn)
+        assert {e.medium for e in removed} == {medium}
+        assert tier.contains(keys) == [h in held(events, owner) for h in hashes]  # withdrawn: miss; held: hit
+        assert metric("shared_withdrawals", "SCHEDULER", tier=owner) == len(withdrawn)
     finally:
         close_llm(llm)
         subscriber.close()
-        drop(name)

@@ -116,7 +116,7 @@ def test_a_shared_host_block_is_withdrawn_once_whoever_evicts_it(tmp_path: Path)
         ids = prompt(3, 3 * BS)
         chunks = [str(c) for c in chunk_hashes(ids, BS)]
         sweep = shared_tier_sweep(Session(mine))
-        events = RouterEvents(KVPackConfig.from_dict({}), FP, BS, BS, sweep=sweep)
+        events = RouterEvents(KVPackConfig.from_dict({}), FP, BS, BS, sweeps=[sweep] if sweep is not None else [])
         _saved(events, _request("r", ids), chunks)
         keys = [StoreKey("default", FP, c, "kv") for c in chunks]
         for k in keys:
