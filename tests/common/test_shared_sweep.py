@@ -4,6 +4,7 @@ the followed set is bounded; nothing is withdrawn while the disk index is still 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -46,13 +47,22 @@ def two_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     holds four 1 KiB objects (a header page and a payload page each)."""
     name = f"sweep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
+    try:
+        with _two_stores(data) as stores:
+            yield stores
+    finally:
+        drop(name)
+
+
+@contextlib.contextmanager
+def _two_stores(data: dict[str, object]) -> Iterator[tuple[KVStore, KVStore]]:
+    """Two stores of one config (each its own tiers, as two processes), closed on exit."""
     stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
     try:
         yield stores[0], stores[1]
     finally:
         for s in stores:
             s.close()
-        drop(name)
 
 
 def _put(store: KVStore, chunks: range) -> None:
@@ -60,12 +70,11 @@ def _put(store: KVStore, chunks: range) -> None:
         assert store.store([make_item("t", chunk_id(i), seed=i)[0]]) == [TierStatus.OK]
 
 
-def test_another_process_evictions_are_withdrawn_a_slice_per_step_once_each(
-    two_processes: tuple[KVStore, KVStore],
-) -> None:
-    mine, other = two_processes
+def _evictions_withdrawn_a_slice_per_step_once_each(mine: KVStore, other: KVStore, tier: str) -> SharedSweep:
+    """`mine` stores four groups, `other`'s saves evict the two oldest: a sweep of two per step
+    withdraws exactly those, in its first step, once, counted under `tier`."""
     sweep = shared_tier_sweep(Session(mine))
-    assert sweep is not None and sweep.tier.name == "host"
+    assert sweep is not None and sweep.tier.name == tier
     sweep.per_step = 2
     _put(mine, range(4))
     for i in range(4):
@@ -77,12 +86,19 @@ def test_another_process_evictions_are_withdrawn_a_slice_per_step_once_each(
     steps = [sweep.sweep() for _ in range(3)]
     # the first step checks the two checked longest ago (0, 1): both gone; the next two find 2, 3 held
     assert steps == [
-        [TierEvent(REMOVED, "host", _group(0).as_str()), TierEvent(REMOVED, "host", _group(1).as_str())],
+        [TierEvent(REMOVED, tier, _group(0).as_str()), TierEvent(REMOVED, tier, _group(1).as_str())],
         [],
         [],
     ]
     assert len(sweep) == 2 and sweep.withdrawn == 2
-    assert mine.metrics.snapshot()["shared_withdrawals"] == {"tier=host": 2.0}
+    assert mine.metrics.snapshot()["shared_withdrawals"] == {f"tier={tier}": 2.0}
+    return sweep
+
+
+def test_another_process_evictions_are_withdrawn_a_slice_per_step_once_each(
+    two_processes: tuple[KVStore, KVStore],
+) -> None:
+    _evictions_withdrawn_a_slice_per_step_once_each(*two_processes, "host")
 
 
 def test_a_group_forgotten_after_an_own_removal_is_never_withdrawn_again(
@@ -143,36 +159,15 @@ def two_disk_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     """Two stores on one disk folder, memory off (each its own tier, as two processes): 4 KiB
     holds four 1 KiB objects (the disk tier charges the payload)."""
     data = {"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv"), "capacity": "4KiB"}}
-    stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
-    try:
-        yield stores[0], stores[1]
-    finally:
-        for s in stores:
-            s.close()
+    with _two_stores(data) as stores:
+        yield stores
 
 
 def test_another_process_evictions_from_a_shared_disk_folder_are_withdrawn_once_each(
     two_disk_processes: tuple[KVStore, KVStore],
 ) -> None:
-    mine, other = two_disk_processes
-    sweep = shared_tier_sweep(Session(mine))
-    assert sweep is not None and sweep.tier.name == "disk"
-    sweep.per_step = 2
-    _put(mine, range(4))
-    for i in range(4):
-        assert sweep.announced(_group(i)) == []
-    assert sweep.sweep() == [] and sweep.sweep() == []  # all four held
-    _put(other, range(4, 6))  # the other process's saves evict the two oldest groups
-    held = mine.contains([_key(i) for i in range(4)])
-    assert held == [False, False, True, True]
-    steps = [sweep.sweep() for _ in range(3)]
-    assert steps == [
-        [TierEvent(REMOVED, "disk", _group(0).as_str()), TierEvent(REMOVED, "disk", _group(1).as_str())],
-        [],
-        [],
-    ]
-    assert len(sweep) == 2 and sweep.withdrawn == 2 and sweep.limit == 4
-    assert mine.metrics.snapshot()["shared_withdrawals"] == {"tier=disk": 2.0}
+    sweep = _evictions_withdrawn_a_slice_per_step_once_each(*two_disk_processes, "disk")
+    assert sweep.limit == 4  # the folder holds four groups: the followed set is bounded by it
 
 
 def test_nothing_is_withdrawn_while_the_disk_index_is_built_then_exactly_what_is_gone(tmp_path: Path) -> None:
