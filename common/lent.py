@@ -116,27 +116,24 @@ class LentCopies:
         except BaseException:
             memory.publish(keys, headers, slots, [TierStatus.ERROR] * n)
             raise
-        if not self._lower:  # the memory tier alone: no item for another tier to take
-            mem = memory.publish(keys, headers, slots, reserved)
-            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)
-            _count_stored(self.metrics, memory.name, keys, headers, mem)
-            self._count_evictions()
-            return mem
-        items = [PutItem(k, h, d.data) for k, h, d in zip(keys, headers, dsts)]
-        if not self.write_back:  # one checksum for every tier, as `_write_through` gives
-            items = [
-                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
-                if it.header.checksum is None
-                else it
-                for it in items
-            ]
-        mem = memory.publish(keys, [it.header for it in items], slots, reserved)
+        items: list[PutItem] = []  # only for the tiers below (the memory tier alone builds none)
+        if self._lower:
+            items = [PutItem(k, h, d.data) for k, h, d in zip(keys, headers, dsts)]
+            if not self.write_back:  # one checksum for every tier, as `_write_through` gives
+                items = [
+                    replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
+                    if it.header.checksum is None
+                    else it
+                    for it in items
+                ]
+            headers = [it.header for it in items]
+        mem = memory.publish(keys, headers, slots, reserved)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)
-        _count_stored(self.metrics, memory.name, keys, [it.header for it in items], mem)
+        _count_stored(self.metrics, memory.name, keys, headers, mem)
         statuses = list(mem)
-        if self.write_back:
+        if self._lower and self.write_back:
             self._queue_stored(items, mem, statuses)
-        else:
+        elif self._lower:
             lower = self._write_through(items, self._lower)
             statuses = [m if m is TierStatus.OK or lo is not TierStatus.OK else lo for m, lo in zip(mem, lower)]
         self._count_evictions()

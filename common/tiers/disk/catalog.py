@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 
 from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
@@ -211,29 +211,29 @@ class Catalog(ScanReconcile):
     def ready_rows(self, keys: Sequence[StoreKey]) -> list[tuple[int, int] | None]:
         """Per key: (bytes, wall-clock ns it became ready) of its ready row, else None (no write)."""
         ids = [group_id(k.group) for k in keys]
-        unique = list(dict.fromkeys(ids))
-        rows: dict[tuple[bytes, str], tuple[int, int]] = {}
-        with self._lock:
-            for lo in range(0, len(unique), 500):
-                part = unique[lo : lo + 500]
-                marks = ",".join("?" * len(part))
-                sql = f"SELECT g, member, nbytes, since FROM objects WHERE g IN ({marks}) AND ready=1"  # noqa: S608
-                rows.update({(g, m): (n, t) for g, m, n, t in self._db.execute(sql, part)})
+        rows = {(g, m): (n, t) for g, m, n, t in self._select_ready("g, member, nbytes, since", ids)}
         return [rows.get((g, k.member)) for g, k in zip(ids, keys)]
 
     def ready_bytes(self, groups: Sequence[GroupKey]) -> list[int | None]:
         """Per group: the bytes of its ready objects, None when it has none (one ``SELECT ... IN``
         per 500 groups, no write)."""
         ids = [group_id(g) for g in groups]
+        found = {g: int(n) for g, n in self._select_ready("g, SUM(nbytes)", ids, " GROUP BY g")}
+        return [found.get(g) for g in ids]
+
+    def _select_ready(self, columns: str, ids: Sequence[bytes], tail: str = "") -> list[Any]:
+        """The rows of ``SELECT columns FROM objects WHERE g IN (ids) AND ready=1 tail``: one
+        statement per 500 distinct group ids (SQLite bounds the parameters of one), under the
+        lock, no write."""
         unique = list(dict.fromkeys(ids))
-        found: dict[bytes, int] = {}
+        out: list[Any] = []
         with self._lock:
             for lo in range(0, len(unique), 500):
                 part = unique[lo : lo + 500]
                 marks = ",".join("?" * len(part))
-                sql = f"SELECT g, SUM(nbytes) FROM objects WHERE g IN ({marks}) AND ready=1 GROUP BY g"  # noqa: S608
-                found.update({g: int(n) for g, n in self._db.execute(sql, part)})
-        return [found.get(g) for g in ids]
+                sql = f"SELECT {columns} FROM objects WHERE g IN ({marks}) AND ready=1{tail}"  # noqa: S608
+                out.extend(self._db.execute(sql, part))
+        return out
 
     def _next_tick(self) -> int:
         """Wall-clock ns, strictly increasing in this process (the LRU order of one batch is its order)."""
