@@ -99,6 +99,12 @@ SPECS: tuple[MetricSpec, ...] = (
         "Announced groups withdrawn from routers (removed events) because another process evicted them",
         ("tier",),
     ),
+    MetricSpec(
+        "shared_facts",
+        "Router facts rows of a shared tier (kvpack.router_facts): recorded or not_recorded by this writer;"
+        " taken (announced), own or other_identity (skipped) by this reader",
+        ("tier", "outcome"),
+    ),
     MetricSpec("handoff_loads", "Prefill/decode handoffs loaded (objects still landing waited for)", ("tenant",)),
     MetricSpec("handoff_missing", "Handoff objects not landed within handoff_wait_ms (recomputed)", ("tenant",)),
     MetricSpec(

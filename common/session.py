@@ -55,6 +55,7 @@ from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, Payload, payload_nbytes
 from .page_loads import PagePart, load_pages, located_splits
 from .reads import LoadItem
+from .router_facts import RouterFacts
 from .store import KVStore
 from .tails import TailMatch
 from .tenancy import RequestScope
@@ -105,11 +106,13 @@ class ChunkFacts:
 
     `token_count`: tokens the object holds (a whole chunk, or a partial block's
     computed part). `token_ids`: a tail's ids (stored in its header; a load requires
-    the stored ids to start with them); None for a whole chunk."""
+    the stored ids to start with them); None for a whole chunk. `announce`: on save, what
+    a shared tier records for other instances' routers (`kvpack.router_facts`)."""
 
     chunk: str
     token_count: int
     token_ids: tuple[int, ...] | None = None
+    announce: RouterFacts | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,6 +524,7 @@ class Session:
                     token_ids=o.facts.token_ids,
                 ),
                 o.buffer,
+                announce=o.facts.announce,
             )
             for o in objects
         ]

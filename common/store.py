@@ -51,6 +51,7 @@ from .lifecycle import LoadPlan, PlanBook, count_lookup
 from .metrics import Metrics, Tally
 from .objects import ObjectHeader, copy_parts_into, payload_checksum
 from .reads import LoadItem, TierReads
+from .router_facts import record_stored_facts
 from .split_lookup import lookup_sets
 from .tails import TailSlots
 from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
@@ -438,11 +439,11 @@ class KVStore(LentCopies):
         for i, item in enumerate(items):
             borrowed = views[i]
             if borrowed is not None:
-                queued = PutItem(item.key, item.header, borrowed[1], accepted[i])
+                queued = PutItem(item.key, item.header, borrowed[1], accepted[i], item.announce)
             else:  # the memory tier holds no copy: take one for the queue
                 owned = np.empty(item.nbytes, dtype=np.uint8)
                 copy_parts_into(owned, item.payload)
-                queued = PutItem(item.key, item.header, owned.data, accepted[i])
+                queued = PutItem(item.key, item.header, owned.data, accepted[i], item.announce)
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
 
@@ -494,6 +495,8 @@ class KVStore(LentCopies):
             self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
             if self.events is not None:
                 self.events.stored_where(tier.name, [it.key for it in items], [st is TierStatus.OK for st in got])
+            if any(it.announce is not None for it in items):
+                record_stored_facts(tier, items, [st is TierStatus.OK for st in got], self.metrics)
             tally = Tally(self.metrics)
             for i, (item, status) in enumerate(zip(items, got)):
                 if status is TierStatus.OK:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_nbytes
+from ..router_facts import RouterFacts
 
 
 class TierStatus(enum.Enum):
@@ -69,6 +70,9 @@ class PutItem:
     """Wall-clock ns at which `KVStore.store` accepted the object, when it reaches this tier
     later (the write-back): a bounded tier ranks its recency by this, not by its arrival, so
     a store that arrives late never displaces a newer one. None: accepted now, by this put."""
+    announce: RouterFacts | None = None
+    """What the writer tells other instances' routers about the object's group: recorded by a
+    shared tier once it stored the object (`kvpack.router_facts`); None: nothing."""
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,11 @@ a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
 - ``tenants(tenant, used)``: bytes per tenant, updated in the same transaction
   as every insert and delete, so ``SUM(used)`` is the folder's usage;
 - ``meta``: the schema version and ``complete`` once every file of an older
-  store was indexed (`kvpack.tiers.disk.scan` builds it in the background).
+  store was indexed (`kvpack.tiers.disk.scan` builds it in the background);
+- ``facts(seq, g, origin, identity, blob)``: at most one row per group, what its writer told
+  routers about it (`kvpack.router_facts`): inserted only while the group has a ready object
+  (`record_facts`), deleted with the group; ``seq`` only grows (AUTOINCREMENT: never reused),
+  so a reader tails it with a cursor (`facts_after`).
 
 Invariants: a group row's ``nbytes`` is the sum of its objects' (ready or not: a row being
 written holds its bytes), a tenant's ``used`` the sum of its groups'; a row is inserted (not
@@ -59,6 +63,7 @@ from typing import Any, cast
 from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
+from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
 from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
 
@@ -86,6 +91,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS objects(g BLOB NOT NULL, member TEXT NOT NULL, nbytes INTEGER NOT NULL,"
     " ready INTEGER NOT NULL, since INTEGER NOT NULL, PRIMARY KEY(g, member)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS facts(seq INTEGER PRIMARY KEY AUTOINCREMENT, g BLOB NOT NULL UNIQUE,"
+    " origin TEXT NOT NULL, identity TEXT NOT NULL, blob BLOB NOT NULL)",
 )
 
 
@@ -148,7 +155,7 @@ class Catalog(ScanReconcile):
             db.execute(_SCHEMA[0])
             row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
             if row is not None and row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "meta"):
+                for table in ("groups", "objects", "tenants", "facts", "meta"):
                     db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
             for stmt in _SCHEMA:
                 db.execute(stmt)
@@ -234,6 +241,19 @@ class Catalog(ScanReconcile):
                 sql = f"SELECT {columns} FROM objects WHERE g IN ({marks}) AND ready=1{tail}"  # noqa: S608
                 out.extend(self._db.execute(sql, part))
         return out
+
+    def facts_after(self, seq: int, limit: int) -> list[FactsRow]:
+        """The facts rows numbered after `seq`, at most `limit`, in their order (one indexed read, no write)."""
+        sql = (
+            "SELECT f.seq, gr.tenant, gr.fp, gr.chunk, f.origin, f.identity, f.blob FROM facts f"
+            " JOIN groups gr ON gr.g=f.g WHERE f.seq>? ORDER BY f.seq LIMIT ?"
+        )
+        with self._lock:
+            rows = self._db.execute(sql, (seq, limit)).fetchall()
+        return [
+            FactsRow(s, GroupKey(t, unpack_name(fp), unpack_name(c)), RouterFacts(o, i, bytes(b)))
+            for s, t, fp, c, o, i, b in rows
+        ]
 
     def _next_tick(self) -> int:
         """Wall-clock ns, strictly increasing in this process (the LRU order of one batch is its order)."""
@@ -390,11 +410,25 @@ class Catalog(ScanReconcile):
         members = tuple(r[0] for r in db.execute("SELECT member FROM objects WHERE g=?", (g,)))
         db.execute("DELETE FROM objects WHERE g=?", (g,))
         db.execute("DELETE FROM groups WHERE g=?", (g,))
+        db.execute("DELETE FROM facts WHERE g=?", (g,))
         db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (nbytes, tenant))
         db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (tenant,))
         if used is not None:
             used[tenant] = used.get(tenant, 0) - nbytes
         return Victim(GroupKey(tenant, unpack_name(fp), unpack_name(chunk)), members, nbytes)
+
+    def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
+        """Record each group's facts, in one transaction, where the group has a ready object and no
+        facts yet (a blob over `MAX_FACTS_BYTES` is skipped); returns the rows inserted."""
+        todo = [(group_id(g), f) for g, f in rows if len(f.blob) <= MAX_FACTS_BYTES]
+        if not todo:
+            return 0
+        sql = (
+            "INSERT OR IGNORE INTO facts(g, origin, identity, blob) SELECT ?, ?, ?, ?"
+            " WHERE EXISTS (SELECT 1 FROM objects WHERE g=? AND ready=1)"
+        )
+        with self._lock, self._tx() as db:
+            return sum(db.execute(sql, (g, f.origin, f.identity, f.blob, g)).rowcount for g, f in todo)
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
         """Delete the groups' rows; returns those that were indexed."""
@@ -434,6 +468,7 @@ class Catalog(ScanReconcile):
                 db.execute("DELETE FROM objects WHERE g=? AND member=?", (g, key.member))
                 db.execute("UPDATE groups SET nbytes=nbytes-? WHERE g=?", (row[0], g))
                 db.execute("DELETE FROM groups WHERE g=? AND NOT EXISTS (SELECT 1 FROM objects WHERE g=?)", (g, g))
+                db.execute("DELETE FROM facts WHERE g=? AND NOT EXISTS (SELECT 1 FROM groups WHERE g=?)", (g, g))
                 db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (row[0], key.tenant))
                 db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (key.tenant,))
 

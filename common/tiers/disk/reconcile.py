@@ -121,6 +121,10 @@ class ScanReconcile:
                     "DELETE FROM groups WHERE g IN (SELECT g FROM temp.scan_gone)"
                     " AND NOT EXISTS (SELECT 1 FROM objects o WHERE o.g=groups.g)"
                 )
+                db.execute(
+                    "DELETE FROM facts WHERE g IN (SELECT g FROM temp.scan_gone)"
+                    " AND NOT EXISTS (SELECT 1 FROM groups gr WHERE gr.g=facts.g)"
+                )
                 db.execute("DELETE FROM tenants WHERE used<=0")
             for table in ("scan_gone", "scan_unseen", "scan_seen"):
                 db.execute(f"DROP TABLE temp.{table}")  # noqa: S608 - fixed names

@@ -70,6 +70,7 @@ from ...objects import (
     payload_nbytes,
     payload_parts,
 )
+from ...router_facts import FactsRow, RouterFacts
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
@@ -319,6 +320,14 @@ class DiskTier(Tier):
         """Per group: the bytes of its ready objects the index holds, None when none. One indexed
         read per batch, no file touched: the answer is the folder's only while `index_complete`."""
         return self._catalog.ready_bytes(groups)
+
+    def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
+        """Routers' facts of groups the folder holds ready (`Catalog.record_facts`, `kvpack.router_facts`)."""
+        return self._catalog.record_facts(rows)
+
+    def facts_after(self, seq: int, limit: int) -> list[FactsRow]:
+        """The facts rows after `seq`, at most `limit` (`Catalog.facts_after`: one indexed read)."""
+        return self._catalog.facts_after(seq, limit)
 
     def _present(self, key: StoreKey, refused: tuple[int, int] | None) -> bool:
         try:
