@@ -152,12 +152,17 @@ class Session:
         cls, config: KVPackConfig, group_fingerprint: str = "", *, copy_threads: int = 1, write_back: bool = True
     ) -> Session:
         """An engine process's session: `start_engine_process`, then the store the config
-        enables, whose memory-tier copies use the native region copy once the kernels loaded."""
-        from .ops import region_copier
+        enables, whose memory-tier copies use the native region copy and whose host and disk
+        tiers the native batch file write, once the kernels loaded."""
+        from .ops import object_writer, region_copier
 
         start_engine_process()
         store = KVStore.from_config(
-            config, copy_threads=copy_threads, region_copier=region_copier, write_back=write_back
+            config,
+            copy_threads=copy_threads,
+            region_copier=region_copier,
+            object_writer=object_writer,
+            write_back=write_back,
         )
         return cls(store, group_fingerprint)
 

@@ -57,6 +57,7 @@ from .tails import TailSlots
 from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
 from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.disk.writes import ObjectWriter
 from .tiers.factory import build_tiers
 from .tiers.parallel import RegionCopier
 from .writeback import WriteBack
@@ -136,10 +137,11 @@ class KVStore(LentCopies):
         *,
         copy_threads: int = 1,
         region_copier: Callable[[], RegionCopier | None] | None = None,
+        object_writer: Callable[[], ObjectWriter | None] | None = None,
         write_back: bool = True,
     ) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
-        tiers = build_tiers(config, copy_threads=copy_threads, region_copier=region_copier)
+        tiers = build_tiers(config, copy_threads=copy_threads, region_copier=region_copier, object_writer=object_writer)
         return cls(config, tiers, metrics, write_back=write_back)
 
     @classmethod

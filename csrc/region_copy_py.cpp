@@ -1,6 +1,8 @@
-// The extension's Python module: region copies straight from Python buffers.
+// The extension's Python module: region copies and object-file writes straight
+// from Python buffers.
 //
 //   copy_regions(pairs, streaming) -> None
+//   write_objects(root_fd, temp_dir_fd, objects, fsync) -> list[tuple[int, int]]
 //
 // `pairs` is a sequence of (dst, src) objects with the buffer protocol (numpy
 // arrays, memoryviews), each C-contiguous, dst writable, both the same number
@@ -8,12 +10,21 @@
 // run with it released, so several threads copy at once. Raises ValueError or
 // BufferError before any byte is copied when a pair does not qualify.
 //
+// `objects` is a sequence of (leaf, temp, final, parts): three bytes (a relative
+// folder path, two file names) and a sequence of buffers, written in order as one
+// file (kvp_write_objects). Everything is taken with the GIL held, then every
+// file of the batch is written with it released once; the result is one
+// (errno, temp_removed) per object, errno 0 for a written object.
+//
 // The torch custom ops of this extension are registered in bindings.cpp.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
+#include <string>
 #include <vector>
 
+#include "object_write_cpu.h"
 #include "region_copy_cpu.h"
 
 namespace py = pybind11;
@@ -66,10 +77,61 @@ void copy_regions(const py::sequence& pairs, bool streaming) {
   kvp_copy_regions(regions.data(), static_cast<int64_t>(n), streaming ? 1 : 0);
 }
 
+// The NUL-terminated text of a bytes object (no NUL inside: a path never has one).
+const char* path_bytes(PyObject* obj, const char* what) {
+  if (!PyBytes_Check(obj)) throw py::type_error(std::string("kvpack write_objects: ") + what + " must be bytes");
+  if (static_cast<size_t>(PyBytes_GET_SIZE(obj)) != strlen(PyBytes_AS_STRING(obj))) {
+    throw py::value_error(std::string("kvpack write_objects: ") + what + " has a NUL byte");
+  }
+  return PyBytes_AS_STRING(obj);
+}
+
+py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects, bool fsync) {
+  const size_t n = py::len(objects);
+  std::vector<py::object> keep;  // the items (and so their bytes) stay alive until the writes end
+  keep.reserve(2 * n);
+  std::vector<KvpObjectWrite> objs(n);
+  std::vector<std::vector<struct iovec>> iovs(n);
+  HeldBuffers held(4 * n);
+  for (size_t i = 0; i < n; ++i) {
+    keep.push_back(objects[i]);
+    PyObject* item = keep.back().ptr();
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+      throw py::value_error("kvpack write_objects: every item must be a (leaf, temp, final, parts) tuple");
+    }
+    py::sequence parts = py::reinterpret_borrow<py::sequence>(PyTuple_GET_ITEM(item, 3));
+    keep.push_back(parts);
+    const size_t np = py::len(parts);
+    iovs[i].reserve(np);
+    for (size_t j = 0; j < np; ++j) {
+      py::object part = parts[j];
+      const Py_buffer& view = held.take(part.ptr(), false);
+      iovs[i].push_back(iovec{view.buf, static_cast<size_t>(view.len)});
+    }
+    objs[i] = KvpObjectWrite{path_bytes(PyTuple_GET_ITEM(item, 0), "leaf"),
+                             path_bytes(PyTuple_GET_ITEM(item, 1), "temp"),
+                             path_bytes(PyTuple_GET_ITEM(item, 2), "final"),
+                             iovs[i].data(),
+                             static_cast<int>(np),
+                             0,
+                             0};
+  }
+  {
+    py::gil_scoped_release nogil;
+    kvp_write_objects(root_fd, temp_dir_fd, objs.data(), static_cast<int64_t>(n), fsync ? 1 : 0);
+  }
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = py::make_tuple(objs[i].err, objs[i].temp_removed);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpack's native kernels (the block-copy ops are torch.ops.kvpack.*)";
   m.def("copy_regions", &copy_regions, py::arg("pairs"), py::arg("streaming"),
         "Copy each (dst, src) buffer pair, GIL released; streaming: non-temporal stores for long regions.");
+  m.def("write_objects", &write_objects, py::arg("root_fd"), py::arg("temp_dir_fd"), py::arg("objects"),
+        py::arg("fsync"), "Write each (leaf, temp, final, parts) object file beneath root_fd, GIL released once; "
+        "one (errno, temp_removed) per object.");
 }

@@ -15,7 +15,8 @@ reason). The only module state is the lock-protected handle below (the status an
 
 `region_copier()` never waits: it is the native region copy once the
 extension is loaded (by `load_extension`, which an adapter calls at start-up),
-else None, and callers copy with numpy.
+else None, and callers copy with numpy; `object_writer()` likewise hands the
+disk and host tiers the native batch file write (else they write from Python).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from .simd import CpuSimd
 
 if TYPE_CHECKING:
+    from ..tiers.disk.writes import ObjectWriter
     from ..tiers.parallel import RegionCopier
 
 logger = logging.getLogger("kvpack.ops")
@@ -47,6 +49,7 @@ _SOURCES_CPU = (
     "bindings.cpp",
     "block_copy_cpu.cpp",
     "canonical_copy_cpu.cpp",
+    "object_write_cpu.cpp",
     "region_copy_cpu.cpp",
     "region_copy_py.cpp",
 )
@@ -58,6 +61,7 @@ _HEADERS = (
     "cuda_words.h",
     "block_copy_cpu.h",
     "block_copy.h",
+    "object_write_cpu.h",
     "region_copy_cpu.h",
     "transpose_sse2.h",
     "transpose_avx512.h",
@@ -357,3 +361,11 @@ def region_copier() -> RegionCopier | None:
     """The native region copy if the extension is loaded now, else None. Never waits."""
     module = _module
     return None if module is None else module.copy_regions
+
+
+def object_writer() -> ObjectWriter | None:
+    """The native batch object write (`kvpack.tiers.disk.writes`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _module
+    return None if module is None else module.write_objects

@@ -19,6 +19,7 @@ from ..eviction import make_policy
 from .base import Tier
 from .disk.check import check_index_files
 from .disk.fs import check_store_root
+from .disk.writes import ObjectWriter
 from .parallel import RegionCopier
 
 
@@ -51,6 +52,7 @@ def build_tiers(
     include_memory: bool = True,
     copy_threads: int = 1,
     region_copier: Callable[[], RegionCopier | None] | None = None,
+    object_writer: Callable[[], ObjectWriter | None] | None = None,
 ) -> list[Tier]:
     """The tiers `config` enables, fastest first: memory (per process, or the host's), disk, Mooncake.
 
@@ -64,7 +66,8 @@ def build_tiers(
     memory copies and disk file I/O over that many threads; 1 keeps every
     call on its caller's thread (an engine that saves off its forward path on
     a small machine wants that). `region_copier` hands the memory tier a native
-    copy (`kvpack.ops.region_copier`) once one is loaded."""
+    copy (`kvpack.ops.region_copier`) once one is loaded, `object_writer` the host and
+    disk tiers a native batch file write (`kvpack.ops.object_writer`)."""
     check_tiers(config, index_files=False)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
@@ -76,7 +79,15 @@ def build_tiers(
     if mode is MemoryMode.HOST:
         from .host import HostTier, store_name
 
-        tiers.append(HostTier(store_name(config), config.memory.capacity, quotas, io_threads=copy_threads))
+        tiers.append(
+            HostTier(
+                store_name(config),
+                config.memory.capacity,
+                quotas,
+                io_threads=copy_threads,
+                object_writer=object_writer,
+            )
+        )
     elif config.memory.enabled and include_memory:
         from .memory import MemoryTier
 
@@ -99,6 +110,7 @@ def build_tiers(
                 quotas,
                 config.disk.fsync,
                 io_threads=copy_threads,
+                object_writer=object_writer,
             )
         )
     if config.mooncake.enabled:

@@ -191,7 +191,7 @@ class _HeldWrite:
     between a put's index row and its file, as another process in the middle of a put sees it."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from kvpack.tiers.disk import tier as disk_mod
+        from kvpack.tiers.disk import writes as disk_mod
 
         self.entered, self._gate = threading.Event(), threading.Event()
         real = disk_mod.write_all

@@ -25,6 +25,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.disk.writes import ObjectWriter
 from kvpack.tiers.host import HostTier
 from kvpack.tiers.memory import MemoryTier
 
@@ -128,7 +130,10 @@ def _raw_file_rates(folder: Path, payloads: list[np.ndarray], repeats: int) -> t
     return w, r
 
 
-def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | str]]:
+def run(
+    total_bytes: int, repeats: int, folder: Path, object_writer: Callable[[], ObjectWriter | None] | None = None
+) -> list[dict[str, float | str]]:
+    """`object_writer`: the disk and host tiers' native batch file write (None: they write from Python)."""
     rows: list[dict[str, float | str]] = []
     for label, size in SIZES.items():
         count = max(4, total_bytes // size)
@@ -137,11 +142,11 @@ def run(total_bytes: int, repeats: int, folder: Path) -> list[dict[str, float | 
         mem = MemoryTier(size * count * 2, make_policy(EvictionPolicyName.LRU), pin=False)
         mem_put, mem_get = _tier_rates(mem, items, exps, verify=False, repeats=repeats)
         raw_w, raw_r = _raw_file_rates(folder / f"raw-{label}", payloads, repeats)
-        disk = DiskTier(folder / f"kv-{label}", size * count * 4)
+        disk = DiskTier(folder / f"kv-{label}", size * count * 4, object_writer=object_writer)
         disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
         keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4)
         keyed_put, keyed_get = _keyed_disk_rates(keyed, items, exps, repeats)
-        host = HostTier(f"bench-{os.getpid()}-{label}", size * count * 4)
+        host = HostTier(f"bench-{os.getpid()}-{label}", size * count * 4, object_writer=object_writer)
         try:
             host_put, host_get = _tier_rates(host, items, exps, verify=True, repeats=repeats)
             _, host_get_raw = _tier_rates(host, items, exps, verify=False, repeats=repeats)
@@ -221,17 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total", default="64MiB", help="bytes moved per measurement (default 64MiB)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="folder for the disk measurements (default: a temp folder)")
+    parser.add_argument(
+        "--python-writes", action="store_true", help="disk and host files written from Python, not natively"
+    )
     args = parser.parse_args(argv)
+    from kvpack.ops import load_extension, object_writer
     from kvpack.sizes import parse_size
+
+    native = not args.python_writes and load_extension().available
 
     folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvpack-bench-"))
     try:
-        rows = run(parse_size(args.total), args.repeats, folder)
+        rows = run(parse_size(args.total), args.repeats, folder, object_writer if native else None)
     finally:
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"kvpack bench tiers on {hardware()}; disk folder on {folder.parent}")
     print("memory gets skip the payload checksum (checksum=boundary); disk gets verify it.")
+    print(f"disk and host files written {'natively (one GIL release per batch)' if native else 'from Python'}.")
     print(format_table(rows))
     print()
     print("integrity key (HMAC-SHA256 over header and payload) vs the unkeyed disk path:")

@@ -243,6 +243,13 @@ def _load_openat2() -> Any:
 
 _syscall = _load_openat2()
 _use_openat2 = _syscall is not None
+OPENAT2_MISSING = frozenset({errno.ENOSYS, errno.EPERM})
+"""openat2's errnos for "not here" (an old kernel) or "not allowed" (seccomp): walk instead."""
+
+
+def openat2_in_use() -> bool:
+    """Does `open_beneath` use openat2 (False: the kernel lacked or refused it, or no libc syscall)?"""
+    return _use_openat2
 
 
 def _openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int:
@@ -264,7 +271,7 @@ def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0o600) -> int:
         try:
             return _openat2(root_fd, rel, flags, mode)
         except OSError as exc:
-            if exc.errno in (errno.ENOSYS, errno.EPERM):  # an old kernel, or seccomp: walk instead
+            if exc.errno in OPENAT2_MISSING:  # an old kernel, or seccomp: walk instead
                 _use_openat2 = False
             elif exc.errno in (errno.ELOOP, errno.EXDEV):
                 raise UnsafeEntry(errno.ELOOP, "symlink refused", rel) from None
@@ -297,8 +304,26 @@ def _open_walk(root_fd: int, rel: str, flags: int, mode: int) -> int:
 
 
 def open_dir(root_fd: int, rel: str) -> int:
-    """A directory fd of `rel` beneath the root (UnsafeEntry for a symlink)."""
-    return open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+    """A directory fd of `rel` beneath the root (UnsafeEntry for a symlink, the last component's too:
+    ``O_DIRECTORY | O_NOFOLLOW`` on a symlink is ENOTDIR, told apart from a file by `is_link_beneath`)."""
+    try:
+        return open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+    except NotADirectoryError:
+        if is_link_beneath(root_fd, rel):
+            raise UnsafeEntry(errno.ELOOP, "symlink refused", rel) from None
+        raise
+
+
+def is_link_beneath(root_fd: int, rel: str) -> bool:
+    """Is `rel` beneath the root a symlink itself (an ``O_PATH | O_NOFOLLOW`` open, nothing followed)?"""
+    try:
+        fd = open_beneath(root_fd, rel, os.O_PATH)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISLNK(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def open_regular(root_fd: int, rel: str) -> int:
@@ -381,13 +406,6 @@ def temp_name(final: str) -> str:
 def is_temp_name(name: str) -> bool:
     """Does `name` have exactly kvpack's temporary-file pattern (`temp_name`)?"""
     return _TEMP_RE.fullmatch(name) is not None
-
-
-def create_temp(dir_fd: int, final: str) -> tuple[int, str]:
-    """Create a new temporary file for `final` in `dir_fd` (O_EXCL, never an existing entry)."""
-    name = temp_name(final)
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    return fd, name
 
 
 def lstat_regular(dir_fd: int, name: str) -> os.stat_result | None:

@@ -40,7 +40,9 @@ Batches: capacity for a whole put batch is planned in one index transaction
 checksummed and written and the written ones marked ready in one more
 (`Catalog.mark_ready`),
 and a get batch's files are read and verified, on `io_threads` threads
-(`kvpack.tiers.parallel`: file I/O releases the GIL). A file whose group was
+(`kvpack.tiers.parallel`: file I/O releases the GIL). Each thread's share of a
+put is one `writes.write_batch`: with the native writer, one GIL release for
+all its files. A file whose group was
 evicted while it was being written (by this or another process) is removed
 again, so the index and the directory agree.
 
@@ -50,7 +52,6 @@ disk NO_SPACE, a bad object REJECTED with its reason.
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
@@ -75,17 +76,18 @@ from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from ..parallel import IOThreads
 from . import fs, scan
 from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
-from .files import data_offset, read_header_fd, read_verified, write_all
+from .files import read_header_fd, read_verified
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file, remove_empty_folders
 from .rows import Victim
+from .writes import ObjectWriter, WriteOutcome, outcome_of, write_batch, write_job
 
 # WRITE_GRACE_S (from `kvpack.tiers.disk.catalog`): a row not ready this long after its admission is a
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
 WRITE_ATTEMPTS = 8
-"""Tries of one object write whose folder keeps being removed under it (`DiskTier._write_file`)."""
+"""Tries of one object write whose folder keeps being removed under it (`DiskTier._write_items`)."""
 
 
 @dataclass
@@ -129,6 +131,7 @@ class DiskTier(Tier):
         busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S,
         open_scan_s: float = 0.5,
         index_pace: Callable[[int], None] | None = None,
+        object_writer: Callable[[], ObjectWriter | None] | None = None,
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
@@ -137,13 +140,15 @@ class DiskTier(Tier):
         shares (`kvpack.eviction.shares`). `busy_timeout_s` bounds a wait for another process's
         index transaction. `open_scan_s` is how long opening waits for the folder scan
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
-        test seam of that scan (`scan.build_index`)."""
+        test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
+        the native batch file write (`kvpack.ops.object_writer`; None: write from Python)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self._root_str, self._root_fd = self._open_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
         self._fsync = fsync
+        self._object_writer = object_writer
         self._stale_temp_s = stale_temp_s
         self._capacity_bytes = capacity
         self._quotas = dict(quotas or {})
@@ -459,7 +464,7 @@ class DiskTier(Tier):
         todo = [i for i in range(n) if statuses[i] is TierStatus.OK]
 
         def part(lo: int, hi: int) -> list[TierStatus]:
-            return [self._write_item(items[i]) for i in todo[lo:hi]]
+            return self._write_items([items[i] for i in todo[lo:hi]])
 
         for i, status in zip(todo, self._io.split(len(todo), part)):
             statuses[i] = status
@@ -480,44 +485,40 @@ class DiskTier(Tier):
                 statuses[i] = TierStatus.NO_SPACE
         return statuses
 
-    def _write_item(self, item: PutItem) -> TierStatus:
-        header = item.header
-        if header.checksum is None:
-            header = replace(header, checksum=payload_checksum(item.payload))
-        return self._write_file(item.key, header.encode(), item.payload)
+    def _write_items(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """Checksum and write `items` (`writes.write_batch`: native when `object_writer` gives one).
 
-    def _write_file(self, key: StoreKey, header: bytes, payload: Payload) -> TierStatus:
-        """Write to a fresh ``O_EXCL`` temporary in the key's folder, then rename over the object.
-
-        A folder removed meanwhile (emptied by an eviction's `_remove_empty_folders` in this or
-        another process, or the whole root) is recreated and the write retried, at most
-        `WRITE_ATTEMPTS` times: a removal needs an empty folder, and the write's own temporary
+        A folder missing or removed meanwhile (emptied by an eviction's `remove_empty_folders` in this
+        or another process, or the whole root) is made again (`_make_leaf`) and its object retried, at
+        most `WRITE_ATTEMPTS` times: a removal needs an empty folder, and the write's own temporary
         makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
-        leaf, name = leaf_of(key), file_name(key)
-        buffers: list[bytes | memoryview] = [header + bytes(data_offset(len(header)) - len(header))]
-        buffers += payload_parts(payload)
+        jobs = [
+            write_job(leaf_of(it.key), file_name(it.key), _checksummed(it.header, it.payload), it.payload)
+            for it in items
+        ]
+        statuses = [TierStatus.ERROR] * len(jobs)
+        pending = list(range(len(jobs)))
+        native = self._object_writer() if self._object_writer is not None else None
         for _attempt in range(WRITE_ATTEMPTS):
-            root_fd = self._root_fd
-            try:
-                dfd = fs.open_dir(root_fd, leaf)
-            except FileNotFoundError:
-                if not self._make_leaf(root_fd, leaf):
-                    return TierStatus.ERROR
-                continue
-            except UnsafeEntry:
-                self.counters.count_unsafe()
-                return TierStatus.ERROR
-            except OSError as exc:
-                return _write_status(exc)
-            try:
-                return self._write_in(dfd, name, buffers)
-            except FileNotFoundError:  # the folder went between open and create: retry
-                continue
-            except OSError as exc:
-                return _write_status(exc)
-            finally:
-                os.close(dfd)
-        return TierStatus.ERROR
+            root_fd, retry = self._root_fd, []
+            results = write_batch(root_fd, self._temp_dir_fd(), [jobs[i] for i in pending], self._fsync, native)
+            for i, (err, removed) in zip(pending, results):
+                if removed:
+                    self.counters.count_removed("own_temp", removed)
+                outcome = outcome_of(err)
+                if outcome is WriteOutcome.MISSING_FOLDER and self._make_leaf(root_fd, jobs[i].leaf):
+                    retry.append(i)
+                elif outcome is WriteOutcome.UNSAFE:
+                    self.counters.count_unsafe()
+                statuses[i] = outcome.status
+            if not retry:
+                break
+            pending = retry
+        return statuses
+
+    def _temp_dir_fd(self) -> int:
+        """The folder of this tier's temporary files: -1, each object's own leaf."""
+        return -1
 
     def _make_leaf(self, root_fd: int, leaf: str) -> bool:
         try:
@@ -536,25 +537,6 @@ class DiskTier(Tier):
                 return False
         except OSError:
             return False
-
-    def _write_in(self, dfd: int, name: str, buffers: list[bytes | memoryview]) -> TierStatus:
-        fd, tmp = fs.create_temp(dfd, name)
-        try:
-            try:
-                write_all(fd, buffers)
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            return TierStatus.OK
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)  # created with O_EXCL just now: provably ours
-                self.counters.count_removed("own_temp")
-            except OSError:
-                pass
-            raise
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         try:
@@ -592,5 +574,8 @@ _DAMAGED = frozenset({RejectReason.TRUNCATED, RejectReason.CHECKSUM, RejectReaso
 """Refusals of a file that decoded but is not a whole, intact object of its path: `contains` skips it."""
 
 
-def _write_status(exc: OSError) -> TierStatus:
-    return TierStatus.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else TierStatus.ERROR
+def _checksummed(header: ObjectHeader, payload: Payload) -> bytes:
+    """`header` encoded, with the payload's checksum when it has none yet."""
+    if header.checksum is None:
+        header = replace(header, checksum=payload_checksum(payload))
+    return header.encode()

@@ -8,9 +8,10 @@ disk. So every process on the host reads and writes one set of objects under
 one `capacity`, and:
 
 - a load is one copy, ``preadv`` from the shared pages straight into the
-  destination (`files.read_verified`); a save is one copy, ``pwritev`` from the
-  source into the new file; checksums (`ChecksumPolicy.BOUNDARY`: the objects
-  cross processes) and the integrity key apply as on the disk tier;
+  destination (`files.read_verified`); a save is one copy, ``writev`` from the
+  source into the new file (`disk.writes`: native when the extension is
+  loaded); checksums (`ChecksumPolicy.BOUNDARY`: the objects cross processes)
+  and the integrity key apply as on the disk tier;
 - `capacity` counts what tmpfs holds for an object (`_charge`): its header page(s)
   plus its payload in whole pages, so the folder's size stays within it (plus the
   index, `place.INDEX_ALLOWANCE`);
@@ -26,7 +27,6 @@ one `capacity`, and:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -34,8 +34,9 @@ from ...objects import payload_checksum
 from ..base import PutItem, TierStatus
 from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
-from ..disk.files import data_offset, write_all
-from ..disk.fs import SHM, open_store_root, temp_name
+from ..disk.files import data_offset
+from ..disk.fs import SHM, open_store_root
+from ..disk.writes import ObjectWriter
 from .catalog import HostCatalog
 from .owners import Owner, dead_owners
 from .place import host_root
@@ -56,14 +57,23 @@ class HostTier(DiskTier):
         *,
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
+        object_writer: Callable[[], ObjectWriter | None] | None = None,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with `capacity`
         bytes for every process on it; reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use."""
+        ``memory.mode`` when the folder is not one kvpack may use. `object_writer`: `DiskTier`'s."""
         self._owner: Owner | None = None
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
-        super().__init__(host_root(host_name, shm), capacity, quotas, False, io_threads, busy_timeout_s=busy_timeout_s)
+        super().__init__(
+            host_root(host_name, shm),
+            capacity,
+            quotas,
+            False,
+            io_threads,
+            busy_timeout_s=busy_timeout_s,
+            object_writer=object_writer,
+        )
 
     # -- DiskTier's hooks -----------------------------------------------------------
 
@@ -86,26 +96,10 @@ class HostTier(DiskTier):
         """What tmpfs holds for the object: its header page(s) and its payload in whole pages."""
         return data_offset(item.header.encoded_len) + data_offset(nbytes)
 
-    def _write_in(self, dfd: int, name: str, buffers: list[bytes | memoryview]) -> TierStatus:
-        """Write in this owner's temporary folder, then rename into the object's folder (one copy)."""
+    def _temp_dir_fd(self) -> int:
+        """This owner's temporary folder: a write is renamed from there into the object's folder (one copy)."""
         assert self._owner is not None
-        tfd = self._owner.temp_fd
-        tmp = temp_name(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=tfd)
-        try:
-            try:
-                write_all(fd, buffers)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=tfd, dst_dir_fd=dfd)
-            return TierStatus.OK
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=tfd)
-                self.counters.count_removed("own_temp")
-            except OSError:
-                pass
-            raise
+        return self._owner.temp_fd
 
     # -- writes -----------------------------------------------------------------------
 

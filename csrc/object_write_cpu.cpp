@@ -1,0 +1,133 @@
+// See object_write_cpu.h.
+#include "object_write_cpu.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>  // renameat
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#ifndef SYS_openat2
+#define SYS_openat2 437  // the same number on every Linux architecture (unified syscall table)
+#endif
+
+namespace {
+
+constexpr uint64_t kResolveNoMagiclinks = 0x02;
+constexpr uint64_t kResolveNoSymlinks = 0x04;
+constexpr uint64_t kResolveBeneath = 0x08;
+
+struct OpenHow {  // the kernel's struct open_how (linux/openat2.h), spelled here for old headers
+  uint64_t flags;
+  uint64_t mode;
+  uint64_t resolve;
+};
+
+// openat2(root_fd, path, flags) beneath the root, following no symlink: an fd or -errno.
+int open_beneath(int root_fd, const char* path, int flags) {
+  OpenHow how{static_cast<uint64_t>(flags | O_NOFOLLOW | O_CLOEXEC), 0,
+              kResolveBeneath | kResolveNoSymlinks | kResolveNoMagiclinks};
+  long fd;
+  do {
+    fd = syscall(SYS_openat2, root_fd, path, &how, sizeof(how));
+  } while (fd < 0 && errno == EINTR);
+  return fd < 0 ? -errno : static_cast<int>(fd);
+}
+
+// A directory fd of `leaf` beneath `root_fd`, or -errno; a leaf that is a symlink itself is
+// -ELOOP (O_DIRECTORY | O_NOFOLLOW on it is ENOTDIR, like a file's: fs.open_dir's rule).
+int open_leaf(int root_fd, const char* leaf) {
+  const int fd = open_beneath(root_fd, leaf, O_RDONLY | O_DIRECTORY);
+  if (fd != -ENOTDIR) return fd;
+  const int path_fd = open_beneath(root_fd, leaf, O_PATH);
+  if (path_fd < 0) return fd;
+  struct stat st;
+  const bool link = fstat(path_fd, &st) == 0 && S_ISLNK(st.st_mode);
+  close(path_fd);
+  return link ? -ELOOP : fd;
+}
+
+// Every byte of parts[0..n) to fd; 0 or an errno.
+int write_parts(int fd, const struct iovec* parts, int n) {
+  std::vector<struct iovec> left(parts, parts + n);
+  size_t at = 0;
+  while (at < left.size()) {
+    if (left[at].iov_len == 0) {
+      ++at;
+      continue;
+    }
+    const int count = static_cast<int>(std::min<size_t>(left.size() - at, IOV_MAX));
+    const ssize_t got = writev(fd, left.data() + at, count);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (got == 0) return EIO;
+    size_t done = static_cast<size_t>(got);
+    while (at < left.size() && done >= left[at].iov_len) {
+      done -= left[at].iov_len;
+      ++at;
+    }
+    if (at < left.size()) {
+      left[at].iov_base = static_cast<char*>(left[at].iov_base) + done;
+      left[at].iov_len -= done;
+    }
+  }
+  return 0;
+}
+
+// The temporary's content, flushed if asked, closed: 0 or the first errno.
+int fill_temp(int fd, const KvpObjectWrite& obj, int do_fsync) {
+  int err = write_parts(fd, obj.parts, obj.nparts);
+  if (err == 0 && do_fsync && fsync(fd) != 0) err = errno;
+  if (close(fd) != 0 && err == 0 && errno != EINTR) err = errno;
+  return err;
+}
+
+// One object (see the header); true when openat2 itself is missing or refused (ENOSYS, EPERM).
+bool write_one(int root_fd, int temp_dir_fd, KvpObjectWrite& obj, int do_fsync) {
+  obj.err = 0;
+  obj.temp_removed = 0;
+  const int dfd = open_leaf(root_fd, obj.leaf);
+  if (dfd < 0) {
+    obj.err = -dfd;
+    return obj.err == ENOSYS || obj.err == EPERM;
+  }
+  const int tdir = temp_dir_fd < 0 ? dfd : temp_dir_fd;
+  int fd;
+  do {
+    fd = openat(tdir, obj.temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    obj.err = errno;
+  } else {
+    int err = fill_temp(fd, obj, do_fsync);
+    if (err == 0 && renameat(tdir, obj.temp, dfd, obj.final_name) != 0) err = errno;
+    if (err != 0) {
+      obj.err = err;
+      obj.temp_removed = unlinkat(tdir, obj.temp, 0) == 0 ? 1 : 0;
+    }
+  }
+  close(dfd);
+  return false;
+}
+
+}  // namespace
+
+void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync) {
+  int missing = 0;  // ENOSYS/EPERM from openat2: the rest of the batch is the caller's
+  for (int64_t i = 0; i < n; ++i) {
+    if (missing != 0) {
+      objs[i].err = missing;
+      objs[i].temp_removed = 0;
+      continue;
+    }
+    if (write_one(root_fd, temp_dir_fd, objs[i], do_fsync)) missing = objs[i].err;
+  }
+}
