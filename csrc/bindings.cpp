@@ -12,6 +12,11 @@
 //                          indexing on the CPU; returns the word size it used
 //   kvpack::canonical_copy_simd(..., int max_simd, bool gather) -> int  test aid: the
 //                          CPU copy at SIMD level <= max_simd; returns the level used
+//   kvpack::canonical_copy_at(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
+//                          Tensor obj_addrs, int[] geometry, int max_simd, bool gather) -> int
+//                          the CPU copy with object i at host address obj_addrs[i] (int64,
+//                          one per block id; memory the caller keeps valid, objects apart);
+//                          returns the SIMD level used
 //   kvpack::cpu_simd() -> int   the widest SIMD level (KVP_SIMD_*) the CPU copy uses
 //
 // `tensors` are the cache tensors that own the memory (listed so that the
@@ -161,6 +166,32 @@ int64_t canonical_copy_simd(at::TensorList tensors, const at::Tensor& ptr_table,
   return max_simd < cpu ? max_simd : cpu;
 }
 
+// The CPU canonical copy over objects at the host addresses `obj_addrs` (one per block id).
+int64_t canonical_copy_at(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
+                          const at::Tensor& obj_addrs, c10::IntArrayRef geometry, int64_t max_simd, bool gather) {
+  (void)tensors;
+  const KvpCanonGeometry g = unpack_canon(geometry);
+  TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && obj_addrs.is_cpu(),
+              "kvpack: canonical copy needs ptr_table, block_ids and obj_addrs on the CPU");
+  TORCH_CHECK(ptr_table.scalar_type() == at::kLong && ptr_table.is_contiguous() &&
+                  ptr_table.numel() == g.num_layers * g.num_kv,
+              "kvpack: ptr_table must hold num_layers*num_kv int64 addresses");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.dim() == 1,
+              "kvpack: block_ids must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(obj_addrs.scalar_type() == at::kLong && obj_addrs.is_contiguous() &&
+                  obj_addrs.numel() == block_ids.numel(),
+              "kvpack: obj_addrs must be a contiguous int64 tensor of one address per block id, got ",
+              obj_addrs.numel(), " for ", block_ids.numel());
+  const int rc = kvp_canonical_copy_cpu_at(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
+                                           block_ids.data_ptr<int64_t>(),
+                                           reinterpret_cast<const uint64_t*>(obj_addrs.data_ptr<int64_t>()),
+                                           block_ids.numel(), &g, gather ? 1 : 0, static_cast<int>(max_simd));
+  TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
+  TORCH_CHECK(rc == KVP_OK, "kvpack: invalid canonical-copy geometry (code ", rc, ")");
+  const int64_t cpu = kvp_cpu_simd();
+  return max_simd < cpu ? max_simd : cpu;
+}
+
 void canonical_copy_cpu(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
                         const at::Tensor& staging, c10::IntArrayRef geometry, int64_t ptr_align, int64_t stream,
                         bool gather) {
@@ -271,6 +302,10 @@ TORCH_LIBRARY(kvpack, m) {
       "canonical_copy(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
       "int[] geometry, int ptr_align, int stream, bool gather) -> ()");
   m.def("cpu_simd() -> int", &cpu_simd);
+  // CPU: the canonical copy with each object at its own host address (a tier's slots).
+  m.def(
+      "canonical_copy_at(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor obj_addrs, "
+      "int[] geometry, int max_simd, bool gather) -> int");
   // Test aid (CPU): the canonical copy capped at a SIMD level (every level, on one CPU).
   m.def(
       "canonical_copy_simd(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "
@@ -291,6 +326,7 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("emulate_cuda_copy", &emulate_cuda_copy);
   m.impl("canonical_copy", &canonical_copy_cpu);
   m.impl("canonical_copy_simd", &canonical_copy_simd);
+  m.impl("canonical_copy_at", &canonical_copy_at);
   m.impl("emulate_cuda_canonical_copy", &emulate_cuda_canonical_copy);
 }
 

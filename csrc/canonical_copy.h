@@ -120,6 +120,12 @@ int kvp_cpu_simd(void);
 int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
                            uint8_t* staging, const KvpCanonGeometry* g, int gather, int max_simd);
 
+// The same copy with object i at host address obj_addrs[i] (16-byte aligned for the
+// streamed paths; any alignment is copied correctly) instead of `staging + i * object
+// bytes`: one call over a batch of objects wherever they lie. Objects must not overlap.
+int kvp_canonical_copy_cpu_at(const uint64_t* ptr_table, const int64_t* block_ids, const uint64_t* obj_addrs,
+                              int64_t n, const KvpCanonGeometry* g, int gather, int max_simd);
+
 // Test aid: canonical_copy.cu's word-by-word copy run on the CPU with the same indexing;
 // KVP_ERR_MISALIGNED when a word address is not a multiple of the word size (a GPU
 // fault). `*vec_out` (if not null) receives the word size used.

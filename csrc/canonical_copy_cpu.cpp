@@ -17,6 +17,10 @@
 // Streamed calls use the SSE2 blocks: there memory is the limit, not the shuffles.
 // A streamed gather out of token-major pages (SGLang page_first) walks each page in its
 // address order instead of tile by tile (`gather_token_major`).
+// Objects lie back to back in one buffer, or each at its own address
+// (`kvp_canonical_copy_cpu_at`: a memory tier's slots, in short runs across slabs); the
+// streaming decision is on the whole call either way. One call per run of adjacent slots
+// left runs of 1-16 objects under `stream_min_bytes`, and paid a torch call each.
 #include "canonical_copy.h"
 
 #include <string.h>
@@ -289,6 +293,22 @@ void copy_tile(uint8_t* cache, uint8_t* obj, const KvpCanonGeometry& g, int s, b
   }
 }
 
+// Where a call's objects lie: object i at `staging + i * obj_bytes` (contiguous rows), or at
+// `addrs[i]` (anywhere: a memory tier's slots; `kvp_canonical_copy_cpu_at`).
+struct Objects {
+  uint8_t* staging;
+  const uint64_t* addrs;  // null: contiguous rows from `staging`
+  int64_t obj_bytes;
+  uint8_t* at(int64_t i) const { return addrs != nullptr ? (uint8_t*)(uintptr_t)addrs[i] : staging + i * obj_bytes; }
+  // Every object starts on a 16-byte boundary.
+  bool aligned16(int64_t n) const {
+    if (addrs == nullptr) return ((uintptr_t)staging & 15) == 0 && (n <= 1 || (obj_bytes & 15) == 0);
+    uint64_t any = 0;
+    for (int64_t i = 0; i < n; ++i) any |= addrs[i];
+    return (any & 15) == 0;
+  }
+};
+
 #ifdef KVP_HAVE_SSE2
 // Token-major pages (SGLang's page_first host pools: [token][layer][head][dim] per K/V
 // region): the byte step from one token's row to the next when it is one constant `pitch`
@@ -317,22 +337,21 @@ int64_t token_major_pitch(const KvpCanonGeometry& g, const uint64_t* ptr_table, 
 // is read once (RESULTS.md, "the gather in address order", has the measurements).
 // False: not this shape (the caller copies tile by tile).
 bool gather_token_major(const KvpCanonGeometry& g, const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
-                        uint8_t* staging) {
+                        const Objects& objs) {
   int64_t pitch[2] = {0, 0};
   for (int s = 0; s < g.num_kv; ++s) {
     pitch[s] = token_major_pitch(g, ptr_table, s);
     if (pitch[s] == 0) return false;
   }
-  if (((uintptr_t)staging & 15) != 0) return false;
+  if (!objs.aligned16(n)) return false;
   const int64_t row = g.head_dim * g.elem_bytes, tile = g.tokens * row;
-  const int64_t obj_bytes = g.num_layers * g.num_kv * g.obj_heads * tile;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t block = block_ids[i] * g.block_stride + g.cache_h0 * g.head_stride;
     for (int s = 0; s < g.num_kv; ++s) {
       for (int64_t t = 0; t < g.tokens; ++t) {
         for (int64_t l = 0; l < g.num_layers; ++l) {
           const uint8_t* c = (const uint8_t*)(uintptr_t)ptr_table[l * g.num_kv + s] + block + t * pitch[s];
-          uint8_t* o = staging + i * obj_bytes + ((l * g.num_kv + s) * g.obj_heads + g.obj_h0) * tile + t * row;
+          uint8_t* o = objs.at(i) + ((l * g.num_kv + s) * g.obj_heads + g.obj_h0) * tile + t * row;
           for (int64_t h = 0; h < g.n_heads; ++h) stream_copy(o + h * tile, c + h * g.head_stride, row);
         }
       }
@@ -366,9 +385,12 @@ extern "C" int kvp_cpu_simd(void) {
 #endif
 }
 
-extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
-                                      uint8_t* staging, const KvpCanonGeometry* gp, int gather, int max_simd) {
-  const KvpCanonGeometry g = *gp;
+namespace {
+
+// One call over n objects wherever they lie (`Objects`): the checks, the streaming
+// decision on the call's total bytes, then the token-major gather or tile by tile.
+int copy_objects(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n, const Objects& objs,
+                 const KvpCanonGeometry& g, int gather, int max_simd) {
   const int cpu = kvp_cpu_simd();
   const int simd = max_simd < cpu ? max_simd : cpu;
   if (n < 0 || g.num_layers <= 0 || (g.num_kv != 1 && g.num_kv != 2) || g.tokens <= 0 || g.head_dim <= 0 ||
@@ -383,16 +405,15 @@ extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* 
     if (block_ids[i] < 0 || block_ids[i] >= g.num_cache_blocks) return KVP_ERR_BLOCK_ID;
   }
   const int64_t tile = g.tokens * g.head_dim * g.elem_bytes;
-  const int64_t obj_bytes = g.num_layers * g.num_kv * g.obj_heads * tile;
   const bool stream = simd >= KVP_SIMD_SSE2 && n * g.num_layers * g.num_kv * g.n_heads * tile >= stream_min_bytes();
 #ifdef KVP_HAVE_SSE2
-  if (stream && gather && gather_token_major(g, ptr_table, block_ids, n, staging)) {
+  if (stream && gather && gather_token_major(g, ptr_table, block_ids, n, objs)) {
     _mm_sfence();
     return KVP_OK;
   }
 #endif
   for (int64_t i = 0; i < n; ++i) {
-    uint8_t* obj_block = staging + i * obj_bytes;
+    uint8_t* obj_block = objs.at(i);
     for (int64_t l = 0; l < g.num_layers; ++l) {
       for (int s = 0; s < g.num_kv; ++s) {
         uint8_t* seg = (uint8_t*)(uintptr_t)ptr_table[l * g.num_kv + s] + block_ids[i] * g.block_stride;
@@ -408,6 +429,22 @@ extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* 
   if (stream) _mm_sfence();  // streamed stores are visible before the caller reports the copy done
 #endif
   return KVP_OK;
+}
+
+}  // namespace
+
+extern "C" int kvp_canonical_copy_cpu(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,
+                                      uint8_t* staging, const KvpCanonGeometry* gp, int gather, int max_simd) {
+  const KvpCanonGeometry g = *gp;
+  return copy_objects(ptr_table, block_ids, n, Objects{staging, nullptr, kvp_canon_obj_bytes(&g)}, g, gather,
+                      max_simd);
+}
+
+extern "C" int kvp_canonical_copy_cpu_at(const uint64_t* ptr_table, const int64_t* block_ids, const uint64_t* obj_addrs,
+                                         int64_t n, const KvpCanonGeometry* gp, int gather, int max_simd) {
+  const KvpCanonGeometry g = *gp;
+  return copy_objects(ptr_table, block_ids, n, Objects{nullptr, obj_addrs, kvp_canon_obj_bytes(&g)}, g, gather,
+                      max_simd);
 }
 
 extern "C" int kvp_canonical_emulate_cuda(const uint64_t* ptr_table, const int64_t* block_ids, int64_t n,

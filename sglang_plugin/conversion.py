@@ -1,5 +1,5 @@
 """The canonical conversion's copies for SGLang host pools: pages <-> objects at any host
-addresses, in runs and on several threads (`copy_runs`), and the staging rows kept between
+addresses, in pieces on several threads (`copy_runs`), and the staging rows kept between
 calls for objects a tier reads or writes itself (`StagingRows`)."""
 
 from __future__ import annotations
@@ -35,46 +35,25 @@ def copy_runs(
     threads: int = 1,
 ) -> None:
     """Pages ``ids[i]`` of the pool <-> the canonical object at host address ``addrs[i]``
-    (``geo.object_bytes(geo.heads)`` bytes each; written when `gather`, else read), one
-    kernel call per run of objects that lie back to back in memory, in either order (a
-    tier's slots, staging rows). With `workers`, the runs are cut into up to `threads`
-    pieces of about equal size, run on the caller and the workers at once (the kernel
-    releases the GIL; pieces touch disjoint pages and objects). Every address must stay
-    valid until this returns; it returns once every piece is done, and raises the first
-    piece's error."""
-    size = geo.object_bytes(geo.heads)
-    runs: list[tuple[list[int], int]] = []  # (page ids in address order, lowest address)
-    i, n = 0, len(ids)
-    while i < n:
-        j = i + 1
-        step = addrs[j] - addrs[i] if j < n and abs(addrs[j] - addrs[i]) == size else 0
-        while step and j < n and addrs[j] - addrs[j - 1] == step:
-            j += 1
-        run_ids = list(ids[i:j]) if step >= 0 else list(reversed(ids[i:j]))
-        runs.append((run_ids, min(addrs[i], addrs[j - 1])))
-        i = j
-    pieces = min(threads, n * size // MIN_BYTES_PER_THREAD) if workers is not None else 1
-    if pieces > 1:
-        share, cut = -(-n // pieces), []
-        for run_ids, low in runs:  # split runs longer than a share, so every piece gets about one
-            for k in range(0, len(run_ids), share):
-                cut.append((run_ids[k : k + share], low + k * size))
-        runs = cut
-    groups: list[list[tuple[list[int], int]]] = [[] for _ in range(max(1, pieces))]
-    load = [0] * len(groups)
-    for run in sorted(runs, key=lambda r: -len(r[0])):
-        g = load.index(min(load))
-        groups[g].append(run)
-        load[g] += len(run[0])
+    (``geo.object_bytes(geo.heads)`` bytes each; written when `gather`, else read), at any
+    addresses in any order (a tier's slots, staging rows): one `CanonicalGeometry.copy_at`
+    call per piece of the batch (one kernel call over the piece's objects; without the
+    kernel, one copy per run of objects back to back). With `workers`, the pages are cut
+    into up to `threads` pieces of about equal count, run on the caller and the workers at
+    once (the kernel releases the GIL; pieces touch disjoint pages and objects). Every
+    address must stay valid until this returns; it returns once every piece is done, and
+    raises the first piece's error."""
+    n = len(ids)
+    pieces = min(threads, n * geo.object_bytes(geo.heads) // MIN_BYTES_PER_THREAD) if workers is not None else 1
+    share = -(-n // max(1, pieces))
+    cuts = [(k, min(n, k + share)) for k in range(0, n, share)] if n else [(0, 0)]
 
-    def convert(group: list[tuple[list[int], int]]) -> None:
-        for run_ids, low in group:
-            rows = torch.frombuffer(raw_view(low, size * len(run_ids)), dtype=torch.uint8)
-            geo.copy(run_ids, rows, gather=gather, obj_heads=geo.heads)
+    def convert(cut: tuple[int, int]) -> None:
+        geo.copy_at(ids[cut[0] : cut[1]], addrs[cut[0] : cut[1]], gather=gather)
 
-    futures = [workers.submit(convert, g) for g in groups[1:] if g] if workers is not None else []
+    futures = [workers.submit(convert, c) for c in cuts[1:]] if workers is not None else []
     try:
-        convert(groups[0])
+        convert(cuts[0])
     finally:
         for f in futures:
             f.result()

@@ -39,6 +39,7 @@ from ..ops import load_extension
 from ..ops.layout import vector_alignment
 from ..ops.scratch import on_cache_device
 from ..ops.simd import CpuSimd
+from .addressed import address_runs, bytes_at
 from .vllm_views import ViewContent, map_block_views
 
 CANONICAL_FORMAT = 1
@@ -204,6 +205,44 @@ class CanonicalGeometry:
                 need, some_heads = len(ids) * self.object_bytes(obj_heads), n != obj_heads
                 with on_cache_device(staging, need, device, gather=gather, keep=some_heads) as rows:
                     _torch_copy(self, ids, rows, gather, obj_heads, obj_h0, cache_h0, n)
+
+    def copy_at(
+        self,
+        block_ids: Sequence[int],
+        addrs: Sequence[int],
+        *,
+        gather: bool,
+        use_kernel: bool | None = None,
+        simd: CpuSimd = CpuSimd.AVX512,
+    ) -> CpuSimd | None:
+        """Blocks <-> objects of all the cache's heads (`object_bytes(heads)` each), object i
+        at host address ``addrs[i]`` (a tier's slots: anywhere, in any order; objects must not
+        overlap, and the memory stays valid until this returns): one kernel call over the
+        batch at SIMD level <= `simd` (the GIL released inside it) for a CPU cache with the
+        extension, else one `copy` per run of objects back to back (`address_runs`). Returns
+        the SIMD level the kernel used, or None when it copied by runs."""
+        ids = [int(b) for b in block_ids]
+        if len(addrs) != len(ids):
+            raise ValueError(f"kvpack.ops: {len(addrs)} object addresses for {len(ids)} blocks")
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise IndexError(f"kvpack.ops: block ids {bad[:8]} outside [0, {self.num_blocks})")
+        status, on_cpu = load_extension(), self.tensors[0].device.type == "cpu"
+        kernel = use_kernel if use_kernel is not None else status.available and on_cpu
+        if kernel and not (status.available and on_cpu):
+            raise RuntimeError(f"kvpack.ops: the per-address copy runs on CPU caches with the kernel ({status.reason})")
+        if not ids or not kernel:
+            size = self.object_bytes(self.heads)
+            for run_ids, low in address_runs(ids, addrs, size):
+                rows = bytes_at(low, size * len(run_ids))
+                self.copy(run_ids, rows, gather=gather, obj_heads=self.heads, use_kernel=use_kernel)
+            return None
+        fields = self._fields(self.heads, 0, 0, self.heads)
+        index = torch.tensor(ids, dtype=torch.int64)
+        where = torch.tensor(addrs, dtype=torch.int64)
+        table = self._table(self.tensors[0].device)
+        level = torch.ops.kvpack.canonical_copy_at(list(self.tensors), table, index, where, fields, int(simd), gather)
+        return CpuSimd(int(level))
 
     def _kernel(self, ids: list[int], staging: torch.Tensor, gather: bool, heads: tuple[int, ...], raw: int) -> None:
         status = load_extension()

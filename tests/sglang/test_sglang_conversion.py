@@ -1,6 +1,7 @@
 """`sglang_plugin.conversion.copy_runs`: a real SGLang MHA host pool's pages <-> canonical objects
 at arbitrary host addresses (a memory tier's slots come back to back ascending, descending, or
-scattered), in runs and on several threads, byte for byte what one contiguous conversion gives."""
+scattered), in pieces on several threads, byte for byte what one contiguous conversion gives; and
+the memory tier's own shuffled slots, saved into and loaded from in place."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from sglang_parts import LAYOUTS, fill_random, make_pool
+from sglang_parts import (
+    LAYOUTS,
+    alloc_pages,
+    fill_random,
+    kvpack_extra,
+    make_backend,
+    make_pool,
+    page_bytes,
+    page_keys,
+    poison,
+)
 
 from kvpack.sglang_plugin import conversion
 from kvpack.sglang_plugin.conversion import copy_runs
@@ -125,3 +136,46 @@ def test_page_ids_are_the_pages_of_whole_aligned_host_indices():
     for bad, n in ((shifted, 4), (swapped, 4), (idx[:-1], 4), (idx, 3)):
         with pytest.raises(ValueError, match="kv"):
             pages.page_ids(bad, n)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_memory_tier_restores_pages_saved_into_shuffled_slots(layout):
+    """A save into a full memory tier takes the slots of the groups it evicts, in the order
+    they are evicted (least recently read first): after reads in a shuffled order, a
+    batch's objects lie in slots scattered over the tier's slabs, and the conversion
+    gathers into them and scatters out of them in place (one kernel call per batch, each
+    object at its own address). The pages must come back byte for byte."""
+    from kvpack.canonical.addressed import address_runs
+    from kvpack.keys import StoreKey
+
+    pool = make_pool("mha", layout, device_tokens=512)
+    n = 16
+    size = canonical_kv("kv", pool, PAR, layout).object_bytes(2)  # type: ignore[union-attr]
+    extra = kvpack_extra(memory=True, disk=False)
+    extra["memory"]["capacity"] = f"{(3 * n // 2) * size // 1024}KiB"
+    backend = make_backend(pool, extra)
+    try:
+        fill_random(pool, seed=1)
+        first, keys = alloc_pages(pool, n), page_keys(n, seed=31)
+        assert backend.batch_set_v1(keys, first) == [True] * n
+        one = alloc_pages(pool, 1)
+        for k in random.Random(4).sample(keys, n):  # reads reorder the groups' recency
+            assert backend.batch_get_v1([k], one) == [True]
+        fill_random(pool, seed=2)
+        second, keys2 = alloc_pages(pool, n), page_keys(n, seed=32)
+        want = page_bytes(pool, second)
+        assert backend.batch_set_v1(keys2, second) == [True] * n
+        binding, tier = backend.binding("kv"), backend.session.store.tiers[0]
+        objects = torch.empty(n * size, dtype=torch.uint8)  # each page's object, copied on its own
+        binding.canonical.copy(binding.pages.page_ids(second, n), objects, gather=True, obj_heads=2, use_kernel=False)
+        lent = tier.borrow_many([StoreKey(backend.tenant, backend.group_fingerprint, k, binding.member) for k in keys2])
+        addrs = [int(np.frombuffer(view, dtype=np.uint8).ctypes.data) for _, view in lent]
+        assert [bytes(view) for _, view in lent] == [r.numpy().tobytes() for r in objects.view(n, size)]
+        del lent  # a borrowed view keeps its slot out of reuse
+        assert len(address_runs(list(range(n)), addrs, size)) >= n // 4, "the slots are not shuffled"
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        assert backend.batch_get_v1(keys2, dst) == [True] * n
+        assert page_bytes(pool, dst) == want
+    finally:
+        backend.close()

@@ -1,0 +1,32 @@
+"""Objects at host addresses of their own (a memory tier's slots, lent views): the runs of
+objects that lie back to back, for copies that take one contiguous buffer per call."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+
+def address_runs(ids: Sequence[int], addrs: Sequence[int], size: int) -> list[tuple[list[int], int]]:
+    """Object ``i`` (``size`` bytes at ``addrs[i]``, for block ``ids[i]``) grouped into runs of
+    objects back to back in memory, ascending or descending: ``(block ids in address order,
+    lowest address)`` per run, runs in the batch's order. Every object is in exactly one run."""
+    runs: list[tuple[list[int], int]] = []
+    i, n = 0, len(ids)
+    while i < n:
+        j = i + 1
+        step = addrs[j] - addrs[i] if j < n and abs(addrs[j] - addrs[i]) == size else 0
+        while step and j < n and addrs[j] - addrs[j - 1] == step:
+            j += 1
+        run_ids = list(ids[i:j]) if step >= 0 else list(reversed(ids[i:j]))
+        runs.append((run_ids, min(addrs[i], addrs[j - 1])))
+        i = j
+    return runs
+
+
+def bytes_at(addr: int, nbytes: int) -> torch.Tensor:
+    """A writable uint8 tensor over `nbytes` of host memory at `addr` (memory the caller
+    keeps valid for the tensor's use; nothing is copied)."""
+    return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=torch.uint8)
