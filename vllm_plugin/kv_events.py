@@ -33,6 +33,14 @@ Another process's evictions of a shared tier (the host store, the disk folder): 
 it finds gone into ``BlockRemoved`` (the tier's medium), through the same translation as the
 workers' own removals, so a block is withdrawn once whichever comes first.
 
+Blocks other instances stored on a shared tier (this instance can load them): with such a tier,
+`note_saves` hands each saved chunk's facts to its save (`BlockRef.announce`, encoded by
+`kvpack.vllm_plugin.block_facts`), which the tier records beside the group once the object is
+ready (`kvpack.router_facts`). Each step `take` reads at most 256 rows other instances wrote
+(`kvpack.FactsTail`: one indexed read) and announces those of its own hash identity and model
+layout as ``BlockStored`` on that tier (the writer's hashes), once; the tier's sweep then follows
+them like its own, so they are withdrawn when evicted.
+
 Not reported: partial-block tails (vLLM hashes whole blocks only), blocks promoted into memory
 by a read from a lower tier, a chunk larger than vLLM's hash block that is not a multiple of it.
 """
@@ -41,8 +49,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import (
@@ -53,23 +61,28 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvpack import (
     BadTenant,
     ChunkHash,
+    FactsTail,
     GroupKey,
     KVPackConfig,
+    RouterFacts,
     Session,
     SharedSweep,
     TierEvent,
     TierEventFeed,
     TierEventKind,
     chunk_hashes,
+    new_origin,
+    shared_fact_tails,
     shared_tier_sweeps,
 )
 
-from .metadata import KVPackConnectorMetadata
+from .block_facts import BlockFacts, decode, encode, identity_source
+from .metadata import KVPackConnectorMetadata, TransferJob
 from .request_scopes import request_scope
 
 if TYPE_CHECKING:
@@ -135,20 +148,6 @@ def worker_events(feed: TierEventFeed | None) -> KVPackKVEvents | None:
 
 
 @dataclass
-class _Block:
-    """A saved chunk's vLLM facts, and the tiers it was announced on."""
-
-    hashes: list[BlockHash]
-    parent: BlockHash | None
-    token_ids: list[int]
-    lora_id: int | None
-    lora_name: str | None
-    tiers: set[str] = field(default_factory=set)
-    group: GroupKey | None = None
-    """Its kvpack group, once a tier announced it (what the shared tier's sweep follows)."""
-
-
-@dataclass
 class _Followed:
     request: Request
     seed: ChunkHash | None
@@ -170,8 +169,12 @@ class RouterEvents:
         hash_block_size: int,
         max_blocks: int = MAX_BLOCKS,
         sweeps: Sequence[SharedSweep] = (),
+        tails: Sequence[FactsTail] = (),
+        identity: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """`sweeps`: the core's check of each shared tier's blocks announced here (none: no shared tier)."""
+        """`sweeps`: the core's check of each shared tier's blocks announced here (none: no shared
+        tier); `tails`: its reader of each shared tier's facts rows (`FactsTail`, whose `origin`
+        names this instance's rows); `identity`: this engine's hash identity (`hash_identity`)."""
         self._config = config
         self._fingerprint = fingerprint
         self._bs = block_size
@@ -181,9 +184,11 @@ class RouterEvents:
         self._warned.set()  # the scheduler already warned about the request's tenant
         self._requests: OrderedDict[str, _Followed] = OrderedDict()
         self._finished: set[str] = set()
-        self._blocks: OrderedDict[tuple[str, str], _Block] = OrderedDict()
+        self._blocks: OrderedDict[tuple[str, str], BlockFacts] = OrderedDict()
         self._out: list[KVCacheEvent] = []
         self._sweeps = {s.tier.name: s for s in sweeps}
+        self._tails = list(tails)
+        self._identity = identity
 
     # -- requests and saves ---------------------------------------------------------
 
@@ -217,6 +222,19 @@ class RouterEvents:
         for rid in self._finished:
             self._requests.pop(rid, None)
         self._finished.clear()
+        identity = self._identity() if self._tails else None
+        if identity is not None:  # a shared tier records them for the other instances' routers
+            meta.saves = [self._announcing(job, identity) for job in meta.saves]
+
+    def _announcing(self, job: TransferJob, identity: str) -> TransferJob:
+        """`job` with each whole chunk's facts (`BlockRef.announce`) where they are known."""
+        origin = self._tails[0].origin
+        refs = []
+        for ref in job.blocks:
+            block = self._blocks.get((job.tenant, ref.chunk)) if ref.token_ids is None else None
+            facts = RouterFacts(origin, identity, encode(block, self._bs // self._per_chunk)) if block else None
+            refs.append(replace(ref, announce=facts) if facts is not None else ref)
+        return replace(job, blocks=tuple(refs))
 
     def _remember(self, tenant: str, chunk: str, f: _Followed) -> None:
         i = f.index.get(chunk)
@@ -228,13 +246,20 @@ class RouterEvents:
         if len(hashes) < self._per_chunk:
             return
         lora = getattr(f.request, "lora_request", None)
-        self._blocks[(tenant, chunk)] = _Block(
-            hashes=list(hashes),
-            parent=f.request.block_hashes[i * self._per_chunk - 1] if i else None,
-            token_ids=list(f.request.all_token_ids[i * self._bs : (i + 1) * self._bs]),
-            lora_id=getattr(lora, "lora_int_id", None),
-            lora_name=getattr(lora, "lora_name", None),
+        self._keep(
+            (tenant, chunk),
+            BlockFacts(
+                hashes=list(hashes),
+                parent=f.request.block_hashes[i * self._per_chunk - 1] if i else None,
+                token_ids=list(f.request.all_token_ids[i * self._bs : (i + 1) * self._bs]),
+                lora_id=getattr(lora, "lora_int_id", None),
+                lora_name=getattr(lora, "lora_name", None),
+            ),
         )
+
+    def _keep(self, key: tuple[str, str], block: BlockFacts) -> None:
+        """Remember `block` (the oldest go past `max_blocks`, withdrawn where announced)."""
+        self._blocks[key] = block
         while len(self._blocks) > self._max_blocks:
             _, old = self._blocks.popitem(last=False)
             self._out.extend(self._removed(old, sorted(old.tiers)))
@@ -286,13 +311,32 @@ class RouterEvents:
 
     def take(self) -> list[KVCacheEvent]:
         """The vLLM events since the last call (vLLM's scheduler publishes them each step), with
-        this step's sweep of each shared tier (`kvpack.SharedSweep`: a bounded, batched check)."""
+        this step's blocks other instances stored on each shared tier (`kvpack.FactsTail`) and
+        this step's sweep of each (`kvpack.SharedSweep`: a bounded, batched check)."""
+        identity = self._identity() if self._tails else None
+        if identity is not None:
+            for tail in self._tails:
+                for row in tail.take(identity):
+                    self._foreign(tail.tier.name, row.group, row.facts.blob)
         for sweep in self._sweeps.values():
             self.translate(sweep.sweep())
         out, self._out = self._out, []
         return out
 
-    def _stored(self, block: _Block, tier: str) -> BlockStored:
+    def _foreign(self, tier: str, group: GroupKey, blob: bytes) -> None:
+        """Announce a block another instance stored on shared `tier` (once: not if announced there)."""
+        if group.fingerprint != self._fingerprint:
+            return  # another model's group
+        key = (group.tenant, group.chunk)
+        block = self._blocks.get(key)
+        if block is None:
+            block = decode(blob, self._bs // self._per_chunk, self._per_chunk)
+            if block is None:
+                return
+            self._keep(key, block)
+        self.translate([TierEvent(TierEventKind.STORED, tier, group.as_str())])
+
+    def _stored(self, block: BlockFacts, tier: str) -> BlockStored:
         medium, locality = medium_of(tier)
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in block.hashes],
@@ -306,7 +350,7 @@ class RouterEvents:
             ownership=tier,
         )
 
-    def _removed(self, block: _Block, tiers: Iterable[str]) -> list[KVCacheEvent]:
+    def _removed(self, block: BlockFacts, tiers: Iterable[str]) -> list[KVCacheEvent]:
         out: list[KVCacheEvent] = []
         for tier in tiers:
             medium, locality = medium_of(tier)
@@ -330,7 +374,17 @@ def router_events(
         return None
     block_size = int(vllm_config.cache_config.block_size)
     sweeps = shared_tier_sweeps(session)
-    return RouterEvents(config, scope.fingerprint, scope.block_size, block_size, sweeps=sweeps)
+    tails = shared_fact_tails(session, new_origin())
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    return RouterEvents(
+        config,
+        scope.fingerprint,
+        scope.block_size,
+        block_size,
+        sweeps=sweeps,
+        tails=tails,
+        identity=identity_source(algo, block_size),
+    )
 
 
 def tier_feed(vllm_config: VllmConfig, session: Session) -> TierEventFeed | None:

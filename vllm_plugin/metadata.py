@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpack import HitPlan, ReportedObject
+from kvpack import HitPlan, ReportedObject, RouterFacts
 
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
@@ -58,6 +58,9 @@ class BlockRef:
     """On load of canonical objects: the head split that holds this chunk (index into
     `HeadSplit.partitions()`; 0 is the engine's own). One request's chunks may come from
     several splits (`kvpack.split_lookup`)."""
+    announce: RouterFacts | None = None
+    """On save of a whole chunk, with a tier other processes share: its vLLM facts for the other
+    instances' routers (`kvpack.vllm_plugin.kv_events`), recorded by that tier (`kvpack.router_facts`)."""
 
     @property
     def blocks(self) -> set[int]:

@@ -31,7 +31,7 @@ def gather_members(staging: Staging, slots: Sequence[MemberLayout], job: Transfe
             ids = [ref.block_ids[slot.group] for ref in refs]
             layout = slot.layout
             staged = staging.gather(len(refs), layout.slot_bytes, partial(layout.gather, ids))
-            facts = [ChunkFacts(ref.chunk, ref.token_count, ref.token_ids) for ref in refs]
+            facts = [ChunkFacts(ref.chunk, ref.token_count, ref.token_ids, ref.announce) for ref in refs]
             out.append(Gathered(slot.obj, facts, staged))
     except BaseException:
         for g in out:  # launched already: their rows are freed only after their events

@@ -8,7 +8,9 @@ token ids and parent hash) and ``BlockRemoved`` when kvpack's memory tier evicts
 make room; what the events say each tier holds is what the tiers then answer. With the shared
 host store (``memory.mode: host``), another engine process's saves that evict blocks this
 engine announced are withdrawn too (``BlockRemoved``, medium ``CPU``), exactly those; the same
-on a disk folder two engines share (medium ``STORAGE``).
+on a disk folder two engines share (medium ``STORAGE``). Blocks another engine process stored
+in the shared host store are announced too (``BlockStored`` with vLLM's hashes of their
+tokens, those the writer announced), and withdrawn when a third process's saves evict them.
 """
 
 from __future__ import annotations
@@ -271,3 +273,81 @@ def _another_process_evicts(tiny_llama: Path, tmp_path: Path, tiers: dict[str, A
     finally:
         close_llm(llm)
         subscriber.close()
+
+
+P = prompt(41, 3 * BLOCK + 45)  # 3 whole blocks (facts recorded) + a tail (never announced)
+
+
+def _vllm_hashes(ids: list[int], blocks: int) -> list[Any]:
+    """The block hashes vLLM computes for `ids`' first `blocks` blocks in this process (its hash
+    function and NONE_HASH): what any engine of the same settings announces for them."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+    fn = get_hash_fn_by_name("sha256")
+    out, parent = [], None
+    for i in range(blocks):
+        parent = hash_block_tokens(fn, parent, ids[i * BLOCK : (i + 1) * BLOCK])
+        out.append(parent)
+    return [maybe_convert_block_hash(h) for h in out]
+
+
+def test_a_router_sees_blocks_another_process_stored_in_the_host_store_then_withdrawn(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Engine 1 (this process, publishing KV events) shares a host store with engine 2, a process
+    of its own with KV events on, which computes P: engine 1 announces P's blocks as its own
+    loadable ones (BlockStored, medium CPU, ownership host, vLLM's hashes of P's tokens and their
+    parent chain), which its lookup then finds. A third process's saves evict some of them;
+    engine 1 withdraws exactly those, once each."""
+    name = f"facts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # 5 objects: P's 4 (3 blocks + tail) fit; OTHER's 2 then evict 2 of the oldest
+    memory = {"mode": "host", "host_name": name, "capacity": 5 * (OBJECT_BYTES + (16 << 10))}
+    extra = {"memory": memory, "disk": {"enabled": False}, "trusted_tenants": ["*"]}
+    port, replay_port = free_port(), free_port()
+    subscriber = Subscriber(port, replay_port)
+    llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=_events_config(port, replay_port))
+    try:
+        worker = _connector("WORKER").worker
+        (tier,) = worker.session.store.tiers
+        keys = [StoreKey("default", worker.scope.fingerprint, c, "kv") for c in chunk_hashes(P, BLOCK)]
+        writer_events = _events_config(free_port(), free_port())
+        writer = start_engine_process(
+            tiny_llama, extra, {"P": P}, tmp_path / "writer.log", kv_events_config=writer_events
+        )
+        assert writer.result()["P"].cached == 0
+        assert tier.contains(keys) == [True] * 3
+        # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
+        # only carry what engine 1's scheduler reads of the host store to the publisher
+        run(llm, prompt(23, 20), tenant="not/a tenant")
+        blocks = [tuple(P[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+
+        def announced(events: list[Any]) -> bool:
+            return {tuple(e.token_ids) for e in events if isinstance(e, BlockStored)} >= set(blocks)
+
+        events = subscriber.wait_for(announced)
+        stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == "host"]
+        by_tokens = {tuple(e.token_ids): e for e in stored}
+        hashes = [by_tokens[b].block_hashes[0] for b in blocks]  # KeyError: not announced
+        assert hashes == _vllm_hashes(P, 3)  # the writer's hashes: a router matches them to P's prefix
+        assert [by_tokens[b].parent_block_hash for b in blocks] == [None, *hashes[:2]]
+        assert {(e.medium, e.block_size) for e in stored} == {("CPU", BLOCK)}
+        assert len(stored) == 3  # each once; the tail never
+        assert tier.contains(keys) == [True] * 3  # what engine 1 announced, its lookup finds
+        assert metric("shared_facts", "SCHEDULER", tier="host", outcome="taken") == 3
+
+        other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
+        assert other.result()["OTHER"].cached == 0
+        present = tier.contains(keys)
+        assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
+        run(llm, prompt(24, 20), tenant="not/a tenant")
+
+        expected = {h for h, ok in zip(hashes, present) if ok}
+        events = subscriber.wait_for(lambda ev: held(ev, "host") == expected)
+        withdrawn = [h for e in events if isinstance(e, BlockRemoved) and e.ownership == "host" for h in e.block_hashes]
+        assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
+        assert tier.contains(keys) == [h in held(events, "host") for h in hashes]
+    finally:
+        close_llm(llm)
+        subscriber.close()
+        drop(name)
