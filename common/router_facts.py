@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .keys import GroupKey
 from .metrics import Metrics
+from .shared_sweep import SWEPT_TIERS
 
 if TYPE_CHECKING:
     from .session import Session
@@ -44,7 +45,7 @@ log = logging.getLogger("kvpack")
 
 MAX_FACTS_BYTES = 1 << 16
 """A facts row's blob at most (a block's token ids and hashes take a few KiB); larger ones are not recorded."""
-PER_STEP = 256
+PER_STEP = 64
 """Rows a reader takes per engine step at most (one indexed read)."""
 
 
@@ -142,7 +143,7 @@ class FactsTail:
             self._metrics.inc("shared_facts", n, tier=self.tier.name, outcome=outcome)
 
 
-def shared_fact_tails(session: Session, origin: str, tiers: Sequence[str]) -> list[FactsTail]:
+def shared_fact_tails(session: Session, origin: str, tiers: Sequence[str] = SWEPT_TIERS) -> list[FactsTail]:
     """A tail of each of `session`'s tiers named in `tiers` that keeps facts rows (in the store's
     tier order; empty: none here), counted in the session's metrics."""
     return [

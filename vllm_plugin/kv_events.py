@@ -61,7 +61,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
 
 from kvpack import (
     BadTenant,
@@ -80,6 +80,7 @@ from kvpack import (
     shared_fact_tails,
     shared_tier_sweeps,
 )
+from vllm import envs
 
 from .block_facts import BlockFacts, decode, encode, identity_source
 from .metadata import KVPackConnectorMetadata, TransferJob
@@ -101,6 +102,7 @@ MEDIUMS: dict[str, tuple[str, str]] = {
 
 MAX_BLOCKS = 1 << 17
 """Saved chunks whose vLLM facts the scheduler keeps (about 300 bytes + token ids each)."""
+_LOW64 = (1 << 64) - 1
 MAX_REQUESTS = 4096
 """Live requests followed for their block hashes (vLLM's scheduler holds them anyway)."""
 
@@ -189,6 +191,9 @@ class RouterEvents:
         self._sweeps = {s.tier.name: s for s in sweeps}
         self._tails = list(tails)
         self._identity = identity
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        """vLLM's event hash form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), read once: vLLM's own
+        `maybe_convert_block_hash` reads the environment per hash (most of a step's cost here)."""
 
     # -- requests and saves ---------------------------------------------------------
 
@@ -291,23 +296,26 @@ class RouterEvents:
                 group = GroupKey.parse(event.group)
             except ValueError:
                 continue
-            if group.fingerprint != self._fingerprint:
-                continue  # another model's group on a shared tier
-            block = self._blocks.get((group.tenant, group.chunk))
-            if block is None:
-                continue  # not stored by this instance (or forgotten): never announced
-            sweep = self._sweeps.get(event.tier)
-            if event.kind is TierEventKind.STORED and event.tier not in block.tiers:
-                block.tiers.add(event.tier)
-                self._out.append(self._stored(block, event.tier))
-                if sweep is not None:
-                    block.group = group
-                    self.translate(sweep.announced(group))
-            elif event.kind is TierEventKind.REMOVED and event.tier in block.tiers:
-                block.tiers.discard(event.tier)
-                self._out.extend(self._removed(block, [event.tier]))
-                if sweep is not None:
-                    sweep.forget(group)
+            if group.fingerprint == self._fingerprint:  # else another model's group on a shared tier
+                self._apply(event.kind, event.tier, group)
+
+    def _apply(self, kind: TierEventKind, tier: str, group: GroupKey) -> None:
+        """One tier event of a group of this model: announce or withdraw its block, once."""
+        block = self._blocks.get((group.tenant, group.chunk))
+        if block is None:
+            return  # not stored by this instance (or forgotten): never announced
+        sweep = self._sweeps.get(tier)
+        if kind is TierEventKind.STORED and tier not in block.tiers:
+            block.tiers.add(tier)
+            self._out.append(self._stored(block, tier))
+            if sweep is not None:
+                block.group = group
+                self.translate(sweep.announced(group))
+        elif kind is TierEventKind.REMOVED and tier in block.tiers:
+            block.tiers.discard(tier)
+            self._out.extend(self._removed(block, [tier]))
+            if sweep is not None:
+                sweep.forget(group)
 
     def take(self) -> list[KVCacheEvent]:
         """The vLLM events since the last call (vLLM's scheduler publishes them each step), with
@@ -334,13 +342,18 @@ class RouterEvents:
             if block is None:
                 return
             self._keep(key, block)
-        self.translate([TierEvent(TierEventKind.STORED, tier, group.as_str())])
+        self._apply(TierEventKind.STORED, tier, group)
+
+    def _external(self, h: BlockHash) -> ExternalBlockHash:
+        """`h` as vLLM's events carry it: vLLM's `maybe_convert_block_hash` (its low 64 bits, big
+        endian, as an int; the engine tests compare with vLLM's function)."""
+        return int.from_bytes(h, byteorder="big") & _LOW64 if self._int_hashes else h
 
     def _stored(self, block: BlockFacts, tier: str) -> BlockStored:
         medium, locality = medium_of(tier)
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in block.hashes],
-            parent_block_hash=maybe_convert_block_hash(block.parent) if block.parent is not None else None,
+            block_hashes=[self._external(h) for h in block.hashes],
+            parent_block_hash=self._external(block.parent) if block.parent is not None else None,
             token_ids=list(block.token_ids),
             block_size=self._bs // self._per_chunk,
             lora_id=block.lora_id,
@@ -354,7 +367,7 @@ class RouterEvents:
         out: list[KVCacheEvent] = []
         for tier in tiers:
             medium, locality = medium_of(tier)
-            hashes = [maybe_convert_block_hash(h) for h in block.hashes]
+            hashes = [self._external(h) for h in block.hashes]
             out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=tier))
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,10 @@ from kvpack import (  # noqa: E402
     TierEventKind,
     TierStatus,
     chunk_hashes,
+    new_origin,
+    shared_fact_tails,
     shared_tier_sweep,
+    shared_tier_sweeps,
 )
 from kvpack.tiers.host import drop  # noqa: E402
 from kvpack.vllm_plugin.kv_events import KVPackKVEvents, RouterEvents  # noqa: E402
@@ -137,4 +141,56 @@ def test_a_shared_host_block_is_withdrawn_once_whoever_evicts_it(tmp_path: Path)
     finally:
         mine.close()
         other.close()
+        drop(name)
+
+
+def test_blocks_another_instance_stored_on_a_shared_tier_are_announced_once_then_withdrawn() -> None:
+    # the writer hands its facts to the save (BlockRef.announce); the store records them on the
+    # host tier; the reader's steps announce them with the writer's hashes, once, and withdraw
+    # them when the tier lets them go; the writer never announces its own rows from the tail
+    name = f"xlate-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    data = {"memory": {"mode": "host", "host_name": name, "capacity": "64MiB"}, "disk": {"enabled": False}}
+    stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
+    try:
+        writer, reader = (
+            RouterEvents(
+                KVPackConfig.from_dict({}),
+                FP,
+                BS,
+                BS,
+                sweeps=shared_tier_sweeps(Session(s)),
+                tails=shared_fact_tails(Session(s), new_origin()),
+                identity=lambda: "same hashes",
+            )
+            for s in stores
+        )
+        ids = prompt(4, 3 * BS)
+        chunks = [str(c) for c in chunk_hashes(ids, BS)]
+        req = _request("w", ids)
+        writer.follow(req)
+        meta = KVPackConnectorMetadata(
+            saves=[TransferJob("w", "default", tuple(BlockRef(c, (1,), BS) for c in chunks))]
+        )
+        writer.note_saves(meta)
+        refs = meta.saves[0].blocks
+        assert all(r.announce is not None for r in refs)
+        for r in refs:
+            put = replace(item(StoreKey("default", FP, r.chunk, "kv"), payload(1, 1024)), announce=r.announce)
+            assert stores[0].store([put]) == [TierStatus.OK]
+        writer.translate([TierEvent(STORED, "host", _group(c)) for c in chunks])  # its workers' tier events
+        own = writer.take()  # only those: its own facts rows are not announced a second time
+        out = reader.take()
+        assert [type(e) for e in out] == [type(e) for e in own] == [BlockStored] * 3
+        assert {(e.medium, e.ownership) for e in out} == {("CPU", "host")}
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in out] == [
+            (e.block_hashes, e.parent_block_hash, e.token_ids) for e in own
+        ]  # the writer's hashes
+        assert [tuple(e.token_ids) for e in out] == [tuple(ids[i * BS : (i + 1) * BS]) for i in range(3)]
+        assert reader.take() == []  # once
+        stores[0].remove_groups([StoreKey("default", FP, chunks[1], "kv").group])
+        gone = reader.take()
+        assert [(type(e), e.block_hashes) for e in gone] == [(BlockRemoved, own[1].block_hashes)]
+    finally:
+        for s in stores:
+            s.close()
         drop(name)
