@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 import numpy as np
@@ -132,12 +132,24 @@ class StoreKey:
     fingerprint: str
     chunk: str
     member: str
+    _hash: int = field(init=False, repr=False, compare=False)
+    """The fields' tuple hash, taken once when the key is built: a key is hashed about 15
+    times a page in a save and a load (the tiers' and the session's dicts and sets), and a
+    dataclass's own ``__hash__`` rebuilds and rehashes the tuple each time. Never pickled
+    (`__reduce__`): str hashes differ between processes."""
 
     def __post_init__(self) -> None:
         validate_tenant(self.tenant)
         validate_chunk_hash(self.fingerprint)
         validate_chunk_hash(self.chunk)
         validate_member(self.member)
+        object.__setattr__(self, "_hash", hash((self.tenant, self.fingerprint, self.chunk, self.member)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[StoreKey], tuple[str, str, str, str]]:
+        return StoreKey, (self.tenant, self.fingerprint, self.chunk, self.member)
 
     @classmethod
     def batch(cls, tenant: str, fingerprint: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
@@ -152,7 +164,13 @@ class StoreKey:
         validate_chunk_hash(fingerprint)
         validate_member(member)
         validate_chunk_hashes(chunks)
-        return build_many(cls, {"tenant": tenant, "fingerprint": fingerprint, "member": member}, "chunk", chunks)
+        keys = build_many(
+            cls, {"tenant": tenant, "fingerprint": fingerprint, "member": member, "_hash": 0}, "chunk", chunks
+        )
+        set_hash = cls.__dict__["_hash"].__set__
+        for key, chunk in zip(keys, chunks):
+            set_hash(key, hash((tenant, fingerprint, chunk, member)))
+        return keys
 
     @property
     def group(self) -> GroupKey:

@@ -145,3 +145,33 @@ def test_chunk_hashes_validated_at_once_refuse_exactly_what_one_by_one_refuses(c
         except ValueError as exc:
             got = str(exc)
         assert got == want, batch
+
+
+def test_a_keys_hash_is_its_fields_and_survives_a_trip_to_another_process() -> None:
+    """`StoreKey` keeps its hash from when it was built (a key is hashed ~15 times a page):
+    it must be the hash of its fields whichever way the key was built (constructor, `batch`,
+    `dataclasses.replace`), so equal keys find each other in a dict; and a key pickled into
+    a process with another string-hash seed must hash as that process's own keys do."""
+    import dataclasses
+    import pickle
+
+    chunks = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]
+    one = StoreKey("t", FP, chunks[1], "kv")
+    built = StoreKey.batch("t", FP, chunks, "kv")
+    moved = dataclasses.replace(built[0], chunk=chunks[1])
+    for key in (one, built[1], moved):
+        assert hash(key) == hash(("t", FP, chunks[1], "kv")) and key == one
+    assert {one: 1}[built[1]] == 1 and {built[1]: 1}[moved] == 1
+    assert hash(built[0]) != hash(one) and built[0] != one
+    code = (
+        "import pickle, sys\n"
+        "from kvpack.keys import StoreKey\n"
+        "key = pickle.loads(sys.stdin.buffer.read())\n"
+        "print({StoreKey(key.tenant, key.fingerprint, key.chunk, key.member): 1}.get(key, 0))\n"
+    )
+    for seed in ("1", "2"):
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=pickle.dumps(one), capture_output=True, env=env, check=True
+        )
+        assert out.stdout.strip() == b"1", f"PYTHONHASHSEED={seed}: a pickled key is not found among equal keys"
