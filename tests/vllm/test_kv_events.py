@@ -303,13 +303,32 @@ def test_a_router_sees_blocks_another_process_stored_in_the_host_store_then_with
     name = f"facts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     # 5 objects: P's 4 (3 blocks + tail) fit; OTHER's 2 then evict 2 of the oldest
     memory = {"mode": "host", "host_name": name, "capacity": 5 * (OBJECT_BYTES + (16 << 10))}
-    extra = {"memory": memory, "disk": {"enabled": False}, "trusted_tenants": ["*"]}
+    try:
+        _another_process_stores(tiny_llama, tmp_path, {"memory": memory, "disk": {"enabled": False}}, "CPU")
+    finally:
+        drop(name)
+
+
+def test_a_router_sees_blocks_another_process_stored_in_the_shared_disk_folder_then_withdrawn(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The same with the disk tier alone (memory off), engine 2 sharing engine 1's ``disk.path``:
+    medium STORAGE, ownership disk."""
+    disk = {"path": str(tmp_path / "kv"), "capacity": 5 * (OBJECT_BYTES + (16 << 10))}
+    _another_process_stores(tiny_llama, tmp_path, {"memory": {"enabled": False}, "disk": disk}, "STORAGE")
+
+
+def _another_process_stores(tiny_llama: Path, tmp_path: Path, tiers: dict[str, Any], medium: str) -> None:
+    """Engine 2 (a process) stores P on the only tier, shared; engine 1's subscriber sees P's blocks
+    announced with vLLM's hashes, once each; engine 3 (a process) evicts some, withdrawn once each."""
+    extra = {**tiers, "trusted_tenants": ["*"]}
     port, replay_port = free_port(), free_port()
     subscriber = Subscriber(port, replay_port)
     llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=_events_config(port, replay_port))
     try:
         worker = _connector("WORKER").worker
         (tier,) = worker.session.store.tiers
+        owner = tier.name
         keys = [StoreKey("default", worker.scope.fingerprint, c, "kv") for c in chunk_hashes(P, BLOCK)]
         writer_events = _events_config(free_port(), free_port())
         writer = start_engine_process(
@@ -318,7 +337,7 @@ def test_a_router_sees_blocks_another_process_stored_in_the_host_store_then_with
         assert writer.result()["P"].cached == 0
         assert tier.contains(keys) == [True] * 3
         # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
-        # only carry what engine 1's scheduler reads of the host store to the publisher
+        # only carry what engine 1's scheduler reads of the shared tier to the publisher
         run(llm, prompt(23, 20), tenant="not/a tenant")
         blocks = [tuple(P[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
 
@@ -326,15 +345,15 @@ def test_a_router_sees_blocks_another_process_stored_in_the_host_store_then_with
             return {tuple(e.token_ids) for e in events if isinstance(e, BlockStored)} >= set(blocks)
 
         events = subscriber.wait_for(announced)
-        stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == "host"]
+        stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == owner]
         by_tokens = {tuple(e.token_ids): e for e in stored}
         hashes = [by_tokens[b].block_hashes[0] for b in blocks]  # KeyError: not announced
         assert hashes == _vllm_hashes(P, 3)  # the writer's hashes: a router matches them to P's prefix
         assert [by_tokens[b].parent_block_hash for b in blocks] == [None, *hashes[:2]]
-        assert {(e.medium, e.block_size) for e in stored} == {("CPU", BLOCK)}
+        assert {(e.medium, e.block_size) for e in stored} == {(medium, BLOCK)}
         assert len(stored) == 3  # each once; the tail never
         assert tier.contains(keys) == [True] * 3  # what engine 1 announced, its lookup finds
-        assert metric("shared_facts", "SCHEDULER", tier="host", outcome="taken") == 3
+        assert metric("shared_facts", "SCHEDULER", tier=owner, outcome="taken") == 3
 
         other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
         assert other.result()["OTHER"].cached == 0
@@ -343,11 +362,12 @@ def test_a_router_sees_blocks_another_process_stored_in_the_host_store_then_with
         run(llm, prompt(24, 20), tenant="not/a tenant")
 
         expected = {h for h, ok in zip(hashes, present) if ok}
-        events = subscriber.wait_for(lambda ev: held(ev, "host") == expected)
-        withdrawn = [h for e in events if isinstance(e, BlockRemoved) and e.ownership == "host" for h in e.block_hashes]
+        events = subscriber.wait_for(lambda ev: held(ev, owner) == expected)
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == owner]
+        withdrawn = [h for e in removed for h in e.block_hashes]
         assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
-        assert tier.contains(keys) == [h in held(events, "host") for h in hashes]
+        assert {e.medium for e in removed} == {medium}
+        assert tier.contains(keys) == [h in held(events, owner) for h in hashes]
     finally:
         close_llm(llm)
         subscriber.close()
-        drop(name)
