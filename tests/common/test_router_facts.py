@@ -5,7 +5,6 @@ disk folder, two stores each (as two processes)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.builders import GROUP_FP, chunk_id, make_item
+from fixtures.builders import GROUP_FP, chunk_id, make_item, two_stores
 from kvpack import FactsTail, KVPackConfig, KVStore, RouterFacts, Session, StoreKey, TierStatus, shared_fact_tails
 from kvpack.metrics import Metrics
 from kvpack.tiers.disk import DiskTier
@@ -34,28 +33,18 @@ def _put(store: KVStore, chunks: range, origin: str, identity: str = ID) -> None
         assert store.store([replace(item, announce=facts)]) == [TierStatus.OK]
 
 
-@contextlib.contextmanager
-def _two_stores(data: dict[str, object]) -> Iterator[tuple[KVStore, KVStore]]:
-    stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
-    try:
-        yield stores[0], stores[1]
-    finally:
-        for s in stores:
-            s.close()
-
-
 @pytest.fixture(params=["host", "disk"])
 def two_processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     """Two stores on one shared tier that holds four 1 KiB objects (memory off for the disk)."""
     if request.param == "disk":
         data = {"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv"), "capacity": "4KiB"}}
-        with _two_stores(data) as stores:
+        with two_stores(data) as stores:
             yield stores
         return
     name = f"facts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
     try:
-        with _two_stores(data) as stores:
+        with two_stores(data) as stores:
             yield stores
     finally:
         drop(name)

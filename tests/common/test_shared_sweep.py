@@ -4,7 +4,6 @@ the followed set is bounded; nothing is withdrawn while the disk index is still 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import uuid
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.builders import GROUP_FP, chunk_id, make_item
+from fixtures.builders import GROUP_FP, chunk_id, make_item, two_stores
 from kvpack import (
     KVPackConfig,
     KVStore,
@@ -48,21 +47,10 @@ def two_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     name = f"sweep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
     try:
-        with _two_stores(data) as stores:
+        with two_stores(data) as stores:
             yield stores
     finally:
         drop(name)
-
-
-@contextlib.contextmanager
-def _two_stores(data: dict[str, object]) -> Iterator[tuple[KVStore, KVStore]]:
-    """Two stores of one config (each its own tiers, as two processes), closed on exit."""
-    stores = [KVStore.from_config(KVPackConfig.from_dict(data)) for _ in range(2)]
-    try:
-        yield stores[0], stores[1]
-    finally:
-        for s in stores:
-            s.close()
 
 
 def _put(store: KVStore, chunks: range) -> None:
@@ -159,7 +147,7 @@ def two_disk_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     """Two stores on one disk folder, memory off (each its own tier, as two processes): 4 KiB
     holds four 1 KiB objects (the disk tier charges the payload)."""
     data = {"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv"), "capacity": "4KiB"}}
-    with _two_stores(data) as stores:
+    with two_stores(data) as stores:
         yield stores
 
 

@@ -254,25 +254,47 @@ def _another_process_evicts(tiny_llama: Path, tmp_path: Path, tiers: dict[str, A
         hashes = [by_tokens[b].block_hashes[0] for b in blocks]  # KeyError: not announced
         assert {by_tokens[b].medium for b in blocks} == {medium}
 
-        other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
-        assert other.result()["OTHER"].cached == 0
-        present = tier.contains(keys)
-        assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
-        # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
-        # only run this engine's sweeps of the blocks it announced on shared tiers
-        run(llm, prompt(23, 20), tenant="not/a tenant")
-
-        expected = {h for h, ok in zip(hashes, present) if ok}
-        events = subscriber.wait_for(lambda ev: held(ev, owner) == expected)
-        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == owner]
-        withdrawn = [h for e in removed for h in e.block_hashes]
-        assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
-        assert {e.medium for e in removed} == {medium}
-        assert tier.contains(keys) == [h in held(events, owner) for h in hashes]  # withdrawn: miss; held: hit
-        assert metric("shared_withdrawals", "SCHEDULER", tier=owner) == len(withdrawn)
+        withdrawn = _another_process_evicts_some(
+            llm, subscriber, tier, keys, hashes, medium, extra, tiny_llama, tmp_path
+        )
+        assert metric("shared_withdrawals", "SCHEDULER", tier=owner) == withdrawn
     finally:
         close_llm(llm)
         subscriber.close()
+
+
+def _another_process_evicts_some(
+    llm: Any,
+    subscriber: Subscriber,
+    tier: Any,
+    keys: list[StoreKey],
+    hashes: list[Any],
+    medium: str,
+    extra: dict[str, Any],
+    tiny_llama: Path,
+    tmp_path: Path,
+    seed: int = 23,
+) -> int:
+    """An engine process's saves evict some of `keys` (announced by `llm` as `hashes`) from the
+    shared `tier`; `llm`'s next steps withdraw exactly those, once each, and a lookup agrees with
+    the events. Returns how many were withdrawn."""
+    owner = tier.name
+    other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
+    assert other.result()["OTHER"].cached == 0
+    present = tier.contains(keys)
+    assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
+    # a request kvpack refuses to cache (a malformed tenant) stores nothing: its engine steps
+    # only run this engine's sweeps of the blocks it announced on shared tiers
+    run(llm, prompt(seed, 20), tenant="not/a tenant")
+
+    expected = {h for h, ok in zip(hashes, present) if ok}
+    events = subscriber.wait_for(lambda ev: held(ev, owner) == expected)
+    removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == owner]
+    withdrawn = [h for e in removed for h in e.block_hashes]
+    assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
+    assert {e.medium for e in removed} == {medium}
+    assert tier.contains(keys) == [h in held(events, owner) for h in hashes]  # withdrawn: miss; held: hit
+    return len(withdrawn)
 
 
 P = prompt(41, 3 * BLOCK + 45)  # 3 whole blocks (facts recorded) + a tail (never announced)
@@ -355,19 +377,7 @@ def _another_process_stores(tiny_llama: Path, tmp_path: Path, tiers: dict[str, A
         assert tier.contains(keys) == [True] * 3  # what engine 1 announced, its lookup finds
         assert metric("shared_facts", "SCHEDULER", tier=owner, outcome="taken") == 3
 
-        other = start_engine_process(tiny_llama, extra, {"OTHER": OTHER}, tmp_path / "other.log")
-        assert other.result()["OTHER"].cached == 0
-        present = tier.contains(keys)
-        assert present.count(False) >= 1 and present.count(True) >= 1, present  # some evicted, some held
-        run(llm, prompt(24, 20), tenant="not/a tenant")
-
-        expected = {h for h, ok in zip(hashes, present) if ok}
-        events = subscriber.wait_for(lambda ev: held(ev, owner) == expected)
-        removed = [e for e in events if isinstance(e, BlockRemoved) and e.ownership == owner]
-        withdrawn = [h for e in removed for h in e.block_hashes]
-        assert sorted(withdrawn) == sorted(h for h, ok in zip(hashes, present) if not ok)  # exactly, once each
-        assert {e.medium for e in removed} == {medium}
-        assert tier.contains(keys) == [h in held(events, owner) for h in hashes]
+        _another_process_evicts_some(llm, subscriber, tier, keys, hashes, medium, extra, tiny_llama, tmp_path, seed=24)
     finally:
         close_llm(llm)
         subscriber.close()
