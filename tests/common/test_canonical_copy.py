@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from canonical_caches import same_bytes, vllm_cpu_cache
 
 from kvpack.canonical.geometry import (
-    CanonicalGeometry,
     CpuSimd,
     TilePacking,
     cpu_simd,
@@ -45,7 +45,7 @@ def kv_values(dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn((NB, L, 2, H, T, D), generator=g).to(dtype)
 
 
-def filled_cpu_cache(dtype: torch.dtype, k: TilePacking, v: TilePacking, values: torch.Tensor):  # type: ignore[no-untyped-def]
+def filled_cpuvllm_cpu_cache(dtype: torch.dtype, k: TilePacking, v: TilePacking, values: torch.Tensor):  # type: ignore[no-untyped-def]
     tensors = [torch.zeros((NB, H, T, 2 * D), dtype=dtype) for _ in range(L)]
     geo = vllm_cpu_geometry(tensors, k, v)
     objs = values.contiguous().view(torch.uint8).view(-1)
@@ -60,14 +60,14 @@ def filled_cpu_cache(dtype: torch.dtype, k: TilePacking, v: TilePacking, values:
 def test_kernel_and_reference_gather_the_kv_values(dtype: torch.dtype, k_name: str, v_name: str) -> None:
     e = torch.tensor([], dtype=dtype).element_size()
     values = kv_values(dtype, 1)
-    geo = filled_cpu_cache(dtype, PACKINGS[k_name](e), PACKINGS[v_name](e), values)
+    geo = filled_cpuvllm_cpu_cache(dtype, PACKINGS[k_name](e), PACKINGS[v_name](e), values)
     want = values[IDS].contiguous().view(torch.uint8).view(-1)
     for kernel in (True, False):
         out = torch.zeros(len(IDS) * geo.object_bytes(H), dtype=torch.uint8)
         geo.copy(IDS, out, gather=True, obj_heads=H, use_kernel=kernel)
         assert torch.equal(out, want), f"kernel={kernel}"
     # a different packing of the same values is a different cache, but the same objects
-    other = filled_cpu_cache(dtype, PACKINGS["rows"](e), PACKINGS["rows"](e), values)
+    other = filled_cpuvllm_cpu_cache(dtype, PACKINGS["rows"](e), PACKINGS["rows"](e), values)
     assert not all(torch.equal(a, b) for a, b in zip(geo.tensors, other.tensors)) or (k_name, v_name) == (
         "rows",
         "rows",
@@ -114,7 +114,9 @@ def test_token_major_layouts_give_the_same_objects(shape_kind: str) -> None:
 
 
 def test_a_head_range_outside_the_cache_is_refused() -> None:
-    geo = filled_cpu_cache(torch.float32, PACKINGS["vec-K"](4), PACKINGS["rows"](4), kv_values(torch.float32, 4))
+    geo = filled_cpuvllm_cpu_cache(
+        torch.float32, PACKINGS["vec-K"](4), PACKINGS["rows"](4), kv_values(torch.float32, 4)
+    )
     out = torch.zeros(geo.object_bytes(H), dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not map"):
         geo.copy([0], out, gather=True, obj_heads=H, obj_h0=2, cache_h0=3, n_heads=2)
@@ -153,7 +155,7 @@ def test_copies_larger_than_the_caches_write_the_references_bytes(
     layers = 4
     nb = -(-_streamed_bytes() // (layers * per_block))
     k, v = _at(k_name, e, tokens, dim), _at(v_name, e, tokens, dim)
-    src = _cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=11)
+    src = vllm_cpu_cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=11)
     ids = list(range(nb - 1, -1, -1))
     nbytes = nb * src.object_bytes(heads)
     assert nbytes >= _streamed_bytes() - layers * per_block
@@ -165,13 +167,13 @@ def test_copies_larger_than_the_caches_write_the_references_bytes(
     assert torch.equal(outs[0], outs[1]), "streamed gather differs from the reference"
     back = []
     for kernel in (True, False):
-        dst = _cache(nb, layers, heads, tokens, dim, dtype, k, v)
+        dst = vllm_cpu_cache(nb, layers, heads, tokens, dim, dtype, k, v)
         buf = torch.zeros(nbytes + offset, dtype=torch.uint8)
         buf[offset:].copy_(outs[1])
         dst.copy(ids, buf[offset:], gather=False, obj_heads=heads, use_kernel=kernel)
         back.append(dst)
-    assert _same_bytes(back[0], back[1]), "streamed scatter differs"
-    assert _same_bytes(back[0], src), "gather then scatter is not the identity"
+    assert same_bytes(back[0], back[1]), "streamed scatter differs"
+    assert same_bytes(back[0], src), "gather then scatter is not the identity"
 
 
 @needs_kernel
@@ -194,42 +196,17 @@ def test_every_simd_level_the_cpu_has_writes_the_references_bytes(
     e = torch.tensor([], dtype=dtype).element_size()
     nb, layers, heads, tokens, dim = 6, 2, 2, 64, 128
     k, v = _at(k_name, e, tokens, dim), _at(v_name, e, tokens, dim)
-    src = _cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=int(simd) + 20)
+    src = vllm_cpu_cache(nb, layers, heads, tokens, dim, dtype, k, v, seed=int(simd) + 20)
     ids = [4, 1, 5]
     want = torch.zeros(len(ids) * src.object_bytes(heads), dtype=torch.uint8)
     src.copy(ids, want, gather=True, obj_heads=heads, use_kernel=False)
     got = torch.zeros_like(want)
     assert src.copy_at_simd(ids, got, gather=True, obj_heads=heads, simd=simd) == simd
     assert torch.equal(got, want), f"{simd.name} gather differs from the reference"
-    ref, dst = (_cache(nb, layers, heads, tokens, dim, dtype, k, v) for _ in range(2))
+    ref, dst = (vllm_cpu_cache(nb, layers, heads, tokens, dim, dtype, k, v) for _ in range(2))
     ref.copy(ids, want, gather=False, obj_heads=heads, use_kernel=False)
     dst.copy_at_simd(ids, want, gather=False, obj_heads=heads, simd=simd)
-    assert _same_bytes(dst, ref), f"{simd.name} scatter differs from the reference"
-
-
-def _cache(
-    nb: int,
-    layers: int,
-    heads: int,
-    tokens: int,
-    dim: int,
-    dtype: torch.dtype,
-    k: TilePacking,
-    v: TilePacking,
-    seed: int | None = None,
-) -> CanonicalGeometry:
-    """A vLLM CPU-shaped cache of `nb` blocks: zeros, or random bytes from `seed`."""
-    geo = vllm_cpu_geometry([torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)], k, v)
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for t in geo.tensors:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return geo
-
-
-def _same_bytes(a: CanonicalGeometry, b: CanonicalGeometry) -> bool:
-    """The caches hold the same bytes (random bytes hold NaNs, so values would not compare)."""
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
+    assert same_bytes(dst, ref), f"{simd.name} scatter differs from the reference"
 
 
 def _at(name: str, e: int, tokens: int, dim: int) -> TilePacking:

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from canonical_caches import same_bytes, vllm_cpu_cache
 
 from kvpack.canonical.geometry import (
     CanonicalGeometry,
@@ -19,7 +20,6 @@ from kvpack.canonical.geometry import (
     TilePacking,
     cpu_simd,
     paged_geometry,
-    vllm_cpu_geometry,
 )
 from kvpack.ops import PagedKV, load_extension
 
@@ -40,19 +40,9 @@ def _packings(name: str, e: int, tokens: int, dim: int) -> tuple[TilePacking, Ti
 
 
 def _cache(nb: int, layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, pk: str, seed: int | None):
-    """A vLLM CPU-shaped cache of `nb` blocks: zeros, or random bytes from `seed`."""
+    """`vllm_cpu_cache` with the packing family `pk`."""
     e = torch.tensor([], dtype=dtype).element_size()
-    tensors = [torch.zeros((nb, heads, tokens, 2 * dim), dtype=dtype) for _ in range(layers)]
-    geo = vllm_cpu_geometry(tensors, *_packings(pk, e, tokens, dim))
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for t in geo.tensors:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return geo
-
-
-def _same_bytes(a: CanonicalGeometry, b: CanonicalGeometry) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
+    return vllm_cpu_cache(nb, layers, heads, tokens, dim, dtype, *_packings(pk, e, tokens, dim), seed=seed)
 
 
 def _slots(n: int, size: int, order: str, seed: int) -> list[int]:
@@ -103,7 +93,7 @@ def _check_order(src: CanonicalGeometry, make_dst, ids: list[int], order: str, s
     ref, dst = make_dst(), make_dst()
     ref.copy(ids, want, gather=False, obj_heads=ref.heads, use_kernel=False)
     dst.copy_at(ids, addrs, gather=False, use_kernel=kernel, simd=CpuSimd.AVX512 if simd is None else simd)
-    assert _same_bytes(dst, ref), f"{order}: scatter differs from the reference"
+    assert same_bytes(dst, ref), f"{order}: scatter differs from the reference"
 
 
 @needs_kernel
