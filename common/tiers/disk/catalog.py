@@ -8,7 +8,7 @@ process.
 
 Schema (``.kvpack-store.index``; SQLite in WAL mode, so readers never wait for
 a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
-`busy_timeout_s`):
+`busy_timeout_s`, whose number of statements does not grow with its batch: `batch_sql`):
 
 - ``groups(g, tenant, fp, chunk, nbytes, tick)``: one row per stored group
   (``fp`` and ``chunk`` as bytes when they are lowercase hex, else text);
@@ -64,6 +64,8 @@ from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from . import batch_sql
+from .batch_sql import GroupRows, ObjectRows
 from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
 
@@ -280,9 +282,9 @@ class Catalog(ScanReconcile):
             self._last_flush = time.monotonic()
 
     def _flush_locked(self, db: sqlite3.Connection) -> None:
-        rows = [(tick, g) for g, tick in self._touched.items()]
-        self._touched.clear()
-        db.executemany("UPDATE groups SET tick=? WHERE g=?", rows)
+        ticks, self._touched = self._touched, {}
+        if ticks:
+            batch_sql.set_ticks(db, ticks)
 
     def usage(self) -> tuple[int, int, int]:
         """(used bytes, objects, groups) of the whole folder."""
@@ -340,15 +342,10 @@ class Catalog(ScanReconcile):
             admitted = [ok and group_id(r[0].group) not in evicted for ok, r in zip(admitted, requests)]
             return admitted, victims
 
-    def _deltas(self, db: sqlite3.Connection, requests: Sequence[tuple[StoreKey, int, int | None]]) -> int:
-        final: dict[tuple[bytes, str], int] = {}
-        for key, n, _ in requests:
-            final[(group_id(key.group), key.member)] = n
-        delta = 0
-        for (g, member), n in final.items():
-            row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, member)).fetchone()
-            delta += n - (row[0] if row else 0)
-        return delta
+    @staticmethod
+    def _objects(requests: Sequence[tuple[StoreKey, int, int | None]]) -> ObjectRows:
+        """(group id, member) -> bytes of `requests` (a key stored twice: its last size)."""
+        return {(group_id(key.group), key.member): n for key, n, _ in requests}
 
     def _plan(
         self,
@@ -359,8 +356,10 @@ class Catalog(ScanReconcile):
         quotas: dict[str, int],
         used: dict[str, int],
         batch: set[bytes],
-    ) -> list[bytes] | None:
-        """The victims that make room for `requests` (maybe none), or None when they cannot fit."""
+    ) -> tuple[list[bytes], int] | None:
+        """(the victims that make room for `requests` (maybe none), the bytes `requests` add), or
+        None when they cannot fit. The victims are never of `batch`, so deleting them leaves the
+        bytes `requests` add as they are."""
         if any(n > capacity for _, n, _ in requests):
             return None
         stamps = [t for _, _, t in requests if t is not None]
@@ -373,49 +372,51 @@ class Catalog(ScanReconcile):
             for g, who, size in db.execute(sql, [v for _, v in conds]):
                 yield Candidate(g, who, size)
 
-        delta = self._deltas(db, requests)
+        delta = batch_sql.bytes_delta(db, self._objects(requests))
         victims = choose_victims(tenant, delta, sum(used.values()), capacity, used, quotas, candidates, batch)
-        return None if victims is None else [cast(bytes, v.group) for v in victims]
+        return None if victims is None else ([cast(bytes, v.group) for v in victims], delta)
 
     def _apply(
         self,
         db: sqlite3.Connection,
         tenant: str,
         requests: Sequence[tuple[StoreKey, int, int | None]],
-        victims: list[bytes],
+        plan: tuple[list[bytes], int],
         used: dict[str, int],
     ) -> list[Victim]:
-        gone = [v for v in (self._delete_group(db, g, used) for g in victims) if v is not None]
-        now = time.time_ns()
-        for key, n, accepted in requests:
+        """Delete `plan`'s victims, then index `requests` not ready: a constant number of statements
+        (`batch_sql`), whatever the batch's size; ticks are taken in the requests' order."""
+        victims, delta = plan
+        gone = self._delete_groups(db, victims, used)
+        groups: GroupRows = {}
+        for key, _, accepted in requests:
             tick = self._next_tick() if accepted is None else accepted
             g = group_id(key.group)
-            row = db.execute("SELECT nbytes FROM objects WHERE g=? AND member=?", (g, key.member)).fetchone()
-            delta = n - (row[0] if row else 0)
-            db.execute("INSERT OR REPLACE INTO objects VALUES(?, ?, ?, 0, ?)", (g, key.member, n, now))
-            db.execute(
-                "INSERT INTO groups VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(g) DO UPDATE SET"
-                " nbytes=nbytes+excluded.nbytes, tick=MAX(tick, excluded.tick)",
-                (g, key.tenant, pack_name(key.fingerprint), pack_name(key.chunk), delta, tick),
-            )
-            used[tenant] = used.get(tenant, 0) + delta
+            row = groups.get(g)
+            if row is None:
+                groups[g] = (key.tenant, pack_name(key.fingerprint), pack_name(key.chunk), tick)
+            elif tick > row[3]:
+                groups[g] = (*row[:3], tick)
+        batch_sql.store_rows(db, self._objects(requests), groups, time.time_ns())
+        used[tenant] = used.get(tenant, 0) + delta
         db.execute("INSERT OR REPLACE INTO tenants VALUES(?, ?)", (tenant, used[tenant]))
         return gone
 
-    def _delete_group(self, db: sqlite3.Connection, g: bytes, used: dict[str, int] | None = None) -> Victim | None:
-        row = db.execute("SELECT tenant, fp, chunk, nbytes FROM groups WHERE g=?", (g,)).fetchone()
-        if row is None:
-            return None
-        tenant, fp, chunk, nbytes = row
-        members = tuple(r[0] for r in db.execute("SELECT member FROM objects WHERE g=?", (g,)))
-        db.execute("DELETE FROM objects WHERE g=?", (g,))
-        db.execute("DELETE FROM groups WHERE g=?", (g,))
-        db.execute("DELETE FROM facts WHERE g=?", (g,))
-        db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (nbytes, tenant))
-        db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (tenant,))
-        if used is not None:
-            used[tenant] = used.get(tenant, 0) - nbytes
-        return Victim(GroupKey(tenant, unpack_name(fp), unpack_name(chunk)), members, nbytes)
+    def _delete_groups(
+        self, db: sqlite3.Connection, ids: Sequence[bytes], used: dict[str, int] | None = None
+    ) -> list[Victim]:
+        """Delete the indexed groups of `ids` (`batch_sql.delete_groups`), in `ids`' order; `used` follows."""
+        found = batch_sql.delete_groups(db, ids)
+        gone: list[Victim] = []
+        for g in dict.fromkeys(ids):
+            row = found.get(g)
+            if row is None:
+                continue
+            if used is not None:
+                used[row.tenant] = used.get(row.tenant, 0) - row.nbytes
+            group = GroupKey(row.tenant, unpack_name(row.fp), unpack_name(row.chunk))
+            gone.append(Victim(group, row.members, row.nbytes))
+        return gone
 
     def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
         """Record each group's facts, in one transaction, where the group has a ready object and no
@@ -423,17 +424,13 @@ class Catalog(ScanReconcile):
         todo = [(group_id(g), f) for g, f in rows if len(f.blob) <= MAX_FACTS_BYTES]
         if not todo:
             return 0
-        sql = (
-            "INSERT OR IGNORE INTO facts(g, origin, identity, blob) SELECT ?, ?, ?, ?"
-            " WHERE EXISTS (SELECT 1 FROM objects WHERE g=? AND ready=1)"
-        )
         with self._lock, self._tx() as db:
-            return sum(db.execute(sql, (g, f.origin, f.identity, f.blob, g)).rowcount for g, f in todo)
+            return batch_sql.insert_facts(db, [(g, f.origin, f.identity, f.blob) for g, f in todo])
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
         """Delete the groups' rows; returns those that were indexed."""
         with self._lock, self._tx() as db:
-            return [v for v in (self._delete_group(db, group_id(g)) for g in groups) if v is not None]
+            return self._delete_groups(db, [group_id(g) for g in groups])
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Mark the rows of `keys` ready (their files are written), in one transaction; per key,
@@ -441,14 +438,7 @@ class Catalog(ScanReconcile):
         if not keys:
             return []
         with self._lock, self._tx() as db:
-            now = time.time_ns()
-            return [
-                db.execute(
-                    "UPDATE objects SET ready=1, since=? WHERE g=? AND member=?", (now, group_id(k.group), k.member)
-                ).rowcount
-                == 1
-                for k in keys
-            ]
+            return batch_sql.mark_ready(db, [(group_id(k.group), k.member) for k in keys], time.time_ns())
 
     def forget(self, keys: Sequence[StoreKey], stale_before_ns: int) -> None:
         """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow.

@@ -4,7 +4,8 @@
 ``pending(g, member, owner)``, a row per object admitted and not yet marked
 ready, naming the owner (`kvpack.tiers.host.owners`) whose process writes it.
 It is inserted in the admitting transaction (`_apply`) and deleted with the
-object's group (`_delete_group`) or once the object is ready (`mark_ready`).
+object's group (`_delete_groups`) or once the object is ready (`mark_ready`), each a
+constant number of statements per batch (`kvpack.tiers.disk.batch_sql`).
 So when a process dies mid-store, `reclaim` finds at once (no grace period)
 which not-ready rows were its and returns their groups' bytes to the budget;
 the disk tier's time-based grace (`WRITE_GRACE_S`) stays as a second net.
@@ -19,6 +20,7 @@ import sqlite3
 from collections.abc import Sequence
 
 from ...keys import StoreKey
+from ..disk.batch_sql import chunks, flat, marks, values
 from ..disk.catalog import Catalog
 from ..disk.rows import Victim, group_id
 
@@ -43,20 +45,24 @@ class HostCatalog(Catalog):
         db: sqlite3.Connection,
         tenant: str,
         requests: Sequence[tuple[StoreKey, int, int | None]],
-        victims: list[bytes],
+        plan: tuple[list[bytes], int],
         used: dict[str, int],
     ) -> list[Victim]:
-        gone = super()._apply(db, tenant, requests, victims, used)
-        db.executemany(
-            "INSERT OR REPLACE INTO pending VALUES(?, ?, ?)",
-            [(group_id(key.group), key.member, self.owner) for key, _, _ in requests],
-        )
+        gone = super()._apply(db, tenant, requests, plan, used)
+        rows = list(dict.fromkeys((group_id(key.group), key.member, self.owner) for key, _, _ in requests))
+        for part in chunks(rows, 3):
+            sql = f"INSERT OR REPLACE INTO pending VALUES {values(len(part), 3)}"  # noqa: S608 - placeholders only
+            db.execute(sql, flat(part))
         return gone
 
-    def _delete_group(self, db: sqlite3.Connection, g: bytes, used: dict[str, int] | None = None) -> Victim | None:
-        victim = super()._delete_group(db, g, used)
-        db.execute("DELETE FROM pending WHERE g=?", (g,))
-        return victim
+    def _delete_groups(
+        self, db: sqlite3.Connection, ids: Sequence[bytes], used: dict[str, int] | None = None
+    ) -> list[Victim]:
+        victims = super()._delete_groups(db, ids, used)
+        unique = list(dict.fromkeys(ids))
+        for part in chunks(unique, 1):
+            db.execute(f"DELETE FROM pending WHERE g IN ({marks(len(part))})", part)  # noqa: S608 - placeholders only
+        return victims
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
         """`Catalog.mark_ready`, then the keys' pending rows go (a crash between leaves ready rows
@@ -64,10 +70,13 @@ class HostCatalog(Catalog):
         ready = super().mark_ready(keys)
         if keys:
             with self._lock, self._tx() as db:
-                db.executemany(
-                    "DELETE FROM pending WHERE g=? AND member=? AND owner=?",
-                    [(group_id(k.group), k.member, self.owner) for k in keys],
-                )
+                rows = list(dict.fromkeys((group_id(k.group), k.member) for k in keys))
+                for part in chunks(rows, 2):
+                    sql = (
+                        f"WITH k(g, m) AS (VALUES {values(len(part), 2)})"  # noqa: S608 - placeholders only
+                        " DELETE FROM pending WHERE owner=? AND (g, member) IN (SELECT g, m FROM k)"
+                    )
+                    db.execute(sql, [*flat(part), self.owner])
         return ready
 
     def pending_owners(self) -> set[str]:
@@ -88,6 +97,6 @@ class HostCatalog(Catalog):
                 f" WHERE o.ready=0 AND p.owner IN ({marks})"
             )
             groups = [r[0] for r in db.execute(sql, owners)]
-            victims = [v for v in (self._delete_group(db, g) for g in groups) if v is not None]
+            victims = self._delete_groups(db, groups)
             db.execute(f"DELETE FROM pending WHERE owner IN ({marks})", owners)  # noqa: S608
             return victims

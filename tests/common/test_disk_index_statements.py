@@ -1,0 +1,111 @@
+"""The disk index runs a number of SQL statements per put that does not grow with the batch (#34, #37).
+
+Every sqlite3 step gives the GIL up; beside a busy Python thread (SGLang's scheduler) each re-take
+can wait up to the 5 ms switch interval, so a put of 64 pages must not run 64x the statements of a
+put of 4. Counted with SQLite's own trace callback on the tier's index connection: a put into room
+(admit + mark ready), a put that evicts as many groups as it stores, the removal of groups and
+the facts of a batch, on the disk tier and the host tier (which adds its pending-writer rows).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.builders import chunk_id, make_item
+from kvpack.router_facts import RouterFacts
+from kvpack.tiers.base import TierStatus
+from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.host import HostTier, host_root
+
+PAGE = 1024
+SIZES = (4, 64)
+
+Make = Callable[[int], DiskTier]
+
+
+@pytest.fixture(params=["disk", "host"])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
+    """Builds a tier of the parameter's kind with `capacity` bytes, each in a folder of its own."""
+    made: list[DiskTier] = []
+    names: list[str] = []
+
+    def build(capacity: int) -> DiskTier:
+        if request.param == "disk":
+            tier: DiskTier = DiskTier(str(tmp_path / f"kv{len(made)}"), capacity)
+        else:
+            names.append(f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            tier = HostTier(names[-1], capacity)
+        made.append(tier)
+        return tier
+
+    yield build
+    for tier in made:
+        tier.close()
+    for name in names:
+        shutil.rmtree(host_root(name), ignore_errors=True)
+
+
+def _counted(tier: DiskTier, run: Callable[[], object]) -> int:
+    """SQL statements `run` executes on `tier`'s index connection (SQLite's trace callback)."""
+    statements: list[str] = []
+    db = tier._catalog._db
+    db.set_trace_callback(statements.append)
+    try:
+        run()
+    finally:
+        db.set_trace_callback(None)
+    return len(statements)
+
+
+def _items(first: int, count: int) -> list:  # type: ignore[type-arg]
+    return [make_item("t", chunk_id(first + i), nbytes=PAGE, seed=first + i)[0] for i in range(count)]
+
+
+def _put(tier: DiskTier, first: int, count: int) -> Callable[[], object]:
+    def run() -> None:
+        assert tier.put_from(_items(first, count)) == [TierStatus.OK] * count
+
+    return run
+
+
+def test_a_put_runs_as_many_statements_for_64_pages_as_for_4(make: Make) -> None:
+    counts = []
+    for n in SIZES:
+        tier = make(1 << 30)
+        counts.append(_counted(tier, _put(tier, 0, n)))
+    assert counts[0] == counts[1], f"statements per put of {SIZES} pages: {counts}"
+
+
+def test_a_put_that_evicts_runs_as_many_statements_for_64_pages_as_for_4(make: Make) -> None:
+    probe = make(1 << 30)
+    _put(probe, 0, 1)()
+    charge = probe.usage().used_bytes  # what the index counts for one page (the host tier counts whole 4 KiB pages)
+    counts = []
+    for n in SIZES:
+        tier = make(n * charge)  # full after the first n pages: the next n evict them all
+        _put(tier, 0, n)()
+        counts.append(_counted(tier, _put(tier, 10_000, n)))
+        assert tier.usage().groups == n
+        assert not any(tier._catalog.lookup([item.key for item in _items(0, n)]))  # the first n were evicted
+    assert counts[0] == counts[1], f"statements per evicting put of {SIZES} pages: {counts}"
+
+
+def test_removing_groups_and_recording_facts_take_as_many_statements_for_64_as_for_4(make: Make) -> None:
+    removes, facts = [], []
+    for n in SIZES:
+        tier = make(1 << 30)
+        items = _items(0, n)
+        tier.put_from(items)
+        rows = [(item.key.group, RouterFacts("origin", "identity", b"facts")) for item in items]
+        facts.append(_counted(tier, lambda: tier.record_facts(rows)))
+        assert len(tier.facts_after(0, 1000)) == n
+        removes.append(_counted(tier, lambda: tier.remove_groups([item.key.group for item in items]) == n))
+        assert tier.usage().groups == 0 and tier.facts_after(0, 1000) == []
+    assert facts[0] == facts[1], f"statements per facts batch of {SIZES}: {facts}"
+    assert removes[0] == removes[1], f"statements per removal of {SIZES} groups: {removes}"
