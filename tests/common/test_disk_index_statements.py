@@ -20,7 +20,7 @@ import pytest
 from fixtures.builders import chunk_id, make_item
 from kvpack.router_facts import RouterFacts
 from kvpack.tiers.base import TierStatus
-from kvpack.tiers.disk import DiskTier
+from kvpack.tiers.disk import DiskTier, batch_sql
 from kvpack.tiers.host import HostTier, host_root
 
 PAGE = 1024
@@ -109,3 +109,25 @@ def test_removing_groups_and_recording_facts_take_as_many_statements_for_64_as_f
         assert tier.usage().groups == 0 and tier.facts_after(0, 1000) == []
     assert facts[0] == facts[1], f"statements per facts batch of {SIZES}: {facts}"
     assert removes[0] == removes[1], f"statements per removal of {SIZES} groups: {removes}"
+
+
+def test_batches_over_one_statements_parameters_are_split_and_index_the_same(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room for a few rows per statement, the same puts, evictions, facts and removals leave the
+    same index as one statement per batch does."""
+    states = []
+    for limit in (batch_sql.MAX_VARIABLES, 13):
+        monkeypatch.setattr(batch_sql, "MAX_VARIABLES", limit)
+        probe = make(1 << 30)
+        _put(probe, 0, 1)()
+        tier = make(40 * probe.usage().used_bytes)
+        _put(tier, 0, 32)()
+        _put(tier, 100, 24)()  # evicts the 16 oldest
+        items = _items(100, 24)
+        assert tier.record_facts([(item.key.group, RouterFacts("o", "i", b"f")) for item in items]) == 24
+        assert tier.remove_groups([item.key.group for item in items[:5]]) == 5
+        found = tier._catalog.lookup([item.key for item in _items(0, 32) + items])
+        states.append((tier.usage(), found, [row.group for row in tier.facts_after(0, 100)]))
+    assert states[0][1] == [False] * 16 + [True] * 16 + [False] * 5 + [True] * 19
+    assert states[0][0].used_bytes == states[1][0].used_bytes and states[0][1:] == states[1][1:]
