@@ -11,7 +11,8 @@ conversion into its own buffer beside the tier's copy out of it.
   (`MemoryTier.publish`); the lower tiers get them as `store` gives them theirs.
 - `complete_load_lent(plan, items)`: `complete_load`, except that an object the memory tier
   holds is handed back as a read-only view of its slot (`MemoryTier.lend`) instead of copied
-  into the item's buffer.
+  into the item's buffer; `complete_load_pages_lent(plan, reads)` the same for whole pages
+  (`PageReads`: one expectation per member, a `LoadItem` only for what memory does not lend).
 
 Both fall back to the ordinary copies where lending would skip a check (`lends_memory`).
 """
@@ -31,7 +32,7 @@ from .keys import StoreKey
 from .lifecycle import LoadPlan, PlanBook
 from .metrics import Metrics
 from .objects import ObjectHeader, payload_checksum
-from .reads import LoadItem, TierReads
+from .reads import LoadItem, PageReads, TierReads
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.memory import MemoryTier
 
@@ -188,6 +189,48 @@ class LentCopies:
                 for i, res in zip(rest, self._reads.load([items[i] for i in rest], first)):
                     results[i] = res
             return results, views
+        finally:
+            self.release(plan)
+
+    def complete_load_pages_lent(
+        self: _StoreParts, plan: LoadPlan, reads: Sequence[PageReads]
+    ) -> tuple[list[bool], list[memoryview | None]]:
+        """`complete_load_lent` for batches of whole pages, in order (page j of ``reads[b]``
+        at ``sum(len(r) for r in reads[:b]) + j``): per page, loaded, and its memory-tier
+        payload lent (None where it was read into its `dst`, or missed). A page memory holds
+        with a header that does not match is read the ordinary way (`TierReads.load`: it is
+        refused and counted there, as `complete_load` would); so is every page without
+        `lends_memory`."""
+        memory = self._memory
+        if memory is None or not self.lends_memory:
+            items = [it for r in reads for it in r.items()]
+            return [res.ok for res in self.complete_load(plan, items)], [None] * len(items)
+        try:
+            ok: list[bool] = []
+            views: list[memoryview | None] = []
+            rest: list[LoadItem] = []
+            rest_at: list[int] = []
+            loaded: dict[str, int] = {}  # bytes per tenant: one count per tenant, not per object
+            for r in reads:
+                got = memory.lend_pages(r.keys, r.expected)
+                base = len(ok)
+                missing = [j for j, view in enumerate(got) if view is None]
+                ok.extend(view is not None for view in got)
+                views.extend(got)
+                nbytes = sum(view.nbytes for view in got if view is not None)  # a slot is its payload
+                if nbytes:
+                    loaded[r.expected.tenant] = loaded.get(r.expected.tenant, 0) + nbytes
+                if missing:
+                    rest.extend(r.items(missing))
+                    rest_at.extend(base + j for j in missing)
+            for tenant, nbytes in loaded.items():
+                self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=memory.name)
+            if rest:
+                located: Mapping[StoreKey, str] = plan.located
+                first = [self._by_name.get(located.get(it.key, "")) for it in rest]
+                for i, res in zip(rest_at, self._reads.load(rest, first)):
+                    ok[i] = res.ok
+            return ok, views
         finally:
             self.release(plan)
 

@@ -37,6 +37,8 @@ class LocatedHints:
 
     def take(self, keys: Sequence[StoreKey]) -> dict[StoreKey, str]:
         with self._lock:
+            if not self._hints:
+                return {}
             return {k: t for k in keys if (t := self._hints.pop(k, None)) is not None}
 
     def __contains__(self, key: object) -> bool:
@@ -47,7 +49,7 @@ class LocatedHints:
         """Per key: is a hint kept for it (under one lock)?"""
         with self._lock:
             hints = self._hints
-            return [k in hints for k in keys]
+            return [k in hints for k in keys] if hints else [False] * len(keys)
 
     def __len__(self) -> int:
         with self._lock:

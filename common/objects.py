@@ -303,6 +303,35 @@ class Expectation:
         return build_many(cls, fixed, "chunk", chunks)
 
 
+@dataclass(frozen=True, slots=True)
+class PageExpectation:
+    """What every whole-page object of one member must match: an `Expectation` whose chunk
+    is each key's own (one per batch, not one per page; no token ids: whole pages)."""
+
+    fingerprint: str
+    tenant: str
+    member: str
+    token_count: int | None
+    payload_len: int | None
+
+    def of(self, chunks: Sequence[str]) -> list[Expectation]:
+        """The `Expectation` of each chunk (`Expectation.batch`): what `check_header` checks."""
+        return Expectation.batch(self.fingerprint, self.tenant, chunks, self.member, self.token_count, self.payload_len)
+
+    def matches(self, header: ObjectHeader, chunk: str) -> bool:
+        """``check_header(header, <the Expectation of chunk>) is None``, without building it
+        (a mismatch says no reason: the caller reads such an object the ordinary way, which
+        counts why)."""
+        return (
+            header.fingerprint == self.fingerprint
+            and header.tenant == self.tenant
+            and header.chunk == chunk
+            and header.member == self.member
+            and (self.token_count is None or header.token_count == self.token_count)
+            and (self.payload_len is None or header.payload_len == self.payload_len)
+        )
+
+
 def check_header(header: ObjectHeader, expected: Expectation) -> RejectReason | None:
     """Compare every identifying field; return the first mismatch or None."""
     if header.fingerprint != expected.fingerprint:

@@ -4,9 +4,11 @@ restored only when every object of it loaded.
 
 An engine's host page may be restored from more than one object: a pool's own member,
 or (canonical KV stored at another TP size, `kvpack.heads`) one object per stored head
-range. The adapter builds one `PagePart` per such object set; `load_pages` reads them
-all in one `prepare_load` / `complete_load` and calls each part's `finish` with its
-pages' verdicts, so a page half-restored is never reported as restored.
+range. The adapter builds one `PagePart` per such object set (`PageReads`: the batch's
+keys, buffers and one expectation, no per-page objects); `load_pages` reads them all in
+one plan (`KVStore.prepare_load`, then `complete_load`, or `complete_load_pages_lent`)
+and calls each part's `finish` with its pages' verdicts, so a page half-restored is
+never reported as restored.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .adapter_events import AdapterEvent
-from .reads import LoadItem
+from .reads import PageReads
 
 if TYPE_CHECKING:
     from .session import Session
@@ -28,11 +30,11 @@ stored payload lent in place of a copy (None where the item's buffer was filled)
 
 @dataclass(frozen=True, eq=False)
 class PagePart:
-    """One object per page of `pages` (indices into the batch): `items[j]` restores page
-    ``pages[j]``; `finish` is called once with those pages' verdicts (`Finish`)."""
+    """One object per page of `pages` (indices into the batch): page j of `reads` restores
+    page ``pages[j]``; `finish` is called once with those pages' verdicts (`Finish`)."""
 
     pages: list[int]
-    items: list[LoadItem]
+    reads: PageReads
     finish: Finish
 
 
@@ -58,28 +60,33 @@ def located_splits(session: Session, tenant: str, chunks: Sequence[str], members
 def load_pages(
     session: Session, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int
 ) -> list[bool]:
-    """Load every part in one `Session.prepare_load` / `complete_load` (`complete_load_lent`
-    when `lent`: the memory tier's payloads are lent, not copied), each object from the tier
-    the lookup found it in; per page of the batch (`pages` of them), True when every object
-    of it loaded. Each part's `finish` runs after all reads, with its pages' verdicts.
+    """Load every part in one plan (`KVStore.prepare_load` of the session's hints, then
+    `complete_load`, or `complete_load_pages_lent` when `lent`: the memory tier's payloads
+    are lent, not copied), each object from the tier the lookup found it in; per page of
+    the batch (`pages` of them), True when every object of it loaded. Each part's `finish`
+    runs after all reads, with its pages' verdicts.
     `page_tokens` tokens per restored page are counted as ``loaded_tokens`` of `tenant`
     (0: the caller counts them elsewhere, e.g. a second pool of the same pages)."""
-    items = [item for part in parts for item in part.items]
-    batch = session.prepare_load(items)
+    reads = [part.reads for part in parts]
+    plan = session.store.prepare_load(session.hints.take([key for r in reads for key in r.keys]))
     if lent:
-        results, views = session.complete_load_lent(batch)
+        loaded, views = session.store.complete_load_pages_lent(plan, reads)
     else:
-        results, views = session.complete_load(batch), [None] * len(items)
+        items = [item for r in reads for item in r.items()]
+        loaded, views = [res.ok for res in session.store.complete_load(plan, items)], [None] * len(items)
     ok = [True] * pages
     at = 0
     for part in parts:
-        for p, res in zip(part.pages, results[at : at + len(part.items)]):
-            ok[p] = res.ok and ok[p]
-        at += len(part.items)
+        n = len(part.reads)
+        if not all(loaded[at : at + n]):
+            for p, good in zip(part.pages, loaded[at : at + n]):
+                ok[p] = good and ok[p]
+        at += n
     at = 0
     for part in parts:
-        part.finish([ok[p] for p in part.pages], views[at : at + len(part.items)])
-        at += len(part.items)
+        n = len(part.reads)
+        part.finish([ok[p] for p in part.pages], views[at : at + n])
+        at += n
     if page_tokens:
         session.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
     return ok

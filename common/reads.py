@@ -18,7 +18,7 @@ from .integrity import IntegrityKey, check_loaded
 from .keys import GroupKey, StoreKey
 from .lifecycle import count_gone
 from .metrics import Metrics
-from .objects import Expectation, Payload, RejectReason, payload_nbytes
+from .objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
@@ -44,6 +44,28 @@ class LoadItem:
     key: StoreKey
     dst: Payload
     expected: Expectation
+
+
+@dataclass(frozen=True, eq=False)
+class PageReads:
+    """Whole pages of one member as one batch: `keys[i]` restored into `dsts[i]`, its stored
+    header required to match `expected` with the key's chunk (`PageExpectation.matches`).
+    Invariant: every key is of `expected.tenant` and `expected.member`. The per-page
+    `LoadItem`s are built only where asked (`items`): a lent load from the memory tier
+    needs none (`kvpack.lent`)."""
+
+    keys: list[StoreKey]
+    dsts: list[Payload]
+    expected: PageExpectation
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def items(self, which: Sequence[int] | None = None) -> list[LoadItem]:
+        """The `LoadItem` of every page (of pages `which`, in that order)."""
+        keys = self.keys if which is None else [self.keys[i] for i in which]
+        dsts = self.dsts if which is None else [self.dsts[i] for i in which]
+        return list(map(LoadItem, keys, dsts, self.expected.of([k.chunk for k in keys])))
 
 
 class TierReads:

@@ -52,9 +52,9 @@ from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
 from .lifecycle import LoadPlan
 from .located import LocatedHints
 from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, Payload, payload_nbytes
+from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
 from .page_loads import PagePart, load_pages, located_splits
-from .reads import LoadItem
+from .reads import LoadItem, PageReads
 from .router_facts import RouterFacts
 from .store import KVStore
 from .tails import TailMatch
@@ -363,10 +363,14 @@ class Session:
         self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]
     ) -> list[LoadItem]:
         """Load items of whole pages of one member (batch-built), one per chunk and `dsts` entry."""
+        return self.page_batch(tenant, obj, chunks, dsts).items()
+
+    def page_batch(self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]) -> PageReads:
+        """`page_reads` as one batch (`PageReads`: keys, buffers, one expectation), for a
+        `PagePart`: no `LoadItem` per page until one is read the ordinary way."""
         keys = self.keys(tenant, chunks, obj.member)
         size = obj.payload_len if obj.payload_len is not None else (payload_nbytes(dsts[0]) if dsts else 0)
-        expected = Expectation.batch(obj.fingerprint, tenant, chunks, obj.member, obj.chunk_tokens, size)
-        return list(map(LoadItem, keys, dsts, expected))
+        return PageReads(keys, list(dsts), PageExpectation(obj.fingerprint, tenant, obj.member, obj.chunk_tokens, size))
 
     def reads(self, tenant: str, objects: Sequence[ObjectIO]) -> list[LoadItem]:
         """Load items of objects with their own token facts: a tail requires its stored

@@ -101,12 +101,12 @@ class PageCopies:
             names = [keys[i] for i in pages]
             if split == 0:
                 payloads, finish = binding.load_buffers(idx, len(pages))
-                out.append(PagePart(pages, self.session.page_reads(self.tenant, binding.obj, names, payloads), finish))
+                out.append(PagePart(pages, self.session.page_batch(self.tenant, binding.obj, names, payloads), finish))
                 continue
             for obj in binding.sources[split]:
                 payloads, finish = binding.range_load_buffers(idx, len(pages), obj)
                 member = MemberObject(obj.member, obj.fingerprint, binding.page_size)  # bytes: the range's buffers
-                out.append(PagePart(pages, self.session.page_reads(self.tenant, member, names, payloads), finish))
+                out.append(PagePart(pages, self.session.page_batch(self.tenant, member, names, payloads), finish))
         return out
 
     def set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:

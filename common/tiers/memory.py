@@ -42,7 +42,16 @@ import numpy as np
 
 from ..eviction import CapacityManager, EvictionPolicy
 from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, Payload, RejectReason, check_header, check_payload, payload_parts
+from ..objects import (
+    Expectation,
+    ObjectHeader,
+    PageExpectation,
+    Payload,
+    RejectReason,
+    check_header,
+    check_payload,
+    payload_parts,
+)
 from .arena import SlabArena, slab_for_capacity
 from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
 from .parallel import CopyPair, IOThreads, RegionCopier
@@ -346,6 +355,20 @@ class MemoryTier(Tier):
             else:
                 out.append((entry.header, entry.data.data.toreadonly()))
         return out
+
+    def lend_pages(self, keys: Sequence[StoreKey], expected: PageExpectation) -> list[memoryview | None]:
+        """`lend` for whole pages of one member: per key, a read-only view of the stored
+        payload when its header matches `expected` with the key's chunk (the check `lend`
+        makes, `PageExpectation.matches`), else None; no header and no `Expectation` per page."""
+        with self._lock:
+            get = self._objects.get
+            entries = [get(k) for k in keys]
+            self._capacity.touch_many([e.gid for e in entries if e is not None])
+        matches = expected.matches
+        return [
+            e.data.data.toreadonly() if e is not None and matches(e.header, k.chunk) else None
+            for k, e in zip(keys, entries)
+        ]
 
     def _evict_locked(self, gids: Sequence[Hashable]) -> None:
         # The capacity manager hands back victims among the groups this tier admitted: its str gids.

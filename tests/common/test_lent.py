@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.builders import GROUP_FP, MEMBER_FP, TOKENS, chunk_id
-from kvpack import KVPackConfig, KVStore, MemberObject, Session
+from fixtures.builders import GROUP_FP, MEMBER_FP, TOKENS, chunk_id, header, key
+from kvpack import KVPackConfig, KVStore, MemberObject, PagePart, Session
+from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.factory import build_tiers
 
 PAGE = 4096
@@ -187,3 +188,103 @@ def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
     assert session.save_pages_lent("carol", big, [chunk_id(10), chunk_id(11)], fill) == [False, False]
     assert metrics.value("store_dropped", tier="memory") == 2
     assert metrics.value("stored_objects", tenant="carol", tier="memory") == 0
+
+
+OTHER_FP = "f" * 64
+
+
+def _mixed_batch(session: Session) -> tuple[list[str], list[bytes | None]]:
+    """Pages of tenant ``t`` in one batch, good ones beside every refusal a load makes, and
+    the bytes each page must load (None: a miss). Bad headers are put on the tiers as they
+    are (a writer of another layout or tenant, a damaged object)."""
+    memory, disk = session.store.tiers
+    chunks = [chunk_id(40 + i) for i in range(11)]
+    pages = _pages(11, seed=11)
+    good = [0, 2]
+    assert session.save_pages_lent("t", KV, [chunks[i] for i in good], _filler([pages[i] for i in good], [])) == [
+        True,
+        True,
+    ]
+
+    def put(tier, i: int, **changed: object) -> None:
+        fields: dict[str, object] = dict(payload_len=PAGE, fingerprint=MEMBER_FP)
+        fields.update(changed)
+        tenant = str(fields.pop("tenant", "t"))
+        chunk = str(fields.pop("chunk", chunks[i]))
+        head = header(tenant, chunk, str(fields.pop("member", "kv")), **fields)  # type: ignore[arg-type]
+        assert tier.put_from([PutItem(key(chunks[i], tenant="t"), head, pages[i].data)]) == [TierStatus.OK]
+
+    put(memory, 1, fingerprint=OTHER_FP)  # another layout's object under this key
+    put(memory, 3, tenant="u")  # another tenant's
+    put(memory, 4, chunk=chunks[5])  # damaged: another chunk's header
+    put(memory, 5, token_count=TOKENS + 1)
+    put(memory, 6, member="draft")
+    put(disk, 7)  # good, on the disk only
+    put(disk, 8, checksum=12345)  # damaged on the disk: its checksum does not match
+    put(memory, 10, fingerprint=OTHER_FP)  # refused in memory, good on the disk
+    put(disk, 10)
+    want = [pages[i].tobytes() if i in (0, 2, 7, 10) else None for i in range(11)]
+    return chunks, want
+
+
+def _refusals(session: Session) -> dict[str, float]:
+    metrics = session.store.metrics
+    reasons = ("fingerprint", "tenant", "group", "token_count", "member", "checksum", "length")
+    out = {
+        f"{tier}/{r}": metrics.value("rejected_objects", tier=tier, reason=r)
+        for tier in ("memory", "disk")
+        for r in reasons
+    }
+    out["failures"] = metrics.value("load_failures", tenant="t", status="miss") + metrics.value(
+        "load_failures", tenant="t", status="rejected"
+    )
+    out["lent_bytes"] = metrics.value("loaded_bytes", tenant="t", tier="memory")
+    return out
+
+
+def test_a_batch_of_pages_refuses_exactly_what_the_per_page_load_refuses(tmp_path: Path):
+    """`load_pages` (`PageReads`, `complete_load_pages_lent`: one expectation per batch) and
+    the per-page `complete_load_lent` (an `Expectation` and a `LoadItem` per page) over the
+    same tiers: good pages beside a fingerprint mismatch, another tenant's object, damaged
+    objects in memory and on disk, a token count and a member mismatch, a miss. Same
+    verdicts, same bytes, same counted refusals, same damaged groups removed."""
+    sessions = []
+    for name in ("per_page", "batched"):  # each its own disk folder: nothing of one is seen by the other
+        config = KVPackConfig.from_dict({"memory": {"capacity": 1 << 20}, "disk": {"path": str(tmp_path / name)}})
+        sessions.append(Session(KVStore(config, build_tiers(config), write_back=False), GROUP_FP))
+    per_page, batched = sessions
+    assert per_page.lends_slots and batched.lends_slots
+    seen: dict[str, tuple[list[bool], list[bool], list[bytes | None], dict[str, float], list[bool]]] = {}
+    for name, session in (("per_page", per_page), ("batched", batched)):
+        chunks, want = _mixed_batch(session)
+        bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
+        if name == "per_page":
+            results, views = session.complete_load_lent(
+                session.prepare_load(session.page_reads("t", KV, chunks, [b.data for b in bufs]))
+            )
+            ok = [r.ok for r in results]
+        else:
+            got: list[tuple[list[bool], list[memoryview | None]]] = []
+            part = PagePart(
+                list(range(len(chunks))),
+                session.page_batch("t", KV, chunks, [b.data for b in bufs]),
+                lambda o, v: got.append((list(o), list(v))),
+            )
+            ok = session.load_pages([part], len(chunks), lent=True, tenant="t")
+            assert len(got) == 1 and got[0][0] == ok
+            views = got[0][1]
+        loaded = [(bytes(v) if v is not None else b.tobytes()) if good else None for good, v, b in zip(ok, views, bufs)]
+        assert loaded == want, name
+        kept = session.store.tiers[0].contains(session.keys("t", chunks, "kv")) + session.store.tiers[1].contains(
+            session.keys("t", chunks, "kv")
+        )
+        seen[name] = (ok, [v is not None for v in views], loaded, _refusals(session), kept)
+    for session in sessions:
+        session.close()
+    assert seen["batched"] == seen["per_page"]
+    ok, lent, _, refused, _ = seen["batched"]
+    assert ok == [True, False, True, False, False, False, False, True, False, False, True]
+    assert lent == [True] + [False, True] + [False] * 8
+    assert refused["memory/fingerprint"] == 2 and refused["memory/tenant"] == 1 and refused["memory/group"] == 1
+    assert refused["memory/token_count"] == 1 and refused["memory/member"] == 1 and refused["disk/checksum"] == 1
+    assert refused["lent_bytes"] == 2 * PAGE
