@@ -24,7 +24,6 @@ from typing import NewType
 import numpy as np
 
 from .client_input import clip
-from .slots import build_many
 
 ChunkHash = NewType("ChunkHash", str)
 """Hex digest (64 lowercase hex chars for kvpack's own chain; engine-given
@@ -164,12 +163,22 @@ class StoreKey:
         validate_chunk_hash(fingerprint)
         validate_member(member)
         validate_chunk_hashes(chunks)
-        keys = build_many(
-            cls, {"tenant": tenant, "fingerprint": fingerprint, "member": member, "_hash": 0}, "chunk", chunks
+        if cls.__slots__ != ("tenant", "fingerprint", "chunk", "member", "_hash"):  # the stores below set each once
+            raise TypeError(f"StoreKey.batch sets tenant, fingerprint, chunk, member, _hash, not {cls.__slots__}")
+        new, fields = object.__new__, cls.__dict__
+        set_tenant, set_fp, set_chunk, set_member, set_hash = (
+            fields[name].__set__ for name in ("tenant", "fingerprint", "chunk", "member", "_hash")
         )
-        set_hash = cls.__dict__["_hash"].__set__
-        for key, chunk in zip(keys, chunks):
+        keys: list[StoreKey] = []
+        append = keys.append
+        for chunk in chunks:
+            key = new(cls)
+            set_tenant(key, tenant)
+            set_fp(key, fingerprint)
+            set_chunk(key, chunk)
+            set_member(key, member)
             set_hash(key, hash((tenant, fingerprint, chunk, member)))
+            append(key)
         return keys
 
     @property

@@ -239,7 +239,10 @@ class Session:
         return self.key(tenant, chunk, member) in self.hints
 
     def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
-        """`was_located` for many chunks of one member (keys batch-built, one lock)."""
+        """`was_located` for many chunks of one member (keys batch-built, one lock; none
+        built while no lookup's hints are kept)."""
+        if not self.hints:
+            return [False] * len(chunks)
         return self.hints.contain(self.keys(tenant, chunks, member))
 
     # -- hit planning (the rules: `kvpack.hits`) ------------------------------------
