@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.builders import chunk_id, make_item
+from kvpack.errors import ConfigError
 from kvpack.router_facts import RouterFacts
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier, batch_sql
@@ -131,3 +132,17 @@ def test_batches_over_one_statements_parameters_are_split_and_index_the_same(
         states.append((tier.usage(), found, [row.group for row in tier.facts_after(0, 100)]))
     assert states[0][1] == [False] * 16 + [True] * 16 + [False] * 5 + [True] * 19
     assert states[0][0].used_bytes == states[1][0].used_bytes and states[0][1:] == states[1][1:]
+
+
+def test_a_sqlite_too_old_for_the_index_is_one_config_line_naming_the_field(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The statements need SQLite >= 3.35 (RETURNING); an older library is refused at open with one
+    line naming the field, not a traceback at the first put."""
+    monkeypatch.setattr(batch_sql.sqlite3, "sqlite_version_info", (3, 31, 1))
+    with pytest.raises(ConfigError) as err:
+        make(1 << 20)
+    assert err.value.field in ("disk.path", "memory.mode")
+    assert "needs SQLite >= 3.35.0" in str(err.value) and "SQLite 3.31.1" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert batch_sql.sqlite_too_old((3, 35, 0)) is None

@@ -23,6 +23,21 @@ T = TypeVar("T")
 
 MAX_VARIABLES = 32766
 """Bound parameters per statement at most: SQLite's default ``SQLITE_MAX_VARIABLE_NUMBER`` since 3.32."""
+MIN_SQLITE = (3, 35, 0)
+"""The oldest SQLite these statements run on: ``DELETE ... RETURNING`` (3.35), ``UPDATE ... FROM``
+(3.33), `MAX_VARIABLES` parameters (3.32)."""
+
+
+def sqlite_too_old(version: tuple[int, int, int] | None = None) -> str | None:
+    """Why this Python's SQLite (or `version`) cannot hold a kvpack index, or None when it can."""
+    have = version or sqlite3.sqlite_version_info
+    if tuple(have) >= MIN_SQLITE:
+        return None
+    return (
+        f"needs SQLite >= {'.'.join(map(str, MIN_SQLITE))} for its index; this Python's sqlite3 module is "
+        f"SQLite {'.'.join(map(str, have))} (use a Python built against a newer SQLite, or disk.enabled: false)"
+    )
+
 
 ObjectRows = dict[tuple[bytes, str], int]
 GroupRows = dict[bytes, tuple[str, "str | bytes", "str | bytes", int]]

@@ -497,6 +497,9 @@ def open_catalog(
 ) -> Catalog:
     """The folder's shared index (a `kind`); ConfigError naming `field` when its files are not
     regular files (a planted symlink is never opened) or it is not a readable index."""
+    too_old = batch_sql.sqlite_too_old()
+    if too_old is not None:
+        raise ConfigError(field, too_old)
     present_index_files(root, lambda name: os.stat(name, dir_fd=root_fd, follow_symlinks=False), field)
     try:
         return kind(f"{root}/{INDEX_NAME}", busy_timeout_s)
