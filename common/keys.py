@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -207,6 +207,26 @@ class GroupKey:
 
     def member(self, name: str) -> StoreKey:
         return StoreKey(self.tenant, self.fingerprint, self.chunk, name)
+
+    @classmethod
+    def batch(cls, fields: Iterable[Sequence[str]]) -> list[GroupKey]:
+        """``[GroupKey(tenant, fingerprint, chunk) for tenant, fingerprint, chunk in fields]``
+        with slot stores (a frozen init sets each field through ``object.__setattr__``:
+        ~3x slower; a full memory tier evicts a group per stored page). No field is
+        validated, as the constructor validates none; equal and hashed as its keys are."""
+        if cls.__slots__ != ("tenant", "fingerprint", "chunk"):  # the stores below set each once
+            raise TypeError(f"GroupKey.batch sets tenant, fingerprint, chunk, not {cls.__slots__}")
+        new, slots = object.__new__, cls.__dict__
+        set_tenant, set_fp, set_chunk = (slots[name].__set__ for name in ("tenant", "fingerprint", "chunk"))
+        out: list[GroupKey] = []
+        append = out.append
+        for tenant, fingerprint, chunk in fields:
+            key = new(cls)
+            set_tenant(key, tenant)
+            set_fp(key, fingerprint)
+            set_chunk(key, chunk)
+            append(key)
+        return out
 
     def as_str(self) -> str:
         return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"

@@ -26,9 +26,13 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
-    """A resident group that may be evicted: its id in the accounting, its owner, its bytes."""
+    """A resident group that may be evicted: its id in the accounting, its owner, its bytes.
+
+    Never mutated; not frozen only because a frozen init (one ``object.__setattr__`` per
+    field) costs 0.86 us against 0.22 us, and an eviction builds one per victim considered
+    (a 256-page store into a full memory tier: ~256)."""
 
     group: Hashable
     tenant: str

@@ -75,11 +75,6 @@ def _gid(key: StoreKey | GroupKey) -> str:
     return f"{key.tenant}/{key.fingerprint}/{key.chunk}"
 
 
-def _group_of(gid: str) -> GroupKey:
-    tenant, fingerprint, chunk = gid.split("/")
-    return GroupKey(tenant, fingerprint, chunk)
-
-
 class MemoryTier(Tier):
     name = "memory"
 
@@ -380,8 +375,8 @@ class MemoryTier(Tier):
         released = self._capacity.release_many(gids)
         on_evict = self.on_evict if evicted else None
         if on_evict is not None:
-            for gid, sizes in zip(gids, released):
-                on_evict(_group_of(gid), sum(sizes.values()))
+            for group, sizes in zip(GroupKey.batch([gid.split("/") for gid in gids]), released):
+                on_evict(group, sum(sizes.values()))
         members_pop, objects_pop = self._members.pop, self._objects.pop
         slots: list[np.ndarray] = []
         add = slots.append

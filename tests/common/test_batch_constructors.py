@@ -1,9 +1,9 @@
-"""`StoreKey.batch`, `ObjectHeader.batch`, `Expectation.batch`: the same objects as
+"""`StoreKey.batch`, `GroupKey.batch`, `ObjectHeader.batch`, `Expectation.batch`: the same objects as
 their constructors, and the same validation as `StoreKey`'s."""
 
 import pytest
 
-from kvpack.keys import StoreKey
+from kvpack.keys import GroupKey, StoreKey
 from kvpack.objects import Expectation, ObjectHeader, decode_header
 
 CHUNKS = ["a" * 64, "b1", "c_d-e"]
@@ -40,6 +40,22 @@ def test_batch_keys_stay_frozen():
     key = StoreKey.batch("t", FP, ["c"], "kv")[0]
     with pytest.raises(AttributeError):
         key.chunk = "other"  # type: ignore[misc]
+
+
+def test_group_key_batch_equals_constructor_field_for_field():
+    """A memory tier reports its evicted groups through `GroupKey.batch`: equal, hashed and
+    shown as the constructor's keys, so a listener's dict finds either; still frozen."""
+    rows = [("tenant-1", FP, c) for c in CHUNKS] + [("u", "f" * 32, "a" * 64)]
+    got = GroupKey.batch(rows)
+    want = [GroupKey(*row) for row in rows]
+    assert got == want
+    assert [hash(k) for k in got] == [hash(k) for k in want]
+    assert [repr(k) for k in got] == [repr(k) for k in want]
+    assert [(k.tenant, k.fingerprint, k.chunk) for k in got] == rows
+    assert {k: i for i, k in enumerate(want)} == {k: i for i, k in enumerate(got)}
+    assert GroupKey.batch([]) == []
+    with pytest.raises(AttributeError):
+        got[0].chunk = "other"  # type: ignore[misc]
 
 
 def test_header_batch_equals_constructor_and_encodes():

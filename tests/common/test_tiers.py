@@ -15,6 +15,7 @@ import pytest
 from fixtures.builders import chunk_id, expect, make_item
 from kvpack.config import EvictionPolicyName
 from kvpack.eviction import make_policy
+from kvpack.keys import GroupKey
 from kvpack.objects import RejectReason
 from kvpack.tiers.base import Tier, TierStatus
 from kvpack.tiers.disk import DiskTier
@@ -358,8 +359,8 @@ def test_memory_batch_eviction_reports_every_group_and_recycles_every_slot_but_a
     reused by the next batch without a new slab, except one still lent, which keeps its
     bytes until the view goes and is then free again."""
     tier = MemoryTier(8 * 1024, make_policy(EvictionPolicyName.LRU), pin=False)
-    heard: list[tuple[str, int]] = []
-    tier.on_evict = lambda group, nbytes: heard.append((group.chunk, nbytes))
+    heard: list[tuple[GroupKey, int]] = []
+    tier.on_evict = lambda group, nbytes: heard.append((group, nbytes))
     old = [make_item("t", chunk_id(i), seed=i) for i in range(8)]
     assert tier.put_from([it for it, _ in old]) == [TierStatus.OK] * 8
     lent = tier.lend([old[2][0].key], [expect(old[2][0])])[0]
@@ -367,8 +368,9 @@ def test_memory_batch_eviction_reports_every_group_and_recycles_every_slot_but_a
     reserved = tier._arena.reserved_bytes  # noqa: SLF001 - white-box check of reuse
     new = [make_item("t", chunk_id(100 + i), seed=100 + i) for i in range(5)]
     assert tier.put_from([it for it, _ in new]) == [TierStatus.OK] * 5
-    victims = [chunk_id(i) for i in (0, 1, 3, 4, 5)]  # LRU order; the lend touched chunk 2
-    assert heard == [(c, 1024) for c in victims]
+    victims = [old[i][0].key.group for i in (0, 1, 3, 4, 5)]  # LRU order; the lend touched chunk 2
+    assert heard == [(g, 1024) for g in victims]  # every field of each group (built from the tier's ids)
+    assert {g: 1 for g, _ in heard} == dict.fromkeys(victims, 1)  # and hashed as the constructor's
     assert tier.contains([it.key for it, _ in old]) == [i in (2, 6, 7) for i in range(8)]
     assert tier.contains([it.key for it, _ in new]) == [True] * 5
     assert tier._arena.reserved_bytes == reserved  # noqa: SLF001 - no slab for the new batch
