@@ -69,6 +69,10 @@ class _StoreParts(Protocol):
 
     def _count_evictions(self) -> None: ...
 
+    def _count_lent(self, tier: str, loaded: Mapping[str, int]) -> None: ...
+
+    def _read_not_lent(self, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]: ...
+
     @property
     def lends_memory(self) -> bool: ...
 
@@ -181,13 +185,9 @@ class LentCopies:
                 views.append(view)
                 tenant = item.key.tenant
                 loaded[tenant] = loaded.get(tenant, 0) + header.payload_len
-            for tenant, nbytes in loaded.items():
-                self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=memory.name)
-            if rest:
-                located: Mapping[StoreKey, str] = plan.located
-                first = [self._by_name.get(located.get(items[i].key, "")) for i in rest]
-                for i, res in zip(rest, self._reads.load([items[i] for i in rest], first)):
-                    results[i] = res
+            self._count_lent(memory.name, loaded)
+            for i, res in zip(rest, self._read_not_lent(plan, [items[i] for i in rest])):
+                results[i] = res
             return results, views
         finally:
             self.release(plan)
@@ -223,16 +223,26 @@ class LentCopies:
                 if missing:
                     rest.extend(r.items(missing))
                     rest_at.extend(base + j for j in missing)
-            for tenant, nbytes in loaded.items():
-                self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=memory.name)
-            if rest:
-                located: Mapping[StoreKey, str] = plan.located
-                first = [self._by_name.get(located.get(it.key, "")) for it in rest]
-                for i, res in zip(rest_at, self._reads.load(rest, first)):
-                    ok[i] = res.ok
+            self._count_lent(memory.name, loaded)
+            for i, res in zip(rest_at, self._read_not_lent(plan, rest)):
+                ok[i] = res.ok
             return ok, views
         finally:
             self.release(plan)
+
+    def _count_lent(self: _StoreParts, tier: str, loaded: Mapping[str, int]) -> None:
+        """`loaded_bytes` of what the memory tier lent: one count per tenant, not per object."""
+        for tenant, nbytes in loaded.items():
+            self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier)
+
+    def _read_not_lent(self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]:
+        """What the memory tier did not lend, read the ordinary way (`TierReads.load`), each
+        first from the tier the plan's lookup named."""
+        if not items:
+            return []
+        located: Mapping[StoreKey, str] = plan.located
+        first = [self._by_name.get(located.get(it.key, "")) for it in items]
+        return self._reads.load(items, first)
 
 
 def _count_stored(
