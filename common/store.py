@@ -234,7 +234,7 @@ class KVStore(LentCopies):
             todo = [i for i, f in enumerate(found) if f is None]
             if not todo:
                 break
-            if self._over_budget(tier, budget):
+            if self._over_budget(tier, budget) or self._down(tier):
                 continue
             answers = self._safe_contains(tier, keys if len(todo) == len(keys) else [keys[i] for i in todo])
             for i, ok in zip(todo, answers):
@@ -252,6 +252,14 @@ class KVStore(LentCopies):
             self.metrics.inc("tier_errors", tier=tier.name, status="exception")
             log.warning("kvpack: %s.contains failed: %s", tier.name, exc)
             return [False] * len(keys)
+
+    def _down(self, tier: Tier) -> bool:
+        """True (counted as ``tier_errors{status="unavailable"}``, as a load refused by a down
+        tier is) when `tier` is down: its lookup would answer a miss without asking it."""
+        if tier.available:
+            return False
+        self.metrics.inc("tier_errors", tier=tier.name, status=TierStatus.UNAVAILABLE.value)
+        return True
 
     def _over_budget(self, tier: Tier, budget: WaitBudget | None) -> bool:
         """True (counted) when `tier` is remote and the step's budget is spent: skip it."""

@@ -127,6 +127,13 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
+    @property
+    def available(self) -> bool:
+        """False while the tier answers every call without doing it (a remote tier that is
+        down: its breaker open, or not connected). Never blocks; a hint that may change at
+        once, used to count the lookups an outage turned into misses."""
+        return True
+
     def warming_up(self) -> bool:
         """True while the tier's first connect is in progress and within its bound:
         it answers UNAVAILABLE or MISS now but will hold objects soon (Mooncake).

@@ -228,3 +228,32 @@ def test_corrupted_object_through_kvstore_is_rejected_and_counted(mooncake_clust
         assert store.metrics.value("rejected_objects", tier="mooncake", reason="checksum") == 1
     finally:
         store.close()
+
+
+def test_lookups_while_the_tier_is_down_are_counted_misses(mooncake_cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """A lookup that finds the tier down answers a miss without asking it, and counts
+    ``tier_errors{status="unavailable"}`` as a refused load does: an outage is visible in
+    metrics from the lookups alone. Once the tier answers again, lookups ask it (not counted)."""
+    cluster = mooncake_cluster_factory()
+    store = KVStore.from_config(cluster.kvpack_config(timeout_ms=TIMEOUT_MS, backoff_s=0.5))
+    k = key("down-lookup")
+    try:
+        tier = store.tiers[0]
+        assert tier.wait_ready(15)  # type: ignore[attr-defined]
+        assert store.store([item(k, payload(7, 1024))]) == [TierStatus.OK] and store.flush(30)
+        assert store.contains([k]) == [True]
+        assert store.metrics.value("tier_errors", tier="mooncake") == 0
+        cluster.kill_master()
+        # calls to the dead master fail and open the breaker; lookups keep coming meanwhile
+        assert _wait(lambda: store.contains([key("probe")]) == [False] and not tier.available, 20)
+        before = store.metrics.value("tier_errors", tier="mooncake", status="unavailable")
+        (found,), took = _timed(lambda: store.contains([k]))
+        assert not found and took < 0.1
+        assert store.metrics.value("tier_errors", tier="mooncake", status="unavailable") == before + 1
+        cluster.restart_master()
+        assert _wait(lambda: tier.available, 30), f"tier did not recover: {tier.state}"  # type: ignore[attr-defined]
+        counted = store.metrics.value("tier_errors", tier="mooncake", status="unavailable")
+        store.contains([k])
+        assert store.metrics.value("tier_errors", tier="mooncake", status="unavailable") == counted
+    finally:
+        store.close()
