@@ -218,6 +218,33 @@ def test_disk_restart_drops_corrupt_headers(tmp_path: Path) -> None:
     assert reopened.contains([item.key, good.key]) == [False, True]
 
 
+class _Bomb:
+    """Unpickling this creates `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_pickle_written_over_a_stored_object_is_refused_and_never_run(tmp_path: Path) -> None:
+    """An object file replaced by a pickle (the stored length kept, so only its own bytes
+    can tell) is refused by its magic on load, and nothing unpickles it."""
+    import pickle
+
+    tier = _disk(tmp_path / "store")
+    item, _ = make_item("t", chunk_id(1))
+    assert tier.put_from([item]) == [TierStatus.OK]
+    sentinel = tmp_path / "unpickled"
+    path = tier.path_of(item.key)
+    bomb = pickle.dumps(_Bomb(str(sentinel)))
+    path.write_bytes(bomb + bytes(path.stat().st_size - len(bomb)))
+    res = tier.get_into([item.key], [memoryview(np.empty(1024, np.uint8))], [expect(item)], True)[0]
+    assert res.status is TierStatus.REJECTED and res.reason is RejectReason.BAD_MAGIC, res
+    assert not sentinel.exists()
+
+
 def test_disk_shared_by_two_processes_sees_new_files(tmp_path: Path) -> None:
     writer, reader = _disk(tmp_path), _disk(tmp_path)
     item, payload = make_item("t", chunk_id(3))

@@ -71,8 +71,12 @@ def test_invalid_tenant_names_are_served_without_the_cache(soak: SoakReport) -> 
 
 
 def test_pickle_bombs_are_refused_and_never_run(soak: SoakReport) -> None:
+    """Pickles planted in Mooncake under the keys a request looks up are refused by their
+    first bytes and never unpickled (on disk: tests/common/test_tiers.py)."""
+    if not soak.counts["mooncake"]:
+        pytest.skip("no Mooncake binaries: the soak plants its pickle bombs in Mooncake")
     assert not soak.counts["sentinel"]
-    assert soak.counts["bombs_refused"] > 0
+    assert soak.counts["bombs_refused"].get("mooncake", 0) > 0, soak.table()
 
 
 def test_corrupted_objects_are_refused(soak: SoakReport) -> None:

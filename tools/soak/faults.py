@@ -17,10 +17,13 @@ payload byte of each of its objects on disk and in Mooncake, pushes it out of
 host memory with other prompts, and asks again (the answer must equal the
 reference: the objects are refused, counted, recomputed).
 `security_probes` sends invalid tenant names and salts (path traversal, 300
-characters, NUL and control bytes, non-strings), and plants a pickle whose
-unpickling would create a file, both on disk and in Mooncake, under the key a
-request will look up; the object must be refused (``bad_magic``) and the file
-never appear.
+characters, NUL and control bytes, non-strings), plants hostile entries on disk (a FIFO,
+a symlinked tenant folder), and plants a pickle whose unpickling would create a file in
+Mooncake under the keys a request will look up: each object must be refused
+(``bad_magic``) and the file never appear. (A file planted on disk under a new key is
+never read: the disk index, not the folder, answers lookups. A pickle written over a
+stored disk object is refused in ``tests/common/test_tiers.py``; in the soak the evictors
+that push the canary out of memory push its disk copies out too.)
 """
 
 from __future__ import annotations
@@ -314,9 +317,7 @@ ODD_SALTS: tuple[str, ...] = ("salt with spaces and \u00fcml\u00e4uts",)
 
 
 def security_probes(soak: Soak) -> str:
-    """Bad tenants and salts, and pickle bombs on disk and in Mooncake."""
-    from kvpack.keys import chunk_hashes
-
+    """Bad tenants and salts, hostile entries on disk, pickle bombs in Mooncake."""
     victim = soak.workload.first_turn("public", 0)
     soak.send("victim-store", "acme", victim)
     bad = 0
@@ -329,32 +330,75 @@ def security_probes(soak: Soak) -> str:
         refused += res.status == "http_400"
     for salt in ODD_SALTS:
         soak.send("odd-salt", None, victim, cache_salt=salt)
-    # pickle bombs under keys that requests will look up
     fp = soak.fingerprint()
     notes = [
         f"{bad}/{len(BAD_TENANTS)} bad tenants served without the cache",
         f"{refused}/{len(BAD_SALTS)} bad salts got HTTP 400",
     ]
     if fp is None:
-        return "; ".join(notes + ["no fingerprint yet: bombs skipped"])
-    bomb = _bomb_bytes(soak.sentinel)
-    bs = soak.cfg.block_size
-    n = soak.cycle_index
-    disk_prompt = soak.workload.extra["bomb-disk"]
-    t_disk = f"bomb-disk-{n}"
-    for chunk in chunk_hashes(disk_prompt, bs):
-        path = soak.disk_root / t_disk / fp / chunk[:2] / f"{chunk}.kv.kvp"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(bomb)
-    soak.send("bomb-disk", t_disk, disk_prompt)
-    notes.append(_planted_entries(soak, fp, disk_prompt, n))
-    mc_prompt = soak.workload.extra["bomb-mooncake"]
-    t_mc = f"bomb-mc-{n}"
-    keys = [f"kvpack/{t_mc}/{fp}/{c}/kv" for c in chunk_hashes(mc_prompt, bs)]
-    mc = mooncake_edit(soak, plant=[(k, bomb) for k in keys])
-    soak.send("bomb-mooncake", t_mc, mc_prompt)
-    notes.append(f"pickle planted on disk ({len(keys)} objects) and in Mooncake ({mc.get('planted', mc)})")
+        return "; ".join(notes + ["no fingerprint yet: planted entries and bombs skipped"])
+    notes.append(_planted_entries(soak, fp, soak.workload.extra["planted"], soak.cycle_index))
+    if soak.mooncake is not None:
+        notes.append(_bomb_mooncake(soak, fp))
     return "; ".join(notes)
+
+
+BOMB_ATTEMPTS = 3
+"""Plantings of the Mooncake bomb. Another is made only when the attempt's request could
+not reach Mooncake (`MooncakeCounts.unreached` grew: the tier was down or timed out, or an
+engine step's wait budget skipped it), as the schedule's own tier faults make happen; each
+attempt is said in the event's line. A bomb the tier answered and kvpack did not refuse is
+never planted again: that is the failure this event exists to show."""
+
+
+@dataclass(frozen=True)
+class MooncakeCounts:
+    """kvpack's Mooncake counters summed over every process of the server."""
+
+    bombs_refused: float
+    """Objects refused for their first bytes (``rejected_objects{tier="mooncake",reason="bad_magic"}``)."""
+    unreached: float
+    """Calls that did not reach the tier: ``tier_errors{tier="mooncake"}`` (down, timed out,
+    failed) and ``budget_skips{tier="mooncake"}``."""
+
+    @classmethod
+    def scrape(cls, soak: Soak) -> MooncakeCounts:
+        from .report import by_labels, parse_prometheus  # report imports this module's Window
+
+        prom = parse_prometheus(soak.scrape_metrics())
+        return cls(
+            by_labels(prom, "rejected_objects", ("tier", "reason"))[("mooncake", "bad_magic")],
+            by_labels(prom, "tier_errors", ("tier",))[("mooncake",)]
+            + by_labels(prom, "budget_skips", ("tier",))[("mooncake",)],
+        )
+
+
+def _bomb_mooncake(soak: Soak, fp: str) -> str:
+    """Plant pickle bombs in Mooncake under the keys a request of a new tenant will look up,
+    then send it; see `BOMB_ATTEMPTS`. Each attempt rotates the prompt by one token so that
+    vLLM's own prefix cache (which the previous attempt filled) does not answer it."""
+    from kvpack.keys import chunk_hashes
+
+    bomb = _bomb_bytes(soak.sentinel)
+    base = soak.workload.extra["bomb-mooncake"]
+    said: list[str] = []
+    for attempt in range(BOMB_ATTEMPTS):
+        prompt = base[attempt:] + base[:attempt]
+        tenant = f"bomb-mc-{soak.cycle_index}-{attempt + 1}"
+        keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunk_hashes(prompt, soak.cfg.block_size)]
+        before = MooncakeCounts.scrape(soak)
+        mc = mooncake_edit(soak, plant=[(k, bomb) for k in keys])
+        res = soak.send("bomb-mooncake", tenant, prompt)
+        after = MooncakeCounts.scrape(soak)
+        refused = after.bombs_refused - before.bombs_refused
+        unreached = after.unreached - before.unreached
+        said.append(
+            f"{tenant}: {mc.get('planted', mc)} of {len(keys)} planted, request {res.status}, "
+            f"{refused:.0f} refused, {unreached:.0f} Mooncake calls unreached"
+        )
+        if refused or not unreached:
+            break
+    return "pickle bombs in Mooncake: " + "; ".join(said)
 
 
 def _planted_entries(soak: Soak, fp: str, prompt: tuple[int, ...], n: int) -> str:

@@ -29,10 +29,11 @@ near-tie (batch-order noise), not a difference. In fp32 that noise is ~1e-5
 
 def parse_server_log(text: str) -> dict[str, Any]:
     refused: Counter[tuple[str, str]] = Counter()
-    refused_tenants: Counter[str] = Counter()
+    refused_tenants: Counter[tuple[str, str]] = Counter()
+    """Refusals by (tenant, reason)."""
     for m in REFUSED_RE.finditer(text):
         refused[(m.group(2), m.group(3))] += 1
-        refused_tenants[m.group(1)] += 1
+        refused_tenants[(m.group(1), m.group(3))] += 1
     xfer: Counter[str] = Counter()
     for line in text.splitlines():
         xm = XFER_RE.search(line)

@@ -365,7 +365,7 @@ class Soak:
             if runner is not None:
                 runner.join(30)
             server_alive = self.server.proc is not None and self.server.proc.alive() and self.server.healthy()
-            metrics_text = self._scrape_metrics()
+            metrics_text = self.scrape_metrics()
             self._root_clean = self._root_is_clean()  # before the tmpfs goes
             self._log_end = (self.work / "server.log").stat().st_size  # shutdown noise is not a finding
         finally:
@@ -381,7 +381,7 @@ class Soak:
             self.tmpfs.unmount()
         return self._report(server_alive, metrics_text)
 
-    def _scrape_metrics(self) -> str:
+    def scrape_metrics(self) -> str:
         """kvpack's ``kvpack_*`` series from every process of the server.
 
         Each kvpack store (the scheduler side and each worker) serves its own
@@ -428,9 +428,10 @@ class Soak:
         bad_ok = [r for r in bad if r.status == "ok" and not r.cached_tokens]
         salt_400 = [r for r in expected_400 if r.status == "http_400"]
         refused = log["refused"]
-        bombs_refused = sum(v for (tier, reason), v in refused.items() if reason == "bad_magic")
-        bomb_results = by_kind.get("bomb-disk", []) + by_kind.get("bomb-mooncake", [])
-        canary_refused = sum(v for t, v in log["refused_tenants"].items() if t.startswith("canary"))
+        bombs_refused = {tier: v for (tier, reason), v in refused.items() if reason == "bad_magic"}
+        canary_refused = sum(
+            v for (t, reason), v in log["refused_tenants"].items() if t.startswith("canary") and reason != "bad_magic"
+        )
         gaps = [(a, b) for r in results for a, b in r.gaps]
         t0 = self.t0
         longest = max((b - a for a, b in gaps), default=0.0)
@@ -481,13 +482,13 @@ class Soak:
             ),
             Row("store root holds only valid tenants", str(self._root_clean), "True", self._root_clean is True),
             Row(
-                "pickle bombs refused (bad_magic), never run",
-                f"{bombs_refused} refused, sentinel {'PRESENT' if self.sentinel.exists() else 'absent'}",
-                ">0, absent",
-                (bombs_refused > 0 or not bomb_results) and not self.sentinel.exists(),
+                "pickle bombs refused (bad_magic) per tier, never run",
+                f"{fmt_counter(bombs_refused)}, sentinel {'PRESENT' if self.sentinel.exists() else 'absent'}",
+                ">0 from mooncake, absent" if self.mooncake is not None else "absent",
+                (self.mooncake is None or bool(bombs_refused.get("mooncake"))) and not self.sentinel.exists(),
             ),
             Row(
-                "corrupted canary objects refused",
+                "corrupted canary objects refused (flipped byte: any reason but bad_magic)",
                 str(canary_refused),
                 ">0 (reported)" if by_kind.get("canary-reload") else "",
                 None,  # see tests/soak: a new tenant keeps ~one object per full tier today
@@ -541,6 +542,7 @@ class Soak:
             sentinel=self.sentinel.exists(),
             root_clean=self._root_clean,
             canary_refused=canary_refused,
+            mooncake=self.mooncake is not None,
             refused={f"{t}/{r}": v for (t, r), v in refused.items()},
             rss=[(round(t, 1), v >> 20) for t, v in self.rss],
             xfer=dict(xfer),

@@ -76,7 +76,7 @@ class Workload:
         fqs = tuple(random_tokens(rng, rng.randint(8, 24)) for _ in range(2))
         extra = {
             "canary": random_tokens(rng, 530),
-            "bomb-disk": random_tokens(rng, 300),
+            "planted": random_tokens(rng, 300),
             "bomb-mooncake": random_tokens(rng, 300),
             "bad-tenant": random_tokens(rng, 280),
         }
