@@ -82,7 +82,7 @@ SPECS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("rejected_objects", "Stored objects refused on load", ("tier", "reason")),
     MetricSpec("store_dropped", "Stores dropped instead of blocking the engine", ("tier", "reason")),
-    MetricSpec("tier_errors", "Tier calls that failed", ("tier", "status")),
+    MetricSpec("tier_errors", "Tier calls that failed, or were not made because the tier was down", ("tier", "status")),
     MetricSpec(
         "lookups_held",
         "Lookups held back (the request waited, not the engine) while a tier made its first connect",
