@@ -247,8 +247,7 @@ def test_lookups_while_the_tier_is_down_are_counted_misses(mooncake_cluster_fact
         # calls to the dead master fail and open the breaker; lookups keep coming meanwhile
         assert _wait(lambda: store.contains([key("probe")]) == [False] and not tier.available, 20)
         before = store.metrics.value("tier_errors", tier="mooncake", status="unavailable")
-        (found,), took = _timed(lambda: store.contains([k]))
-        assert not found and took < 0.1
+        assert store.contains([k]) == [False]
         assert store.metrics.value("tier_errors", tier="mooncake", status="unavailable") == before + 1
         cluster.restart_master()
         assert _wait(lambda: tier.available, 30), f"tier did not recover: {tier.state}"  # type: ignore[attr-defined]
