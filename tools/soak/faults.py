@@ -41,21 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .report import by_labels, parse_prometheus
+
 if TYPE_CHECKING:
     from . import Soak
 
 FaultFn = Callable[["Soak"], str]
-
-
-@dataclass
-class Window:
-    """When a fault held a tier down (or an event ran), by the soak's monotonic clock."""
-
-    name: str
-    start: float
-    end: float
-    tier_down: bool
-    note: str = ""
 
 
 # -- Mooncake --------------------------------------------------------------------------
@@ -363,8 +354,6 @@ class MooncakeCounts:
 
     @classmethod
     def scrape(cls, soak: Soak) -> MooncakeCounts:
-        from .report import by_labels, parse_prometheus  # report imports this module's Window
-
         prom = parse_prometheus(soak.scrape_metrics())
         return cls(
             by_labels(prom, "rejected_objects", ("tier", "reason"))[("mooncake", "bad_magic")],

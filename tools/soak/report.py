@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .faults import Window
 from .reference import key_of
 from .workload import Result
 
@@ -122,6 +121,17 @@ def compare(results: Iterable[Result], refs: dict[str, dict[str, Any]]) -> Compa
                 f"token {pos} (reference margin {margin:.2e}); got {r.tokens[: pos + 2]} want {want[: pos + 2]}"
             )
     return c
+
+
+@dataclass
+class Window:
+    """When a fault held a tier down (or an event ran), by the soak's monotonic clock."""
+
+    name: str
+    start: float
+    end: float
+    tier_down: bool
+    note: str = ""
 
 
 def overlapping_windows(a: float, b: float, windows: Sequence[Window], down_only: bool = True) -> list[str]:

@@ -42,6 +42,7 @@ from .reference import key_of
 from .report import (
     Comparison,
     Row,
+    Window,
     by_labels,
     compare,
     fmt_counter,
@@ -105,7 +106,7 @@ class SoakConfig:
 @dataclass
 class SoakReport:
     rows: list[Row]
-    windows: list[F.Window]
+    windows: list[Window]
     comparison: Comparison
     counts: dict[str, Any]
     workdir: str
@@ -146,7 +147,7 @@ class Soak:
         self.server: VllmServer | None = None
         self.refs: dict[str, dict[str, Any]] = {}
         self.results: list[Result] = []
-        self.windows: list[F.Window] = []
+        self.windows: list[Window] = []
         self.rss: list[tuple[float, int]] = []
         self.cycle_index = 0
         self._tmpfs_was_mounted = False
@@ -329,7 +330,7 @@ class Soak:
                     note = f"FAULT INJECTION FAILED: {type(exc).__name__}: {exc}"
                 down = fault.tier_down and not note.startswith("skipped")
                 with self._lock:
-                    self.windows.append(F.Window(fault.name, start + self.t0, self.now() + self.t0, down, note))
+                    self.windows.append(Window(fault.name, start + self.t0, self.now() + self.t0, down, note))
 
     # -- run -------------------------------------------------------------------------
 
@@ -408,7 +409,7 @@ class Soak:
         raw = (self.work / "server.log").read_bytes()
         log = parse_server_log(raw[: self._log_end or len(raw)].decode(errors="replace"))
         prom = parse_prometheus(metrics_text)
-        windows = [F.Window(w.name, w.start - self.t0, w.end - self.t0, w.tier_down, w.note) for w in self.windows]
+        windows = [Window(w.name, w.start - self.t0, w.end - self.t0, w.tier_down, w.note) for w in self.windows]
         by_kind: dict[str, list[Result]] = {}
         for r in results:
             by_kind.setdefault(r.kind, []).append(r)
