@@ -57,6 +57,7 @@ from .tails import TailSlots
 from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
 from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.disk.removes import ObjectRemover
 from .tiers.disk.writes import ObjectWriter
 from .tiers.factory import build_tiers
 from .tiers.parallel import RegionCopier
@@ -138,10 +139,17 @@ class KVStore(LentCopies):
         copy_threads: int = 1,
         region_copier: Callable[[], RegionCopier | None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
+        object_remover: Callable[[], ObjectRemover | None] | None = None,
         write_back: bool = True,
     ) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
-        tiers = build_tiers(config, copy_threads=copy_threads, region_copier=region_copier, object_writer=object_writer)
+        tiers = build_tiers(
+            config,
+            copy_threads=copy_threads,
+            region_copier=region_copier,
+            object_writer=object_writer,
+            object_remover=object_remover,
+        )
         return cls(config, tiers, metrics, write_back=write_back)
 
     @classmethod

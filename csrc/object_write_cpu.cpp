@@ -131,3 +131,48 @@ void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64
     if (write_one(root_fd, temp_dir_fd, objs[i], do_fsync)) missing = objs[i].err;
   }
 }
+
+void kvp_remove_objects(int root_fd, KvpObjectRemove* objs, int64_t n, KvpFolderRemove* folders, int64_t nfolders) {
+  int missing = 0;  // ENOSYS/EPERM from openat2: the rest is the caller's
+  int dfd = -1;
+  const char* open_leaf_name = nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    KvpObjectRemove& obj = objs[i];
+    if (missing != 0) {
+      obj.err = missing;
+      continue;
+    }
+    if (dfd < 0 || open_leaf_name == nullptr || strcmp(open_leaf_name, obj.leaf) != 0) {
+      if (dfd >= 0) close(dfd);
+      dfd = open_leaf(root_fd, obj.leaf);
+      open_leaf_name = obj.leaf;
+      if (dfd < 0) {
+        obj.err = -dfd;
+        if (obj.err == ENOSYS || obj.err == EPERM) missing = obj.err;
+        dfd = -1;
+        open_leaf_name = nullptr;
+        continue;
+      }
+    }
+    obj.err = unlinkat(dfd, obj.name, 0) == 0 ? 0 : errno;
+  }
+  if (dfd >= 0) close(dfd);
+  bool skip_chain = false;
+  for (int64_t i = 0; i < nfolders; ++i) {
+    KvpFolderRemove& folder = folders[i];
+    folder.removed = 0;
+    if (folder.chain_start) skip_chain = missing != 0;
+    if (skip_chain) continue;
+    int pfd = root_fd;
+    if (folder.parent[0] != '\0') {
+      pfd = open_leaf(root_fd, folder.parent);
+      if (pfd < 0) {
+        skip_chain = true;
+        continue;
+      }
+    }
+    folder.removed = unlinkat(pfd, folder.name, AT_REMOVEDIR) == 0 ? 1 : 0;
+    if (pfd != root_fd) close(pfd);
+    if (!folder.removed) skip_chain = true;
+  }
+}

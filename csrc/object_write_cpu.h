@@ -1,4 +1,4 @@
-// Batch writes of disk-tier object files beneath a store root (torch-free C).
+// Batch writes and removals of disk-tier object files beneath a store root (torch-free C).
 //
 // One object: open its leaf folder beneath the root with openat2
 // (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS: never follow a
@@ -32,6 +32,28 @@ typedef struct {
 // later object of the batch gets the same err without a try (the caller writes
 // them another way). Thread safe; no global state; never throws.
 void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync);
+
+typedef struct {
+  const char* leaf;  // relative path of validated names, NUL-terminated
+  const char* name;  // the object's file name in the leaf (one component)
+  int err;           // out: 0 removed, else the errno of the first failing step
+} KvpObjectRemove;
+
+typedef struct {
+  const char* parent;  // relative path of the folder holding it ("" : the root itself)
+  const char* name;    // the folder to remove when empty (one component)
+  int chain_start;     // 1: first (innermost) folder of a chain
+  int removed;         // out: 1 when removed
+} KvpFolderRemove;
+
+// Removes objs[0..n) in order, each leaf opened beneath the root (as for a write; a
+// leaf shared by consecutive objects is opened once), then tries each folder with
+// rmdir: a chain (innermost first) stops at its first folder that is not removed
+// (not empty, gone, refused), so an outer folder is tried only once the inner one
+// went. ENOSYS/EPERM from openat2 is that object's err, and every later object
+// gets the same err untried (the caller removes them another way); no folder is
+// tried then. Thread safe; no global state; never throws.
+void kvp_remove_objects(int root_fd, KvpObjectRemove* objs, int64_t n, KvpFolderRemove* folders, int64_t nfolders);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -3,6 +3,7 @@
 //
 //   copy_regions(pairs, streaming) -> None
 //   write_objects(root_fd, temp_dir_fd, objects, fsync) -> list[tuple[int, int]]
+//   remove_objects(root_fd, files, folders) -> tuple[list[int], list[int]]
 //
 // `pairs` is a sequence of (dst, src) objects with the buffer protocol (numpy
 // arrays, memoryviews), each C-contiguous, dst writable, both the same number
@@ -15,6 +16,11 @@
 // file (kvp_write_objects). Everything is taken with the GIL held, then every
 // file of the batch is written with it released once; the result is one
 // (errno, temp_removed) per object, errno 0 for a written object.
+//
+// `files` is a sequence of (leaf, name) bytes and `folders` of (parent, name,
+// chain_start): the object files to unlink, then the folders to remove while
+// empty (kvp_remove_objects), all with the GIL released once; the result is one
+// errno per file (0 removed) and one 0/1 per folder (1 removed).
 //
 // The torch custom ops of this extension are registered in bindings.cpp.
 #include <Python.h>
@@ -79,9 +85,9 @@ void copy_regions(const py::sequence& pairs, bool streaming) {
 
 // The NUL-terminated text of a bytes object (no NUL inside: a path never has one).
 const char* path_bytes(PyObject* obj, const char* what) {
-  if (!PyBytes_Check(obj)) throw py::type_error(std::string("kvpack write_objects: ") + what + " must be bytes");
+  if (!PyBytes_Check(obj)) throw py::type_error(std::string("kvpack object files: ") + what + " must be bytes");
   if (static_cast<size_t>(PyBytes_GET_SIZE(obj)) != strlen(PyBytes_AS_STRING(obj))) {
-    throw py::value_error(std::string("kvpack write_objects: ") + what + " has a NUL byte");
+    throw py::value_error(std::string("kvpack object files: ") + what + " has a NUL byte");
   }
   return PyBytes_AS_STRING(obj);
 }
@@ -125,6 +131,47 @@ py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects
   return out;
 }
 
+// (a, b) of a 2- or 3-tuple of bytes, checked as `path_bytes` does.
+const char* tuple_path(PyObject* item, Py_ssize_t at, const char* what) {
+  return path_bytes(PyTuple_GET_ITEM(item, at), what);
+}
+
+py::tuple remove_objects(int root_fd, const py::sequence& files, const py::sequence& folders) {
+  const size_t n = py::len(files);
+  const size_t nf = py::len(folders);
+  std::vector<py::object> keep;  // the items (and so their bytes) stay alive until the removals end
+  keep.reserve(n + nf);
+  std::vector<KvpObjectRemove> objs(n);
+  for (size_t i = 0; i < n; ++i) {
+    keep.push_back(files[i]);
+    PyObject* item = keep.back().ptr();
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+      throw py::value_error("kvpack remove_objects: every file must be a (leaf, name) tuple");
+    }
+    objs[i] = KvpObjectRemove{tuple_path(item, 0, "leaf"), tuple_path(item, 1, "name"), 0};
+  }
+  std::vector<KvpFolderRemove> dirs(nf);
+  for (size_t i = 0; i < nf; ++i) {
+    keep.push_back(folders[i]);
+    PyObject* item = keep.back().ptr();
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+      throw py::value_error("kvpack remove_objects: every folder must be a (parent, name, chain_start) tuple");
+    }
+    const int start = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
+    if (start < 0) throw py::error_already_set();
+    dirs[i] = KvpFolderRemove{tuple_path(item, 0, "parent"), tuple_path(item, 1, "name"), start, 0};
+  }
+  {
+    py::gil_scoped_release nogil;
+    kvp_remove_objects(root_fd, objs.data(), static_cast<int64_t>(n), dirs.data(), static_cast<int64_t>(nf));
+  }
+  py::list errs(n);
+  for (size_t i = 0; i < n; ++i) errs[i] = objs[i].err;
+  py::list removed(nf);
+  for (size_t i = 0; i < nf; ++i) removed[i] = dirs[i].removed;
+  return py::make_tuple(errs, removed);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -134,4 +181,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_objects", &write_objects, py::arg("root_fd"), py::arg("temp_dir_fd"), py::arg("objects"),
         py::arg("fsync"), "Write each (leaf, temp, final, parts) object file beneath root_fd, GIL released once; "
         "one (errno, temp_removed) per object.");
+  m.def("remove_objects", &remove_objects, py::arg("root_fd"), py::arg("files"), py::arg("folders"),
+        "Unlink each (leaf, name) file beneath root_fd, then rmdir each (parent, name, chain_start) folder while "
+        "empty, GIL released once; (one errno per file, one 0/1 per folder).");
 }

@@ -40,6 +40,7 @@ import torch
 from .simd import CpuSimd
 
 if TYPE_CHECKING:
+    from ..tiers.disk.removes import ObjectRemover
     from ..tiers.disk.writes import ObjectWriter
     from ..tiers.parallel import RegionCopier
 
@@ -369,3 +370,11 @@ def object_writer() -> ObjectWriter | None:
     Never waits."""
     module = _module
     return None if module is None else module.write_objects
+
+
+def object_remover() -> ObjectRemover | None:
+    """The native batch object removal (`kvpack.tiers.disk.removes`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _module
+    return None if module is None else module.remove_objects

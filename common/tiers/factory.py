@@ -19,6 +19,7 @@ from ..eviction import make_policy
 from .base import Tier
 from .disk.check import check_index_files
 from .disk.fs import check_store_root
+from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
 from .parallel import RegionCopier
 
@@ -53,6 +54,7 @@ def build_tiers(
     copy_threads: int = 1,
     region_copier: Callable[[], RegionCopier | None] | None = None,
     object_writer: Callable[[], ObjectWriter | None] | None = None,
+    object_remover: Callable[[], ObjectRemover | None] | None = None,
 ) -> list[Tier]:
     """The tiers `config` enables, fastest first: memory (per process, or the host's), disk, Mooncake.
 
@@ -67,7 +69,8 @@ def build_tiers(
     call on its caller's thread (an engine that saves off its forward path on
     a small machine wants that). `region_copier` hands the memory tier a native
     copy (`kvpack.ops.region_copier`) once one is loaded, `object_writer` the host and
-    disk tiers a native batch file write (`kvpack.ops.object_writer`)."""
+    disk tiers a native batch file write (`kvpack.ops.object_writer`), `object_remover` a native batch
+    removal (`kvpack.ops.object_remover`)."""
     check_tiers(config, index_files=False)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
@@ -86,6 +89,7 @@ def build_tiers(
                 quotas,
                 io_threads=copy_threads,
                 object_writer=object_writer,
+                object_remover=object_remover,
             )
         )
     elif config.memory.enabled and include_memory:
@@ -111,6 +115,7 @@ def build_tiers(
                 config.disk.fsync,
                 io_threads=copy_threads,
                 object_writer=object_writer,
+                object_remover=object_remover,
             )
         )
     if config.mooncake.enabled:

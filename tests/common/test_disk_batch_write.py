@@ -193,3 +193,27 @@ def test_an_object_whose_openat2_is_refused_is_written_from_python(
     assert tier.put_from(items) == [TierStatus.OK] * len(items)
     assert counted_syscalls["rename"] == len(items) - 1  # all but the first written again from Python
     assert _files(tmp_path / "store").keys() == {str(tier.path_of(it.key).relative_to(tier.root)) for it in items}
+
+
+@pytest.mark.parametrize("kind", WRITERS)
+def test_a_batch_takes_its_temporary_names_from_one_read_of_randomness(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each read of the system's randomness gives the GIL up (in a busy engine process a re-take can
+    wait 5 ms): a batch reads once, and its names are distinct and of the pattern the sweep knows."""
+    from kvpack.tiers.disk import fs
+
+    tier = _disk(tmp_path / "store", kind)
+    reads: list[int] = []
+    real = os.urandom
+
+    def counting(n: int) -> bytes:
+        reads.append(n)
+        return real(n)
+
+    monkeypatch.setattr(os, "urandom", counting)
+    items = _items()
+    assert tier.put_from(items) == [TierStatus.OK] * len(items)
+    assert len(reads) == 1
+    names = fs.temp_names(["a.kv.kvp"] * 100)
+    assert len(set(names)) == 100 and all(fs.is_temp_name(n) for n in names)

@@ -78,7 +78,8 @@ from . import fs, scan
 from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
 from .files import read_header_fd, read_verified
 from .fs import UnsafeEntry
-from .paths import file_name, leaf_of, rel_file, remove_empty_folders
+from .paths import file_name, leaf_of, rel_file
+from .removes import ObjectRemover, remove_batch
 from .rows import Victim
 from .writes import ObjectWriter, WriteOutcome, outcome_of, write_batch, write_job
 
@@ -132,6 +133,7 @@ class DiskTier(Tier):
         open_scan_s: float = 0.5,
         index_pace: Callable[[int], None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
+        object_remover: Callable[[], ObjectRemover | None] | None = None,
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
@@ -141,7 +143,8 @@ class DiskTier(Tier):
         index transaction. `open_scan_s` is how long opening waits for the folder scan
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
         test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
-        the native batch file write (`kvpack.ops.object_writer`; None: write from Python)."""
+        the native batch file write (`kvpack.ops.object_writer`; None: write from Python), `object_remover`
+        at each removal for the native batch removal (`kvpack.ops.object_remover`)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self._root_str, self._root_fd = self._open_root(os.fspath(root))
@@ -149,6 +152,7 @@ class DiskTier(Tier):
         self._old_root_fds: list[int] = []
         self._fsync = fsync
         self._object_writer = object_writer
+        self._object_remover = object_remover
         self._stale_temp_s = stale_temp_s
         self._capacity_bytes = capacity
         self._quotas = dict(quotas or {})
@@ -260,31 +264,24 @@ class DiskTier(Tier):
     # -- removal -----------------------------------------------------------------
 
     def _drop_victims(self, victims: Sequence[Victim], reason: str) -> int:
-        """Delete the files of groups already unindexed, counted under `reason`."""
-        removed = 0
+        """Delete the files of groups already unindexed, counted under `reason` (one batch:
+        `removes.remove_batch`); returns the objects the index held."""
+        keys: list[StoreKey] = []
         for victim in victims:
             if reason == "evicted" and self.on_evict is not None:
                 self.on_evict(victim.group, victim.nbytes)
-            for member in victim.members:
-                key = victim.group.member(member)
-                if self._unlink_key(key):
-                    self.counters.count_removed(reason)
-                removed += 1
-            remove_empty_folders(self._root_fd, victim.group.member("kv"))
-        return removed
+            keys += [victim.group.member(member) for member in victim.members]
+        self._remove_files(keys, [victim.group for victim in victims], reason)
+        return len(keys)
 
-    def _unlink_key(self, key: StoreKey) -> bool:
-        try:
-            dfd = fs.open_dir(self._root_fd, leaf_of(key))
-        except OSError:
-            return False
-        try:
-            os.unlink(file_name(key), dir_fd=dfd)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(dfd)
+    def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
+        """Unlink `keys`' files and the emptied folders of `groups`, each removed file counted under `reason`."""
+        native = self._object_remover() if self._object_remover is not None else None
+        if not keys and not groups:
+            return
+        for gone in remove_batch(self._root_fd, keys, groups, native):
+            if gone:
+                self.counters.count_removed(reason)
 
     def _refuse_stat(self, key: StoreKey, st: os.stat_result | None) -> None:
         with self._lock:
@@ -476,25 +473,26 @@ class DiskTier(Tier):
             still = self._catalog.mark_ready([items[i].key for i in written])
         except Exception:  # noqa: BLE001 - left not ready: unseen until a scan finds them whole
             still = [True] * len(written)
-        for i, indexed in zip(written, still):
-            if not indexed:  # evicted while it was written (a later put, another process)
-                key = items[i].key
-                if self._unlink_key(key):
-                    self.counters.count_removed("evicted_while_written")
-                remove_empty_folders(self._root_fd, key)
-                statuses[i] = TierStatus.NO_SPACE
+        # evicted while it was written (a later put, another process)
+        late = [i for i, indexed in zip(written, still) if not indexed]
+        for i in late:
+            statuses[i] = TierStatus.NO_SPACE
+        if late:
+            keys = [items[i].key for i in late]
+            self._remove_files(keys, [k.group for k in keys], "evicted_while_written")
         return statuses
 
     def _write_items(self, items: Sequence[PutItem]) -> list[TierStatus]:
         """Checksum and write `items` (`writes.write_batch`: native when `object_writer` gives one).
 
-        A folder missing or removed meanwhile (emptied by an eviction's `remove_empty_folders` in this
+        A folder missing or removed meanwhile (emptied by an eviction's `removes.remove_batch` in this
         or another process, or the whole root) is made again (`_make_leaf`) and its object retried, at
         most `WRITE_ATTEMPTS` times: a removal needs an empty folder, and the write's own temporary
         makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
+        finals = [file_name(it.key) for it in items]
         jobs = [
-            write_job(leaf_of(it.key), file_name(it.key), _checksummed(it.header, it.payload), it.payload)
-            for it in items
+            write_job(leaf_of(it.key), final, _checksummed(it.header, it.payload), it.payload, temp)
+            for it, final, temp in zip(items, finals, fs.temp_names(finals))
         ]
         statuses = [TierStatus.ERROR] * len(jobs)
         pending = list(range(len(jobs)))

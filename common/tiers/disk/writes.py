@@ -66,9 +66,10 @@ def object_buffers(header: bytes, payload: Payload) -> list[Buffer]:
     return [header + bytes(data_offset(len(header)) - len(header)), *payload_parts(payload)]
 
 
-def write_job(leaf: str, final: str, header: bytes, payload: Payload) -> WriteJob:
-    """The job of writing `payload` under `header` as `leaf`/`final` (a fresh temporary name)."""
-    return WriteJob(leaf, final, fs.temp_name(final), object_buffers(header, payload))
+def write_job(leaf: str, final: str, header: bytes, payload: Payload, temp: str = "") -> WriteJob:
+    """The job of writing `payload` under `header` as `leaf`/`final` through `temp` (empty: a fresh
+    temporary name; a batch takes its names from one `fs.temp_names`)."""
+    return WriteJob(leaf, final, temp or fs.temp_name(final), object_buffers(header, payload))
 
 
 class WriteOutcome(Enum):

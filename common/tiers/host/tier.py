@@ -36,6 +36,7 @@ from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
 from ..disk.files import data_offset
 from ..disk.fs import SHM, open_store_root
+from ..disk.removes import ObjectRemover
 from ..disk.writes import ObjectWriter
 from .catalog import HostCatalog
 from .owners import Owner, dead_owners
@@ -58,10 +59,11 @@ class HostTier(DiskTier):
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
+        object_remover: Callable[[], ObjectRemover | None] | None = None,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with `capacity`
         bytes for every process on it; reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use. `object_writer`: `DiskTier`'s."""
+        ``memory.mode`` when the folder is not one kvpack may use. `object_writer`, `object_remover`: `DiskTier`'s."""
         self._owner: Owner | None = None
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
@@ -73,6 +75,7 @@ class HostTier(DiskTier):
             io_threads,
             busy_timeout_s=busy_timeout_s,
             object_writer=object_writer,
+            object_remover=object_remover,
         )
 
     # -- DiskTier's hooks -----------------------------------------------------------
