@@ -22,6 +22,12 @@ def _tiers() -> Tool:
     return tiers_bench.main
 
 
+def _evict() -> Tool:
+    from .bench import evict_bench
+
+    return evict_bench.main
+
+
 def _copy() -> Tool:
     from .bench import copy_bench
 
@@ -109,6 +115,7 @@ def _proxy() -> Tool:
 BENCHES: dict[str, Callable[[], Tool]] = {
     "tiers": _tiers,
     "copy": _copy,
+    "evict": _evict,
     "vllm": _vllm,
     "mooncake": _mooncake,
     "sglang": _sglang,
