@@ -34,6 +34,7 @@ from kvpack.layout_spec import KVLayoutSpec
 from kvpack.objects import ObjectHeader, payload_checksum
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier, fs
+from kvpack.tiers.disk.removes import ObjectRemover
 
 from .timing import hardware
 
@@ -94,7 +95,7 @@ def run(objects: int, nbytes: int, puts: int, busy: int, folder: Path, native: b
     probe.put_from(_items(0, 1, nbytes))
     charge = probe.usage().used_bytes
     probe.close()
-    kinds: dict[str, Callable[[], object] | None] = {"python": None}
+    kinds: dict[str, Callable[[], ObjectRemover | None] | None] = {"python": None}
     if native:
         kinds["native"] = object_remover
     rows = []
