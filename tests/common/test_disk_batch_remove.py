@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import make_item
 
+from fixtures.os_calls import count_os_calls
 from kvpack.keys import GroupKey
 from kvpack.ops import load_extension, object_remover
 from kvpack.tiers.base import PutItem, TierStatus
@@ -65,16 +66,7 @@ def _tree(root: Path) -> tuple[set[str], set[str]]:
 @pytest.fixture
 def counted_removals(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Python-level ``os.unlink`` and ``os.rmdir`` calls of the test (counted, then made)."""
-    counts = {"unlink": 0, "rmdir": 0}
-    for name in counts:
-        real = getattr(os, name)
-
-        def counting(*args: object, _real: Callable[..., object] = real, _name: str = name, **kw: object) -> object:
-            counts[_name] += 1
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(os, name, counting)
-    return counts
+    return count_os_calls(monkeypatch, ("unlink", "rmdir"))
 
 
 def _evicting_put(root: Path, kind: str) -> tuple[DiskTier, list[PutItem], list[PutItem]]:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from helpers import GROUP_FP, chunk_id, expect, make_item
 
+from fixtures.os_calls import count_os_calls
 from kvpack.ops import load_extension, object_writer
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
@@ -68,16 +69,7 @@ def _temps(root: Path) -> list[str]:
 @pytest.fixture
 def counted_syscalls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Python-level ``os.writev`` and ``os.rename`` calls of the test (counted, then made)."""
-    counts = {"writev": 0, "rename": 0}
-    for name in counts:
-        real = getattr(os, name)
-
-        def counting(*args: object, _real: Callable[..., object] = real, _name: str = name, **kw: object) -> object:
-            counts[_name] += 1
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(os, name, counting)
-    return counts
+    return count_os_calls(monkeypatch, ("writev", "rename"))
 
 
 @pytest.mark.parametrize("io_threads", [1, 2])
