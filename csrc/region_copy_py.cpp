@@ -131,7 +131,7 @@ py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects
   return out;
 }
 
-// (a, b) of a 2- or 3-tuple of bytes, checked as `path_bytes` does.
+// Item `at` of a tuple of bytes, checked as `path_bytes` does.
 const char* tuple_path(PyObject* item, Py_ssize_t at, const char* what) {
   return path_bytes(PyTuple_GET_ITEM(item, at), what);
 }

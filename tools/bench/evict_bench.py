@@ -80,7 +80,7 @@ def _one_name_per_read(per_object: bool) -> Iterator[None]:
     """While `per_object`: each temporary name reads the system's randomness itself (as before)."""
     batch = fs.temp_names
     if per_object:
-        fs.temp_names = lambda finals: [fs.temp_name(f) for f in finals]
+        fs.temp_names = lambda finals: [batch([f])[0] for f in finals]
     try:
         yield
     finally:

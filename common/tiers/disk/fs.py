@@ -399,16 +399,17 @@ def _is_link(dfd: int, name: str) -> bool:
         return False
 
 
-def temp_name(final: str) -> str:
-    """A fresh, unguessable temporary name for the file `final` (same folder)."""
-    return f".{final}.{secrets.token_hex(8)}.tmp"
-
-
 def temp_names(finals: Sequence[str]) -> list[str]:
-    """`temp_name` of each of `finals`, from one read of the system's randomness: each read gives
-    the GIL up (in a busy engine process a re-take can wait 5 ms), so a batch reads once."""
+    """A fresh, unguessable temporary name for each file of `finals` (same folder), from one read of
+    the system's randomness: each read gives the GIL up (in a busy engine process a re-take can wait
+    5 ms), so a batch reads once."""
     noise = os.urandom(8 * len(finals)).hex()
     return [f".{final}.{noise[16 * i : 16 * i + 16]}.tmp" for i, final in enumerate(finals)]
+
+
+def temp_name(final: str) -> str:
+    """`temp_names` of one file."""
+    return temp_names([final])[0]
 
 
 def is_temp_name(name: str) -> bool:

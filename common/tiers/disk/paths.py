@@ -6,12 +6,12 @@ comes from a validated `StoreKey` (no ``/``, no ``..``), so no key names a path 
 
 from __future__ import annotations
 
-from ...keys import StoreKey
+from ...keys import GroupKey, StoreKey
 from .files import SUFFIX
 
 
-def leaf_of(key: StoreKey) -> str:
-    """The folder of `key`'s file, relative to the root."""
+def leaf_of(key: StoreKey | GroupKey) -> str:
+    """The folder of `key`'s file (every member of a group shares it), relative to the root."""
     return f"{key.tenant}/{key.fingerprint}/{key.chunk[:2]}"
 
 

@@ -45,7 +45,7 @@ def remove_batch(
     """Unlink every key's file, then the folders of `groups`' leaves that emptied (see the module
     docstring); per key, was its file removed? Never raises for a file-system failure."""
     order = sorted(range(len(keys)), key=lambda i: leaf_of(keys[i]))  # one folder open per leaf
-    leaves = {f"{g.tenant}/{g.fingerprint}/{g.chunk[:2]}": g for g in groups}
+    leaves = {leaf_of(g): g for g in groups}
     removed = [False] * len(keys)
     todo = order
     if native is not None and fs.openat2_in_use() and (keys or leaves):

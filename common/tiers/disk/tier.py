@@ -277,8 +277,6 @@ class DiskTier(Tier):
     def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
         """Unlink `keys`' files and the emptied folders of `groups`, each removed file counted under `reason`."""
         native = self._object_remover() if self._object_remover is not None else None
-        if not keys and not groups:
-            return
         for gone in remove_batch(self._root_fd, keys, groups, native):
             if gone:
                 self.counters.count_removed(reason)
@@ -491,7 +489,7 @@ class DiskTier(Tier):
         makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
         finals = [file_name(it.key) for it in items]
         jobs = [
-            write_job(leaf_of(it.key), final, _checksummed(it.header, it.payload), it.payload, temp)
+            write_job(leaf_of(it.key), final, temp, _checksummed(it.header, it.payload), it.payload)
             for it, final, temp in zip(items, finals, fs.temp_names(finals))
         ]
         statuses = [TierStatus.ERROR] * len(jobs)

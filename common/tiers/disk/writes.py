@@ -1,7 +1,7 @@
 """Object-file writes of the disk tier, a batch at a time: native when the extension is loaded, else Python.
 
 A `WriteJob` is one object file: its leaf folder (relative to the store root),
-its final name, a fresh temporary name (`fs.temp_name`) and its bytes (header,
+its final name, a fresh temporary name (`fs.temp_names`) and its bytes (header,
 zero padding to `files.PAGE`, payload: `object_buffers`). `write_batch` writes
 a batch's jobs and returns one `WriteResult` per job; the caller (the tier)
 turns each errno into what to do with `outcome_of`, the one errno mapping.
@@ -66,10 +66,10 @@ def object_buffers(header: bytes, payload: Payload) -> list[Buffer]:
     return [header + bytes(data_offset(len(header)) - len(header)), *payload_parts(payload)]
 
 
-def write_job(leaf: str, final: str, header: bytes, payload: Payload, temp: str = "") -> WriteJob:
-    """The job of writing `payload` under `header` as `leaf`/`final` through `temp` (empty: a fresh
-    temporary name; a batch takes its names from one `fs.temp_names`)."""
-    return WriteJob(leaf, final, temp or fs.temp_name(final), object_buffers(header, payload))
+def write_job(leaf: str, final: str, temp: str, header: bytes, payload: Payload) -> WriteJob:
+    """The job of writing `payload` under `header` as `leaf`/`final` through the fresh temporary
+    name `temp` (a batch takes its names from one `fs.temp_names`)."""
+    return WriteJob(leaf, final, temp, object_buffers(header, payload))
 
 
 class WriteOutcome(Enum):
