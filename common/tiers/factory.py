@@ -67,9 +67,9 @@ def build_tiers(
     `copy_threads` (>= 1, the calling thread included) spreads one batch's
     memory copies and disk file I/O over that many threads; 1 keeps every
     call on its caller's thread (an engine that saves off its forward path on
-    a small machine wants that). `region_copier` hands the memory tier a native
-    copy (`kvpack.ops.region_copier`) once one is loaded, `object_writer` the host and
-    disk tiers a native batch file write (`kvpack.ops.object_writer`), `object_remover` a native batch
+    a small machine wants that). `region_copier` hands the memory and host tiers a native
+    copy (`kvpack.ops.region_copier`) once one is loaded, `object_writer` the disk tier a native
+    batch file write (`kvpack.ops.object_writer`), `object_remover` a native batch
     removal (`kvpack.ops.object_remover`)."""
     check_tiers(config, index_files=False)
     tiers: list[Tier] = []
@@ -88,8 +88,7 @@ def build_tiers(
                 config.memory.capacity,
                 quotas,
                 io_threads=copy_threads,
-                object_writer=object_writer,
-                object_remover=object_remover,
+                region_copier=region_copier,
             )
         )
     elif config.memory.enabled and include_memory:

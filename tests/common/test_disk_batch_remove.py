@@ -1,4 +1,4 @@
-"""The disk and host tiers remove a batch's object files natively, the GIL released once.
+"""The disk tier removes a batch's object files natively, the GIL released once.
 
 Every test runs with both removers (`kvpack.tiers.disk.removes`): the extension's
 ``remove_objects`` (`kvpack.ops.object_remover`) and the Python fallback a process
@@ -12,9 +12,7 @@ Python-level ``unlink`` or ``rmdir``.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,12 +20,10 @@ import pytest
 from helpers import make_item
 
 from fixtures.os_calls import count_os_calls
-from kvpack.keys import GroupKey
 from kvpack.ops import load_extension, object_remover
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.removes import NativeFile, NativeFolder, ObjectRemover
-from kvpack.tiers.host import HostTier, host_root
 
 REMOVERS = ("native", "python")
 PAGE = 1024
@@ -178,17 +174,3 @@ def test_keys_whose_openat2_is_refused_are_removed_from_python(
         assert tier.counters.removed.get("removed") == 3
     finally:
         tier.close()
-
-
-@pytest.mark.parametrize("kind", REMOVERS)
-def test_the_host_tier_removes_through_the_same_batch(kind: str) -> None:
-    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tier = HostTier(name, 1 << 30, object_remover=_remover(kind))
-    try:
-        items = [_item("t", 0x10, 1), _item("t", 0x10, 2)]
-        assert tier.put_from(items) == [TierStatus.OK] * len(items)
-        assert tier.remove_groups([GroupKey(it.key.tenant, it.key.fingerprint, it.key.chunk) for it in items]) == 2
-        assert _tree(tier.root) == (set(), set())
-    finally:
-        tier.close()
-        shutil.rmtree(host_root(name), ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Issue 34: the disk and host tiers write a batch's object files natively, the GIL released once.
+"""Issue 34: the disk tier writes a batch's object files natively, the GIL released once.
 
 Every test runs with both writers (`kvpack.tiers.disk.writes`): the extension's
 ``write_objects`` (`kvpack.ops.object_writer`) and the Python fallback a process
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from kvpack.ops import load_extension, object_writer
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.writes import NativeJob, ObjectWriter, WriteResult
-from kvpack.tiers.host import HostTier
 
 WRITERS = ("native", "python")
 SIZES = (1024, 4096, 5000, (64 << 10) + 3, 300_000)
@@ -85,21 +83,6 @@ def test_native_files_are_the_python_writers_byte_for_byte(tmp_path: Path, io_th
         assert native_tier.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0].ok
         assert dst.tobytes() == bytes(item.payload)
     assert native_tier.counters.removed == {} and _temps(tmp_path) == []
-
-
-@pytest.mark.parametrize("kind", WRITERS)
-def test_host_tier_writes_through_its_owner_folder(tmp_path: Path, kind: str) -> None:
-    tier = HostTier(f"w-{uuid.uuid4().hex[:8]}", 64 << 20, shm=str(tmp_path), object_writer=_writer(kind))
-    try:
-        items = _items()
-        assert tier.put_from(items) == [TierStatus.OK] * len(items)
-        for item in items:
-            dst = np.empty(item.header.payload_len, np.uint8)
-            assert tier.get_into([item.key], [memoryview(dst)], [expect(item)], True)[0].ok
-            assert dst.tobytes() == bytes(item.payload)
-        assert _temps(tmp_path) == []
-    finally:
-        tier.close()
 
 
 @pytest.mark.parametrize("kind", WRITERS)

@@ -61,6 +61,7 @@ from kvpack.tiers.host import (
     store_name,
 )
 from kvpack.tiers.host.owners import OWNERS, TEMPS
+from kvpack.tiers.host.pages import Geometry
 from kvpack.tiers.memory import MemoryTier
 
 CHILD = str(Path(__file__).with_name("host_child.py"))
@@ -144,9 +145,11 @@ def test_writers_killed_mid_store_leave_exact_loads_and_their_space(name: str) -
         assert os.listdir(f"{root}/{TEMPS}") == mine, "a dead writer's temporary folder is left"
         assert os.listdir(f"{root}/{TEMPS}/{mine[0]}") == []
         assert [n for n in os.listdir(f"{root}/{OWNERS}") if not n.startswith(".")] == mine
-        objects = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kvp") and "/." not in d]
-        pages = sum(-(-os.lstat(p).st_size // 4096) * 4096 for p in objects)
-        assert pages == tier.usage().used_bytes, "the index and the files disagree"
+        free, limbo, held = tier.page_census()
+        geometry = Geometry.for_capacity(budget)
+        assert free + limbo + held == geometry.pages, "a page is lost or counted twice"
+        assert limbo == 0, "a dead writer's pages were not freed"
+        assert held * geometry.page_bytes == tier.usage().used_bytes, "the index's bytes and its pages disagree"
     finally:
         tier.close()
     for k in range(5):  # every page any writer may have stored: exact or a miss
@@ -154,7 +157,7 @@ def test_writers_killed_mid_store_leave_exact_loads_and_their_space(name: str) -
         hits, wrong, _ = line(reader, "LOADED")
         assert wrong == 0
         assert reader.wait() == 0
-    whole = budget // (PAGE + 4096)  # a page costs its payload and one header page
+    whole = budget // (PAGE + geometry.page_bytes)  # an object costs its payload and one page for its header
     writer = child("store", name, budget, 500_000, whole)
     assert line(writer, "STORED") == [whole], "the dead writers' space did not come back"
     assert writer.wait() == 0

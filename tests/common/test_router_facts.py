@@ -42,7 +42,7 @@ def two_processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tu
             yield stores
         return
     name = f"facts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
+    data = {"memory": {"mode": "host", "host_name": name, "capacity": "16KiB"}, "disk": {"enabled": False}}
     try:
         with two_stores(data) as stores:
             yield stores

@@ -42,10 +42,10 @@ def _group(i: int) -> GroupKey:
 
 @pytest.fixture
 def two_processes(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
-    """Two stores on one host store (each its own tier and owner, as two processes): 32 KiB
-    holds four 1 KiB objects (a header page and a payload page each)."""
+    """Two stores on one host store (each its own tier and owner, as two processes): 16 KiB
+    holds four 1 KiB objects (one 4 KiB page each: header and payload)."""
     name = f"sweep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    data = {"memory": {"mode": "host", "host_name": name, "capacity": "32KiB"}, "disk": {"enabled": False}}
+    data = {"memory": {"mode": "host", "host_name": name, "capacity": "16KiB"}, "disk": {"enabled": False}}
     try:
         with two_stores(data) as stores:
             yield stores

@@ -88,8 +88,8 @@ def test_the_host_tier_reports_its_evictions(tmp_path: Path) -> None:
     """The shared host tier (``memory.mode: host``) announces what it took and withdraws what it
     evicted, under its own name (vLLM's KV events: medium CPU, `vllm_plugin.kv_events.MEDIUMS`)."""
     name = f"events-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    # an object costs its header page and its payload page in tmpfs (8 KiB): 32 KiB holds four
-    memory = {"mode": "host", "host_name": name, "capacity": "32KiB"}
+    # an object (header and 1 KiB payload) costs one 4 KiB page of the arena: 16 KiB holds four
+    memory = {"mode": "host", "host_name": name, "capacity": "16KiB"}
     store = _store(tmp_path, memory=memory, disk={"enabled": False})
     try:
         assert [t.name for t in store.tiers] == ["host"]

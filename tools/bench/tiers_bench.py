@@ -146,7 +146,7 @@ def run(
         disk_put, disk_get = _tier_rates(disk, items, exps, verify=True, repeats=repeats)
         keyed = DiskTier(folder / f"kv-keyed-{label}", size * count * 4)
         keyed_put, keyed_get = _keyed_disk_rates(keyed, items, exps, repeats)
-        host = HostTier(f"bench-{os.getpid()}-{label}", size * count * 4, object_writer=object_writer)
+        host = HostTier(f"bench-{os.getpid()}-{label}", size * count * 4)
         try:
             host_put, host_get = _tier_rates(host, items, exps, verify=True, repeats=repeats)
             _, host_get_raw = _tier_rates(host, items, exps, verify=False, repeats=repeats)

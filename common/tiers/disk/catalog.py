@@ -114,6 +114,9 @@ def _flock(fd: int, timeout_s: float) -> None:
 class Catalog(ScanReconcile):
     """One process's connection to the folder's index. Thread-safe (one lock per connection)."""
 
+    EVICTABLE = ""
+    """A condition on ``groups`` rows that eviction may take ("": any; the host store's: none being written)."""
+
     def __init__(self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S) -> None:
         """Open (or create) the index at `path`; a file of another schema version is emptied
         and rebuilt from the folder (it is derived data: the object files are the truth)."""
@@ -367,7 +370,8 @@ class Catalog(ScanReconcile):
 
         def candidates(owner: str | None) -> Iterator[Candidate]:
             conds = older if owner is None else [("tenant=?", owner), *older]
-            where = " WHERE " + " AND ".join(c for c, _ in conds) if conds else ""
+            texts = [c for c, _ in conds] + ([self.EVICTABLE] if self.EVICTABLE else [])
+            where = " WHERE " + " AND ".join(texts) if texts else ""
             sql = f"SELECT g, tenant, nbytes FROM groups{where} ORDER BY tick"  # noqa: S608 - fixed text
             for g, who, size in db.execute(sql, [v for _, v in conds]):
                 yield Candidate(g, who, size)
@@ -493,10 +497,15 @@ def present_index_files(root: str, lstat: Callable[[str], os.stat_result], field
 
 
 def open_catalog(
-    root: str, root_fd: int, busy_timeout_s: float, field: str = "disk.path", kind: type[Catalog] = Catalog
+    root: str,
+    root_fd: int,
+    busy_timeout_s: float,
+    field: str = "disk.path",
+    kind: Callable[[str, float], Catalog] = Catalog,
 ) -> Catalog:
-    """The folder's shared index (a `kind`); ConfigError naming `field` when its files are not
-    regular files (a planted symlink is never opened) or it is not a readable index."""
+    """The folder's shared index (made by `kind` from its path and busy timeout); ConfigError naming
+    `field` when its files are not regular files (a planted symlink is never opened) or it is not a
+    readable index."""
     too_old = batch_sql.sqlite_too_old()
     if too_old is not None:
         raise ConfigError(field, too_old)

@@ -73,7 +73,7 @@ from ...objects import (
 )
 from ...router_facts import FactsRow, RouterFacts
 from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
-from ..parallel import IOThreads
+from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
 from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
 from .files import read_header_fd, read_verified
@@ -134,6 +134,7 @@ class DiskTier(Tier):
         index_pace: Callable[[int], None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
         object_remover: Callable[[], ObjectRemover | None] | None = None,
+        region_copier: Callable[[], RegionCopier | None] | None = None,
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
@@ -144,7 +145,8 @@ class DiskTier(Tier):
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
         test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
         the native batch file write (`kvpack.ops.object_writer`; None: write from Python), `object_remover`
-        at each removal for the native batch removal (`kvpack.ops.object_remover`)."""
+        at each removal for the native batch removal (`kvpack.ops.object_remover`), `region_copier` at each
+        memory copy for the native one (`kvpack.ops.region_copier`: the host tier's copies)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self._root_str, self._root_fd = self._open_root(os.fspath(root))
@@ -158,7 +160,7 @@ class DiskTier(Tier):
         self._quotas = dict(quotas or {})
         self._lock = threading.Lock()
         self._root_lock = threading.Lock()
-        self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk")
+        self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk", region_copier=region_copier)
         self._catalog = self._open_catalog(busy_timeout_s)
         self._refused: dict[StoreKey, tuple[int, int]] = {}
         """Keys whose file was refused, by the file's (inode, mtime_ns); bounded.

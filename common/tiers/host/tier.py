@@ -1,49 +1,67 @@
 """The host memory tier: one store in the host's shared memory, shared by every kvpack process.
 
-`HostTier` is the disk tier (`kvpack.tiers.disk.DiskTier`: one file per object,
-the shared SQLite index with its one budget, LRU over groups, tenant shares,
-atomic publication by rename) rooted in a tmpfs folder (`place.host_root`). A
-tmpfs file's pages are host memory and nothing else: no page-cache copy, no
-disk. So every process on the host reads and writes one set of objects under
-one `capacity`, and:
+`HostTier` keeps the disk tier's index and policy (`kvpack.tiers.disk.DiskTier`: the shared
+SQLite index with its one budget, LRU over groups, tenant shares) and puts the objects in one
+arena file on tmpfs (`kvpack.tiers.host.pages`), allocated whole when the store is made and
+mapped once by every process. So every process on the host reads and writes one set of objects
+under one `capacity` (the arena's size: the budget is held from the start, never exceeded), and:
 
-- a load is one copy, ``preadv`` from the shared pages straight into the
-  destination (`files.read_verified`); a save is one copy, ``writev`` from the
-  source into the new file (`disk.writes`: native when the extension is
-  loaded); checksums (`ChecksumPolicy.BOUNDARY`: the objects cross processes)
-  and the integrity key apply as on the disk tier;
-- `capacity` counts what tmpfs holds for an object (`_charge`): its header page(s)
-  plus its payload in whole pages, so the folder's size stays within it (plus the
-  index, `place.INDEX_ALLOWANCE`);
-- a write starts in this process's own temporary folder (`owners`), is renamed
-  into place when whole, and its index row names this process until it is ready
-  (`HostCatalog`). A process killed mid-store leaves no lock held (``flock`` and
-  SQLite's locks die with it) and its reservation is reclaimed by the next
-  process that opens the store or finds it full (`reclaim_dead`): the groups it
-  was writing are unindexed and their files removed, its temporary folder emptied;
-- the folder scan of the disk tier runs only when the index is incomplete (a new
-  or lost index): a live host store's index is the truth (nothing else writes tmpfs).
+- a load is one copy, from the mapping straight into the destination, with no system call per
+  object; a save is one copy, from the source into the object's pages (`IOThreads.copy`: native
+  and GIL-free when the extension is loaded, on `io_threads` threads). Checksums
+  (`ChecksumPolicy.BOUNDARY`: the objects cross processes) and the integrity key apply as on the
+  disk tier;
+- `capacity` counts whole pages (`_charge`): what an object holds of the arena;
+- an object's pages are allocated in the index when it is admitted (`HostCatalog.admit_pages`),
+  written (stamps 0, bytes, stamps = its generation), then marked ready in one transaction
+  (`HostCatalog.finish`). A load copies and then checks the stamps (`SharedPages.stamped`): an
+  object whose pages were meanwhile given to another is a miss (counted in `torn`), never a
+  mixed one, never a refusal;
+- a process killed mid-store leaves no lock held (``flock`` and SQLite's locks die with it) and
+  its pages come back when the next process opens the store or finds it full (`reclaim_dead`):
+  the groups it was writing are unindexed, and the pages of its puts freed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ...objects import payload_checksum
-from ..base import PutItem, TierStatus
+import numpy as np
+
+from ...errors import ConfigError
+from ...keys import GroupKey, StoreKey
+from ...objects import (
+    HEADER_PREFIX_BYTES,
+    Expectation,
+    HeaderFastPath,
+    ObjectHeader,
+    ObjectRejected,
+    Payload,
+    RejectReason,
+    check_header,
+    check_payload,
+    decode_header,
+    header_length,
+    payload_checksum,
+    payload_nbytes,
+    payload_parts,
+)
+from ..base import GetResult, PutItem, TierStatus
 from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
-from ..disk.files import data_offset
 from ..disk.fs import SHM, open_store_root
-from ..disk.removes import ObjectRemover
-from ..disk.writes import ObjectWriter
-from .catalog import HostCatalog
+from ..disk.rows import Victim, group_id
+from ..parallel import CopyPair, RegionCopier
+from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
+from .pages import SharedPages, pair_up, payload_offset
 from .place import host_root
 
-FIELD = "memory.mode"
-"""The config field a host store's start-up errors name."""
+log = logging.getLogger("kvpack")
+
+__all__ = ["FIELD", "HostTier"]
 
 
 class HostTier(DiskTier):
@@ -58,15 +76,18 @@ class HostTier(DiskTier):
         *,
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
-        object_writer: Callable[[], ObjectWriter | None] | None = None,
-        object_remover: Callable[[], ObjectRemover | None] | None = None,
+        region_copier: Callable[[], RegionCopier | None] | None = None,
     ) -> None:
-        """Open (or create) host store `host_name` in `shm` (`place.host_root`) with `capacity`
-        bytes for every process on it; reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use. `object_writer`, `object_remover`: `DiskTier`'s."""
+        """Open (or create) host store `host_name` in `shm` (`place.host_root`) with an arena of
+        `capacity` bytes for every process on it (an existing store keeps the size it was made
+        with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
+        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena."""
         self._owner: Owner | None = None
+        self._asked = capacity
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
+        self.torn = 0
+        """Loads that found their object's pages given to another object meanwhile (answered a miss)."""
         super().__init__(
             host_root(host_name, shm),
             capacity,
@@ -74,9 +95,22 @@ class HostTier(DiskTier):
             False,
             io_threads,
             busy_timeout_s=busy_timeout_s,
-            object_writer=object_writer,
-            object_remover=object_remover,
+            region_copier=region_copier,
         )
+        catalog = self._host_catalog
+        self._capacity_bytes = catalog.geometry.capacity
+        if catalog.geometry.capacity != type(catalog.geometry).for_capacity(capacity).capacity:
+            log.warning(
+                "kvpack: host store %s holds %d MiB (the size it was made with); memory.capacity %d MiB is not used",
+                host_name,
+                catalog.geometry.capacity >> 20,
+                capacity >> 20,
+            )
+        try:
+            self._pages = SharedPages(self._root_fd, catalog.geometry)
+        except OSError as exc:
+            self.close()
+            raise ConfigError(FIELD, f"host store {host_name}: {exc} (drop it: kvpack host drop {host_name})") from None
 
     # -- DiskTier's hooks -----------------------------------------------------------
 
@@ -84,45 +118,240 @@ class HostTier(DiskTier):
         return open_store_root(path, FIELD, shm=True)
 
     def _open_catalog(self, busy_timeout_s: float) -> Catalog:
-        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, HostCatalog)
+        root_fd, asked = self._root_fd, self._asked
+
+        def make(path: str, timeout_s: float) -> Catalog:
+            return HostCatalog(path, timeout_s, capacity=asked, root_fd=root_fd)
+
+        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make)
         assert isinstance(catalog, HostCatalog)
         self._owner = Owner(self._root_fd)
         catalog.owner = self._owner.token
         return catalog
 
+    @property
+    def _host_catalog(self) -> HostCatalog:
+        catalog = self._catalog
+        assert isinstance(catalog, HostCatalog)
+        return catalog
+
     def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
+        """No folder scan: the index is the store (it is made with its arena)."""
         self.reclaim_dead()
-        if not self._catalog.complete():
-            super()._start_build(pace, wait_s)
 
     def _charge(self, item: PutItem, nbytes: int) -> int:
-        """What tmpfs holds for the object: its header page(s) and its payload in whole pages."""
-        return data_offset(item.header.encoded_len) + data_offset(nbytes)
+        """Whole pages: the object's header, its payload's alignment and its payload."""
+        geometry = self._host_catalog.geometry
+        return geometry.pages_for(payload_offset(item.header.encoded_len) + nbytes) * geometry.page_bytes
 
-    def _temp_dir_fd(self) -> int:
-        """This owner's temporary folder: a write is renamed from there into the object's folder (one copy)."""
-        assert self._owner is not None
-        return self._owner.temp_fd
+    def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
+        """Nothing to unlink: the index freed the objects' pages when it deleted their rows."""
+        if keys:
+            self.counters.count_removed(reason, len(keys))
 
     # -- writes -----------------------------------------------------------------------
 
     def put_from(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        """`DiskTier.put_from` with each checksum computed first (the charge counts the header's
-        exact size); items refused for space are tried once more after a `reclaim_dead` that
-        took something back."""
+        """Admit the batch (pages allocated), copy each object into its pages, then mark the
+        written ones ready; items refused for space are tried once more after a `reclaim_dead`
+        that took something back."""
         items = [it if it.header.checksum is not None else _checksummed(it) for it in items]
-        statuses = super().put_from(items)
+        statuses = self._put(items)
         full = [i for i, s in enumerate(statuses) if s is TierStatus.NO_SPACE]
         if full and self.reclaim_dead():
-            for i, status in zip(full, super().put_from([items[i] for i in full])):
+            for i, status in zip(full, self._put([items[i] for i in full])):
                 statuses[i] = status
         return statuses
 
+    def _put(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        catalog = self._host_catalog
+        statuses = [TierStatus.OK] * len(items)
+        sizes = [payload_nbytes(item.payload) for item in items]
+        by_tenant: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            if sizes[i] != item.header.payload_len:
+                statuses[i] = TierStatus.ERROR
+            else:
+                by_tenant.setdefault(item.key.tenant, []).append(i)
+        writer = writer_name(catalog.owner)
+        victims: list[Victim] = []
+        extents: dict[tuple[bytes, str], Extent] = {}
+        try:
+            for tenant, idx in by_tenant.items():
+                requests = [(items[i].key, self._charge(items[i], sizes[i]), items[i].accepted_ns) for i in idx]
+                admitted, gone, allocated = catalog.admit_pages(tenant, requests, self._quotas, writer)
+                victims += gone
+                extents.update(allocated)
+                for i, ok in zip(idx, admitted):
+                    if not ok:
+                        statuses[i] = TierStatus.NO_SPACE
+        except Exception:  # noqa: BLE001 - an index that cannot be written: nothing is stored
+            self._abandon(items, extents, writer)
+            return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
+        self._drop_victims(victims, "evicted")
+        todo = [i for i, s in enumerate(statuses) if s is TierStatus.OK]
+        placed = [(i, extents[(group_id(items[i].key.group), items[i].key.member)]) for i in todo]
+        self._write(items, placed)
+        try:  # one short transaction: from now on the written objects are found (`contains`)
+            still = catalog.finish([items[i].key for i in todo], writer)
+        except Exception:  # noqa: BLE001 - left pending: reclaimed as a dead writer's, or forgotten after the grace
+            return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
+        for i, indexed in zip(todo, still):
+            if not indexed:  # evicted while it was written (a later put, another process)
+                statuses[i] = TierStatus.NO_SPACE
+                self.counters.count_removed("evicted_while_written")
+        return statuses
+
+    def _write(self, items: Sequence[PutItem], placed: Sequence[tuple[int, Extent]]) -> None:
+        """Copy each item's header and payload into its pages, one batch of copies: stamps 0 before,
+        the generation after (`kvpack.tiers.host.pages`)."""
+        pages = self._pages
+        pairs: list[CopyPair] = []
+        for i, extent in placed:
+            item = items[i]
+            head = np.frombuffer(item.header.encode(), dtype=np.uint8)
+            start = payload_offset(head.nbytes)
+            pages.begin_write(extent.runs)
+            pairs += pair_up(pages.regions(extent.runs, 0, head.nbytes), [head])
+            src = [np.frombuffer(p, dtype=np.uint8) for p in payload_parts(item.payload)]
+            pairs += pair_up(pages.regions(extent.runs, start, start + item.header.payload_len), src)
+        self._io.copy(pairs, streaming=True)
+        for _, extent in placed:
+            pages.end_write(extent.runs, extent.gen)
+
+    def _abandon(self, items: Sequence[PutItem], extents: dict[tuple[bytes, str], Extent], writer: str) -> None:
+        """A put that failed after some of its admissions: unindex what it admitted and free its pages."""
+        admitted = {g for g, _ in extents}
+        groups = list({it.key.group: None for it in items if group_id(it.key.group) in admitted})
+        try:
+            self._drop_victims(self._catalog.remove_groups(groups), "failed_write")
+            self._host_catalog.finish([], writer)
+        except Exception:  # noqa: BLE001 - left to reclaim_dead / the grace, as a crash would be
+            pass
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get_into(
+        self,
+        keys: Sequence[StoreKey],
+        dsts: Sequence[Payload],
+        expected: Sequence[Expectation],
+        verify_checksum: bool,
+    ) -> list[GetResult]:
+        """Headers checked per object, every payload copy of the batch at once, then each object's
+        stamps checked (a changed one: a miss, `torn`) and, if asked, its checksum."""
+        try:
+            found = self._host_catalog.ready_extents(keys)
+        except Exception as exc:  # noqa: BLE001 - an unreadable index: nothing is loaded
+            return [GetResult(TierStatus.ERROR, detail=f"host index: {exc}")] * len(keys)
+        results = [_MISS] * len(keys)
+        copied: list[tuple[int, Extent, ObjectHeader, tuple[memoryview, ...]]] = []
+        pairs: list[CopyPair] = []
+        fast = HeaderFastPath()
+        for i, extent in enumerate(found):
+            if extent is None:
+                continue
+            parts = payload_parts(dsts[i])
+            checked = self._header(extent, expected[i], sum(p.nbytes for p in parts), fast)
+            if isinstance(checked, GetResult):
+                results[i] = checked
+                continue
+            header, start = checked
+            src = self._pages.regions(extent.runs, start, start + header.payload_len)
+            pairs += pair_up([np.frombuffer(p, dtype=np.uint8) for p in parts], src)
+            copied.append((i, extent, header, parts))
+        self._io.copy(pairs)
+        for i, extent, header, parts in copied:
+            if not self._stable(extent):
+                continue  # its pages went to another object while they were copied: a miss
+            bad = check_payload(header, parts) if verify_checksum else None
+            results[i] = (
+                GetResult(TierStatus.OK, header) if bad is None else GetResult(TierStatus.REJECTED, header, bad)
+            )
+        hits = [k.group for k, r in zip(keys, results) if r.ok]
+        if hits:
+            try:
+                self._catalog.touch(hits)
+            except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
+                pass
+        return results
+
+    def _header(
+        self, extent: Extent, exp: Expectation, want: int, fast: HeaderFastPath
+    ) -> tuple[ObjectHeader, int] | GetResult:
+        """(the object's header, where its payload starts) if it is the expected object's and fits
+        `want` payload bytes, else its refusal; a miss when its pages changed while the header was
+        read. The header is checked in place in the mapping (`HeaderFastPath` when it is exactly the
+        one `exp` predicts), else decoded."""
+        pages = self._pages
+        page = pages.geometry.page_bytes
+        limit = sum(count for _, count in extent.runs) * page
+        first, count = extent.runs[0]
+        raw = pages.area[first * page : (first + count) * page].data  # the header lies in the first run
+        try:
+            total = header_length(raw[:HEADER_PREFIX_BYTES])
+            hit = fast.check(raw, total + exp.payload_len, exp) if exp.payload_len is not None else None
+            if hit is not None:
+                header = hit[0]
+            elif total <= len(raw):
+                header = decode_header(raw[:total])
+            else:
+                header = decode_header(pages.read_bytes(extent.runs, 0, min(total, limit)))
+            reason = None if hit is not None else check_header(header, exp)
+        except ObjectRejected as exc:
+            return GetResult(TierStatus.REJECTED, None, exc.reason, str(exc)) if self._stable(extent) else _MISS
+        start = payload_offset(total)
+        if reason is None and want != header.payload_len:
+            reason = RejectReason.LENGTH
+        elif reason is None and start + header.payload_len > limit:
+            reason = RejectReason.TRUNCATED
+        if reason is None:
+            return header, start
+        return GetResult(TierStatus.REJECTED, header, reason) if self._stable(extent) else _MISS
+
+    def _stable(self, extent: Extent) -> bool:
+        """Do `extent`'s pages still hold its object (False: counted in `torn`)? A refusal is only
+        trusted once they do: bytes read while another object was being written are no verdict."""
+        if self._pages.stamped(extent.runs, extent.gen):
+            return True
+        self.torn += 1
+        return False
+
+    def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
+        """Headers of the keys' ready objects (None: not held, unreadable, naming another key, or
+        its pages changed while it was read)."""
+        try:
+            found = self._host_catalog.ready_extents(keys)
+        except Exception:  # noqa: BLE001
+            return [None] * len(keys)
+        pages = self._pages
+        out: list[ObjectHeader | None] = []
+        for key, extent in zip(keys, found):
+            header: ObjectHeader | None = None
+            if extent is not None:
+                limit = sum(count for _, count in extent.runs) * pages.geometry.page_bytes
+                try:
+                    total = header_length(pages.read_bytes(extent.runs, 0, min(HEADER_PREFIX_BYTES, limit)))
+                    header = decode_header(pages.read_bytes(extent.runs, 0, min(total, limit)))
+                except ObjectRejected:
+                    header = None
+                if not pages.stamped(extent.runs, extent.gen):
+                    header = None
+                same = header is not None and (header.tenant, header.chunk, header.member) == (
+                    key.tenant,
+                    key.chunk,
+                    key.member,
+                )
+                header = header if same else None
+            out.append(header)
+        return out
+
+    # -- dead writers -------------------------------------------------------------------
+
     def reclaim_dead(self) -> int:
-        """Take back what dead processes held: their pending groups (unindexed, files removed,
-        counted as ``dead_writer``) and their temporary files; returns the groups reclaimed."""
-        catalog = self._catalog
-        assert isinstance(catalog, HostCatalog)
+        """Take back what dead processes held: their pending groups (unindexed, counted as
+        ``dead_writer``) and the pages of their puts; returns the groups reclaimed."""
+        catalog = self._host_catalog
         try:
             known = catalog.pending_owners()
         except Exception:  # noqa: BLE001 - a busy index: the next full put tries again
@@ -143,11 +372,21 @@ class HostTier(DiskTier):
         """This process's owner name in the store (`owners.Owner.token`; "" once closed)."""
         return self._owner.token if self._owner is not None else ""
 
+    def page_census(self) -> tuple[int, int, int]:
+        """(free, in limbo, held) pages of the arena (`HostCatalog.page_census`)."""
+        return self._host_catalog.page_census()
+
     def close(self) -> None:
         super().close()
         if self._owner is not None:
             self._owner.close(self._root_fd)
             self._owner = None
+        pages = getattr(self, "_pages", None)
+        if pages is not None:
+            pages.close()
+
+
+_MISS = GetResult(TierStatus.MISS)
 
 
 def _checksummed(item: PutItem) -> PutItem:
