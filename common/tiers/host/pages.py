@@ -79,6 +79,10 @@ class Geometry:
         """Pages a record of `record_bytes` takes (at least one)."""
         return max(1, -(-record_bytes // self.page_bytes))
 
+    def charge(self, header_bytes: int, payload_bytes: int) -> int:
+        """Bytes of the arena an object holds: the whole pages of its record (header, alignment, payload)."""
+        return self.pages_for(payload_offset(header_bytes) + payload_bytes) * self.page_bytes
+
 
 def payload_offset(header_bytes: int) -> int:
     """Where a record's payload starts, after a header of `header_bytes` (64-byte aligned)."""
@@ -157,6 +161,17 @@ def create_arena(root_fd: int, geometry: Geometry) -> None:
         os.close(fd)
 
 
+def _pages_of(extents: Sequence[Sequence[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """(every page of the extents' runs, in order; how many pages each extent has), built with
+    numpy: page ``k`` of a run starting at page ``f`` is ``f + k``."""
+    firsts = [f for runs in extents for f, _ in runs]
+    counts = np.asarray([c for runs in extents for _, c in runs], dtype=np.int64)
+    per = np.asarray([sum(c for _, c in runs) for runs in extents], dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    idx = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - starts, counts)
+    return idx, per
+
+
 class SharedPages:
     """This process's mapping of a store's arena (see the module docstring). Not a lock: the
     index (`kvpack.tiers.host.catalog`) decides which pages an object owns."""
@@ -202,6 +217,24 @@ class SharedPages:
     def read_bytes(self, runs: Sequence[tuple[int, int]], lo: int, hi: int) -> bytes:
         """A copy of the bytes [lo, hi) of the record on the pages of `runs` (a header: small)."""
         return b"".join(r.tobytes() for r in self.regions(runs, lo, hi))
+
+    def stamped_many(self, extents: Sequence[Sequence[tuple[int, int]]], generations: Sequence[int]) -> list[bool]:
+        """Per extent (its runs): do all its pages hold its generation now? A few numpy calls per batch."""
+        idx, per = _pages_of(extents)
+        if not idx.size:
+            return [True] * len(extents)
+        same = self.stamps[idx] == np.repeat(np.asarray(generations, dtype=np.uint64), per)
+        return [bool(x) for x in np.logical_and.reduceat(same, np.cumsum(per) - per)]
+
+    def begin_writes(self, extents: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """`begin_write` for every extent of a batch at once."""
+        idx, _ = _pages_of(extents)
+        self.stamps[idx] = 0
+
+    def end_writes(self, extents: Sequence[Sequence[tuple[int, int]]], generations: Sequence[int]) -> None:
+        """`end_write` for every extent of a batch at once."""
+        idx, per = _pages_of(extents)
+        self.stamps[idx] = np.repeat(np.asarray(generations, dtype=np.uint64), per)
 
     def stamped(self, runs: Sequence[tuple[int, int]], generation: int) -> bool:
         """Do all pages of `runs` hold generation `generation` now?"""

@@ -4,13 +4,15 @@ A host store outlives its processes (`place`: a tmpfs folder, until reboot), as 
 disk tier's folder does: a server restarted, or a second one started later, finds
 the prefixes the first computed. Its memory comes back when an operator drops it
 (`drop`), or at reboot. The last process's exit leaves it in place on purpose: it
-cannot know whether another server starts a second later, and an empty store holds
-only its index (a few MiB).
+cannot know whether another server starts a second later. A store holds its whole
+arena (the `memory.capacity` it was made with, `pages`) plus its index from the
+moment it is made until it is dropped.
 
 `drop` refuses a store with a live user (an owner file locked, `owners.live_owners`).
 It renames the folder aside before deleting it, so a process that starts meanwhile
 creates a new, empty store at the name; one that opened the old folder in the same
-instant finds its root gone and recreates it (`DiskTier._reopen_root`).
+instant keeps using the old, unlinked one (its mapping and index stay valid) until it
+exits, unseen by the others.
 """
 
 from __future__ import annotations

@@ -141,8 +141,7 @@ class HostTier(DiskTier):
 
     def _charge(self, item: PutItem, nbytes: int) -> int:
         """Whole pages: the object's header, its payload's alignment and its payload."""
-        geometry = self._host_catalog.geometry
-        return geometry.pages_for(payload_offset(item.header.encoded_len) + nbytes) * geometry.page_bytes
+        return self._host_catalog.geometry.charge(item.header.encoded_len, nbytes)
 
     def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
         """Nothing to unlink: the index freed the objects' pages when it deleted their rows."""
@@ -173,12 +172,14 @@ class HostTier(DiskTier):
                 statuses[i] = TierStatus.ERROR
             else:
                 by_tenant.setdefault(item.key.tenant, []).append(i)
+        heads = [item.header.encode() for item in items]
+        charges = [catalog.geometry.charge(len(h), n) for h, n in zip(heads, sizes)]
         writer = writer_name(catalog.owner)
         victims: list[Victim] = []
         extents: dict[tuple[bytes, str], Extent] = {}
         try:
             for tenant, idx in by_tenant.items():
-                requests = [(items[i].key, self._charge(items[i], sizes[i]), items[i].accepted_ns) for i in idx]
+                requests = [(items[i].key, charges[i], items[i].accepted_ns) for i in idx]
                 admitted, gone, allocated = catalog.admit_pages(tenant, requests, self._quotas, writer)
                 victims += gone
                 extents.update(allocated)
@@ -191,7 +192,7 @@ class HostTier(DiskTier):
         self._drop_victims(victims, "evicted")
         todo = [i for i, s in enumerate(statuses) if s is TierStatus.OK]
         placed = [(i, extents[(group_id(items[i].key.group), items[i].key.member)]) for i in todo]
-        self._write(items, placed)
+        self._write(items, heads, placed)
         try:  # one short transaction: from now on the written objects are found (`contains`)
             still = catalog.finish([items[i].key for i in todo], writer)
         except Exception:  # noqa: BLE001 - left pending: reclaimed as a dead writer's, or forgotten after the grace
@@ -202,22 +203,20 @@ class HostTier(DiskTier):
                 self.counters.count_removed("evicted_while_written")
         return statuses
 
-    def _write(self, items: Sequence[PutItem], placed: Sequence[tuple[int, Extent]]) -> None:
-        """Copy each item's header and payload into its pages, one batch of copies: stamps 0 before,
-        the generation after (`kvpack.tiers.host.pages`)."""
+    def _write(self, items: Sequence[PutItem], heads: Sequence[bytes], placed: Sequence[tuple[int, Extent]]) -> None:
+        """Copy each item's encoded header (`heads`) and payload into its pages, one batch of copies:
+        stamps 0 before, the generation after (`kvpack.tiers.host.pages`)."""
         pages = self._pages
         pairs: list[CopyPair] = []
+        pages.begin_writes([extent.runs for _, extent in placed])
         for i, extent in placed:
-            item = items[i]
-            head = np.frombuffer(item.header.encode(), dtype=np.uint8)
+            head = np.frombuffer(heads[i], dtype=np.uint8)
             start = payload_offset(head.nbytes)
-            pages.begin_write(extent.runs)
             pairs += pair_up(pages.regions(extent.runs, 0, head.nbytes), [head])
-            src = [np.frombuffer(p, dtype=np.uint8) for p in payload_parts(item.payload)]
-            pairs += pair_up(pages.regions(extent.runs, start, start + item.header.payload_len), src)
+            src = [np.frombuffer(p, dtype=np.uint8) for p in payload_parts(items[i].payload)]
+            pairs += pair_up(pages.regions(extent.runs, start, start + items[i].header.payload_len), src)
         self._io.copy(pairs, streaming=True)
-        for _, extent in placed:
-            pages.end_write(extent.runs, extent.gen)
+        pages.end_writes([extent.runs for _, extent in placed], [extent.gen for _, extent in placed])
 
     def _abandon(self, items: Sequence[PutItem], extents: dict[tuple[bytes, str], Extent], writer: str) -> None:
         """A put that failed after some of its admissions: unindex what it admitted and free its pages."""
@@ -248,6 +247,7 @@ class HostTier(DiskTier):
         copied: list[tuple[int, Extent, ObjectHeader, tuple[memoryview, ...]]] = []
         pairs: list[CopyPair] = []
         fast = HeaderFastPath()
+        area, page = self._pages.area, self._pages.geometry.page_bytes
         for i, extent in enumerate(found):
             if extent is None:
                 continue
@@ -257,17 +257,21 @@ class HostTier(DiskTier):
                 results[i] = checked
                 continue
             header, start = checked
-            src = self._pages.regions(extent.runs, start, start + header.payload_len)
-            pairs += pair_up([np.frombuffer(p, dtype=np.uint8) for p in parts], src)
+            if len(extent.runs) == 1 and len(parts) == 1:  # the common case: one region to one buffer
+                lo = extent.runs[0][0] * page + start
+                pairs.append((np.frombuffer(parts[0], dtype=np.uint8), area[lo : lo + header.payload_len]))
+            else:
+                src = self._pages.regions(extent.runs, start, start + header.payload_len)
+                pairs += pair_up([np.frombuffer(p, dtype=np.uint8) for p in parts], src)
             copied.append((i, extent, header, parts))
         self._io.copy(pairs)
-        for i, extent, header, parts in copied:
-            if not self._stable(extent):
-                continue  # its pages went to another object while they were copied: a miss
+        stable = self._pages.stamped_many([e.runs for _, e, _, _ in copied], [e.gen for _, e, _, _ in copied])
+        for (i, _, header, parts), ok in zip(copied, stable):
+            if not ok:  # its pages went to another object while they were copied: a miss
+                self.torn += 1
+                continue
             bad = check_payload(header, parts) if verify_checksum else None
-            results[i] = (
-                GetResult(TierStatus.OK, header) if bad is None else GetResult(TierStatus.REJECTED, header, bad)
-            )
+            results[i] = GetResult(TierStatus.OK if bad is None else TierStatus.REJECTED, header, bad)
         hits = [k.group for k, r in zip(keys, results) if r.ok]
         if hits:
             try:
