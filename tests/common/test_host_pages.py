@@ -152,6 +152,7 @@ def test_a_load_whose_pages_were_rewritten_meanwhile_is_a_miss_never_the_other_b
             assert got.status is TierStatus.MISS
         assert reader.torn == 2
         monkeypatch.setattr(type(reader._pages), "stamped", lambda self, runs, gen: True)
+        monkeypatch.setattr(type(reader._pages), "stamped_many", lambda self, extents, gens: [True] * len(extents))
         (got,) = reader.get_into([victim.key], [dst.data], [_expect(victim)], False)
         assert got.status is TierStatus.OK and dst.tobytes() != bytes(victim.payload)
     finally:
@@ -181,3 +182,21 @@ def test_a_second_view_reads_the_first_ones_objects_and_the_store_keeps_its_size
         assert _load(again, items[3]) == (TierStatus.OK, bytes(items[3].payload))
     finally:
         again.close()
+
+
+def test_a_batch_of_stamps_is_written_and_checked_per_extent(name: str) -> None:
+    tier = HostTier(name, CAPACITY)
+    try:
+        pages = tier._pages
+        extents = [((7, 3), (2, 2)), ((11, 1),), ((20, 4),)]
+        pages.end_writes(extents, [5, 9, 13])
+        assert pages.stamps[[7, 8, 9, 2, 3]].tolist() == [5] * 5 and pages.stamps[11] == 9
+        assert pages.stamps[20:24].tolist() == [13] * 4 and pages.stamps[[1, 4, 10, 12, 19, 24]].tolist() == [0] * 6
+        assert pages.stamped_many(extents, [5, 9, 13]) == [True, True, True]
+        pages.stamps[3] = 0  # the last page of the first extent's second run: being rewritten
+        assert pages.stamped_many(extents, [5, 9, 13]) == [False, True, True]
+        pages.begin_writes([((11, 1),)])
+        assert pages.stamped_many(extents, [5, 9, 13]) == [False, False, True]
+        assert pages.stamped_many(extents, [5, 9, 14]) == [False, False, False]
+    finally:
+        tier.close()

@@ -97,6 +97,8 @@ def new_generations(n: int) -> list[int]:
 
 def page_runs(pages: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """`pages` as (first page, count) runs of consecutive pages, in order."""
+    if pages and pages[-1] - pages[0] == len(pages) - 1 and sorted(pages) == list(pages):
+        return ((int(pages[0]), len(pages)),)  # the usual case: one run (no numpy)
     p = np.asarray(pages, dtype=np.int64)
     if not p.size:
         return ()
