@@ -4,6 +4,8 @@
     python host_child.py load NAME CAPACITY FIRST COUNT PAGE    # prints LOADED hits wrong misses
     python host_child.py loop NAME CAPACITY FIRST 0 PAGE        # saves pages FIRST, FIRST+1, ... until killed
     python host_child.py budget NAME CAPACITY FIRST COUNT PAGE  # store, then GROWTH <bytes> and waits for stdin
+    python host_child.py cycle NAME CAPACITY FIRST COUNT PAGE   # saves pages FIRST..FIRST+COUNT over and over
+    python host_child.py watch NAME CAPACITY FIRST COUNT PAGE   # loads them over and over; READ hits wrong misses refused
 
 Every process uses `kvpack.Session` with ``memory.mode: host`` (disk off). A page's bytes
 follow from its number (`page_bytes`), so any process can tell a right load from a wrong one.
@@ -83,6 +85,23 @@ def main(mode: str, name: str, capacity: int, first: int, count: int, page: int)
         while True:
             store(session, i, 8, page)
             i += 8
+    elif mode in ("cycle", "watch"):  # until stdin closes (a thread waits for it)
+        import threading
+
+        done = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+        print("STARTED", flush=True)
+        totals = [0, 0, 0]
+        while not done.is_set():
+            if mode == "cycle":
+                store(session, first, count, page)
+            else:
+                totals = [a + b for a, b in zip(totals, load(session, first, count, page))]
+        if mode == "watch":
+            refused = session.store.metrics.snapshot().get("rejected_objects", {})
+            print("READ", *totals, int(sum(refused.values())), flush=True)
+            if refused:
+                print(refused, file=sys.stderr)
     elif mode == "budget":
         store(session, first, 16, page)  # warm: every code path and buffer of a store once
         base = vm_kib("VmRSS")

@@ -141,7 +141,7 @@ def test_a_load_whose_pages_were_rewritten_meanwhile_is_a_miss_never_the_other_b
         stale = reader._host_catalog.ready_extents([victim.key])
         runs = stale[0].runs  # type: ignore[union-attr]
         assert writer.remove_groups([victim.key.group]) == 1
-        writer._pages.begin_write(runs)  # another object's writer took the pages...
+        writer._pages.begin_writes([runs])  # another object's writer took the pages...
         page = writer._pages.geometry.page_bytes
         first, count = runs[-1]
         writer._pages.area[(first + count - 1) * page : (first + count) * page] = 0xAB  # ...and wrote into the last

@@ -163,6 +163,29 @@ def test_writers_killed_mid_store_leave_exact_loads_and_their_space(name: str) -
     assert writer.wait() == 0
 
 
+def test_loads_racing_other_processes_saves_and_evictions_are_exact_or_a_miss(name: str) -> None:
+    """Two processes save the same 48 pages over and over (each save replaces the other's object,
+    and the store, 24 pages big, evicts all the time) while a third loads them over and over: every
+    hit is exact, and a load that raced a rewrite of its pages is a miss, not a refusal (the pages'
+    stamps: without them the checksum refuses such a load, counted as a damaged object, and drops it)."""
+    budget = 24 * (PAGE + 4096)
+    writers = [child("cycle", name, budget, 0, 48) for _ in range(2)]
+    for w in writers:
+        line(w, "STARTED")
+    reader = child("watch", name, budget, 0, 48)
+    line(reader, "STARTED")
+    time.sleep(4)  # the race runs this long; any length shows the same: the test needs no timing
+    for p in (reader, *writers):
+        assert p.stdin is not None
+        p.stdin.close()
+    hits, wrong, misses, refused = line(reader, "READ")
+    for p in (reader, *writers):
+        assert p.wait(60) == 0
+    print(f"hits={hits} wrong={wrong} misses={misses} refused={refused}")
+    assert wrong == 0 and refused == 0
+    assert hits > 0 and misses > 0  # the race happened: some loads found their page, some did not
+
+
 def test_auto_picks_the_host_tier_for_several_processes_or_beside_a_live_user(name: str) -> None:
     def cfg(mode: str, capacity: int = 64 << 20) -> KVPackConfig:
         return KVPackConfig.from_dict(

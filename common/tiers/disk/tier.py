@@ -434,14 +434,7 @@ class DiskTier(Tier):
         """Admit the batch under one lock, write its files on `io_threads`, then
         un-index the files that failed and remove those evicted meanwhile."""
         n = len(items)
-        statuses = [TierStatus.OK] * n
-        sizes = [payload_nbytes(item.payload) for item in items]
-        by_tenant: dict[str, list[int]] = {}
-        for i, item in enumerate(items):
-            if sizes[i] != item.header.payload_len:
-                statuses[i] = TierStatus.ERROR
-            else:
-                by_tenant.setdefault(item.key.tenant, []).append(i)
+        statuses, sizes, by_tenant = sort_puts(items)
         victims: list[Victim] = []
         try:
             for tenant, idx in by_tenant.items():
@@ -565,6 +558,20 @@ class DiskTier(Tier):
         self._old_root_fds.clear()
         if self._builder is None or not self._builder.is_alive():
             self._catalog.close()
+
+
+def sort_puts(items: Sequence[PutItem]) -> tuple[list[TierStatus], list[int], dict[str, list[int]]]:
+    """A put batch's first pass: (per item OK, or ERROR when its payload is not its header's length;
+    each payload's bytes; the indices of the OK items by tenant, in order)."""
+    statuses = [TierStatus.OK] * len(items)
+    sizes = [payload_nbytes(item.payload) for item in items]
+    by_tenant: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        if sizes[i] != item.header.payload_len:
+            statuses[i] = TierStatus.ERROR
+        else:
+            by_tenant.setdefault(item.key.tenant, []).append(i)
+    return statuses, sizes, by_tenant
 
 
 _MISS = GetResult(TierStatus.MISS)

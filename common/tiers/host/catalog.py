@@ -20,9 +20,12 @@ every page is in exactly one of ``free``, ``limbo`` and one extents row; an obje
 exists exactly while its objects row does (a trigger moves its pages to ``free``, or to ``limbo``
 while its writer is named, when the objects row is deleted or replaced: SQLite code, no
 statement per row from Python); the bytes an object is charged (`tenants.used`) are its pages';
-`admit` plans with the capacity less ``limbo``'s pages, so an admitted batch always finds its
-pages free. A pending row names the only owner that may mark its object ready; a newer
-admission of the same object replaces it.
+`admit` plans with the capacity less the pages that will not be free (``limbo``'s, and those of
+objects being written that the batch replaces) and never evicts a group being written
+(`EVICTABLE`), so an admitted batch always finds its pages free. A pending row names the owner
+writing the object; a newer admission of the same object replaces its row, its pages (the older
+writer's wait in limbo) and its pending row. Whoever marks it ready, a load finds its bytes only
+once their stamps carry its generation, which only its own writer sets.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...keys import StoreKey
-from ..disk import batch_sql
 from ..disk.batch_sql import chunks, flat, marks, values
 from ..disk.catalog import Catalog
 from ..disk.rows import Victim, group_id
@@ -53,6 +55,7 @@ _TABLES = (
     " pages TEXT NOT NULL, runs TEXT NOT NULL, writer TEXT, PRIMARY KEY(g, member)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS free(page INTEGER PRIMARY KEY)",
     "CREATE TABLE IF NOT EXISTS limbo(page INTEGER PRIMARY KEY, writer TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS extents_writer ON extents(writer) WHERE writer IS NOT NULL",
     "CREATE INDEX IF NOT EXISTS limbo_writer ON limbo(writer)",
     "CREATE TRIGGER IF NOT EXISTS objects_gone AFTER DELETE ON objects BEGIN"
     " INSERT INTO free(page) SELECT j.value FROM extents e, json_each(e.pages) j"
@@ -232,24 +235,29 @@ class HostCatalog(Catalog):
         return victims
 
     def finish(self, keys: Sequence[StoreKey], writer: str) -> list[bool]:
-        """The end of `writer`'s put, in one transaction: `keys` (written) marked ready and no longer
-        pending, their pages no longer held by the writer, and the writer's limbo pages freed. Per
-        key, was it still indexed (False: evicted or removed while it was written)?"""
-        unique = list(dict.fromkeys((group_id(k.group), k.member) for k in keys))
+        """The end of `writer`'s put, in one transaction of a constant number of statements: the
+        objects whose pages it still holds (none replaced, evicted or removed meanwhile) marked ready
+        and no longer pending, their pages no longer held, and the writer's limbo pages freed. Per key
+        of `keys`, was it marked ready (False: replaced, evicted or removed while it was written)?
+        An object another writer admitted again is never marked ready by this one."""
+        mine = "SELECT g, member FROM extents WHERE writer=?"
         with self._lock, self._tx() as db:
-            ready = batch_sql.mark_ready(db, [(group_id(k.group), k.member) for k in keys], time.time_ns())
-            for part in chunks(unique, 2):
-                keyed = f"WITH k(g, m) AS (VALUES {values(len(part), 2)})"  # noqa: S608 - placeholders only
+            (listed,) = db.execute(
+                "SELECT json_group_array(json_array(hex(g), member)) FROM extents WHERE writer=?", (writer,)
+            ).fetchone()
+            ours = {(bytes.fromhex(g), m) for g, m in json.loads(listed)}
+            if ours:
                 db.execute(
-                    f"{keyed} DELETE FROM pending WHERE owner=? AND (g, member) IN (SELECT g, m FROM k)",
-                    [*flat(part), self.owner],
+                    f"UPDATE objects SET ready=1, since=? WHERE (g, member) IN ({mine})",  # noqa: S608 - fixed text
+                    (time.time_ns(), writer),
                 )
                 db.execute(
-                    f"{keyed} UPDATE extents SET writer=NULL WHERE writer=? AND (g, member) IN (SELECT g, m FROM k)",
-                    [*flat(part), writer],
+                    f"DELETE FROM pending WHERE owner=? AND (g, member) IN ({mine})",  # noqa: S608 - fixed text
+                    (self.owner, writer),
                 )
+                db.execute("UPDATE extents SET writer=NULL WHERE writer=?", (writer,))
             self._release(db, "writer=?", [writer])
-            return ready
+        return [(group_id(k.group), k.member) in ours for k in keys]
 
     @staticmethod
     def _release(db: sqlite3.Connection, where: str, params: Sequence[str]) -> None:

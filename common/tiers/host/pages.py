@@ -12,28 +12,35 @@ them; any free page serves, so the byte budget never fragments): its encoded hea
 at byte 0, its payload at `payload_offset` (64-byte aligned). Consecutive pages are
 copied as one region (`spans`).
 
-Torn reads (the invariant `read`'s callers rely on): a page's stamp is the
+Torn reads (what `HostTier.get_into` relies on): a page's stamp is the
 generation of the object whose bytes it holds, 0 while it is being written.
 A writer zeroes its pages' stamps before it writes them and sets its generation
-after (`begin_write`, `end_write`); a reader checks the stamps equal its generation
-before and after it copies (`stamped`). A page is reallocated only after the object
-that held it is unindexed and its writer is done, so a reader that copied from a
-page meanwhile given to another object sees a changed stamp and answers a miss:
-it never returns bytes of two objects. Generations are random 63-bit numbers
-(`new_generations`), never 0. Stores are ordered as the program issues them on
-x86-64 (TSO); a process on a weaker memory model would need fences here.
+after (`begin_writes`, `end_writes`); a reader checks that the stamps equal its
+generation before it reads the header and again after it copied the payload
+(`stamped_many`: a seqlock). The first check says the writer was done, the
+second that nobody began rewriting the pages meanwhile (a rewrite zeroes them
+first, and a stamp never returns to an old generation), so a load never returns
+bytes of two objects: it answers a miss. Generations are random 63-bit numbers
+(`new_generations`), never 0. On x86-64 stores become visible in program order
+(the native copier fences its non-temporal stores before it returns). Elsewhere
+(aarch64) the stamps' order is not guaranteed without fences Python cannot issue, so
+there `ORDERED_STORES` is False and the host tier verifies every load's checksum: a torn
+read is then a refusal, never wrong bytes.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+"""Do this CPU's stores become visible in program order (x86-64's TSO)? See the module docstring."""
 ARENA = ".kvpack-store.arena"
 """The arena file's name in the store folder (the marker's name plus a dot: the store's own, `fs`)."""
 MIN_PAGE = 4096
@@ -242,17 +249,6 @@ class SharedPages:
         """Do all pages of `runs` hold generation `generation` now?"""
         stamps, gen = self.stamps, np.uint64(generation)
         return all(bool((stamps[first : first + count] == gen).all()) for first, count in runs)
-
-    def begin_write(self, runs: Sequence[tuple[int, int]]) -> None:
-        """Mark the pages of `runs` as being written (stamp 0): a reader of what they held before
-        stops trusting them."""
-        for first, count in runs:
-            self.stamps[first : first + count] = 0
-
-    def end_write(self, runs: Sequence[tuple[int, int]], generation: int) -> None:
-        """The pages of `runs` now hold the whole record of generation `generation`."""
-        for first, count in runs:
-            self.stamps[first : first + count] = np.uint64(generation)
 
     def close(self) -> None:
         """Unmap, once nothing of this process still views the mapping (else the kernel unmaps it at exit)."""

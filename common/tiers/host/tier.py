@@ -14,9 +14,9 @@ under one `capacity` (the arena's size: the budget is held from the start, never
 - `capacity` counts whole pages (`_charge`): what an object holds of the arena;
 - an object's pages are allocated in the index when it is admitted (`HostCatalog.admit_pages`),
   written (stamps 0, bytes, stamps = its generation), then marked ready in one transaction
-  (`HostCatalog.finish`). A load copies and then checks the stamps (`SharedPages.stamped`): an
-  object whose pages were meanwhile given to another is a miss (counted in `torn`), never a
-  mixed one, never a refusal;
+  (`HostCatalog.finish`: only by its own writer). A load checks the pages' stamps before it
+  reads and after it copied (`SharedPages.stamped_many`, a seqlock): an object whose pages were
+  meanwhile given to another is a miss (counted in `torn`), never a mixed one, never a refusal;
 - a process killed mid-store leaves no lock held (``flock`` and SQLite's locks die with it) and
   its pages come back when the next process opens the store or finds it full (`reclaim_dead`):
   the groups it was writing are unindexed, and the pages of its puts freed.
@@ -45,7 +45,6 @@ from ...objects import (
     decode_header,
     header_length,
     payload_checksum,
-    payload_nbytes,
     payload_parts,
 )
 from ..base import GetResult, PutItem, TierStatus
@@ -53,10 +52,11 @@ from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
 from ..disk.fs import SHM, open_store_root
 from ..disk.rows import Victim, group_id
+from ..disk.tier import sort_puts
 from ..parallel import CopyPair, RegionCopier
 from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
-from .pages import SharedPages, pair_up, payload_offset
+from .pages import ORDERED_STORES, SharedPages, pair_up, payload_offset
 from .place import host_root
 
 log = logging.getLogger("kvpack")
@@ -164,14 +164,7 @@ class HostTier(DiskTier):
 
     def _put(self, items: Sequence[PutItem]) -> list[TierStatus]:
         catalog = self._host_catalog
-        statuses = [TierStatus.OK] * len(items)
-        sizes = [payload_nbytes(item.payload) for item in items]
-        by_tenant: dict[str, list[int]] = {}
-        for i, item in enumerate(items):
-            if sizes[i] != item.header.payload_len:
-                statuses[i] = TierStatus.ERROR
-            else:
-                by_tenant.setdefault(item.key.tenant, []).append(i)
+        statuses, sizes, by_tenant = sort_puts(items)
         heads = [item.header.encode() for item in items]
         charges = [catalog.geometry.charge(len(h), n) for h, n in zip(heads, sizes)]
         writer = writer_name(catalog.owner)
@@ -237,8 +230,10 @@ class HostTier(DiskTier):
         expected: Sequence[Expectation],
         verify_checksum: bool,
     ) -> list[GetResult]:
-        """Headers checked per object, every payload copy of the batch at once, then each object's
-        stamps checked (a changed one: a miss, `torn`) and, if asked, its checksum."""
+        """A seqlock over each object's pages: its stamps checked first (not yet or no longer its
+        generation: a miss, `torn`), its header checked, every payload copy of the batch at once,
+        then its stamps checked again (changed meanwhile: a miss) and, if asked, its checksum."""
+        verify_checksum = verify_checksum or not ORDERED_STORES  # a torn read is then a refusal, never wrong bytes
         try:
             found = self._host_catalog.ready_extents(keys)
         except Exception as exc:  # noqa: BLE001 - an unreadable index: nothing is loaded
@@ -248,9 +243,7 @@ class HostTier(DiskTier):
         pairs: list[CopyPair] = []
         fast = HeaderFastPath()
         area, page = self._pages.area, self._pages.geometry.page_bytes
-        for i, extent in enumerate(found):
-            if extent is None:
-                continue
+        for i, extent in self._whole([(i, e) for i, e in enumerate(found) if e is not None]):
             parts = payload_parts(dsts[i])
             checked = self._header(extent, expected[i], sum(p.nbytes for p in parts), fast)
             if isinstance(checked, GetResult):
@@ -279,6 +272,13 @@ class HostTier(DiskTier):
             except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
                 pass
         return results
+
+    def _whole(self, present: list[tuple[int, Extent]]) -> list[tuple[int, Extent]]:
+        """Those of `present` whose pages hold their generation now (their writer is done and none
+        has begun rewriting them); the others are counted in `torn`."""
+        now = self._pages.stamped_many([e.runs for _, e in present], [e.gen for _, e in present])
+        self.torn += now.count(False)
+        return [p for p, ok in zip(present, now) if ok]
 
     def _header(
         self, extent: Extent, exp: Expectation, want: int, fast: HeaderFastPath
@@ -323,31 +323,23 @@ class HostTier(DiskTier):
 
     def peek_headers(self, keys: Sequence[StoreKey]) -> list[ObjectHeader | None]:
         """Headers of the keys' ready objects (None: not held, unreadable, naming another key, or
-        its pages changed while it was read)."""
+        its pages not its own before or after the header was read: `get_into`'s seqlock)."""
         try:
             found = self._host_catalog.ready_extents(keys)
         except Exception:  # noqa: BLE001
             return [None] * len(keys)
         pages = self._pages
-        out: list[ObjectHeader | None] = []
-        for key, extent in zip(keys, found):
-            header: ObjectHeader | None = None
-            if extent is not None:
-                limit = sum(count for _, count in extent.runs) * pages.geometry.page_bytes
-                try:
-                    total = header_length(pages.read_bytes(extent.runs, 0, min(HEADER_PREFIX_BYTES, limit)))
-                    header = decode_header(pages.read_bytes(extent.runs, 0, min(total, limit)))
-                except ObjectRejected:
-                    header = None
-                if not pages.stamped(extent.runs, extent.gen):
-                    header = None
-                same = header is not None and (header.tenant, header.chunk, header.member) == (
-                    key.tenant,
-                    key.chunk,
-                    key.member,
-                )
-                header = header if same else None
-            out.append(header)
+        out: list[ObjectHeader | None] = [None] * len(keys)
+        for i, extent in self._whole([(i, e) for i, e in enumerate(found) if e is not None]):
+            limit = sum(count for _, count in extent.runs) * pages.geometry.page_bytes
+            try:
+                total = header_length(pages.read_bytes(extent.runs, 0, min(HEADER_PREFIX_BYTES, limit)))
+                header = decode_header(pages.read_bytes(extent.runs, 0, min(total, limit)))
+            except ObjectRejected:
+                continue
+            named = (header.tenant, header.chunk, header.member) == (keys[i].tenant, keys[i].chunk, keys[i].member)
+            if self._stable(extent) and named:
+                out[i] = header
         return out
 
     # -- dead writers -------------------------------------------------------------------
