@@ -28,7 +28,7 @@ from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk.rows import group_id
 from kvpack.tiers.host import HostTier, host_root
 from kvpack.tiers.host.catalog import writer_name
-from kvpack.tiers.host.pages import Geometry, page_runs, pair_up, spans
+from kvpack.tiers.host.pages import ARENA, Geometry, page_runs, pair_up, spans
 
 CAPACITY = 256 << 10  # 64 pages of 4 KiB
 PAYLOAD = 6000  # a header and this payload take two pages
@@ -200,3 +200,23 @@ def test_a_batch_of_stamps_is_written_and_checked_per_extent(name: str) -> None:
         assert pages.stamped_many(extents, [5, 9, 14]) == [False, False, False]
     finally:
         tier.close()
+
+
+def test_a_store_whose_arena_was_removed_starts_again_empty(name: str) -> None:
+    """The arena file deleted behind kvpack's back (the index kept): the next open makes a new one and
+    forgets what the index held (misses, never bytes of a vanished arena); the pages are whole again."""
+    first = HostTier(name, CAPACITY)
+    items = _items(0, 4)
+    try:
+        assert first.put_from(items) == [TierStatus.OK] * 4
+    finally:
+        first.close()
+    os.unlink(os.path.join(host_root(name), ARENA))
+    again = HostTier(name, CAPACITY)
+    try:
+        assert [_load(again, it)[0] for it in items] == [TierStatus.MISS] * 4
+        assert _census_whole(again) == (64, 0, 0)
+        assert again.put_from(items) == [TierStatus.OK] * 4
+        assert _load(again, items[2]) == (TierStatus.OK, bytes(items[2].payload))
+    finally:
+        again.close()

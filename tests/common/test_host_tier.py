@@ -228,6 +228,24 @@ def test_shared_memory_too_small_is_one_line_or_the_per_process_tier(
     assert shm_problem(64 << 20, "/nonexistent-shm") is not None
 
 
+def test_a_new_store_needs_its_whole_arena_free_an_existing_one_does_not(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arena is allocated whole when a store is made: a /dev/shm big enough but filled by other
+    files is one line for a new store (auto falls back to the per-process tier), nothing for one made."""
+    real = os.statvfs("/dev/shm")
+    fields = {f: getattr(real, f) for f in ("f_frsize", "f_blocks", "f_bavail")}
+    fields["f_bavail"] = (8 << 20) // real.f_frsize  # 8 MiB free, whatever the size
+    full = type("Statvfs", (), fields)
+    monkeypatch.setattr("kvpack.tiers.host.place.os.statvfs", lambda path: full)
+    problem = shm_problem(64 << 20, root=host_root(name))
+    assert problem is not None and "free" in problem and "\n" not in problem
+    monkeypatch.undo()
+    HostTier(name, 64 << 20).close()  # made now (the real /dev/shm has room)
+    monkeypatch.setattr("kvpack.tiers.host.place.os.statvfs", lambda path: full)
+    assert shm_problem(64 << 20, root=host_root(name)) is None
+
+
 def session(name: str, key: str = "") -> Session:
     """A session on host store `name` (disk off), with integrity key `key` when given."""
     extra = {"integrity_key": key} if key else {}

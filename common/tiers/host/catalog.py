@@ -13,7 +13,8 @@ pages of the arena (`kvpack.tiers.host.pages`) hold it.
   while their writer was still writing them (evicted, replaced, or a failed put), held until that
   writer is done (`finish`) or found dead (`reclaim`), so no page is handed to a new object while
   an old writer may still copy into it;
-- ``meta``: the arena's geometry (``arena_page``, ``arena_pages``), written once with the arena.
+- ``meta``: the arena's geometry (``arena_page``, ``arena_pages``), written once with the arena
+  (and again, the index emptied, if the arena file is found gone or of another size).
 
 Invariants (each kept inside the transaction that changes them; the tests check the first):
 every page is in exactly one of ``free``, ``limbo`` and one extents row; an object's extents row
@@ -33,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -43,7 +45,7 @@ from ...keys import StoreKey
 from ..disk.batch_sql import chunks, flat, marks, values
 from ..disk.catalog import Catalog
 from ..disk.rows import Victim, group_id
-from .pages import Geometry, create_arena, new_generations, page_runs
+from .pages import ARENA, Geometry, create_arena, new_generations, page_runs
 
 FIELD = "memory.mode"
 """The config field a host store's start-up errors name."""
@@ -109,6 +111,8 @@ class HostCatalog(Catalog):
             meta = dict(db.execute("SELECT k, v FROM meta WHERE k IN ('arena_page', 'arena_pages')"))
             if len(meta) == 2:
                 self.geometry = Geometry(int(meta["arena_page"]), int(meta["arena_pages"]))
+                if not self._arena_whole():
+                    self._new_arena(db, wipe=True)
             else:
                 self._new_arena(db)
         except BaseException:
@@ -116,8 +120,21 @@ class HostCatalog(Catalog):
             raise
         db.execute("COMMIT")
 
-    def _new_arena(self, db: sqlite3.Connection) -> None:
-        if db.execute("SELECT 1 FROM objects LIMIT 1").fetchone() is not None:
+    def _arena_whole(self) -> bool:
+        """Is the store's arena file there, a regular file of its geometry's size?"""
+        try:
+            st = os.stat(ARENA, dir_fd=self._root_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == self.geometry.file_bytes
+
+    def _new_arena(self, db: sqlite3.Connection, wipe: bool = False) -> None:
+        """A new arena of the wanted geometry, every page free. `wipe`: the index describes an arena
+        that is gone (its file removed behind kvpack's back): its rows go first (a cache: misses)."""
+        if wipe:
+            for table in ("extents", "limbo", "pending", "facts", "objects", "groups", "tenants"):
+                db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names; extents first: the trigger finds none
+        elif db.execute("SELECT 1 FROM objects LIMIT 1").fetchone() is not None:
             raise ConfigError(
                 FIELD,
                 "host store written by an older kvpack (one file per object); drop it with "

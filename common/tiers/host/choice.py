@@ -33,7 +33,7 @@ def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM)
     mem = config.memory
     if mem.mode is MemoryMode.PROCESS:
         return MemoryMode.PROCESS
-    problem = shm_problem(mem.capacity, shm)
+    problem = shm_problem(mem.capacity, shm, host_root(store_name(config), shm))
     if mem.mode is MemoryMode.HOST:
         if problem is not None:
             raise ConfigError("memory.mode", f"host: {problem}; set memory.mode to process or lower memory.capacity")

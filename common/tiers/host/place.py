@@ -6,7 +6,8 @@ and per store (`store_name`: `memory.host_name`, else the disk store's identity)
 two unrelated stores never mix. `shm_problem`
 says, in one line, why the folder cannot hold `capacity` bytes: no such folder,
 not tmpfs (a disk would be the disk tier, with a page-cache copy), not writable,
-or smaller than the capacity plus the index's allowance.
+smaller than the capacity plus the index's allowance, or, for a store not made yet
+(its arena is allocated whole when it is), without that much free now.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 
 from ...config import KVPackConfig
 from ..disk.fs import SHM
+from .pages import ARENA, Geometry
 
 INDEX_ALLOWANCE = 64 << 20
 """Room the shared memory needs beyond `capacity`: the SQLite index, its WAL and lock files (bytes)."""
@@ -61,8 +63,11 @@ def _fs_type(path: str) -> str | None:
     return kind
 
 
-def shm_problem(capacity: int, shm: str = SHM) -> str | None:
-    """Why `shm` cannot hold a host store of `capacity` bytes (one line), or None when it can."""
+def shm_problem(capacity: int, shm: str = SHM, root: str | None = None) -> str | None:
+    """Why `shm` cannot hold a host store of `capacity` bytes (one line), or None when it can.
+
+    A store is allocated whole when it is made (`pages.create_arena`), so a new one needs that much
+    free space now; the store at `root`, if it already has its arena, needs none."""
     real = os.path.realpath(shm)
     if not os.path.isdir(real):
         return f"{shm} does not exist (no shared memory on this host)"
@@ -73,9 +78,17 @@ def shm_problem(capacity: int, shm: str = SHM) -> str | None:
         return f"{shm} is not writable by uid {os.getuid()}"
     st = os.statvfs(real)
     size = st.f_blocks * st.f_frsize
-    if size < capacity + INDEX_ALLOWANCE:
+    need = Geometry.for_capacity(capacity).file_bytes + INDEX_ALLOWANCE
+    if size < need:
         return (
             f"{shm} holds {size >> 20} MiB, less than memory.capacity ({capacity >> 20} MiB) plus "
             f"{INDEX_ALLOWANCE >> 20} MiB for the index (docker: --shm-size)"
+        )
+    free = st.f_bavail * st.f_frsize
+    made = root is not None and os.path.isfile(os.path.join(root, ARENA))
+    if not made and free < need:
+        return (
+            f"{shm} has {free >> 20} MiB free, less than memory.capacity ({capacity >> 20} MiB) plus "
+            f"{INDEX_ALLOWANCE >> 20} MiB for the index (other files use the rest)"
         )
     return None
