@@ -237,7 +237,9 @@ class HostCatalog(Catalog):
             at += count
             runs = page_runs(mine)
             self._allocated[(g, m)] = Extent(gen, runs)
-            extents.append((g, m, gen, _json(mine), _json(runs), self._writer))
+            listed = ",".join(map(str, mine))
+            spans = ",".join(f"[{first},{count}]" for first, count in runs)
+            extents.append((g, m, gen, f"[{listed}]", f"[{spans}]", self._writer))
         for part6 in chunks(extents, 6):
             db.execute(f"INSERT INTO extents VALUES {values(len(part6), 6)}", flat(part6))  # noqa: S608
         return gone
@@ -335,10 +337,6 @@ class HostCatalog(Catalog):
             db.execute(f"DELETE FROM pending WHERE owner IN ({ids})", owners)  # noqa: S608
             self._release(db, f"substr(writer, 1, instr(writer, '/') - 1) IN ({ids})", owners)
             return victims
-
-
-def _json(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"))
 
 
 def writer_name(owner: str) -> str:
