@@ -228,7 +228,8 @@ class SharedPages:
         return b"".join(r.tobytes() for r in self.regions(runs, lo, hi))
 
     def stamped_many(self, extents: Sequence[Sequence[tuple[int, int]]], generations: Sequence[int]) -> list[bool]:
-        """Per extent (its runs): do all its pages hold its generation now? A few numpy calls per batch."""
+        """Per extent (its runs; each of at least one page): do all its pages hold its generation now?
+        A few numpy calls per batch."""
         idx, per = _pages_of(extents)
         if not idx.size:
             return [True] * len(extents)
@@ -236,12 +237,13 @@ class SharedPages:
         return [bool(x) for x in np.logical_and.reduceat(same, np.cumsum(per) - per)]
 
     def begin_writes(self, extents: Sequence[Sequence[tuple[int, int]]]) -> None:
-        """`begin_write` for every extent of a batch at once."""
+        """Mark every page of a batch's extents as being written (stamp 0): a reader of what they held
+        before stops trusting them (its check after the copy fails)."""
         idx, _ = _pages_of(extents)
         self.stamps[idx] = 0
 
     def end_writes(self, extents: Sequence[Sequence[tuple[int, int]]], generations: Sequence[int]) -> None:
-        """`end_write` for every extent of a batch at once."""
+        """Every page of each extent now holds the whole record of that extent's generation."""
         idx, per = _pages_of(extents)
         self.stamps[idx] = np.repeat(np.asarray(generations, dtype=np.uint64), per)
 
