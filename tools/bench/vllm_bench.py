@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpack.tiers.host import drop
 from kvpack.tools.bench.timing import CpuSample, cpu_sample, write_report
 from kvpack.vllm_plugin.offline import drain, shutdown
 
@@ -74,6 +75,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="", help="write a markdown results file here")
     p.add_argument("--no-disk-hit", action="store_true", help="skip the new-engine (disk) kvpack hit")
     p.add_argument("--hybrid", action="store_true", help="a sliding-window hybrid of the bench model (see above)")
+    p.add_argument(
+        "--memory-mode",
+        choices=["auto", "process", "host"],
+        default="auto",
+        help="kvpack's memory.mode (host: a host store of its own, dropped at the end)",
+    )
     return p.parse_args(argv)
 
 
@@ -186,22 +193,27 @@ def run(args: argparse.Namespace) -> list[Result]:
     results.append(Result("no connector", t, r, n, _decode_rate(llm, timed), cpu))
     shutdown(llm)
 
+    memory = {"mode": args.memory_mode, "host_name": f"bench-vllm-{os.getpid()}"}
     kv = {
         "kv_connector": "KVPackConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"disk": {"path": str(kv_dir)}},
+        "kv_connector_extra_config": {"disk": {"path": str(kv_dir)}, "memory": memory},
     }
-    miss, hit = _store_then_hit(model, kv, max_len, warm, timed)
-    results += [
-        Result("kvpack miss (store)", miss[0], miss[1], n, cpu=miss[2]),
-        Result("kvpack hit (memory)", hit[0], hit[1], n, hit[2]),
-    ]
-    if not args.no_disk_hit:
-        llm = _engine(model, kv, max_len)
-        _ttft(llm, _prompts(3, args.warmups, n))
-        t, r = _ttft(llm, timed)
-        results.append(Result("kvpack hit (disk, new engine)", t, r, n))
-        shutdown(llm)
+    try:
+        miss, hit = _store_then_hit(model, kv, max_len, warm, timed)
+        results += [
+            Result("kvpack miss (store)", miss[0], miss[1], n, cpu=miss[2]),
+            Result("kvpack hit (memory)", hit[0], hit[1], n, hit[2]),
+        ]
+        if not args.no_disk_hit:
+            drop(memory["host_name"])  # a host store outlives its engine: the new engine must read the disk
+            llm = _engine(model, kv, max_len)
+            _ttft(llm, _prompts(3, args.warmups, n))
+            t, r = _ttft(llm, timed)
+            results.append(Result("kvpack hit (disk, new engine)", t, r, n))
+            shutdown(llm)
+    finally:
+        drop(memory["host_name"])
     if args.hybrid:
         aligned = {**kv, "kv_connector_extra_config": {"disk": {"path": str(root / "aligned")}, "tail_reuse": False}}
         _, hit = _store_then_hit(model, aligned, max_len, warm, timed)
