@@ -385,6 +385,7 @@ def start_openai(
 def wait_healthy(proc: Any, port: int, log: Path, ready_s: float = 240) -> None:
     """Wait until the server `start_openai` started answers /health (at most `ready_s`);
     AssertionError (the server stopped) if it exits or never does."""
+    import http.client
     import time
     import urllib.request
 
@@ -395,7 +396,7 @@ def wait_healthy(proc: Any, port: int, log: Path, ready_s: float = 240) -> None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not listening yet (a closed port may even self-connect)
             time.sleep(0.5)
     stop_server(proc)
     raise AssertionError(f"server not ready in {ready_s} s; see {log}")
@@ -448,6 +449,7 @@ def scrape_kvpack(base_port: int, name: str, span: int = 16) -> float:
     """Sum of Prometheus samples `name` (e.g. ``kvpack_loaded_tokens_total``) over every
     kvpack process serving metrics on ``base_port .. base_port + span - 1`` (config
     ``metrics_port``: each process of an engine takes the next free port)."""
+    import http.client
     import urllib.request
 
     total = 0.0
@@ -455,7 +457,7 @@ def scrape_kvpack(base_port: int, name: str, span: int = 16) -> float:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
                 text = resp.read().decode()
-        except OSError:
+        except (OSError, http.client.HTTPException):  # no server there (a closed loopback port can self-connect)
             continue
         for line in text.splitlines():
             if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):

@@ -21,6 +21,7 @@ Run: ``python -m kvpack.tools.bench.chat_retokenize [--users 6 --rounds 4]``
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                         break
-                except OSError:
+                except (OSError, http.client.HTTPException):  # not listening yet
                     time.sleep(1)
             system = _words(random.Random(-1), 150)
             with ThreadPoolExecutor(args.in_flight) as pool:

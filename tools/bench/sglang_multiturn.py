@@ -29,6 +29,7 @@ and three patches to SGLang internals): `--cpu-site` (default: that folder of th
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -139,7 +140,7 @@ class _Server:
                     if r.status == 200:
                         self.start_s = time.monotonic() - began
                         return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not listening yet
                 time.sleep(1)
         self.stop()
         raise RuntimeError(f"server not healthy within {args.start_timeout} s; log {log}")
@@ -149,7 +150,7 @@ class _Server:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
                 return str(r.read().decode())
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return ""
 
     def stop(self) -> None:

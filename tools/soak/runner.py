@@ -19,6 +19,7 @@ Nothing leaves 127.0.0.1; every wait has a bound.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -397,7 +398,7 @@ class Soak:
         for url in urls:
             try:
                 texts.append(urllib.request.urlopen(url, timeout=2).read().decode())
-            except OSError:
+            except (OSError, http.client.HTTPException):  # no server there (a closed loopback port can self-connect)
                 continue
         return "\n".join(texts)
 
