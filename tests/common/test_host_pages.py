@@ -105,7 +105,9 @@ def test_pages_of_an_object_removed_mid_write_wait_for_their_writer(name: str) -
         cat_a, cat_b = a._host_catalog, b._host_catalog
         item = _items(0, 1)[0]
         writer = writer_name(cat_a.owner)
-        ok, _, mine = cat_a.admit_pages("t", [(item.key, a._charge(item, PAYLOAD), 1)], {}, writer)
+        ok, _, mine = cat_a.admit_pages(
+            "t", [(item.key, cat_a.geometry.charge(item.header.encoded_len, PAYLOAD), 1)], {}, writer
+        )
         assert ok == [True]
         held = {p for f, n in mine[(group_id(item.key.group), item.key.member)].runs for p in range(f, f + n)}
         others = _items(1, 32)  # 64 pages: the whole arena

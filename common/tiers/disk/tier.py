@@ -185,10 +185,6 @@ class DiskTier(Tier):
         """The folder's shared index (`catalog.open_catalog`)."""
         return open_catalog(self._root_str, self._root_fd, busy_timeout_s)
 
-    def _charge(self, item: PutItem, nbytes: int) -> int:
-        """Bytes the index counts against `capacity` for `item`, whose payload is `nbytes`: the payload."""
-        return nbytes
-
     @property
     def startup_rejected(self) -> int:
         return self.counters.startup_rejected
@@ -440,7 +436,7 @@ class DiskTier(Tier):
             for tenant, idx in by_tenant.items():
                 admitted, gone = self._catalog.admit(
                     tenant,
-                    [(items[i].key, self._charge(items[i], sizes[i]), items[i].accepted_ns) for i in idx],
+                    [(items[i].key, sizes[i], items[i].accepted_ns) for i in idx],  # an object counts its payload
                     self._capacity_bytes,
                     self._quotas,
                 )
@@ -492,7 +488,8 @@ class DiskTier(Tier):
         native = self._object_writer() if self._object_writer is not None else None
         for _attempt in range(WRITE_ATTEMPTS):
             root_fd, retry = self._root_fd, []
-            results = write_batch(root_fd, self._temp_dir_fd(), [jobs[i] for i in pending], self._fsync, native)
+            # temporaries in each object's own leaf (-1): renamed in place, one copy
+            results = write_batch(root_fd, -1, [jobs[i] for i in pending], self._fsync, native)
             for i, (err, removed) in zip(pending, results):
                 if removed:
                     self.counters.count_removed("own_temp", removed)
@@ -506,10 +503,6 @@ class DiskTier(Tier):
                 break
             pending = retry
         return statuses
-
-    def _temp_dir_fd(self) -> int:
-        """The folder of this tier's temporary files: -1, each object's own leaf."""
-        return -1
 
     def _make_leaf(self, root_fd: int, leaf: str) -> bool:
         try:

@@ -11,7 +11,7 @@ under one `capacity` (the arena's size: the budget is held from the start, never
   and GIL-free when the extension is loaded, on `io_threads` threads). Checksums
   (`ChecksumPolicy.BOUNDARY`: the objects cross processes) and the integrity key apply as on the
   disk tier;
-- `capacity` counts whole pages (`_charge`): what an object holds of the arena;
+- `capacity` counts whole pages (`Geometry.charge`): what an object holds of the arena;
 - an object's pages are allocated in the index when it is admitted (`HostCatalog.admit_pages`),
   written (stamps 0, bytes, stamps = its generation), then marked ready in one transaction
   (`HostCatalog.finish`: only by its own writer). A load checks the pages' stamps before it
@@ -56,7 +56,7 @@ from ..disk.tier import sort_puts
 from ..parallel import CopyPair, RegionCopier
 from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
-from .pages import ORDERED_STORES, SharedPages, pair_up, payload_offset
+from .pages import ORDERED_STORES, Geometry, SharedPages, pair_up, payload_offset
 from .place import host_root
 
 log = logging.getLogger("kvpack")
@@ -99,7 +99,7 @@ class HostTier(DiskTier):
         )
         catalog = self._host_catalog
         self._capacity_bytes = catalog.geometry.capacity
-        if catalog.geometry.capacity != type(catalog.geometry).for_capacity(capacity).capacity:
+        if catalog.geometry.capacity != Geometry.for_capacity(capacity).capacity:
             log.warning(
                 "kvpack: host store %s holds %d MiB (the size it was made with); memory.capacity %d MiB is not used",
                 host_name,
@@ -138,10 +138,6 @@ class HostTier(DiskTier):
     def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
         """No folder scan: the index is the store (it is made with its arena)."""
         self.reclaim_dead()
-
-    def _charge(self, item: PutItem, nbytes: int) -> int:
-        """Whole pages: the object's header, its payload's alignment and its payload."""
-        return self._host_catalog.geometry.charge(item.header.encoded_len, nbytes)
 
     def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
         """Nothing to unlink: the index freed the objects' pages when it deleted their rows."""
