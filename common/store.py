@@ -38,21 +38,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-import numpy as np
-
 from .budget import WaitBudget
 from .config import KVPackConfig
 from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
-from .integrity import IntegrityKey, seal_items
+from .integrity import IntegrityKey
 from .keys import GroupKey, StoreKey
 from .lent import LentCopies
 from .lifecycle import LoadPlan, PlanBook, count_lookup
-from .metrics import Metrics, Tally
-from .objects import ObjectHeader, copy_parts_into, payload_checksum
+from .metrics import Metrics
+from .objects import ObjectHeader
 from .reads import LoadItem, TierReads
-from .router_facts import record_stored_facts
 from .split_lookup import lookup_sets
+from .store_writes import HOST_QUEUE_BYTES, StoreWrites
 from .tails import TailSlots
 from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
 from .tier_events import TierEventFeed
@@ -66,7 +64,7 @@ from .writeback import WriteBack
 log = logging.getLogger("kvpack")
 
 
-class KVStore(LentCopies):
+class KVStore(LentCopies, StoreWrites):
     """See the module docstring; the lent verbs (`store_lent`, `complete_load_lent`): `kvpack.lent`."""
 
     def __init__(
@@ -80,7 +78,8 @@ class KVStore(LentCopies):
         pin_timeout_s: float | None = None,
     ) -> None:
         """`write_back`: lower tiers get stores from the write-back queue (the caller
-        returns after the memory copy); False writes every tier before `store`
+        returns after the copy into the front tier, `Tier.front`: the memory tier or the
+        host store); False writes every tier before `store`
         returns, for engines that call it off their forward path and may kill the
         process without warning (SGLang). `read_only`: a lookup view (vLLM's
         scheduler side): no write-back threads, `store` refuses. `pin_timeout_s`:
@@ -102,7 +101,10 @@ class KVStore(LentCopies):
         self._reads = TierReads(
             self.tiers, self._memory, self.metrics, config.checksum, self._integrity, self._count_evictions
         )
-        self._lower = tuple(t for t in self.tiers if t is not self._memory)
+        self._front = self.tiers[0] if self.tiers[0].front else None
+        """The tier in host memory a store reaches first (`Tier.front`: the memory tier, or the
+        host store), if any; without it (or without `write_back`) a store is written through."""
+        self._lower = tuple(t for t in self.tiers if t is not self._memory and t is not self._front)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
         if pin_timeout_s is None:
             pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
@@ -114,9 +116,15 @@ class KVStore(LentCopies):
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)
-        threads = config.io_threads if self._lower and self.write_back and self._memory is not None else 0
+        threads = config.io_threads if self._lower and self._front is not None and self.write_back else 0
+        # Items queued behind the host store were sealed and checksummed before it took them,
+        # and are copies: bounded in bytes (`HOST_QUEUE_BYTES`).
+        host_front = self._memory is None
         self._writeback = WriteBack(
-            threads, config.write_queue_depth, lambda item: self._write_through([item], self._lower)
+            threads,
+            config.write_queue_depth,
+            lambda item: self._write_through([item], self._lower, sealed=host_front),
+            max_bytes=HOST_QUEUE_BYTES if host_front else None,
         )
         self._stamp_lock = threading.Lock()
         self._last_stamp = 0
@@ -158,6 +166,19 @@ class KVStore(LentCopies):
         tier, vLLM's scheduler) before the lower tiers the config enables (no memory tier
         of its own); no write-back threads, `store` refuses."""
         return cls(config, [*leading, *build_tiers(config, include_memory=False)], metrics, read_only=True)
+
+    @property
+    def front_tier(self) -> str | None:
+        """The name of the tier in host memory that this store asks first (`Tier.front`: the
+        memory tier or the host store), None without one (a reader's view of another process's
+        memory tier is not one: only that process can read it)."""
+        return self._front.name if self._front is not None else None
+
+    def in_front(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: held by the `front_tier` now (all False without one). Never raises."""
+        if self._front is None:
+            return [False] * len(keys)
+        return self._front.contains(keys)
 
     def in_memory(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Per key: held by this process's memory tier now (all False without one)."""
@@ -399,40 +420,6 @@ class KVStore(LentCopies):
 
     # -- store --------------------------------------------------------------------
 
-    def store(self, items: Sequence[PutItem]) -> list[TierStatus]:
-        """Accept objects for storage; the caller's buffers may be reused on return.
-
-        Returns per item: OK when accepted (in memory and/or queued for the lower
-        tiers, or written to at least one lower tier when there is no memory
-        tier), else the status of the failure."""
-        if self._closed or self.read_only:
-            return [TierStatus.UNAVAILABLE] * len(items)
-        if self._memory is None or not self.write_back:
-            return self._write_through(items, self.tiers)
-        start = time.perf_counter()
-        mem = self._memory.put_from(items)
-        self.metrics.observe("store_seconds", time.perf_counter() - start, tier=self._memory.name)
-        if self.events is not None:
-            self.events.stored_where(self._memory.name, [it.key for it in items], [st is TierStatus.OK for st in mem])
-        statuses = list(mem)
-        tally = Tally(self.metrics)
-        stored: dict[str, list[int]] = {}  # tenant -> [bytes, objects]
-        for item, st in zip(items, mem):
-            if st is TierStatus.OK:
-                acc = stored.setdefault(item.key.tenant, [0, 0])
-                acc[0] += item.header.payload_len  # == the payload's size: put_from checked it
-                acc[1] += 1
-            else:
-                tally.inc("store_dropped", tier="memory", reason=st.value)
-        for tenant, (nbytes, count) in stored.items():
-            tally.inc("stored_bytes", nbytes, tenant=tenant, tier="memory")
-            tally.inc("stored_objects", count, tenant=tenant, tier="memory")
-        if self._lower:
-            self._queue_stored(items, mem, statuses)
-        tally.flush()
-        self._count_evictions()
-        return statuses
-
     def prepare_store(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[StoreKey]:
         """The keys still to store: on no tier, and not prepared by another caller that
         has not completed yet (`kvpack.lifecycle`). Pair with `complete_store`."""
@@ -444,91 +431,6 @@ class KVStore(LentCopies):
             return self.store(items)
         finally:
             self._plans.end_stores([it.key for it in items])
-
-    def _queue_stored(self, items: Sequence[PutItem], mem: Sequence[TierStatus], statuses: list[TierStatus]) -> None:
-        """Queue every item for the lower tiers: from the memory tier's copy
-        (borrowed, all under one lock) where it holds one, else from a copy."""
-        assert self._memory is not None
-        accepted = self._accept_stamps(len(items))
-        stored = [i for i, st in enumerate(mem) if st is TierStatus.OK]
-        views: list[tuple[ObjectHeader, memoryview] | None] = [None] * len(items)
-        for i, borrowed in zip(stored, self._memory.borrow_many([items[i].key for i in stored])):
-            views[i] = borrowed
-        for i, item in enumerate(items):
-            borrowed = views[i]
-            if borrowed is not None:
-                queued = PutItem(item.key, item.header, borrowed[1], accepted[i], item.announce)
-            else:  # the memory tier holds no copy: take one for the queue
-                owned = np.empty(item.nbytes, dtype=np.uint8)
-                copy_parts_into(owned, item.payload)
-                queued = PutItem(item.key, item.header, owned.data, accepted[i], item.announce)
-            if self._enqueue(queued):
-                statuses[i] = TierStatus.OK
-
-    def _accept_stamps(self, n: int) -> range:
-        """`n` wall-clock ns stamps, strictly increasing across every call of this store: the order
-        in which `store` accepted its items. The write-back's threads reach a lower tier in their
-        own order; the tier ranks recency by these stamps (`PutItem.accepted_ns`), so an older
-        store arriving late never evicts a newer one."""
-        with self._stamp_lock:
-            first = max(self._last_stamp + 1, time.time_ns())
-            self._last_stamp = first + n - 1
-        return range(first, first + n)
-
-    def _enqueue(self, item: PutItem) -> bool:
-        if self._writeback.enqueue(item):
-            return True
-        for tier in self._lower:
-            self.metrics.inc("store_dropped", tier=tier.name, reason="backpressure")
-        return False
-
-    def _write_through(self, items: Sequence[PutItem], tiers: Sequence[Tier]) -> list[TierStatus]:
-        """Write a batch to `tiers` now, one `put_from` per tier; per item OK if at
-        least one tier took it. Never raises.
-
-        With one tier, a missing payload checksum is left to that tier, which
-        computes it where it writes (the disk tier on its I/O threads); with
-        several it is computed once here and shared."""
-        if not items:
-            return []
-        if self._integrity is not None:
-            items = seal_items(self._integrity, items)
-        if len(tiers) > 1:
-            items = [
-                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
-                if it.header.checksum is None
-                else it
-                for it in items
-            ]
-        best: list[TierStatus | None] = [None] * len(items)
-        for tier in tiers:
-            start = time.perf_counter()
-            try:
-                got = tier.put_from(items)
-                if len(got) != len(items):
-                    raise RuntimeError(f"{tier.name}.put_from returned {len(got)} statuses for {len(items)} items")
-            except Exception as exc:
-                log.warning("kvpack: %s.put_from failed: %s", tier.name, exc)
-                got = [TierStatus.ERROR] * len(items)
-            self.metrics.observe("store_seconds", time.perf_counter() - start, tier=tier.name)
-            if self.events is not None:
-                self.events.stored_where(tier.name, [it.key for it in items], [st is TierStatus.OK for st in got])
-            if any(it.announce is not None for it in items):
-                record_stored_facts(tier, items, [st is TierStatus.OK for st in got], self.metrics)
-            tally = Tally(self.metrics)
-            for i, (item, status) in enumerate(zip(items, got)):
-                if status is TierStatus.OK:
-                    tally.inc("stored_bytes", item.header.payload_len, tenant=item.key.tenant, tier=tier.name)
-                    tally.inc("stored_objects", tenant=item.key.tenant, tier=tier.name)
-                else:
-                    tally.inc("store_dropped", tier=tier.name, reason=status.value)
-                    if status is not TierStatus.NO_SPACE:
-                        tally.inc("tier_errors", tier=tier.name, status=status.value)
-                if best[i] is None or status is TierStatus.OK:
-                    best[i] = status
-            tally.flush()
-        self._count_evictions()
-        return [b or TierStatus.ERROR for b in best]
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (bounded) until every queued store reached its tiers. True if drained."""

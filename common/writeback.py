@@ -12,7 +12,9 @@ object is queued here and written by one of `threads` threads. Invariants:
   when the store accepted it (`PutItem.accepted_ns`), and a bounded tier ranks
   recency by that, so its eviction follows the order of the stores.
 - Counted: `pending` is every object accepted and not yet written (queued or
-  being written); `flush` waits, bounded, until it is 0.
+  being written); `flush` waits, bounded, until it is 0. With `max_bytes`, the
+  payload bytes of those objects stay within it too (`has_room`): the queue
+  behind the host store holds copies, which this bounds.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from .tiers.base import PutItem
 class WriteBack:
     """See the module docstring. `write(item)` runs on the threads and must not raise."""
 
-    def __init__(self, threads: int, depth: int, write: Callable[[PutItem], object]) -> None:
+    def __init__(
+        self, threads: int, depth: int, write: Callable[[PutItem], object], max_bytes: int | None = None
+    ) -> None:
         self._write = write
+        self._max_bytes = max_bytes
+        self._bytes = 0
         per_thread = max(1, depth // max(1, threads))
         self._queues: list[queue.Queue[PutItem | None]] = [queue.Queue(maxsize=per_thread) for _ in range(threads)]
         self._pending = 0
@@ -52,15 +58,26 @@ class WriteBack:
         with self._cv:
             return self._pending
 
-    def enqueue(self, item: PutItem) -> bool:
-        """Queue `item` for the lower tiers; False (nothing queued) when its queue is full."""
+    def has_room(self, nbytes: int) -> bool:
+        """Would an object of `nbytes` payload bytes fit under `max_bytes` now? (Always, without
+        it; and when nothing is queued: one object larger than the bound still goes.)"""
         with self._cv:
+            return self._max_bytes is None or not self._bytes or self._bytes + nbytes <= self._max_bytes
+
+    def enqueue(self, item: PutItem) -> bool:
+        """Queue `item` for the lower tiers; False (nothing queued) when its queue is full or
+        its bytes would pass `max_bytes`."""
+        nbytes = item.nbytes
+        with self._cv:
+            if self._max_bytes is not None and self._bytes and self._bytes + nbytes > self._max_bytes:
+                return False
             self._pending += 1
+            self._bytes += nbytes
         try:
             self._queues[hash(item.key) % len(self._queues)].put_nowait(item)
             return True
         except queue.Full:
-            self._done_one()
+            self._done_one(nbytes)
             return False
 
     def flush(self, timeout_s: float) -> bool:
@@ -84,9 +101,10 @@ class WriteBack:
         for t in self._threads:
             t.join(timeout=join_s)
 
-    def _done_one(self) -> None:
+    def _done_one(self, nbytes: int) -> None:
         with self._cv:
             self._pending -= 1
+            self._bytes -= nbytes
             if self._pending == 0:
                 self._cv.notify_all()
 
@@ -99,4 +117,4 @@ class WriteBack:
             try:
                 self._write(item)
             finally:
-                self._done_one()
+                self._done_one(item.nbytes)

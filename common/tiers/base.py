@@ -94,6 +94,10 @@ class Tier(ABC):
     remote: bool = False
     """Calls leave this process and may each wait up to the tier's own bound (Mooncake):
     `KVStore` skips such a tier once an engine step's `WaitBudget` is spent."""
+    front: bool = False
+    """A tier in host memory that a store reaches first: `KVStore.store` returns once it holds
+    a copy and hands the tiers below it to the write-back threads (the per-process memory
+    tier, the host store). At most one per store, and then the first."""
 
     @abstractmethod
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:

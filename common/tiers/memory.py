@@ -77,6 +77,7 @@ def _gid(key: StoreKey | GroupKey) -> str:
 
 class MemoryTier(Tier):
     name = "memory"
+    front = True
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from kvpack.config import KVPackConfig
 from kvpack.keys import StoreKey
 from kvpack.objects import Expectation
 from kvpack.store import KVStore, LoadItem
+from kvpack.tiers.host import drop
 
 N_OBJECTS = 48
 OBJECT_BYTES = 1 << 20
@@ -41,8 +43,9 @@ CHILD = (
     from kvpack.store import KVStore
     from kvpack.tiers.base import PutItem
 
-    path, how, bound = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    config = KVPackConfig.from_dict({"disk": {"path": path}, "shutdown_flush_s": bound, "io_threads": 1})
+    path, how, bound, host = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    memory = {"mode": "host", "host_name": host, "capacity": "64MiB"} if host else {}
+    config = KVPackConfig.from_dict({"disk": {"path": path}, "memory": memory, "shutdown_flush_s": bound, "io_threads": 1})
     store = KVStore.from_config(config)
     items = []
     for i in range(N_OBJECTS):
@@ -67,9 +70,10 @@ CHILD = (
 )
 
 
-def _child(path: Path, how: str, bound_s: float) -> subprocess.CompletedProcess[str]:
+def _child(path: Path, how: str, bound_s: float, host: str = "") -> subprocess.CompletedProcess[str]:
+    """The child stores through the per-process memory tier, or through host store `host`."""
     return subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), how, str(bound_s)],
+        [sys.executable, "-c", CHILD, str(path), how, str(bound_s), host],
         capture_output=True,
         text=True,
         timeout=120,
@@ -107,6 +111,19 @@ def test_accepted_stores_are_on_disk_after_the_process_ends(tmp_path: Path, how:
     if how == "sigint":
         assert "KeyboardInterrupt" in proc.stderr  # Python's own SIGINT handler ran: not swallowed
     assert _on_disk(tmp_path / "kv") == N_OBJECTS
+
+
+def test_a_script_storing_through_the_host_store_leaves_every_accepted_store_on_disk(tmp_path: Path) -> None:
+    """With the host store in front the disk is written behind it too (`KVStore.store`), so
+    the exit flush covers it: the script simply ends, every object it stored is on disk."""
+    name = f"exitflush-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        proc = _child(tmp_path / "kv", "exit", bound_s=60.0, host=name)
+        assert f"ACCEPTED {N_OBJECTS}" in proc.stdout, proc.stderr[-2000:]
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert _on_disk(tmp_path / "kv") == N_OBJECTS
+    finally:
+        drop(name)
 
 
 def test_the_bound_drops_what_it_cannot_write_and_says_so(tmp_path: Path) -> None:

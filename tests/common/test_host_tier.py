@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -289,6 +290,93 @@ def test_the_integrity_key_applies_to_the_host_tier(name: str) -> None:
     finally:
         for s in (writer, stranger, reader):
             s.close()
+
+
+def test_the_disk_below_the_host_store_is_written_by_the_write_back_threads(name: str, tmp_path: Path) -> None:
+    """A save returns once the host store holds its objects; the disk tier gets them from the
+    write-back threads, sealed once: a process reading the disk alone, with the same integrity
+    key, loads them exactly."""
+    key = "33" * 16
+    config = KVPackConfig.from_dict(
+        {
+            "memory": {"mode": "host", "host_name": name, "capacity": 8 << 20},
+            "disk": {"path": str(tmp_path / "kv")},
+            "integrity_key": key,
+        }
+    )
+    tiers = build_tiers(config)
+    disk = tiers[1]
+    writers: list[str] = []
+    put_from = disk.put_from
+
+    def recorded(items):  # type: ignore[no-untyped-def]
+        writers.append(threading.current_thread().name)
+        return put_from(items)
+
+    disk.put_from = recorded  # type: ignore[method-assign]
+    writer = Session(KVStore(config, tiers), GROUP_FP)
+    try:
+        assert writer.save_pages("t", OBJ, [chunk_id(1)], lambda todo: [DATA.data]) == [True]
+        assert loaded(writer)  # from the host store, at once
+        assert writer.store.flush(30.0)
+        assert writers and all(w.startswith("kvpack-writeback") for w in writers), writers
+    finally:
+        writer.close()
+    disk_only = KVPackConfig.from_dict(
+        {"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}, "integrity_key": key}
+    )
+    reader = Session(KVStore(disk_only, build_tiers(disk_only)), GROUP_FP)
+    try:
+        assert loaded(reader)
+    finally:
+        reader.close()
+
+
+def test_past_its_byte_bound_the_host_stores_queue_leaves_the_disk_write_to_the_saver(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind the host store the write-back queue holds copies, at most `HOST_QUEUE_BYTES`: with
+    room for one object and that one's disk write held, a save of four writes the other three to
+    disk itself; nothing is dropped and a disk-only reader loads all four."""
+    monkeypatch.setattr("kvpack.store.HOST_QUEUE_BYTES", DATA.nbytes)
+    config = KVPackConfig.from_dict(
+        {"memory": {"mode": "host", "host_name": name, "capacity": 8 << 20}, "disk": {"path": str(tmp_path / "kv")}}
+    )
+    tiers = build_tiers(config)
+    disk = tiers[1]
+    held = threading.Event()
+    writers: list[tuple[str, int]] = []
+    put_from = disk.put_from
+
+    def recorded(items):  # type: ignore[no-untyped-def]
+        writers.append((threading.current_thread().name, len(items)))
+        if threading.current_thread().name.startswith("kvpack-writeback"):
+            assert held.wait(30.0)
+        return put_from(items)
+
+    disk.put_from = recorded  # type: ignore[method-assign]
+    writer = Session(KVStore(config, tiers), GROUP_FP)
+    chunks = [chunk_id(i) for i in range(1, 5)]
+    try:
+        assert writer.save_pages("t", OBJ, chunks, lambda todo: [DATA.data] * len(todo)) == [True] * 4
+        assert (threading.current_thread().name, 3) in writers, writers
+        held.set()
+        assert writer.store.flush(30.0)
+        assert writer.store.metrics.value("store_dropped") == 0
+    finally:
+        held.set()
+        writer.close()
+    disk_only = KVPackConfig.from_dict({"memory": {"enabled": False}, "disk": {"path": str(tmp_path / "kv")}})
+    reader = Session(KVStore(disk_only, build_tiers(disk_only)), GROUP_FP)
+    try:
+        bufs = [np.zeros(4096, np.uint8) for _ in chunks]
+        got = reader.load(
+            reader.reads("t", [ObjectIO(ChunkFacts(c, TOKENS), OBJ, b.data) for c, b in zip(chunks, bufs)])
+        )
+        assert [r.status for r in got] == [TierStatus.OK] * 4
+        assert all(np.array_equal(b, DATA) for b in bufs)
+    finally:
+        reader.close()
 
 
 def test_a_store_outlives_its_processes_until_dropped_and_never_under_a_live_user(

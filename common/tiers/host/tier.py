@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -66,6 +66,7 @@ __all__ = ["FIELD", "HostTier"]
 
 class HostTier(DiskTier):
     name = "host"
+    front = True
 
     def __init__(
         self,
@@ -235,8 +236,7 @@ class HostTier(DiskTier):
         except Exception as exc:  # noqa: BLE001 - an unreadable index: nothing is loaded
             return [GetResult(TierStatus.ERROR, detail=f"host index: {exc}")] * len(keys)
         results = [_MISS] * len(keys)
-        copied: list[tuple[int, Extent, ObjectHeader, tuple[memoryview, ...]]] = []
-        pairs: list[CopyPair] = []
+        copied: list[_Copied] = []
         fast = HeaderFastPath()
         area, page = self._pages.area, self._pages.geometry.page_bytes
         for i, extent in self._whole([(i, e) for i, e in enumerate(found) if e is not None]):
@@ -248,19 +248,18 @@ class HostTier(DiskTier):
             header, start = checked
             if len(extent.runs) == 1 and len(parts) == 1:  # the common case: one region to one buffer
                 lo = extent.runs[0][0] * page + start
-                pairs.append((np.frombuffer(parts[0], dtype=np.uint8), area[lo : lo + header.payload_len]))
+                pairs = [(np.frombuffer(parts[0], dtype=np.uint8), area[lo : lo + header.payload_len])]
             else:
                 src = self._pages.regions(extent.runs, start, start + header.payload_len)
-                pairs += pair_up([np.frombuffer(p, dtype=np.uint8) for p in parts], src)
-            copied.append((i, extent, header, parts))
-        self._io.copy(pairs)
-        stable = self._pages.stamped_many([e.runs for _, e, _, _ in copied], [e.gen for _, e, _, _ in copied])
-        for (i, _, header, parts), ok in zip(copied, stable):
+                pairs = pair_up([np.frombuffer(p, dtype=np.uint8) for p in parts], src)
+            copied.append(_Copied(i, extent, header, parts, pairs))
+        bad = self._copy(copied, verify_checksum)
+        stable = self._pages.stamped_many([c.extent.runs for c in copied], [c.extent.gen for c in copied])
+        for c, ok, reason in zip(copied, stable, bad):
             if not ok:  # its pages went to another object while they were copied: a miss
                 self.torn += 1
                 continue
-            bad = check_payload(header, parts) if verify_checksum else None
-            results[i] = GetResult(TierStatus.OK if bad is None else TierStatus.REJECTED, header, bad)
+            results[c.index] = GetResult(TierStatus.OK if reason is None else TierStatus.REJECTED, c.header, reason)
         hits = [k.group for k, r in zip(keys, results) if r.ok]
         if hits:
             try:
@@ -268,6 +267,27 @@ class HostTier(DiskTier):
             except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
                 pass
         return results
+
+    def _copy(self, copied: Sequence[_Copied], verify_checksum: bool) -> list[RejectReason | None]:
+        """Run the copies of `copied` and, if `verify_checksum`, check each payload: per object,
+        its refusal or None. Verified copies run `VERIFY_SPAN` bytes at a time, each span hashed
+        right after its copy, while its bytes are still in the core's cache (hashing the whole
+        batch after its copy reads it back from DRAM). A verdict counts only once the object's
+        stamps are found unchanged (`get_into`)."""
+        if not verify_checksum:
+            self._io.copy([p for c in copied for p in c.pairs])
+            return [None] * len(copied)
+        bad: list[RejectReason | None] = []
+        lo = 0
+        while lo < len(copied):
+            hi, span = lo + 1, copied[lo].header.payload_len
+            while hi < len(copied) and span + copied[hi].header.payload_len <= VERIFY_SPAN:
+                span += copied[hi].header.payload_len
+                hi += 1
+            self._io.copy([p for c in copied[lo:hi] for p in c.pairs], nbytes=span)
+            bad += [check_payload(c.header, c.parts) for c in copied[lo:hi]]
+            lo = hi
+        return bad
 
     def _whole(self, present: list[tuple[int, Extent]]) -> list[tuple[int, Extent]]:
         """Those of `present` whose pages hold their generation now (their writer is done and none
@@ -379,6 +399,23 @@ class HostTier(DiskTier):
 
 
 _MISS = GetResult(TierStatus.MISS)
+
+
+VERIFY_SPAN = 1 << 20
+"""Bytes a verified load copies before it hashes them (`HostTier._copy`): well inside a core's
+L2 cache (2 MiB on the Xeons and EPYCs kvpack runs on, 1 MiB on older Xeons)."""
+
+
+@dataclass(frozen=True)
+class _Copied:
+    """One object of a load whose header passed: where it goes (`index` into the batch), its
+    pages (`extent`), its header, the caller's buffer (`parts`) and the copies that fill it."""
+
+    index: int
+    extent: Extent
+    header: ObjectHeader
+    parts: tuple[memoryview, ...]
+    pairs: list[CopyPair]
 
 
 def _checksummed(item: PutItem) -> PutItem:
