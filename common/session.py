@@ -328,6 +328,15 @@ class Session:
         """The store's tiers by name, fastest first."""
         return [t.name for t in self.store.tiers]
 
+    @property
+    def front_tier(self) -> str | None:
+        """The tier in host memory the store asks first, None without one (`KVStore.front_tier`)."""
+        return self.store.front_tier
+
+    def in_front(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Per key: held by the `front_tier` now (`KVStore.in_front`)."""
+        return self.store.in_front(keys)
+
     def wait_warm(self) -> bool:
         """At once, unless a tier makes its first connect: then until it is up, at most that
         tier's ``connect_wait_ms`` (a lookup before would miss what the tier holds)."""

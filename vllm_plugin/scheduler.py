@@ -7,8 +7,8 @@ must compute: `scopes.min_prefill_tokens`) and planned by the core
 the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
 tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
 a block: the partial block is loaded whole and vLLM computes the rest into it.
-A hit whose every object is in the workers' memory (the index says so) and
-that is at most `sync_load_max_blocks` blocks is loaded inside the step that
+A hit whose every object is in the workers' memory (the index says so, or the
+host store holds it) and that is at most `sync_load_max_blocks` blocks is loaded inside the step that
 computes the rest of the prompt (vLLM's synchronous load: a memcpy before that
 step's forward; an async load would cost the request one more engine step,
 often another request's prefill). Every other load is asynchronous (the
@@ -228,7 +228,7 @@ class SchedulerSide:
         if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid:
             return False
         tail_members = self._splits[plan.tail.source] if self._splits and plan.tail else self.members
-        return self.memory.holds(plan, tail_members, self.session.key)
+        return self.memory.holds(plan, tail_members, self.session)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

@@ -10,14 +10,25 @@ decodes. The index is wrong only towards a miss the worker counts
 evicted since the last report.
 
 A host memory tier (``memory.mode: host``) is every process's: this side reads it
-directly, so the workers report nothing and the index stays out of the store.
+directly, so the workers report nothing and the index stays out of the store; a hit
+whose every object is there loads inside the step as one from the workers' own memory
+does (`holds`, through the store's `front_tier`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvpack import HitPlan, KVPackConfig, MemberRole, MemberSpec, MemoryMode, ReportedMemoryIndex, StoreKey
+from kvpack import (
+    HitPlan,
+    KVPackConfig,
+    MemberRole,
+    MemberSpec,
+    MemoryMode,
+    ReportedMemoryIndex,
+    Session,
+    StoreKey,
+)
 
 from .metadata import NO_BLOCK, StoredObject, TransferJob
 from .scopes import Scope
@@ -62,12 +73,19 @@ class WorkersMemory:
                 ]
         self.index.apply(expected, ())
 
-    def holds(self, plan: HitPlan, tail_members: Sequence[MemberSpec], key: KeyOf) -> bool:
+    def holds(self, plan: HitPlan, tail_members: Sequence[MemberSpec], session: Session) -> bool:
         """Whether every object `plan` loads (its chunks, then its tail read as `tail_members`)
-        is in the workers' memory as far as their reports say."""
+        is in the workers' memory: as far as their reports say, or, with a host memory tier,
+        in the host store now (`session.front_tier`)."""
+        if self.reported:
+            memory, contains = self.index.name, self.index.contains
+        elif session.front_tier is not None:
+            memory, contains = session.front_tier, session.in_front
+        else:
+            return False
         if plan.scope is None or len(plan.tiers) < plan.hit_chunks:
             return False
-        if any(t != self.index.name for chunk in plan.tiers for _m, t in chunk):
+        if any(t != memory for chunk in plan.tiers for _m, t in chunk):
             return False
         if plan.tail is None:
             return True
@@ -76,4 +94,4 @@ class WorkersMemory:
             for m in tail_members
             if m.role is MemberRole.TARGET or (m.role is MemberRole.DRAFT and plan.tail.with_draft)
         ]
-        return all(self.index.contains([key(plan.scope.tenant, plan.tail.chunk, m) for m in names]))
+        return all(contains([session.key(plan.scope.tenant, plan.tail.chunk, m) for m in names]))

@@ -11,6 +11,8 @@ loads). Disk, Mooncake, handoffs and hybrids keep asynchronous loads.
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from kvpack.config import KVPackConfig
 from kvpack.groups import Coverage
 from kvpack.keys import StoreKey, chunk_hashes
 from kvpack.layout_spec import KVLayoutSpec
+from kvpack.tiers.host import drop
 
 pytest.importorskip("vllm")
 
@@ -122,17 +125,27 @@ def baseline(tiny_llama: Path) -> Run:
 P = prompt(61, 301)
 
 
-@pytest.mark.parametrize("memory", [True, False], ids=["memory-hit-in-step", "disk-hit-async"])
+@pytest.mark.parametrize(
+    "memory", ["process", "host", "off"], ids=["memory-hit-in-step", "host-hit-in-step", "disk-hit-async"]
+)
 def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(
-    tiny_llama: Path, tmp_path: Path, baseline: Run, memory: bool
+    tiny_llama: Path, tmp_path: Path, baseline: Run, memory: str
 ) -> None:
-    extra = {"memory": {"enabled": memory, "capacity": "256MiB"}, "disk": {"path": str(tmp_path / "kv")}}
+    """The host store is memory too: its hits load inside the step (the scheduler asks it)."""
+    name = f"sync-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    mem = {
+        "enabled": memory != "off",
+        "capacity": "256MiB",
+        **({"mode": "host", "host_name": name} if memory == "host" else {}),
+    }
+    extra = {"memory": mem, "disk": {"path": str(tmp_path / "kv")}}
     llm = make_llm(tiny_llama, kv_config(extra))
     try:
         assert run(llm, P).cached == 0
         second = run(llm, P)
         assert second.cached == len(P) - 1
         assert same_output(second, baseline)
-        assert metric("sync_loads") == (1 if memory else 0)
+        assert metric("sync_loads") == (0 if memory == "off" else 1)
     finally:
         close_llm(llm)
+        drop(name)
