@@ -6,8 +6,9 @@
 - AUTO: HOST when the engine runs more than one process on this host (the adapter
   passes `engine_processes`: vLLM's tensor x pipeline x data parallel ranks) or a live
   process already uses the host store (a second server started after one in host
-  mode); else PROCESS, which serves one process's hits faster (no index transaction,
-  no checksum on load: ``kvpack bench tiers``). When the shared memory cannot hold
+  mode); else PROCESS, which gives its memory back when the process ends (a host store
+  holds its arena until dropped) and serves one process's hits a little faster (no index
+  transaction, no checksum on load: ``kvpack bench vllm --memory-mode``). When the shared memory cannot hold
   the store, AUTO falls back to PROCESS with a warning.
 
 Resolution reads the file system only (the host folder's owner files); it changes nothing.
