@@ -97,15 +97,23 @@ class TierReads:
             return False
         return tier is not self._memory  # BOUNDARY: objects that crossed a process or persistence boundary
 
-    def load(self, items: Sequence[LoadItem], first: Sequence[Tier | None]) -> list[GetResult]:
-        """Each item from `first[i]` when set, then read-through from the other tiers."""
+    def load(
+        self, items: Sequence[LoadItem], first: Sequence[Tier | None], local_only: bool = False
+    ) -> list[GetResult]:
+        """Each item from `first[i]` when set, then read-through from the other tiers;
+        `local_only`: never from a `Tier.remote` one (a load inside an engine step)."""
         results: list[GetResult | None] = [None] * len(items)
-        for tier in self.tiers:
+        tiers = [t for t in self.tiers if not (local_only and t.remote)]
+        for tier in tiers:
             planned = [i for i, t in enumerate(first) if t is tier]
             if planned:
                 self._load_from(tier, items, planned, results)
-        gone = [i for i, t in enumerate(first) if t is not None and results[i].status is TierStatus.MISS]  # type: ignore[union-attr]
-        for tier in self.tiers:
+        gone = [
+            i
+            for i, (t, r) in enumerate(zip(first, results))
+            if t is not None and r is not None and r.status is TierStatus.MISS
+        ]
+        for tier in tiers:
             todo = [i for i, r in enumerate(results) if r is None or not r.ok]
             if not todo:
                 break

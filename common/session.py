@@ -412,10 +412,11 @@ class Session:
         located = hints if hints is not None else self.hints.take([it.key for it in items])
         return LoadBatch(list(items), self.store.prepare_load(located))
 
-    def complete_load(self, batch: LoadBatch) -> list[GetResult]:
+    def complete_load(self, batch: LoadBatch, local_only: bool = False) -> list[GetResult]:
         """Read every item of `batch` into its buffer (a miss or a refused object is a
-        result, never an exception) and release its pins."""
-        return self.store.complete_load(batch.plan, batch.items)
+        result, never an exception) and release its pins. `local_only`: from host memory and
+        disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
+        return self.store.complete_load(batch.plan, batch.items, local_only)
 
     def complete_load_lent(self, batch: LoadBatch) -> tuple[list[GetResult], list[memoryview | None]]:
         """`complete_load`, except that an object this process's memory tier holds is not

@@ -143,12 +143,12 @@ class TransferRunner:
 
     def load_now(self, job: LoadJob) -> None:
         """Run `job` here, before the caller's forward (its wait for earlier saves is bounded by
-        `SYNC_SAVE_WAIT_S`); blocks that did not load go to `take_failed_blocks` and nothing
+        `SYNC_SAVE_WAIT_S`; it reads host memory and disk only, never a remote tier); blocks that did not load go to `take_failed_blocks` and nothing
         is reported in `finished`."""
         task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
         if not self._disabled and self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
             try:
-                self._run_load(task, save_wait_s=SYNC_SAVE_WAIT_S)
+                self._run_load(task, save_wait_s=SYNC_SAVE_WAIT_S, local_only=True)
             except Exception as exc:  # a failed load is a recompute, never an engine error
                 log.warning("kvpack: load for %s failed: %s", job.job_id, exc)
                 task.failed_blocks = job.blocks
@@ -228,10 +228,11 @@ class TransferRunner:
                 self._load_bytes.release(task.job.nbytes)
                 task.done.set()
 
-    def _run_load(self, task: LoadTask, save_wait_s: float | None = None) -> None:
+    def _run_load(self, task: LoadTask, save_wait_s: float | None = None, local_only: bool = False) -> None:
         """Read the job's objects (`Session.prepare_load` with the lookup's tiers, then the
-        waits, then `complete_load`) and scatter the chunks whose every object loaded. Its
-        staging rows go back after the scatter's event, or at once when nothing is scattered."""
+        waits, then `complete_load`; `local_only`: no remote tier, for a load inside the step)
+        and scatter the chunks whose every object loaded. Its staging rows go back after the
+        scatter's event, or at once when nothing is scattered."""
         job = task.job
         try:
             plan = job.plan(self.staging)
@@ -241,7 +242,8 @@ class TransferRunner:
         staged: Staged | None = None
         launched = False  # from the scatter on, its rows go back through its Staged only
         try:
-            good = self._read(task, plan, self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s)
+            wait_s = self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s
+            good = self._read(task, plan, wait_s, local_only)
             ok = [i for i, g in enumerate(good) if g]
             failed = {b for c, g in zip(job.chunks, good) if not g for b in c.blocks}
             with self.gate.access() as allowed:
@@ -262,7 +264,7 @@ class TransferRunner:
                 self.staging.give_back(plan.rows)
         self._count_load(job, ok, failed)
 
-    def _read(self, task: LoadTask, plan: PlannedLoad, save_wait_s: float) -> list[bool]:
+    def _read(self, task: LoadTask, plan: PlannedLoad, save_wait_s: float, local_only: bool) -> list[bool]:
         """Per chunk of the job: did every one of its objects load into the staging rows?"""
         job = task.job
         items = self.session.reads(job.tenant, plan.reads)
@@ -275,7 +277,7 @@ class TransferRunner:
         except BaseException:
             self.session.release(batch)
             raise
-        results = self.session.complete_load(batch)  # counts loaded_bytes and load_seconds per tier
+        results = self.session.complete_load(batch, local_only)  # counts loaded_bytes and load_seconds per tier
         good = [True] * len(job.chunks)
         for r, chunk in zip(results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
             good[chunk] = good[chunk] and r.ok

@@ -231,6 +231,39 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
     assert match is not None and match.tokens == 3
 
 
+def test_a_load_inside_an_engine_step_never_waits_on_a_remote_tier(
+    tmp_path: Path, keep: Callable[[KVStore], KVStore]
+) -> None:
+    """`complete_load(local_only=True)` (vLLM's loads inside a step): an object only a remote
+    tier holds is a miss and the remote tier is not asked (its read would hold the step up to
+    the tier's bound, once per load in that step); off the step the same load reads it."""
+    from kvpack.config import EvictionPolicyName
+    from kvpack.eviction import make_policy
+    from kvpack.tiers.disk import DiskTier
+    from kvpack.tiers.memory import MemoryTier
+
+    remote = SlowTier(DiskTier(tmp_path / "remote", 1 << 30), 0.0, remote=True, get_delay_s=0.2)
+    memory = MemoryTier(1 << 26, make_policy(EvictionPolicyName.LRU), pin=False)
+    store = keep(KVStore(KVPackConfig(), [memory, remote]))
+    (far, far_data), (near, near_data) = make_item("t", chunk_id(0), seed=1), make_item("t", chunk_id(1), seed=2)
+    assert remote.inner.put_from([far]) == [TierStatus.OK]
+    assert memory.put_from([near]) == [TierStatus.OK]
+
+    def load(local_only: bool) -> tuple[list[TierStatus], list[np.ndarray]]:
+        dsts = [np.zeros(it.nbytes, np.uint8) for it in (far, near)]
+        items = [LoadItem(it.key, d.data, expect(it)) for it, d in zip((far, near), dsts)]
+        got = store.complete_load(store.prepare_load([far.key, near.key]), items, local_only=local_only)
+        return [r.status for r in got], dsts
+
+    statuses, dsts = load(local_only=True)
+    assert statuses == [TierStatus.MISS, TierStatus.OK]
+    assert np.array_equal(dsts[1], near_data)
+    assert remote.get_calls == 0
+    statuses, dsts = load(local_only=False)
+    assert statuses == [TierStatus.OK, TierStatus.OK]
+    assert np.array_equal(dsts[0], far_data) and remote.get_calls == 1
+
+
 def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """Tail lookups run on the engine's scheduler thread: all slots and members of a
     parent are peeked in one batched call per tier, not one call per slot and member."""
