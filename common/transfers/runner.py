@@ -143,8 +143,8 @@ class TransferRunner:
 
     def load_now(self, job: LoadJob) -> None:
         """Run `job` here, before the caller's forward (its wait for earlier saves is bounded by
-        `SYNC_SAVE_WAIT_S`; it reads host memory and disk only, never a remote tier); blocks that did not load go to `take_failed_blocks` and nothing
-        is reported in `finished`."""
+        `SYNC_SAVE_WAIT_S`; it reads host memory and disk only, never a remote tier); blocks
+        that did not load go to `take_failed_blocks` and nothing is reported in `finished`."""
         task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
         if not self._disabled and self._admit(self._load_bytes, "load", "max_inflight_load_bytes", job.nbytes):
             try:

@@ -2,8 +2,7 @@
 
 Each process that opens the store registers an owner: a file
 ``.kvpack-store.owners/<pid>-<random>`` on which it holds an exclusive ``flock``
-for as long as it has the store open, and a temporary folder
-``.kvpack-store.tmp/<same name>/`` where its writes start. The kernel drops the
+for as long as it has the store open. The kernel drops the
 lock when the process dies, however it dies (SIGKILL included), so an owner
 file that can be locked is a dead process's: `dead_owners` finds them, and the
 tier reclaims what they held (`HostTier.reclaim_dead`). A pid reused by another
@@ -11,8 +10,9 @@ process changes nothing (the random part differs; the lock decides).
 
 An owner file is created under a temporary name, locked, then renamed into
 place, so no other process ever sees it unlocked while its owner lives. Names
-starting with the marker's name plus a dot belong to the store (`fs`), so these
-folders never look like a tenant's.
+starting with the marker's name plus a dot belong to the store (`fs`), so the
+folder never looks like a tenant's. (Stores made before the arena also had a
+``.kvpack-store.tmp`` folder of per-owner temporary files; nothing reads it now.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 OWNERS = ".kvpack-store.owners"
-TEMPS = ".kvpack-store.tmp"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -47,34 +46,15 @@ class Owner:
         self._fd = os.open(tmp, _FILE | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._owners_fd)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         os.rename(tmp, self.token, src_dir_fd=self._owners_fd, dst_dir_fd=self._owners_fd)
-        # after the owner file: a temporary folder without one is a dead owner's (`dead_owners`)
-        temps_fd = _subdir(root_fd, TEMPS)
-        try:
-            os.mkdir(self.token, 0o700, dir_fd=temps_fd)
-            self.temp_fd = os.open(self.token, _DIR, dir_fd=temps_fd)
-        finally:
-            os.close(temps_fd)
 
-    def close(self, root_fd: int) -> None:
-        """Leave the store: this owner's temporary folder and file go (nothing of it is pending then)."""
-        clear_temps(root_fd, self.token)
+    def close(self) -> None:
+        """Leave the store: this owner's file goes (nothing of it is pending then)."""
         try:
             os.unlink(self.token, dir_fd=self._owners_fd)
         except OSError:
             pass
-        for fd in (self.temp_fd, self._fd, self._owners_fd):
+        for fd in (self._fd, self._owners_fd):
             os.close(fd)
-
-
-def _names(root_fd: int, folder: str) -> list[str]:
-    try:
-        fd = os.open(folder, _DIR, dir_fd=root_fd)
-    except OSError:
-        return []
-    try:
-        return os.listdir(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock_now(dir_fd: int, name: str, mode: int) -> int | None:
@@ -150,10 +130,7 @@ def dead_owners(root_fd: int, known: set[str]) -> Iterator[set[str]]:
             if fd is not None:
                 held[name] = fd
         orphans = {t for t in known if t not in names}
-        orphans |= {t for t in _names(root_fd, TEMPS) if t not in names}
         yield set(held) | orphans
-        for name in orphans | set(held):
-            clear_temps(root_fd, name)
         for name in held:
             try:
                 os.unlink(name, dir_fd=dfd)
@@ -163,33 +140,3 @@ def dead_owners(root_fd: int, known: set[str]) -> Iterator[set[str]]:
         for fd in held.values():
             os.close(fd)
         os.close(dfd)
-
-
-def clear_temps(root_fd: int, token: str) -> int:
-    """Remove owner `token`'s temporary folder and the partial writes in it; returns the files removed."""
-    removed = 0
-    try:
-        tfd = os.open(TEMPS, _DIR, dir_fd=root_fd)
-    except OSError:
-        return 0
-    try:
-        try:
-            fd = os.open(token, _DIR, dir_fd=tfd)
-        except OSError:
-            return 0
-        try:
-            for name in os.listdir(fd):
-                try:
-                    os.unlink(name, dir_fd=fd)
-                    removed += 1
-                except OSError:
-                    pass
-        finally:
-            os.close(fd)
-        try:
-            os.rmdir(token, dir_fd=tfd)
-        except OSError:
-            pass
-    finally:
-        os.close(tfd)
-    return removed

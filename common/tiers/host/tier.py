@@ -391,7 +391,7 @@ class HostTier(DiskTier):
     def close(self) -> None:
         super().close()
         if self._owner is not None:
-            self._owner.close(self._root_fd)
+            self._owner.close()
             self._owner = None
         pages = getattr(self, "_pages", None)
         if pages is not None:
