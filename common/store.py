@@ -123,7 +123,7 @@ class KVStore(LentCopies, StoreWrites):
         self._writeback = WriteBack(
             threads,
             config.write_queue_depth,
-            lambda item: self._write_through([item], self._lower, sealed=host_front),
+            lambda items: self._write_through(items, self._lower, sealed=host_front),
             max_bytes=HOST_QUEUE_BYTES if host_front else None,
         )
         self._stamp_lock = threading.Lock()

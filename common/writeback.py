@@ -7,7 +7,10 @@ object is queued here and written by one of `threads` threads. Invariants:
   full queue refuses (`enqueue` returns False) rather than blocking the
   engine, and the caller counts the drop (back-pressure).
 - Ordered per key: a key always goes to the same thread, so two stores of
-  one key reach the tiers in the order they were made. Stores of different
+  one key reach the tiers in the order they were made (two of one key taken in
+  one batch: only the newer is written, the state that order leaves).
+- Batched: a thread takes what its queue holds, up to `MAX_BATCH` objects, and
+  writes them in one call (one index transaction per tier, not one per object). Stores of different
   keys may reach a tier in another order than they were made; each carries
   when the store accepted it (`PutItem.accepted_ns`), and a bounded tier ranks
   recency by that, so its eviction follows the order of the stores.
@@ -27,12 +30,15 @@ from collections.abc import Callable
 from .background import lower_current_thread_priority
 from .tiers.base import PutItem
 
+MAX_BATCH = 64
+"""Objects a write-back thread writes in one call at most."""
+
 
 class WriteBack:
-    """See the module docstring. `write(item)` runs on the threads and must not raise."""
+    """See the module docstring. `write(items)` runs on the threads and must not raise."""
 
     def __init__(
-        self, threads: int, depth: int, write: Callable[[PutItem], object], max_bytes: int | None = None
+        self, threads: int, depth: int, write: Callable[[list[PutItem]], object], max_bytes: int | None = None
     ) -> None:
         self._write = write
         self._max_bytes = max_bytes
@@ -114,7 +120,20 @@ class WriteBack:
             item = jobs.get()
             if item is None:
                 return
+            batch, stop = [item], False
+            while len(batch) < MAX_BATCH:
+                try:
+                    more = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:  # `close`: write what came before it, then stop
+                    stop = True
+                    break
+                batch.append(more)
             try:
-                self._write(item)
+                self._write(list({it.key: it for it in batch}.values()))  # the newest store of each key
             finally:
-                self._done_one(item.nbytes)
+                for it in batch:
+                    self._done_one(it.nbytes)
+            if stop:
+                return

@@ -264,6 +264,36 @@ def test_a_load_inside_an_engine_step_never_waits_on_a_remote_tier(
     assert np.array_equal(dsts[0], far_data) and remote.get_calls == 1
 
 
+def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key() -> None:
+    """Objects queued while a write-back thread writes reach its next call together (one index
+    transaction per tier); of two stores of one key in that batch only the newer is written."""
+    from dataclasses import replace
+
+    from kvpack.writeback import WriteBack
+
+    started, held = threading.Event(), threading.Event()
+    calls: list[list[tuple[str, int | None]]] = []
+
+    def write(items: list[PutItem]) -> None:
+        calls.append([(it.key.chunk, it.accepted_ns) for it in items])
+        started.set()
+        assert held.wait(10.0)
+
+    back = WriteBack(1, 64, write)
+    try:
+        first = replace(make_item("t", chunk_id(9))[0], accepted_ns=0)
+        assert back.enqueue(first)
+        assert started.wait(10.0)  # the thread writes `first` and holds there
+        for n, c in enumerate([0, 1, 2, 0, 1], start=1):
+            assert back.enqueue(replace(make_item("t", chunk_id(c), seed=n)[0], accepted_ns=n))
+        held.set()
+        assert back.flush(10.0) and back.pending == 0
+    finally:
+        held.set()
+        back.close()
+    assert calls == [[(chunk_id(9), 0)], [(chunk_id(0), 4), (chunk_id(1), 5), (chunk_id(2), 3)]]
+
+
 def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """Tail lookups run on the engine's scheduler thread: all slots and members of a
     parent are peeked in one batched call per tier, not one call per slot and member."""
