@@ -9,8 +9,9 @@ object is queued here and written by one of `threads` threads. Invariants:
 - Ordered per key: a key always goes to the same thread, so two stores of
   one key reach the tiers in the order they were made (two of one key taken in
   one batch: only the newer is written, the state that order leaves).
-- Batched: a thread takes what its queue holds, up to `MAX_BATCH` objects, and
-  writes them in one call (one index transaction per tier, not one per object). Stores of different
+- Batched: a thread takes what its queue holds, up to `MAX_BATCH` objects and
+  `MAX_BATCH_BYTES`, and writes them in one call (one index transaction per
+  tier, not one per object). Stores of different
   keys may reach a tier in another order than they were made; each carries
   when the store accepted it (`PutItem.accepted_ns`), and a bounded tier ranks
   recency by that, so its eviction follows the order of the stores.
@@ -32,6 +33,11 @@ from .tiers.base import PutItem
 
 MAX_BATCH = 64
 """Objects a write-back thread writes in one call at most."""
+
+MAX_BATCH_BYTES = 16 << 20
+"""Payload bytes a write-back thread writes in one call at most (one object larger than it goes
+alone): a remote tier's put of one batch has one deadline (Mooncake: `timeout_ms` for the whole
+job), so a batch stays the size of one of its calls (Mooncake's `STEP_MAX_BYTES`)."""
 
 
 class WriteBack:
@@ -120,20 +126,26 @@ class WriteBack:
             item = jobs.get()
             if item is None:
                 return
-            batch, stop = [item], False
-            while len(batch) < MAX_BATCH:
+            stop = False
+            while item is not None and not stop:
+                batch, nbytes, item = [item], item.nbytes, None
+                while len(batch) < MAX_BATCH:
+                    try:
+                        more = jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:  # `close`: write what came before it, then stop
+                        stop = True
+                        break
+                    if nbytes + more.nbytes > MAX_BATCH_BYTES:
+                        item = more  # the first of the next batch
+                        break
+                    batch.append(more)
+                    nbytes += more.nbytes
                 try:
-                    more = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:  # `close`: write what came before it, then stop
-                    stop = True
-                    break
-                batch.append(more)
-            try:
-                self._write(list({it.key: it for it in batch}.values()))  # the newest store of each key
-            finally:
-                for it in batch:
-                    self._done_one(it.nbytes)
+                    self._write(list({it.key: it for it in batch}.values()))  # the newest store of each key
+                finally:
+                    for it in batch:
+                        self._done_one(it.nbytes)
             if stop:
                 return

@@ -294,6 +294,34 @@ def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key()
     assert calls == [[(chunk_id(9), 0)], [(chunk_id(0), 4), (chunk_id(1), 5), (chunk_id(2), 3)]]
 
 
+def test_a_write_back_batch_stays_within_its_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch is cut at `MAX_BATCH_BYTES` (a remote put has one deadline per call): five queued
+    objects of 1 KiB under a 2 KiB bound arrive as 2 + 2 + 1, in order."""
+    from kvpack.writeback import WriteBack
+
+    monkeypatch.setattr("kvpack.writeback.MAX_BATCH_BYTES", 2048)
+    started, held = threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    def write(items: list[PutItem]) -> None:
+        calls.append([it.key.chunk for it in items])
+        started.set()
+        assert held.wait(10.0)
+
+    back = WriteBack(1, 64, write)
+    try:
+        assert back.enqueue(make_item("t", chunk_id(9))[0])
+        assert started.wait(10.0)
+        for c in range(5):
+            assert back.enqueue(make_item("t", chunk_id(c), nbytes=1024)[0])
+        held.set()
+        assert back.flush(10.0)
+    finally:
+        held.set()
+        back.close()
+    assert calls[1:] == [[chunk_id(0), chunk_id(1)], [chunk_id(2), chunk_id(3)], [chunk_id(4)]]
+
+
 def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
     """Tail lookups run on the engine's scheduler thread: all slots and members of a
     parent are peeked in one batched call per tier, not one call per slot and member."""
