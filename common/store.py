@@ -119,7 +119,7 @@ class KVStore(LentCopies, StoreWrites):
         threads = config.io_threads if self._lower and self._front is not None and self.write_back else 0
         # Items queued behind the host store were sealed and checksummed before it took them,
         # and are copies: bounded in bytes (`HOST_QUEUE_BYTES`).
-        host_front = self._memory is None
+        host_front = self._front is not None and self._memory is None
         self._writeback = WriteBack(
             threads,
             config.write_queue_depth,

@@ -132,9 +132,7 @@ class StoreWrites:
             if not self._writeback.has_room(item.nbytes):
                 now.append(i)
                 continue
-            owned = np.empty(item.nbytes, dtype=np.uint8)
-            copy_parts_into(owned, item.payload)
-            if self._writeback.enqueue(PutItem(item.key, item.header, owned.data, accepted[i], item.announce)):
+            if self._writeback.enqueue(_owned_copy(item, accepted[i])):
                 statuses[i] = TierStatus.OK
             else:
                 now.append(i)
@@ -161,9 +159,7 @@ class StoreWrites:
             if borrowed is not None:
                 queued = PutItem(item.key, item.header, borrowed[1], accepted[i], item.announce)
             else:  # the memory tier holds no copy: take one for the queue
-                owned = np.empty(item.nbytes, dtype=np.uint8)
-                copy_parts_into(owned, item.payload)
-                queued = PutItem(item.key, item.header, owned.data, accepted[i], item.announce)
+                queued = _owned_copy(item, accepted[i])
             if self._enqueue(queued):
                 statuses[i] = TierStatus.OK
 
@@ -240,3 +236,11 @@ class StoreWrites:
             tally.flush()
         self._count_evictions()
         return [b or TierStatus.ERROR for b in best]
+
+
+def _owned_copy(item: PutItem, accepted_ns: int) -> PutItem:
+    """`item` over a copy of its payload (for the write-back queue: the caller's buffers may be
+    reused once `store` returns), accepted at `accepted_ns`."""
+    owned = np.empty(item.nbytes, dtype=np.uint8)
+    copy_parts_into(owned, item.payload)
+    return PutItem(item.key, item.header, owned.data, accepted_ns, item.announce)

@@ -1,20 +1,21 @@
 """Write-back: stores reach the lower tiers (disk, Mooncake) from background threads.
 
-The caller (`KVStore.store`) returns once the memory tier holds a copy; each
-object is queued here and written by one of `threads` threads. Invariants:
+The caller (`KVStore.store`) returns once the front tier (the memory tier or the
+host store) holds a copy; each object is queued here and written by one of
+`threads` threads. Invariants:
 
 - Bounded: each thread's FIFO holds at most ``depth // threads`` objects; a
   full queue refuses (`enqueue` returns False) rather than blocking the
   engine, and the caller counts the drop (back-pressure).
 - Ordered per key: a key always goes to the same thread, so two stores of
   one key reach the tiers in the order they were made (two of one key taken in
-  one batch: only the newer is written, the state that order leaves).
+  one batch: only the newer is written, the state that order leaves). Stores of
+  different keys may reach a tier in another order than they were made; each
+  carries when the store accepted it (`PutItem.accepted_ns`), and a bounded tier
+  ranks recency by that, so its eviction follows the order of the stores.
 - Batched: a thread takes what its queue holds, up to `MAX_BATCH` objects and
   `MAX_BATCH_BYTES`, and writes them in one call (one index transaction per
-  tier, not one per object). Stores of different
-  keys may reach a tier in another order than they were made; each carries
-  when the store accepted it (`PutItem.accepted_ns`), and a bounded tier ranks
-  recency by that, so its eviction follows the order of the stores.
+  tier, not one per object).
 - Counted: `pending` is every object accepted and not yet written (queued or
   being written); `flush` waits, bounded, until it is 0. With `max_bytes`, the
   payload bytes of those objects stay within it too (`has_room`): the queue
@@ -74,14 +75,18 @@ class WriteBack:
         """Would an object of `nbytes` payload bytes fit under `max_bytes` now? (Always, without
         it; and when nothing is queued: one object larger than the bound still goes.)"""
         with self._cv:
-            return self._max_bytes is None or not self._bytes or self._bytes + nbytes <= self._max_bytes
+            return self._fits(nbytes)
+
+    def _fits(self, nbytes: int) -> bool:
+        """`has_room`'s rule, with `_cv` held."""
+        return self._max_bytes is None or not self._bytes or self._bytes + nbytes <= self._max_bytes
 
     def enqueue(self, item: PutItem) -> bool:
         """Queue `item` for the lower tiers; False (nothing queued) when its queue is full or
         its bytes would pass `max_bytes`."""
         nbytes = item.nbytes
         with self._cv:
-            if self._max_bytes is not None and self._bytes and self._bytes + nbytes > self._max_bytes:
+            if not self._fits(nbytes):
                 return False
             self._pending += 1
             self._bytes += nbytes
