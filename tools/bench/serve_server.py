@@ -47,11 +47,13 @@ class Server:
     """The connector's ``kv_role`` (``kv_producer`` / ``kv_consumer`` for prefill/decode)."""
     extra_args: tuple[str, ...] = ()
     """More server arguments, last (e.g. ``--tensor-parallel-size 2``)."""
+    python: str = ""
+    """The python that runs the server ("": this one; another venv's for a bench run from the SGLang venv)."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable,
+            self.python or sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",

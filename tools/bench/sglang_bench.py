@@ -264,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpack.tools.bench import sglang_multiturn
 
         return sglang_multiturn.main([a for a in given if a != "--multiturn"], before_model=_torchvision_shim)
+    if "--handoff" in given:  # a CPU SGLang server's first request for prompts a vLLM server computed
+        from kvpack.tools.bench import sglang_handoff
+
+        return sglang_handoff.main([a for a in given if a != "--handoff"], before_model=_torchvision_shim)
     args = _parse(given)
     _torchvision_shim()
     from sglang.srt.managers.cache_controller import HiCacheController

@@ -103,8 +103,10 @@ def _stream_generate(port: int, ids: list[int], answer: int, timeout_s: float) -
     return (first if first is not None else time.perf_counter() - start), last
 
 
-class _Server:
-    """One CPU SGLang server in its own session, stopped by its PID."""
+class SGLangServer:
+    """One CPU SGLang server in its own session, stopped by its PID (`args`: this tool's options that
+    shape a server: ``dtype``, ``device``, ``page``, ``l2_ratio``, ``prefetch_policy``, ``start_timeout``,
+    ``cpu_site``)."""
 
     def __init__(self, args: argparse.Namespace, model: Path, storage: list[str], env: dict[str, str], log: Path):
         self.port = _free_port()
@@ -181,7 +183,7 @@ def _run_setup(
 ) -> SetupResult:
     result = SetupResult(name)
     log = root / f"{name.replace(' ', '_').replace('/', '_')}.log"
-    server = _Server(args, model, storage, env, log)
+    server = SGLangServer(args, model, storage, env, log)
     result.start_s = server.start_s
     questions = _conversations(args)
     lock = threading.Lock()
@@ -273,6 +275,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default="timeout",
         help="SGLang's --hicache-storage-prefetch-policy (its default: timeout)",
     )
+    p.add_argument(
+        "--read-delay",
+        type=float,
+        default=0.0,
+        help="a control: kvpack's servers start every prefetch's page reads this many seconds late "
+        "(the CPU shim's KVPACK_SGLANG_READ_DELAY_S): does SGLang credit a slower L3 more?",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every set-up, each on fresh stores")
     p.add_argument(
         "--in-turn",
@@ -305,12 +314,13 @@ def _setups(args: argparse.Namespace, root: Path, run: int = 1) -> list[tuple[st
     file_args = ["--hicache-storage-backend", "file"]
     file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "file")}
     kv_args = ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(kvpack)]
+    kv_env = {"KVPACK_SGLANG_READ_DELAY_S": str(args.read_delay)} if args.read_delay > 0 else {}
     setups: list[tuple[str, list[str], dict[str, str]]] = [
         ("L2 only", [], {}),
         ("file", file_args, file_env),
-        ("kvpack", kv_args, {}),
+        ("kvpack", kv_args, kv_env),
         ("file, restarted", file_args, file_env),
-        ("kvpack, restarted", kv_args, {}),
+        ("kvpack, restarted", kv_args, kv_env),
     ]
     if run % 2 == 0:
         setups = [setups[0], setups[2], setups[1], setups[4], setups[3]]
@@ -360,6 +370,7 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
         f"{args.model_size} model {args.dtype}, page {args.page}, device {args.device} tokens, "
         f"L2 {int(args.l2_ratio * args.device)}, "
         f"prefetch policy {args.prefetch_policy}{', in turn' if args.in_turn else ''}"
+        f"{f', kvpack reads delayed {args.read_delay} s' if args.read_delay > 0 else ''}"
     )
     for run in range(1, args.repeat + 1):
         run_root = root / f"run{run}" if args.repeat > 1 else root

@@ -34,6 +34,11 @@ line per call to the server's stdout (its log), seconds from ``PrefetchOperation
   file:line:function, most frequent first; the sampler competes for the GIL, so it slows a
   write that gives the GIL up often: never on in a run whose credited tokens are compared).
 
+With ``KVPACK_SGLANG_READ_DELAY_S=S`` (a control of the multi-turn bench, `--read-delay`), every
+prefetch's page reads start S seconds later (a sleep on SGLang's prefetch IO thread before the
+reads): the same backend made slower, to ask whether SGLang credits a request more L3 tokens
+when its prefetch ends later.
+
 The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
 never edited; each wrapper calls the original and returns its result.
 """
@@ -72,8 +77,12 @@ def _query_probe(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _transfer_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    delay_s = float(os.environ.get("KVPACK_SGLANG_READ_DELAY_S") or 0.0)
+
     @functools.wraps(original)
     def page_transfer(self: Any, operation: Any) -> Any:
+        if delay_s > 0:
+            time.sleep(delay_s)
         began = time.monotonic()
         completed_pages = original(self, operation)
         done = time.monotonic()
