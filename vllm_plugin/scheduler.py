@@ -148,7 +148,8 @@ class SchedulerSide:
         self._partial_tails: dict[str, list[PartialTail]] = {}
         self._budget = WaitBudget(config.io_timeout_ms / 1000.0)
         """What this scheduler step's lookups and save planning may wait on remote tiers
-        in all (renewed in `build_connector_meta`, once per step)."""
+        in all (renewed when `build_connector_meta` ends, once per step: vLLM asks for
+        lookups in ``schedule`` before it, and for finished requests' saves after it)."""
 
     # -- lookup -----------------------------------------------------------------
 
@@ -251,15 +252,15 @@ class SchedulerSide:
         self.session.record(AdapterEvent.LOAD_REQUESTED)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
-        self._budget.renew()  # once per scheduler step
         if scheduler_output is not None and self._captures:
-            for job in self._captures.step(scheduler_output):
+            for job in self._captures.step(scheduler_output):  # tail placement: the step's budget
                 self._pending_saves.append(job)
                 self.memory.expect(job, self.session.key)
                 self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
         self._pending_loads = {}
         self._pending_saves = []
+        self._budget.renew()  # the step ends here: its lookups and save planning shared one budget
         return meta
 
     def register_finished_partial_tail(

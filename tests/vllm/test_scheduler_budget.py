@@ -3,9 +3,10 @@
 Each remote call is bounded on its own; a step makes one lookup per new request,
 so a tier that answers every call just inside its bound would still stall the
 step by the sum. `SchedulerSide` gives every store call of a step one
-`WaitBudget` (`io_timeout_ms`), renewed in `build_connector_meta`. Here the
-remote tier is a real disk tier that answers lookups 0.2 s late and says it is
-remote (as Mooncake's tier does).
+`WaitBudget` (`io_timeout_ms`): the step's lookups (``schedule``) and its save
+planning (tail placement in ``build_connector_meta``) alike, renewed when
+``build_connector_meta`` ends. Here the remote tier is a real disk tier that
+answers lookups 0.2 s late and says it is remote (as Mooncake's tier does).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -60,14 +62,16 @@ class LateRemoteDisk(DiskTier):
         return super().peek_headers(keys)
 
 
-def _scheduler_over(remote: DiskTier, ids: list[int], chunks: int, **config: object) -> SchedulerSide:
+def _scheduler_over(
+    remote: DiskTier, ids: list[int], chunks: int, can_save: bool = False, **config: object
+) -> SchedulerSide:
     """A scheduler side whose store is the workers' (empty) memory index, then `remote`,
     which holds the first `chunks` chunks of `ids`."""
     cfg = KVPackConfig.from_dict({"disk": {"enabled": False}, **config})
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
     scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
-    side = SchedulerSide(cfg, scope, can_load=True, can_save=False)
+    side = SchedulerSide(cfg, scope, can_load=True, can_save=can_save)
     side.session.close()
     side.session.store = KVStore(cfg, [side.memory.index, remote], read_only=True)
     for chunk in chunk_hashes(ids, BS)[:chunks]:
@@ -95,6 +99,45 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     side.build_connector_meta(None)  # the next engine step renews the budget
     assert side.get_num_new_matched_tokens(fake_request(ids, "next-step"), 0)[0] == 3 * BS
     assert late.lookup_calls == 4
+
+
+def _computes_prompts(req_ids: list[str], tokens: int) -> SimpleNamespace:
+    """A scheduler output in which each new request computes its whole `tokens`-token prompt."""
+    new = [SimpleNamespace(req_id=r, block_ids=([1 + 4 * i, 2 + 4 * i, 3 + 4 * i],), num_computed_tokens=0)
+           for i, r in enumerate(req_ids)]  # fmt: skip
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict.fromkeys(req_ids, tokens),
+        scheduled_spec_decode_tokens={},
+    )
+
+
+def test_a_steps_save_planning_shares_the_budget_its_lookups_spent(tmp_path: Path) -> None:
+    """Placing a tail asks every tier for the tail slots' headers. With the budget renewed at the
+    start of `build_connector_meta`, a step whose lookups had spent it waited a second budget
+    there (in the soak, with the Mooncake segment holder stopped, the engine's scheduler thread
+    sat 0.85 s in tail placements alone: 0.2 s calls, a 0.5 s budget)."""
+    late = LateRemoteDisk(tmp_path / "late")
+    prompts = {f"r{i}": list(range(1000 * (i + 1), 1000 * (i + 1) + 40)) for i in range(2)}  # 2 chunks + 8
+    side = _scheduler_over(late, [], 0, can_save=True, io_timeout_ms=BUDGET_MS)
+
+    for req_id, ids in prompts.items():
+        assert side.get_num_new_matched_tokens(fake_request(ids, req_id), 0) == (0, False)
+    assert late.lookup_calls == 2, "the first lookup spends the budget (two 0.2 s calls), the second skips"
+
+    start = time.monotonic()
+    saves = side.build_connector_meta(_computes_prompts(list(prompts), 40)).saves
+    took = time.monotonic() - start
+    assert [len(job.blocks) for job in saves] == [3, 3]  # two chunks and a tail each
+    assert late.lookup_calls == 2, "tail placement in the same step skips the remote tier"
+    assert side.session.metrics.value("budget_skips", tier="late") >= 2 + 2
+    assert took < DELAY_S, f"the step's save planning waited {took:.2f}s on a spent budget"
+
+    next_step = fake_request(list(range(5000, 5040)), "next-step")
+    assert side.get_num_new_matched_tokens(next_step, 0) == (0, False)
+    assert late.lookup_calls == 2 + 2, "the next step's lookups have a budget again (chunks, then the tail)"
 
 
 class ConnectingRemoteDisk(DiskTier):
