@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.serve_server import Server, free_port, http_call
-from kvpack.tools.bench.sglang_multiturn import SGLangServer
+from kvpack.tools.bench.sglang_multiturn import SGLangServer, add_server_options
 from kvpack.tools.bench.timing import publish
 
 REQUEST_TIMEOUT_S = 300.0
@@ -203,12 +203,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=os.environ.get("KVPACK_VLLM_PYTHON", ""), help="the vLLM venv's python")
     p.add_argument("--tokens", type=int, default=1560, help="prompt tokens per probe")
     p.add_argument("--probes", type=int, default=5)
-    p.add_argument("--page", type=int, default=32, help="vLLM's block size and SGLang's page size")
-    p.add_argument("--device", type=int, default=8192, help="SGLang's device KV pool tokens (vLLM's cache too)")
+    add_server_options(p, device=8192, start_timeout=400.0)  # --device sizes vLLM's cache too
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--start-timeout", type=float, default=400.0)
-    default_site = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "server" / "cpu_site"
-    p.add_argument("--cpu-site", type=Path, default=default_site)
     p.add_argument("--out", default="", help="write a markdown results file here")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs (the folder is printed)")
     args = p.parse_args(argv)

@@ -249,6 +249,16 @@ def _run_setup(
     return result
 
 
+def add_server_options(p: argparse.ArgumentParser, *, device: int, start_timeout: float) -> None:
+    """The `SGLangServer` options a bench user sets: the device KV pool (tokens), the page size
+    (tokens; vLLM's block size too in ``--handoff``), the start-up bound (s) and the CPU shim's folder."""
+    p.add_argument("--device", type=int, default=device, help="SGLang's device KV pool tokens")
+    p.add_argument("--page", type=int, default=32, help="SGLang's page size (tokens)")
+    p.add_argument("--start-timeout", type=float, default=start_timeout)
+    default_site = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "server" / "cpu_site"
+    p.add_argument("--cpu-site", type=Path, default=default_site)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvpack bench sglang --multiturn", description=__doc__.splitlines()[0])
     p.add_argument("--model-size", choices=("tiny", "bench"), default="bench")
@@ -258,14 +268,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--question", type=int, default=256, help="new tokens per round (>= SGLang's 256 threshold)")
     p.add_argument("--answer", type=int, default=8)
-    p.add_argument("--device", type=int, default=1024, help="device KV pool tokens")
+    add_server_options(p, device=1024, start_timeout=300.0)
     p.add_argument("--l2-ratio", type=float, default=2.0, help="HiCache L2 host pool size / device pool size")
-    p.add_argument("--page", type=int, default=32)
     p.add_argument("--settle", type=float, default=3.0, help="seconds for L3 backups after the last round")
-    p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    default_site = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "server" / "cpu_site"
-    p.add_argument("--cpu-site", type=Path, default=default_site)
     p.add_argument("--markdown", default="", help="append the table to this file")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and stores (the folder is printed)")
     p.add_argument("--io-threads", type=int, default=2, help="kvpack's io_threads (its copy and conversion threads)")
