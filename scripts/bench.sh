@@ -11,3 +11,5 @@ for b in tiers copy mooncake vllm spec; do
   echo "=== kvpack bench $b"; "$vllm_venv/bin/python" -m kvpack.cli bench "$b"
 done
 echo "=== kvpack bench sglang"; "$sglang_venv/bin/python" -m kvpack.cli bench sglang
+echo "=== kvpack bench sglang --handoff"
+"$sglang_venv/bin/python" -m kvpack.cli bench sglang --handoff --vllm-python "$vllm_venv/bin/python"
