@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +32,7 @@ from kvpack.tiers.base import PutItem
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import fake_request  # noqa: E402
+from vllm_helpers import fake_request, scheduler_output  # noqa: E402
 
 from kvpack.vllm_plugin.metadata import NO_BLOCK, BlockRef  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
@@ -172,33 +171,18 @@ def test_load_puts_state_in_the_boundary_block_only(tmp_path: Path) -> None:
     assert [r.block_ids for r in job.blocks] == [(1, NO_BLOCK), (2, NO_BLOCK), (3, 7)]
 
 
-def _output(
-    new: list[Any], cached: dict[str, tuple[int, tuple[list[int], ...] | None]], scheduled: dict[str, int]
-) -> Any:
-    ids = list(cached)
-    return SimpleNamespace(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=ids,
-            resumed_req_ids=set(),
-            new_block_ids=[cached[r][1] for r in ids],
-            num_computed_tokens=[cached[r][0] for r in ids],
-        ),
-        num_scheduled_tokens=scheduled,
-        scheduled_spec_decode_tokens={},
-    )
-
-
 def test_captures_copy_each_chunk_in_the_step_that_completes_it(tmp_path: Path) -> None:
     side = make_side(tmp_path)
     req = fake_request(IDS[:50])
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     new = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3], [5, 6, 7]), num_computed_tokens=0)
-    (job,) = side.build_connector_meta(_output([new], {}, {"r1": 40})).saves
+    (job,) = side.build_connector_meta(scheduler_output([new], {}, {"r1": 40})).saves
     hashes = chunk_hashes(IDS[:64], BS)
     assert job.capture
     assert job.blocks == (BlockRef(hashes[0], (1, 5), BS), BlockRef(hashes[1], (2, 6), BS))
     req.all_token_ids = IDS[:51]  # a generated token
-    (job,) = side.build_connector_meta(_output([], {"r1": (40, ([4], [8]))}, {"r1": 10})).saves
+    (job,) = side.build_connector_meta(scheduler_output([], {"r1": (40, ([4], [8]))}, {"r1": 10})).saves
     assert job.blocks == (BlockRef(hashes[2], (3, 7), BS),)
-    assert side.build_connector_meta(_output([], {"r1": (50, None)}, {"r1": 1})).saves == []  # nothing completes
+    assert (
+        side.build_connector_meta(scheduler_output([], {"r1": (50, None)}, {"r1": 1})).saves == []
+    )  # nothing completes

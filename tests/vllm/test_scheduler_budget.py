@@ -31,7 +31,7 @@ from kvpack.tiers.disk import DiskTier
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import fake_request  # noqa: E402
+from vllm_helpers import fake_request, scheduler_output  # noqa: E402
 
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
 from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
@@ -101,17 +101,11 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     assert late.lookup_calls == 4
 
 
-def _computes_prompts(req_ids: list[str], tokens: int) -> SimpleNamespace:
+def _computes_prompts(req_ids: list[str], tokens: int) -> object:
     """A scheduler output in which each new request computes its whole `tokens`-token prompt."""
     new = [SimpleNamespace(req_id=r, block_ids=([1 + 4 * i, 2 + 4 * i, 3 + 4 * i],), num_computed_tokens=0)
            for i, r in enumerate(req_ids)]  # fmt: skip
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=dict.fromkeys(req_ids, tokens),
-        scheduled_spec_decode_tokens={},
-    )
+    return scheduler_output(new, {}, dict.fromkeys(req_ids, tokens))
 
 
 def test_a_steps_save_planning_shares_the_budget_its_lookups_spent(tmp_path: Path) -> None:

@@ -53,6 +53,26 @@ def fake_request(ids: list[int], req_id: str = "r1", computed: int = 0) -> Any:
     )
 
 
+def scheduler_output(
+    new: list[Any], cached: dict[str, tuple[int, tuple[list[int], ...] | None]], scheduled: dict[str, int]
+) -> Any:
+    """What `SchedulerSide.build_connector_meta` reads of a vLLM ``SchedulerOutput``: the `new`
+    requests (``req_id``, ``block_ids``, ``num_computed_tokens``), the `cached` ones (req_id ->
+    (computed tokens, new block ids per group or None)) and the tokens each is `scheduled`."""
+    ids = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=ids,
+            resumed_req_ids=set(),
+            new_block_ids=[cached[r][1] for r in ids],
+            num_computed_tokens=[cached[r][0] for r in ids],
+        ),
+        num_scheduled_tokens=scheduled,
+        scheduled_spec_decode_tokens={},
+    )
+
+
 def kv_config(extra: dict[str, Any] | None, role: str = "kv_both") -> dict[str, Any]:
     return {"kv_connector": "KVPackConnector", "kv_role": role, "kv_connector_extra_config": extra or {}}
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -29,13 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpack.tools.bench.serve_server import free_port
+
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _LocalCluster:
@@ -45,7 +40,7 @@ class _LocalCluster:
         import mooncake
 
         pkg = Path(mooncake.__file__).parent
-        self.rpc, metrics, holder = _free_port(), _free_port(), _free_port()
+        self.rpc, metrics, holder = free_port(), free_port(), free_port()
         self.dir = tempfile.mkdtemp(prefix="kvpack-mc-bench-")
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
         log = open(os.path.join(self.dir, "master.log"), "wb")

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from kvpack.keys import ChunkHash, chain_hash
+from kvpack.tools.bench.sglang_multiturn import KVPACK_BACKEND
 from kvpack.tools.bench.timing import Row, gbps, hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -302,15 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     get_zero_copy = HiCacheController._page_get_zero_copy
     set_generic = HiCacheController._generic_page_set
     get_generic = HiCacheController._generic_page_get
-    dyn = {
-        "backend_name": "kvpack",
-        "module_path": "kvpack.sglang_plugin",
-        "class_name": "KVPackStorage",
-        "interface_v1": 1,
-    }
 
     def kvpack_backend(tier: str) -> Any:
-        extra = dict(dyn, io_threads=args.io_threads)
+        extra = dict(KVPACK_BACKEND, io_threads=args.io_threads)
         if tier == "memory":
             # Two calls' worth: from the third call on, stores recycle evicted slots
             # (the steady state of a full cache) instead of faulting in fresh memory.

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.serve_server import Server, free_port, http_call
-from kvpack.tools.bench.sglang_multiturn import SGLangServer, add_server_options
-from kvpack.tools.bench.timing import publish
+from kvpack.tools.bench.sglang_multiturn import KVPACK_BACKEND, SGLangServer, add_server_options
+from kvpack.tools.bench.timing import proc_stat, publish
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -131,19 +131,8 @@ def _flush(port: int, timeout_s: float = 60.0) -> None:
 
 def _group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == pgid:  # fields from the state on: state ppid pgrp ... utime(11) stime(12)
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+    stats = (proc_stat(f"/proc/{entry}/stat") for entry in os.listdir("/proc") if entry.isdigit())
+    return sum(cpu for group, cpu in filter(None, stats) if group == pgid)
 
 
 def _wait_quiet(a: Server, window_s: float = 0.25, busy: float = 0.05, bound_s: float = 5.0) -> float:
@@ -230,13 +219,7 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
     root = Path(tempfile.mkdtemp(prefix="kvpack-sglang-handoff-"))
     host_name = f"handoff-bench-{os.getpid()}"
     shared = {"memory": {"mode": "host", "host_name": host_name, "capacity": "1GiB"}, "disk": {"enabled": False}}
-    sglang_config = {
-        "backend_name": "kvpack",
-        "module_path": "kvpack.sglang_plugin",
-        "class_name": "KVPackStorage",
-        "interface_v1": 1,
-        **shared,
-    }
+    sglang_config = {**KVPACK_BACKEND, **shared}
     a = Server(
         str(model),
         free_port(),

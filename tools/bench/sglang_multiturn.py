@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpack.tools.bench.serve_server import free_port
 from kvpack.tools.bench.sglang_prefetch_stats import HEADER as PREFETCH_HEADER
 from kvpack.tools.bench.sglang_prefetch_stats import PrefetchStats
 
@@ -56,6 +56,15 @@ FAILURES = {
     "failed prefetches": "prefetch transfer failed",
 }
 """Server log lines that are a failed L3 call (SGLang's controller, kvpack's backend)."""
+
+KVPACK_BACKEND: dict[str, object] = {
+    "backend_name": "kvpack",
+    "module_path": "kvpack.sglang_plugin",
+    "class_name": "KVPackStorage",
+    "interface_v1": 1,
+}
+"""kvpack as SGLang's ``dynamic`` storage backend: the part of ``--hicache-storage-backend-extra-config``
+that names it (kvpack's own settings go beside these keys)."""
 
 
 @dataclass
@@ -73,12 +82,6 @@ class SetupResult:
     @property
     def mean_ttft(self) -> float:
         return sum(self.ttft_later) / len(self.ttft_later) if self.ttft_later else float("nan")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stream_generate(port: int, ids: list[int], answer: int, timeout_s: float) -> tuple[float, dict[str, object]]:
@@ -109,7 +112,7 @@ class SGLangServer:
     ``cpu_site``)."""
 
     def __init__(self, args: argparse.Namespace, model: Path, storage: list[str], env: dict[str, str], log: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.log = log
         cmd = [
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
@@ -309,10 +312,7 @@ def _setups(args: argparse.Namespace, root: Path, run: int = 1) -> list[tuple[st
     in even runs kvpack goes before `file` (before and after the restart), so neither backend is
     always the later one."""
     kvpack = {
-        "backend_name": "kvpack",
-        "module_path": "kvpack.sglang_plugin",
-        "class_name": "KVPackStorage",
-        "interface_v1": 1,
+        **KVPACK_BACKEND,
         "memory": {"capacity": "64MiB"},
         "disk": {"path": str(root / "kvpack"), "capacity": "8GiB"},
         "io_threads": args.io_threads,

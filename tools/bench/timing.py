@@ -49,20 +49,29 @@ def cpu_sample(prefix: str) -> CpuSample:
     import threading
 
     t = os.times()
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     named: dict[str, float] = {}
     for thread in threading.enumerate():
         if not thread.name.startswith(prefix) or thread.native_id is None:
             continue
-        try:
-            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        stat = proc_stat(f"/proc/self/task/{thread.native_id}/stat")
+        if stat is None:
             continue
         kind = re.sub(r"-\d+$", "", thread.name)
-        # utime and stime: fields 14 and 15 of stat, counted after the ")" that ends the name
-        named[kind] = named.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        named[kind] = named.get(kind, 0.0) + stat[1]
     return CpuSample(t.user + t.system, named)
+
+
+def proc_stat(path: str) -> tuple[int, float] | None:
+    """(process group, CPU seconds used: user + system) from a Linux ``/proc/PID/stat`` or
+    ``/proc/PID/task/TID/stat`` file; None when it cannot be read (gone, or not Linux)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the ")" that ends the name: state ppid pgrp ...
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    # pgrp, utime and stime: fields 5, 14 and 15 of stat, counted from the first
+    return int(fields[2]), (int(fields[11]) + int(fields[12])) / tick
 
 
 def write_report(path: str, title: str, command: str, table: str) -> None:
