@@ -8,7 +8,6 @@ import ctypes
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
@@ -57,26 +56,6 @@ def copy_runs(
     finally:
         for f in futures:
             f.result()
-
-
-def address_of(buf: Any) -> int:
-    """The host address of a C-contiguous buffer (numpy array, memoryview, read-only or not).
-    Through ctypes where it can (0.4 us; numpy's ``.ctypes.data`` 1.1 us, a view through
-    ``np.frombuffer`` 2.7 us: a save's or a load's 256 objects): a writable buffer, or a
-    read-only view of all of a writable array (a tier's lent slot); else through numpy."""
-    target = buf
-    if isinstance(buf, memoryview) and buf.readonly:
-        owner = buf.obj
-        whole = isinstance(owner, np.ndarray) and buf.c_contiguous and owner.nbytes == buf.nbytes
-        target = owner if whole and isinstance(owner, np.ndarray) and owner.flags.writeable else None
-    if target is not None:
-        try:
-            return ctypes.addressof(ctypes.c_char.from_buffer(target))
-        except (TypeError, ValueError):  # read-only, empty or not C-contiguous
-            pass
-    return (
-        int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
-    )
 
 
 def row_views(rows: np.ndarray) -> list[Payload]:

@@ -45,6 +45,7 @@ from .. import (
     MemberSpec,
     Payload,
     StoredRange,
+    address_of,
     canonical_group_spec,
     head_range_fingerprint,
     identify_model,
@@ -53,7 +54,7 @@ from .. import (
     validate_member,
 )
 from ..ops import PagedKV
-from .conversion import StagingRows, address_of, copy_runs, row_views
+from .conversion import StagingRows, copy_runs, row_views
 from .regions import PageRegions
 
 CANONICAL_HOST_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -30,3 +32,23 @@ def bytes_at(addr: int, nbytes: int) -> torch.Tensor:
     """A writable uint8 tensor over `nbytes` of host memory at `addr` (memory the caller
     keeps valid for the tensor's use; nothing is copied)."""
     return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def address_of(buf: Any) -> int:
+    """The host address of a C-contiguous buffer (numpy array, memoryview, read-only or not).
+    Through ctypes where it can (0.4 us; numpy's ``.ctypes.data`` 1.1 us, a view through
+    ``np.frombuffer`` 2.7 us: a save's or a load's 256 objects): a writable buffer, or a
+    read-only view of all of a writable array (a tier's lent slot); else through numpy."""
+    target = buf
+    if isinstance(buf, memoryview) and buf.readonly:
+        owner = buf.obj
+        whole = isinstance(owner, np.ndarray) and buf.c_contiguous and owner.nbytes == buf.nbytes
+        target = owner if whole and isinstance(owner, np.ndarray) and owner.flags.writeable else None
+    if target is not None:
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(target))
+        except (TypeError, ValueError, BufferError):  # read-only, empty or not C-contiguous
+            pass
+    return (
+        int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
+    )

@@ -24,6 +24,7 @@ from sglang_parts import (
     poison,
 )
 
+from kvpack import address_of
 from kvpack.sglang_plugin import conversion
 from kvpack.sglang_plugin.conversion import copy_runs
 from kvpack.sglang_plugin.pools import ParallelInfo, canonical_kv
@@ -95,8 +96,8 @@ def test_address_of_is_the_first_byte_of_every_kind_of_buffer():
     }
     for name, (buf, offset) in cases.items():
         want = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if offset is None else start + offset
-        assert conversion.address_of(buf) == want, name
-        view = (ctypes.c_ubyte * 1).from_address(conversion.address_of(buf)) if len(buf) else None
+        assert address_of(buf) == want, name
+        view = (ctypes.c_ubyte * 1).from_address(address_of(buf)) if len(buf) else None
         assert view is None or view[0] == np.frombuffer(buf, dtype=np.uint8)[0], name
 
 
@@ -110,7 +111,7 @@ def test_row_views_are_each_rows_bytes_writable():
     for i, view in enumerate(views):
         want = memoryview(rows[i])
         assert (view.nbytes, view.format, view.ndim, view.readonly) == (want.nbytes, want.format, 1, False)
-        assert bytes(view) == bytes(want) and conversion.address_of(view) == conversion.address_of(rows[i])
+        assert bytes(view) == bytes(want) and address_of(view) == address_of(rows[i])
         view[0] = 200 + i
         assert rows[i, 0] == 200 + i
     assert conversion.row_views(rows[:0]) == []

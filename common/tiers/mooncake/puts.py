@@ -33,13 +33,14 @@ from typing import Any
 
 import xxhash
 
+from ...canonical.addressed import address_of
 from ...keys import GroupKey, StoreKey
 from ...objects import HeaderFastPath, ObjectHeader, payload_checksum, payload_parts
 from ..base import PutItem, TierStatus
 from .codes import INVALID_PARAMS, NOT_CALLED, code_info
 from .connection import Connection
 from .runner import Job, Slot
-from .staging import SLOTS, STEP_MAX_BYTES, Staging, address_of, plan_steps, round_up, slot_buffers
+from .staging import SLOTS, STEP_MAX_BYTES, Staging, plan_steps, round_up, slot_buffers
 
 log = logging.getLogger("kvpack")
 

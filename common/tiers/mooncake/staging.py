@@ -84,14 +84,6 @@ def slot_buffers(slot: Slot, idx: Sequence[int], budgets: Sequence[int]) -> tupl
     return views, addrs
 
 
-def address_of(buf: memoryview) -> int:
-    """Address of a contiguous buffer (cheap for writable ones)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    except (TypeError, ValueError, BufferError):
-        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-
-
 def copy_out(dst: Payload, staged: Any, src_addr: int, header_len: int, n: int) -> None:
     """Copy a staged payload (at `src_addr`; bytes `header_len:n` of `staged`) into
     the caller's regions, in order."""
