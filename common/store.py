@@ -164,8 +164,12 @@ class KVStore(LentCopies, StoreWrites):
     def reader(cls, config: KVPackConfig, leading: Sequence[Tier], metrics: Metrics | None = None) -> KVStore:
         """A lookup-only store: `leading` tiers (e.g. a view of another process's memory
         tier, vLLM's scheduler) before the lower tiers the config enables (no memory tier
-        of its own); no write-back threads, `store` refuses."""
-        return cls(config, [*leading, *build_tiers(config, include_memory=False)], metrics, read_only=True)
+        of its own), but behind the host store when there is one (it stays the `front_tier`:
+        what it holds now is found there, a leading view answers for the rest); no
+        write-back threads, `store` refuses."""
+        own = build_tiers(config, include_memory=False)
+        front = own[:1] if own and own[0].front else []
+        return cls(config, [*front, *leading, *own[len(front) :]], metrics, read_only=True)
 
     @property
     def front_tier(self) -> str | None:

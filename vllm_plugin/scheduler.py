@@ -261,6 +261,7 @@ class SchedulerSide:
         self._pending_loads = {}
         self._pending_saves = []
         self._budget.renew()  # the step ends here: its lookups and save planning shared one budget
+        self.memory.step_ended()
         return meta
 
     def register_finished_partial_tail(

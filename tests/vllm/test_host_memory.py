@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
 import pytest
-from vllm_helpers import close_llm, engine_process, make_llm, prompt, run, same_output, start_engine_process
+from vllm_helpers import (
+    close_llm,
+    engine_process,
+    kv_config,
+    make_llm,
+    prompt,
+    run,
+    same_output,
+    start_engine_process,
+)
 
 from kvpack.tiers.host import host_root
 
@@ -46,3 +56,75 @@ def test_a_second_engine_loads_what_the_first_computed_from_host_memory(tiny_lla
         assert same_output(written["P"], baseline)
     finally:
         shutil.rmtree(host_root(name), ignore_errors=True)
+
+
+def test_a_prompt_repeated_before_its_save_landed_in_host_memory_hits(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine on a host store, a script's two ``generate`` calls of one prompt, the first
+    ending right after its prefill: the second is planned before the worker's save reached
+    the host store (here each host-store write takes 0.2 s, as on a loaded host). The scheduler
+    counts its own planned saves as held for ``io_timeout_ms`` (as it does with a per-process
+    tier), so the second request hits; its load waits for the save before it and answers as a
+    no-cache run does. Before, the scheduler asked the host store alone and found nothing."""
+    from kvpack.tiers.host import HostTier, drop
+
+    name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    put_from = HostTier.put_from
+
+    def slow_put(self: HostTier, items):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)
+        return put_from(self, items)
+
+    baseline_llm = make_llm(tiny_llama)
+    try:
+        baseline = run(baseline_llm, P)
+    finally:
+        close_llm(baseline_llm)
+    monkeypatch.setattr(HostTier, "put_from", slow_put)
+    extra = {"disk": {"enabled": False}, "memory": {"mode": "host", "host_name": name, "capacity": "256MiB"}}
+    llm = make_llm(tiny_llama, kv_config(extra))
+    try:
+        assert run(llm, P, max_tokens=1).cached == 0
+        second = run(llm, P)
+        assert second.cached == len(P) - 1
+        assert same_output(second, baseline)
+    finally:
+        close_llm(llm)
+        drop(name)
+
+
+@pytest.mark.parametrize("mode", ["host", "process"])
+def test_planned_saves_count_as_held_until_they_must_have_landed_in_the_host_store(mode: str) -> None:
+    """The scheduler's view of its planned saves: with a host store each counts for
+    ``io_timeout_ms`` from the end of the step that planned it (its forward may take longer
+    than that; the save runs after it), then the host store alone answers (an object lost
+    since is a miss, not a stale hit); with per-process tiers it stays until a worker reports
+    it evicted."""
+    from kvpack import KVPackConfig, StoreKey
+    from kvpack.groups import Coverage
+    from kvpack.layout_spec import KVLayoutSpec
+    from kvpack.vllm_plugin.metadata import BlockRef, TransferJob
+    from kvpack.vllm_plugin.scopes import CacheGroup, Scope
+    from kvpack.vllm_plugin.workers_memory import WorkersMemory
+
+    groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
+    spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=16)
+    scope = Scope(spec=spec, members=("kv",), block_size=16, draft="", groups=groups, world=1)
+    config = KVPackConfig.from_dict({"io_timeout_ms": 500, "memory": {"mode": mode}, "disk": {"enabled": False}})
+    now = [100.0]
+    memory = WorkersMemory(config, scope, clock=lambda: now[0])
+    key = lambda tenant, chunk, member: StoreKey(tenant, scope.fingerprint, chunk, member)  # noqa: E731
+    memory.expect(TransferJob("w", "default", (BlockRef("a" * 64, (3,), 16),), capture=True), key)
+    wanted = [key("default", "a" * 64, "kv")]
+    assert memory.tiers == [memory.index] and memory.index.contains(wanted) == [True]
+    memory.step_ended()  # the step that planned the save
+    now[0] += 2.0  # its forward: longer than io_timeout_ms
+    memory.step_ended()  # the next step: the save's time starts
+    assert memory.index.contains(wanted) == [True]
+    now[0] += 0.4
+    memory.step_ended()
+    assert memory.index.contains(wanted) == [True]
+    now[0] += 0.2
+    memory.step_ended()
+    assert memory.index.contains(wanted) == [mode == "process"]
