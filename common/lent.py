@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from .objects import ObjectHeader, payload_checksum
 from .reads import LoadItem, PageReads, TierReads
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from .tiers.host import HostTier
 
 _NOT_LENT = GetResult(TierStatus.MISS)
 """A placeholder in `complete_load_lent` for an item read the ordinary way."""
@@ -49,6 +52,7 @@ class _StoreParts(Protocol):
     write_back: bool
     _closed: bool
     _memory: MemoryTier | None
+    _front: Tier | None
     _lower: tuple[Tier, ...]
     _integrity: IntegrityKey | None
     _reads: TierReads
@@ -57,7 +61,7 @@ class _StoreParts(Protocol):
 
     def store(self, items: Sequence[PutItem]) -> list[TierStatus]: ...
 
-    def complete_load(self, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]: ...
+    def complete_load(self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False) -> list[GetResult]: ...
 
     def release(self, plan: LoadPlan) -> None: ...
 
@@ -71,7 +75,15 @@ class _StoreParts(Protocol):
 
     def _count_lent(self, tier: str, loaded: Mapping[str, int]) -> None: ...
 
-    def _read_not_lent(self, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]: ...
+    def _lending_host(self) -> HostTier | None: ...
+
+    def _host_lend(
+        self, plan: LoadPlan, items: Sequence[LoadItem], at: Sequence[int], n: int
+    ) -> tuple[dict[int, tuple[ObjectHeader, memoryview]], Callable[[], list[bool]]]: ...
+
+    def _read_not_lent(
+        self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False
+    ) -> list[GetResult]: ...
 
     @property
     def lends_memory(self) -> bool: ...
@@ -158,53 +170,91 @@ class LentCopies:
             self._plans.end_stores(keys)
 
     def complete_load_lent(
-        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem]
-    ) -> tuple[list[GetResult], list[memoryview | None]]:
-        """`complete_load`, except that what this process's memory tier holds is not copied:
-        ``views[i]`` is then its stored payload, read-only, and ``items[i].dst`` is left as
-        it was; every other item is read into its `dst` as `complete_load` reads it
-        (``views[i]`` None). A view stays valid while the caller holds it, evicted or not
-        (`MemoryTier.lend`). Without `lends_memory` every view is None."""
-        memory = self._memory
-        if memory is None or not self.lends_memory:
-            return self.complete_load(plan, items), [None] * len(items)
+        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False
+    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
+        """`complete_load`, except that what this process's memory tier or the host store holds
+        is not copied: ``views[i]`` is then its stored payload, read-only, and ``items[i].dst``
+        is left as it was; every other item is read into its `dst` as `complete_load` reads it
+        (``views[i]`` None). `local_only`: no remote tier is asked (`complete_load`).
+
+        A memory-tier view stays valid while the caller holds it, evicted or not
+        (`MemoryTier.lend`; only with `lends_memory`). A host-store view is shared memory
+        another process may rewrite (`HostTier.lend`; only without a keyed MAC, which needs
+        the payload first): the caller copies out of every view, then calls the returned
+        ``held()``: per item, False where a host-store view changed meanwhile, so its copy is
+        not the object and must be treated as a miss."""
+        n = len(items)
+        results: list[GetResult] = [_NOT_LENT] * n
+        views: list[memoryview | None] = [None] * n
         try:
-            lent = memory.lend([it.key for it in items], [it.expected for it in items])
-            results: list[GetResult] = []
-            views: list[memoryview | None] = []
-            rest: list[int] = []
-            loaded: dict[str, int] = {}  # bytes per tenant: one count per tenant, not per object
-            for i, (item, got) in enumerate(zip(items, lent)):
-                if got is None:
-                    results.append(_NOT_LENT)
-                    views.append(None)
-                    rest.append(i)
-                    continue
-                header, view = got
-                results.append(GetResult(TierStatus.OK, header))
-                views.append(view)
-                tenant = item.key.tenant
-                loaded[tenant] = loaded.get(tenant, 0) + header.payload_len
-            self._count_lent(memory.name, loaded)
-            for i, res in zip(rest, self._read_not_lent(plan, [items[i] for i in rest])):
+            rest = list(range(n))
+            memory = self._memory
+            lent: dict[int, tuple[ObjectHeader, memoryview]] = {}
+            if memory is not None and self.lends_memory:
+                got = memory.lend([it.key for it in items], [it.expected for it in items])
+                lent = {i: one for i, one in enumerate(got) if one is not None}
+                self._count_lent(memory.name, _bytes_per_tenant(items, lent))
+                rest = [i for i in rest if i not in lent]
+            from_host, held = self._host_lend(plan, [items[i] for i in rest], rest, n)
+            lent.update(from_host)
+            for i, (header, view) in lent.items():
+                results[i], views[i] = GetResult(TierStatus.OK, header), view
+            rest = [i for i in rest if i not in from_host]
+            for i, res in zip(rest, self._read_not_lent(plan, [items[i] for i in rest], local_only)):
                 results[i] = res
-            return results, views
+            return results, views, held
         finally:
             self.release(plan)
 
+    def _host_lend(
+        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem], at: Sequence[int], n: int
+    ) -> tuple[dict[int, tuple[ObjectHeader, memoryview]], Callable[[], list[bool]]]:
+        """What the host store lends of `items` (`HostTier.lend`: those the plan located there or on
+        no tier of this store), counted: ``{at[j]: (header, view)}``, and ``held()`` over the caller's `n`
+        positions (True where nothing was host-lent). Without a lending host store, nothing."""
+        host = self._lending_host()
+        located, tiers = plan.located, self._by_name
+        mine = (
+            []
+            if host is None
+            else [j for j, it in enumerate(items) if tiers.get(located.get(it.key, "")) in (None, host)]
+        )
+        if host is None or not mine:
+            return {}, lambda: [True] * n
+        start = time.perf_counter()
+        got, host_held = host.lend(
+            [items[j].key for j in mine], [items[j].expected for j in mine], self._reads.verifies(host)
+        )
+        self.metrics.observe("load_seconds", time.perf_counter() - start, tier=host.name)
+        lent = {j: one for j, one in zip(mine, got) if one is not None}
+        self._count_lent(host.name, _bytes_per_tenant(items, lent))
+        asked = [at[j] for j in mine]
+
+        def held() -> list[bool]:
+            verdict = [True] * n
+            for i, kept in zip(asked, host_held()):
+                verdict[i] = kept
+            return verdict
+
+        return {at[j]: one for j, one in lent.items()}, held
+
+    def _lending_host(self: _StoreParts) -> HostTier | None:
+        """The host store when the store reads its objects in place (no keyed MAC), else None."""
+        from .tiers.host import HostTier
+
+        front = self._front
+        return front if isinstance(front, HostTier) and self._integrity is None else None
+
     def complete_load_pages_lent(
         self: _StoreParts, plan: LoadPlan, reads: Sequence[PageReads]
-    ) -> tuple[list[bool], list[memoryview | None]]:
+    ) -> tuple[list[bool], list[memoryview | None], Callable[[], list[bool]]]:
         """`complete_load_lent` for batches of whole pages, in order (page j of ``reads[b]``
-        at ``sum(len(r) for r in reads[:b]) + j``): per page, loaded, and its memory-tier
-        payload lent (None where it was read into its `dst`, or missed). A page memory holds
-        with a header that does not match is read the ordinary way (`TierReads.load`: it is
-        refused and counted there, as `complete_load` would); so is every page without
-        `lends_memory`."""
-        memory = self._memory
-        if memory is None or not self.lends_memory:
-            items = [it for r in reads for it in r.items()]
-            return [res.ok for res in self.complete_load(plan, items)], [None] * len(items)
+        at ``sum(len(r) for r in reads[:b]) + j``): per page, loaded, its payload lent by the
+        memory tier or the host store (None where it was read into its `dst`, or missed), and
+        ``held()`` to call after copying out of the views (`complete_load_lent`). A page memory
+        holds with a header that does not match is read the ordinary way (`TierReads.load`: it
+        is refused and counted there, as `complete_load` would); so is every page neither lends."""
+        memory = self._memory if self.lends_memory else None
         try:
             ok: list[bool] = []
             views: list[memoryview | None] = []
@@ -212,8 +262,14 @@ class LentCopies:
             rest_at: list[int] = []
             loaded: dict[str, int] = {}  # bytes per tenant: one count per tenant, not per object
             for r in reads:
-                got = memory.lend_pages(r.keys, r.expected)
                 base = len(ok)
+                if memory is None:
+                    ok.extend([False] * len(r))
+                    views.extend([None] * len(r))
+                    rest.extend(r.items())
+                    rest_at.extend(range(base, base + len(r)))
+                    continue
+                got = memory.lend_pages(r.keys, r.expected)
                 missing = [j for j, view in enumerate(got) if view is None]
                 ok.extend(view is not None for view in got)
                 views.extend(got)
@@ -223,26 +279,42 @@ class LentCopies:
                 if missing:
                     rest.extend(r.items(missing))
                     rest_at.extend(base + j for j in missing)
-            self._count_lent(memory.name, loaded)
-            for i, res in zip(rest_at, self._read_not_lent(plan, rest)):
+            if memory is not None:
+                self._count_lent(memory.name, loaded)
+            lent, held = self._host_lend(plan, rest, rest_at, len(ok))
+            for i, (_, view) in lent.items():
+                ok[i], views[i] = True, view
+            todo = [(i, it) for i, it in zip(rest_at, rest) if i not in lent]
+            for (i, _), res in zip(todo, self._read_not_lent(plan, [it for _, it in todo])):
                 ok[i] = res.ok
-            return ok, views
+            return ok, views, held
         finally:
             self.release(plan)
 
     def _count_lent(self: _StoreParts, tier: str, loaded: Mapping[str, int]) -> None:
-        """`loaded_bytes` of what the memory tier lent: one count per tenant, not per object."""
+        """`loaded_bytes` of what a tier lent: one count per tenant, not per object."""
         for tenant, nbytes in loaded.items():
             self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier)
 
-    def _read_not_lent(self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem]) -> list[GetResult]:
+    def _read_not_lent(
+        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False
+    ) -> list[GetResult]:
         """What the memory tier did not lend, read the ordinary way (`TierReads.load`), each
-        first from the tier the plan's lookup named."""
+        first from the tier the plan's lookup named; `local_only`: no remote tier."""
         if not items:
             return []
         located: Mapping[StoreKey, str] = plan.located
         first = [self._by_name.get(located.get(it.key, "")) for it in items]
-        return self._reads.load(items, first)
+        return self._reads.load(items, first, local_only)
+
+
+def _bytes_per_tenant(items: Sequence[LoadItem], lent: Mapping[int, tuple[ObjectHeader, memoryview]]) -> dict[str, int]:
+    """Payload bytes of the lent ``items[i]`` (``lent[i]``: its header and view) per tenant."""
+    out: dict[str, int] = {}
+    for i, (header, _) in lent.items():
+        tenant = items[i].key.tenant
+        out[tenant] = out.get(tenant, 0) + header.payload_len
+    return out
 
 
 def _count_stored(

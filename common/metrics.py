@@ -71,6 +71,11 @@ SPECS: tuple[MetricSpec, ...] = (
         ("tenant",),
     ),
     MetricSpec("loaded_bytes", "Payload bytes read", ("tenant", "tier")),
+    MetricSpec(
+        "loaded_in_place_bytes",
+        "Payload bytes a load converted into the engine's cache straight from a tier's memory (no staging copy)",
+        ("tenant",),
+    ),
     MetricSpec("stored_bytes", "Payload bytes written", ("tenant", "tier")),
     MetricSpec("stored_objects", "Objects written", ("tenant", "tier")),
     MetricSpec("load_failures", "Objects that could not be loaded (the engine recomputes)", ("tenant", "status")),

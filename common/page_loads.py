@@ -61,16 +61,18 @@ def load_pages(
     session: Session, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int
 ) -> list[bool]:
     """Load every part in one plan (`KVStore.prepare_load` of the session's hints, then
-    `complete_load`, or `complete_load_pages_lent` when `lent`: the memory tier's payloads
-    are lent, not copied), each object from the tier the lookup found it in; per page of
+    `complete_load`, or `complete_load_pages_lent` when `lent`: the memory tier's and the host
+    store's payloads are lent, not copied; a page whose host-store view changed while its part's
+    `finish` copied it is not restored), each object from the tier the lookup found it in; per page of
     the batch (`pages` of them), True when every object of it loaded. Each part's `finish`
     runs after all reads, with its pages' verdicts.
     `page_tokens` tokens per restored page are counted as ``loaded_tokens`` of `tenant`
     (0: the caller counts them elsewhere, e.g. a second pool of the same pages)."""
     reads = [part.reads for part in parts]
     plan = session.store.prepare_load(session.hints.take([key for r in reads for key in r.keys]))
+    held: Callable[[], list[bool]] | None = None
     if lent:
-        loaded, views = session.store.complete_load_pages_lent(plan, reads)
+        loaded, views, held = session.store.complete_load_pages_lent(plan, reads)
     else:
         items = [item for r in reads for item in r.items()]
         loaded, views = [res.ok for res in session.store.complete_load(plan, items)], [None] * len(items)
@@ -87,6 +89,18 @@ def load_pages(
         n = len(part.reads)
         part.finish([ok[p] for p in part.pages], views[at : at + n])
         at += n
+    if held is not None:  # a host-store view rewritten while `finish` copied it: that page is a miss
+        at = 0
+        kept = held()
+        in_place = 0
+        for part in parts:
+            for j, (p, still) in enumerate(zip(part.pages, kept[at : at + len(part.reads)])):
+                ok[p] = ok[p] and still
+                view = views[at + j]
+                in_place += view.nbytes if view is not None and ok[p] else 0
+            at += len(part.reads)
+        if in_place:
+            session.store.metrics.inc("loaded_in_place_bytes", in_place, tenant=tenant)
     if page_tokens:
         session.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
     return ok

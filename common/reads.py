@@ -90,7 +90,8 @@ class TierReads:
         self._integrity = integrity
         self._after_batch = after_batch
 
-    def _verify(self, tier: Tier) -> bool:
+    def verifies(self, tier: Tier) -> bool:
+        """Whether a load from `tier` checks its payload checksums (`ChecksumPolicy`)."""
         if self._checksum is ChecksumPolicy.ALWAYS:
             return True
         if self._checksum is ChecksumPolicy.NEVER:
@@ -178,7 +179,7 @@ class TierReads:
 
     def _safe_get(self, tier: Tier, items: Sequence[LoadItem]) -> list[GetResult]:
         try:
-            verify = self._verify(tier)
+            verify = self.verifies(tier)
             keyed = self._integrity is not None  # the MAC replaces the tier's own xxh3 check
             dsts = [i.dst for i in items]
             out = tier.get_into([i.key for i in items], dsts, [i.expected for i in items], verify and not keyed)

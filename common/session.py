@@ -170,7 +170,8 @@ class Session:
     @classmethod
     def reader(cls, config: KVPackConfig, leading: Sequence[Tier], group_fingerprint: str = "") -> Session:
         """A lookup-only session (vLLM's scheduler process): `leading` tiers (a view of
-        another process's memory) before the lower tiers the config enables; stores refused.
+        another process's memory) before the lower tiers the config enables, behind the host
+        store if any (`KVStore.reader`); stores refused.
         It remembers no locations: its lookups' `GroupLookup.located` travel to the
         processes that load (as `prepare_load` hints)."""
         return cls(KVStore.reader(config, leading), group_fingerprint, LocatedHints(capacity=0))
@@ -418,13 +419,18 @@ class Session:
         disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
         return self.store.complete_load(batch.plan, batch.items, local_only)
 
-    def complete_load_lent(self, batch: LoadBatch) -> tuple[list[GetResult], list[memoryview | None]]:
-        """`complete_load`, except that an object this process's memory tier holds is not
-        copied into its buffer: ``views[i]`` is its stored payload, read-only, valid while
-        the caller holds it (`KVStore.complete_load_lent`); None where the item was read
-        into its buffer as `complete_load` reads it. For a caller that converts the bytes
-        on their way into the engine anyway (the conversion is then the only copy)."""
-        return self.store.complete_load_lent(batch.plan, batch.items)
+    def complete_load_lent(
+        self, batch: LoadBatch, local_only: bool = False
+    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
+        """`complete_load`, except that an object this process's memory tier or the host store
+        holds is not copied into its buffer: ``views[i]`` is its stored payload, read-only;
+        None where the item was read into its buffer as `complete_load` reads it. For a
+        caller that converts the bytes on their way into the engine anyway (the conversion
+        is then the only copy). Once it copied out of the views it calls the third element,
+        ``held()``: per item, False where the copy is not the object (a host-store view
+        rewritten meanwhile: treat it as a miss). `KVStore.complete_load_lent` has the rules;
+        `local_only` as for `complete_load`."""
+        return self.store.complete_load_lent(batch.plan, batch.items, local_only)
 
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)

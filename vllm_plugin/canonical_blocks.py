@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, vllm_cpu_geometry
-from kvpack.ops import Direction, Lane, inline_lane
+from kvpack.ops import Direction, Lane, inline_lane, load_extension
 
 from .byte_facts import UNKNOWN, BlockByteFacts
 from .packing import find_packing
@@ -146,6 +146,19 @@ class CanonicalBlocks:
         lane = lane if lane is not None else inline_lane(Direction.LOAD, self.geometry.tensors[0].device)
         ids, flat = list(block_ids), lane.keep(src).contiguous().view(-1)
         lane.launch(lambda: self.geometry.copy(ids, flat, gather=False, obj_heads=self.own.size, stream=lane.stream))
+
+    @property
+    def reads_addresses(self) -> bool:
+        """Whether `scatter_at` can run: a cache in host memory and the C++ kernel built."""
+        geo = self.geometry
+        return geo.tensors[0].device.type == "cpu" and geo.heads == self.own.size and load_extension().available
+
+    def scatter_at(self, block_ids: Sequence[int], addrs: Sequence[int], lane: Lane) -> None:
+        """Objects of `own`, object i at host address ``addrs[i]`` (a tier's lent slot or a
+        staging row, valid until the lane's event) -> blocks: one kernel call over the batch
+        (`CanonicalGeometry.copy_at`), launched on `lane`. Only where `reads_addresses`."""
+        ids, where = list(block_ids), list(addrs)
+        lane.launch(lambda: self.geometry.copy_at(ids, where, gather=False, use_kernel=True))
 
     def scatter_from(
         self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, lane: Lane | None = None

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
-from kvpack import ChunkFacts, DraftPlacement, HeadRange, LayoutError, MemberObject, ObjectIO, PlannedLoad
+from kvpack import ChunkFacts, DraftPlacement, HeadRange, LayoutError, MemberObject, ObjectIO, PlannedLoad, address_of
 from kvpack.ops import Lane, Staging
 
 from .canonical_blocks import CanonicalBlocks
@@ -46,7 +47,7 @@ class BlockLoads:
                 ]
                 for source in sorted({job.blocks[i].source for i in wanted}):  # a request may mix head splits
                     of_split = [i for i in wanted if job.blocks[i].source == source]
-                    for part in self._member_loads(staging, slot, of_split, source):
+                    for part in self._member_loads(staging, slot, of_split, source, len(reads)):
                         plans.append(part)
                         rows, obj = part.staging.numpy(), MemberObject(part.member, part.fingerprint)
                         reads += [ObjectIO(facts[i], obj, memoryview(rows[j])) for j, i in enumerate(of_split)]
@@ -55,21 +56,26 @@ class BlockLoads:
             staging.give_back([p.staging for p in plans])
             raise
         scatter = partial(self._scatter, staging, job, plans, restore_draft)
-        return PlannedLoad(reads, chunk_of, [p.staging for p in plans], scatter)
+        lends = all(isinstance(m.layout, CanonicalBlocks) and m.layout.reads_addresses for m in layout.members)
+        return PlannedLoad(reads, chunk_of, [p.staging for p in plans], scatter, lends)
 
-    def _member_loads(self, staging: Staging, slot: MemberLayout, wanted: list[int], source: int) -> list[_MemberLoad]:
+    def _member_loads(
+        self, staging: Staging, slot: MemberLayout, wanted: list[int], source: int, first: int
+    ) -> list[_MemberLoad]:
         """The objects to read for `slot`'s chunks `wanted`: its own member, or (canonical
         objects stored at another TP size: `BlockRef.source`) every stored head range
-        that overlaps this rank's heads, each with the part of it this rank keeps."""
+        that overlaps this rank's heads, each with the part of it this rank keeps. Their
+        reads are the plan's from `first` on, one range of ``len(wanted)`` per object set."""
         blocks = slot.layout
         if source == 0 or not slot.sources:
             rows = staging.rows(len(wanted), blocks.slot_bytes)
-            return [_MemberLoad(slot, wanted, rows, slot.member, slot.fingerprint)]
+            return [_MemberLoad(slot, wanted, rows, slot.member, slot.fingerprint, first)]
         assert isinstance(blocks, CanonicalBlocks)
         out = []
-        for obj in slot.sources[source]:
+        for k, obj in enumerate(slot.sources[source]):
             rows = staging.rows(len(wanted), blocks.object_bytes(obj.heads))
-            out.append(_MemberLoad(slot, wanted, rows, obj.member, obj.fingerprint, (obj.heads, obj.part)))
+            at = first + k * len(wanted)
+            out.append(_MemberLoad(slot, wanted, rows, obj.member, obj.fingerprint, at, (obj.heads, obj.part)))
         return out
 
     def _scatter(
@@ -79,10 +85,16 @@ class BlockLoads:
         plans: list[_MemberLoad],
         restore_draft: bool,
         good: Sequence[bool],
+        lent: Sequence[memoryview | None],
         lane: Lane,
-    ) -> None:
+    ) -> int:
         """Loaded rows -> blocks, member by member, launched on the load `lane` (the runner
-        calls it under its lock, never after a cancel, and waits for the lane's event)."""
+        calls it under its lock, never after a cancel, and waits for the lane's event).
+        A lent payload (``lent[i]`` for read i) is read where it lies when the member's
+        layout reads objects at addresses (`CanonicalBlocks.scatter_at`: the conversion is
+        the load's only copy); else it is first copied into its staging row. Returns the
+        lent bytes read in place."""
+        in_place = 0
         layout = self.layout
         packed_target_only = (
             self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
@@ -93,6 +105,17 @@ class BlockLoads:
             if not sel:
                 continue
             ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
+            views = lent[plan.first : plan.first + len(wanted)]
+            if any(views[j] is not None for j in sel):
+                whole = plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft)
+                if whole and isinstance(slot.layout, CanonicalBlocks) and slot.layout.reads_addresses:
+                    slot.layout.scatter_at(ids, [_address(views[j], rows[j]) for j in sel], lane)
+                    in_place += sum(view.nbytes for j in sel if (view := views[j]) is not None)
+                    continue
+                for j in sel:
+                    view = views[j]
+                    if view is not None:
+                        np.copyto(rows[j].numpy(), np.frombuffer(view, dtype=np.uint8))
             rows = staging.copy_rows(rows[sel], lane) if len(sel) < len(wanted) else rows
             if plan.heads is not None:
                 assert isinstance(slot.layout, CanonicalBlocks)
@@ -102,7 +125,7 @@ class BlockLoads:
             else:
                 slot.layout.scatter(ids, rows, lane)
         if layout.draft_member is None or layout.draft is None:
-            return
+            return in_place
         # target_only: chunks loaded without their draft member get empty draft state
         empty = [
             ref.block_ids[0]
@@ -111,6 +134,7 @@ class BlockLoads:
         ]
         if empty:
             layout.draft.scatter(empty, staging.zeros(len(empty), layout.draft.slot_bytes, lane), lane)
+        return in_place
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,7 +148,14 @@ class _MemberLoad:
     staging: torch.Tensor
     member: str
     fingerprint: str
+    first: int
+    """Index of its first read in the plan's reads (read ``first + j`` is row j)."""
     heads: tuple[HeadRange, HeadRange] | None = None
+
+
+def _address(view: memoryview | None, row: torch.Tensor) -> int:
+    """Host address of a read's payload: its lent view's, else its staging row's."""
+    return row.data_ptr() if view is None else address_of(view)
 
 
 def refused_plan(staging: Staging) -> PlannedLoad:

@@ -32,13 +32,23 @@ class PlannedLoad:
     """A load's reads and its scatter, built on the load thread (`LoadJob.plan`).
 
     `reads[i]` lands in staging rows of `rows` and belongs to chunk `chunk_of[i]`; a chunk
-    is restored only when every one of its reads loaded. `scatter(good, lane)` launches the
-    copies of the chunks marked good into the engine's blocks, on `lane`."""
+    is restored only when every one of its reads loaded. `scatter(good, lent, lane)`
+    launches the copies of the chunks marked good into the engine's blocks, on `lane`;
+    ``lent[i]``, when not None, is read `i`'s payload where a tier holds it (read-only,
+    valid until the scatter's event): the scatter reads it there instead of from its
+    staging row, which was left unwritten. It returns the lent bytes it read in place
+    (a lent payload it must first copy into its row does not count).
+
+    `lends`: whether the scatter may be given lent payloads (`Session.complete_load_lent`):
+    the adapter says so only where a lent payload costs no copy more than a staged one (a
+    cache in host memory, which the conversion reads a tier's slots into directly). Else
+    every ``lent[i]`` is None."""
 
     reads: list[ObjectIO]
     chunk_of: list[int]
     rows: list[torch.Tensor]
-    scatter: Callable[[Sequence[bool], Lane], None]
+    scatter: Callable[[Sequence[bool], Sequence[memoryview | None], Lane], int]
+    lends: bool = False
 
 
 @dataclass(frozen=True, eq=False)

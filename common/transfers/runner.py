@@ -243,7 +243,8 @@ class TransferRunner:
         launched = False  # from the scatter on, its rows go back through its Staged only
         try:
             wait_s = self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s
-            good = self._read(task, plan, wait_s, local_only)
+            good, lent, held = self._read(task, plan, wait_s, local_only)
+            in_place: list[int] = []
             ok = [i for i, g in enumerate(good) if g]
             failed = {b for c, g in zip(job.chunks, good) if not g for b in c.blocks}
             with self.gate.access() as allowed:
@@ -255,17 +256,43 @@ class TransferRunner:
                         ok, failed = [], set(job.blocks)
                     if ok:
                         launched = True
-                        staged = task.staged = self.staging.scatter(plan.rows[0], _scatter_all(plan, good))
+                        staged = task.staged = self.staging.scatter(
+                            plan.rows[0], _scatter_all(plan, good, lent, in_place)
+                        )
                     task.failed_blocks = failed
                 if staged is not None:
                     staged.release()  # the scatter completed: only now may the load be reported done
+                    ok, failed = self._still_held(task, plan, held, ok, failed)
         finally:
             if not launched:
                 self.staging.give_back(plan.rows)
+        if in_place and in_place[0]:
+            self._metrics.inc("loaded_in_place_bytes", in_place[0], tenant=job.tenant)
         self._count_load(job, ok, failed)
 
-    def _read(self, task: LoadTask, plan: PlannedLoad, save_wait_s: float, local_only: bool) -> list[bool]:
-        """Per chunk of the job: did every one of its objects load into the staging rows?"""
+    def _still_held(
+        self, task: LoadTask, plan: PlannedLoad, held: Callable[[], list[bool]], ok: list[int], failed: set[int]
+    ) -> tuple[list[int], set[int]]:
+        """After the scatter: the chunks read from a lent view that changed during it (a
+        host-store object whose pages another process took, `KVStore.complete_load_lent`)
+        join the failed ones, so the engine recomputes their blocks (the scatter wrote them
+        with bytes that are not the object). Returns the chunks restored and the blocks failed."""
+        changed = {plan.chunk_of[i] for i, kept in enumerate(held()) if not kept}
+        if not changed:
+            return ok, failed
+        chunks = task.job.chunks
+        failed = failed | {b for c in changed for b in chunks[c].blocks}
+        with self._lock:
+            task.failed_blocks = failed
+        self._metrics.inc("missing_at_load", len(changed))
+        return [i for i in ok if i not in changed], failed
+
+    def _read(
+        self, task: LoadTask, plan: PlannedLoad, save_wait_s: float, local_only: bool
+    ) -> tuple[list[bool], list[memoryview | None], Callable[[], list[bool]]]:
+        """Per chunk of the job: did every one of its objects load (into its staging row, or
+        lent where it lies: `PlannedLoad.lends`)? Per read, its lent payload or None; and the
+        check to run once the lent payloads were copied (`KVStore.complete_load_lent`)."""
         job = task.job
         items = self.session.reads(job.tenant, plan.reads)
         hints = {self.session.key(job.tenant, chunk, member): tier for chunk, member, tier in job.hints}
@@ -277,14 +304,20 @@ class TransferRunner:
         except BaseException:
             self.session.release(batch)
             raise
-        results = self.session.complete_load(batch, local_only)  # counts loaded_bytes and load_seconds per tier
+        lent: list[memoryview | None]
+        held: Callable[[], list[bool]]
+        if plan.lends:  # counts loaded_bytes and load_seconds per tier, as complete_load does
+            results, lent, held = self.session.complete_load_lent(batch, local_only)
+        else:
+            results, lent = self.session.complete_load(batch, local_only), [None] * len(items)
+            held = lambda: [True] * len(items)  # noqa: E731
         good = [True] * len(job.chunks)
         for r, chunk in zip(results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
             good[chunk] = good[chunk] and r.ok
         gone = sum(1 for r in results if r.status is TierStatus.MISS)
         if gone:  # the scheduler's lookup found these: evicted (or never landed) before the load
             self._metrics.inc("missing_at_load", gone)
-        return good
+        return good, lent, held
 
     def _count_load(self, job: LoadJob, ok: list[int], failed: set[int]) -> None:
         self._metrics.inc("loaded_tokens", sum(job.chunks[i].tokens for i in ok), tenant=job.tenant)
@@ -490,12 +523,16 @@ class TransferRunner:
         self.session.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
 
-def _scatter_all(plan: PlannedLoad, good: list[bool]) -> Callable[[torch.Tensor, Lane], None]:
-    """The lane function of a load: keep every staging tensor until the event, then scatter."""
+def _scatter_all(
+    plan: PlannedLoad, good: list[bool], lent: list[memoryview | None], in_place: list[int]
+) -> Callable[[torch.Tensor, Lane], None]:
+    """The lane function of a load: keep every staging tensor until the event, then scatter
+    (the lent payloads are held by the caller until the event); appends to `in_place` the
+    lent bytes the scatter read where they lie."""
 
     def run(_rows: torch.Tensor, lane: Lane) -> None:
         for rows in plan.rows[1:]:
             lane.keep(rows)
-        plan.scatter(good, lane)
+        in_place.append(plan.scatter(good, lent, lane))
 
     return run

@@ -118,7 +118,7 @@ def test_without_lending_the_verbs_copy(make_session):
     chunks = [chunk_id(i) for i in range(2)]
     assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views = session.complete_load_lent(
+    results, views, _ = session.complete_load_lent(
         session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
     )
     assert [r.ok for r in results] == [True, True] and views == [None, None]
@@ -133,7 +133,7 @@ def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
     keys = session.keys("default", chunks, "kv")
     session.store.tiers[0].remove_groups([keys[1].group, keys[3].group])  # only the disk holds pages 1 and 3
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views = session.complete_load_lent(
+    results, views, _ = session.complete_load_lent(
         session.prepare_load(
             session.page_reads(
                 "default", KV, chunks + [chunk_id(9)], [b.data for b in bufs] + [np.zeros(PAGE, dtype=np.uint8).data]
@@ -174,7 +174,7 @@ def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
     assert metrics.value("stored_bytes", tenant="bob", tier="memory") == 3 * PAGE
     assert metrics.value("store_dropped", tier="memory") == 0
     chunks = [chunk_id(i) for i in range(3)]
-    results, views = session.complete_load_lent(
+    results, views, _ = session.complete_load_lent(
         session.prepare_load(session.page_reads("bob", KV, chunks, [np.zeros(PAGE, np.uint8).data for _ in chunks]))
     )
     lent = sum(v is not None for v in views)
@@ -259,7 +259,7 @@ def test_a_batch_of_pages_refuses_exactly_what_the_per_page_load_refuses(tmp_pat
         chunks, want = _mixed_batch(session)
         bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
         if name == "per_page":
-            results, views = session.complete_load_lent(
+            results, views, _ = session.complete_load_lent(
                 session.prepare_load(session.page_reads("t", KV, chunks, [b.data for b in bufs]))
             )
             ok = [r.ok for r in results]

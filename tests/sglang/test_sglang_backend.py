@@ -6,6 +6,9 @@ nothing (or the wrong page) fails the bit-exact comparison.
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
 import torch
 from sglang_parts import (
@@ -24,6 +27,7 @@ from sglang_parts import (
 
 from kvpack import ConfigError
 from kvpack.sglang_plugin import KVPackStorage
+from kvpack.tiers.host import drop
 
 pytestmark = pytest.mark.sglang
 
@@ -84,6 +88,36 @@ def test_v1_round_trip_bit_exact(kind, layout, tiers, store_dir):
         assert page_bytes(pool, dst[: 2 * pool.page_size]) != want[:2]  # still poisoned: nothing was loaded
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_second_server_reads_the_host_store_in_place(layout, store_dir):
+    """Two backends on one host store (``memory.mode: host``, disk off), as two SGLang servers of a
+    host: the second loads what the first stored byte for byte, converted into its host pool
+    straight from the shared memory (every byte the host store loaded is counted in
+    ``loaded_in_place_bytes``; a copy into staging first would count none)."""
+    name = f"sglang-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    extra = kvpack_extra(store_dir, disk=False, memory=False)
+    extra["memory"] = {"capacity": "64MiB", "mode": "host", "host_name": name}
+    writer_pool, reader_pool = make_pool("mha", layout), make_pool("mha", layout)
+    writer, reader = make_backend(writer_pool, extra), make_backend(reader_pool, extra)
+    try:
+        n = 5
+        fill_random(writer_pool, seed=3)
+        src = alloc_pages(writer_pool, n)
+        keys = page_keys(n, seed=11)
+        assert writer.batch_set_v1(keys, src) == [True] * n
+        poison(reader_pool)
+        dst = alloc_pages(reader_pool, n)
+        assert reader.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(reader_pool, dst) == page_bytes(writer_pool, src)
+        metrics = reader.session.metrics
+        from_host = metrics.value("loaded_bytes", tenant="default", tier="host")
+        assert from_host > 0 and metrics.value("loaded_in_place_bytes", tenant="default") == from_host
+    finally:
+        writer.close()
+        reader.close()
+        drop(name)
 
 
 @pytest.mark.parametrize("tiers", list(TIERS))

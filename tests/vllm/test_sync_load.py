@@ -131,7 +131,10 @@ P = prompt(61, 301)
 def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(
     tiny_llama: Path, tmp_path: Path, baseline: Run, memory: str
 ) -> None:
-    """The host store is memory too: its hits load inside the step (the scheduler asks it)."""
+    """The host store is memory too: its hits load inside the step (the scheduler asks it).
+    A hit from memory is converted into vLLM's CPU cache straight from the tier's slots:
+    every byte the memory tier loaded is counted in ``loaded_in_place_bytes`` (a staging
+    copy first would count none)."""
     name = f"sync-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     mem = {
         "enabled": memory != "off",
@@ -146,6 +149,53 @@ def test_a_second_request_of_a_prompt_hits_in_step_with_the_same_output(
         assert second.cached == len(P) - 1
         assert same_output(second, baseline)
         assert metric("sync_loads") == (0 if memory == "off" else 1)
+        tier = {"process": "memory", "host": "host"}.get(memory)
+        from_memory = metric("loaded_bytes", tier=tier) if tier else 0.0
+        assert (from_memory > 0) == (memory != "off")
+        assert metric("loaded_in_place_bytes") == from_memory
+    finally:
+        close_llm(llm)
+        drop(name)
+
+
+def test_a_host_store_hit_whose_pages_another_writer_takes_mid_load_is_recomputed(
+    tiny_llama: Path, baseline: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host-store hit is converted into vLLM's cache straight from the shared memory. If
+    another process's writer takes those pages while the conversion reads them (the object
+    evicted, its pages rewritten), the blocks are reported failed and vLLM recomputes them:
+    the output is the no-cache run's. Here the second writer strikes right after the lend,
+    before the conversion; without the check after it the engine would decode from the
+    other writer's bytes."""
+    from kvpack.tiers.host import HostTier
+
+    name = f"sync-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    lend = HostTier.lend
+    struck: list[int] = []
+
+    def lend_then_strike(self: HostTier, keys, expected, verify):  # type: ignore[no-untyped-def]
+        got, held = lend(self, keys, expected, verify)
+        other = HostTier(name, self.capacity_bytes)
+        try:
+            extents = [e for e in self._host_catalog.ready_extents(keys) if e is not None]
+            assert other.remove_groups(list({k.group for k in keys})) > 0
+            other._pages.begin_writes([e.runs for e in extents])
+            for view in (v for _, v in filter(None, got)):
+                view.obj[:] = 0xAB  # type: ignore[index]  # the mapping itself now holds another object's bytes
+            struck.append(len(extents))
+        finally:
+            other.close()
+        return got, held
+
+    monkeypatch.setattr(HostTier, "lend", lend_then_strike)
+    mem = {"capacity": "256MiB", "mode": "host", "host_name": name}
+    llm = make_llm(tiny_llama, kv_config({"memory": mem, "disk": {"enabled": False}}))
+    try:
+        assert run(llm, P).cached == 0
+        second = run(llm, P)
+        assert struck and struck[0] > 0
+        assert same_output(second, baseline)
+        assert metric("loaded_in_place_bytes") > 0 and metric("load_error_blocks") > 0
     finally:
         close_llm(llm)
         drop(name)

@@ -268,6 +268,68 @@ class HostTier(DiskTier):
                 pass
         return results
 
+    def lend(
+        self, keys: Sequence[StoreKey], expected: Sequence[Expectation], verify_checksum: bool
+    ) -> tuple[list[tuple[ObjectHeader, memoryview] | None], Callable[[], list[bool]]]:
+        """A lent get: per key, the header and a read-only view of the payload in the mapping
+        (no copy), when the object is ready and whole (its stamps), its header is the expected
+        one, its payload lies in one run of pages and, if `verify_checksum`, its checksum is
+        right; else None (the caller reads it with `get_into`, which counts why). Hits are
+        touched as `get_into` touches them.
+
+        The view is shared memory another process may rewrite at any time (its pages given to
+        another object), so the seqlock of `get_into` is closed by the caller: it copies out of
+        the views, then calls the returned ``held()``: per key, False where the pages changed
+        since the lend (counted in `torn`): what was copied is not that object, and the caller
+        must treat it as a miss. On a CPU without ordered stores nothing is lent (there
+        `get_into` checks every checksum after its copy instead)."""
+        n = len(keys)
+        out: list[tuple[ObjectHeader, memoryview] | None] = [None] * n
+        if not ORDERED_STORES:
+            return out, lambda: [True] * n
+        try:
+            found = self._host_catalog.ready_extents(keys)
+        except Exception:  # noqa: BLE001 - an unreadable index: the ordinary read answers
+            return out, lambda: [True] * n
+        fast = HeaderFastPath()
+        area, page = self._pages.area, self._pages.geometry.page_bytes
+        lent: list[tuple[int, Extent]] = []
+        for i, extent in self._whole([(i, e) for i, e in enumerate(found) if e is not None]):
+            want = expected[i].payload_len
+            if len(extent.runs) != 1 or want is None:
+                continue
+            checked = self._header(extent, expected[i], want, fast)
+            if isinstance(checked, GetResult):
+                continue
+            header, start = checked
+            lo = extent.runs[0][0] * page + start
+            view = area[lo : lo + header.payload_len].data.toreadonly()
+            if verify_checksum and check_payload(header, view) is not None:
+                continue
+            out[i] = (header, view)
+            lent.append((i, extent))
+        stable = self._pages.stamped_many([e.runs for _, e in lent], [e.gen for _, e in lent])
+        self.torn += stable.count(False)
+        for (i, _), ok in zip(lent, stable):
+            if not ok:  # the header or checksum was read while the pages changed: no verdict
+                out[i] = None
+        lent = [le for le, ok in zip(lent, stable) if ok]
+        if lent:
+            try:
+                self._catalog.touch([keys[i].group for i, _ in lent])
+            except Exception:  # noqa: BLE001 - a busy index only delays the LRU order
+                pass
+
+        def held() -> list[bool]:
+            now = self._pages.stamped_many([e.runs for _, e in lent], [e.gen for _, e in lent])
+            self.torn += now.count(False)
+            verdict = [True] * n
+            for (i, _), ok in zip(lent, now):
+                verdict[i] = ok
+            return verdict
+
+        return out, held
+
     def _copy(self, copied: Sequence[_Copied], verify_checksum: bool) -> list[RejectReason | None]:
         """Run the copies of `copied` and, if `verify_checksum`, check each payload: per object,
         its refusal or None. Verified copies run `VERIFY_SPAN` bytes at a time, each span hashed
