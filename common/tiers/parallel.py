@@ -7,9 +7,9 @@ move bytes at once: the caller takes the first share and `threads - 1` worker
 threads (started on first use) the others. On a machine with two memory
 channels' worth of bandwidth two threads copy ~1.2-1.4x faster than one.
 
-The split is by bytes (copies) or by item count (I/O), in order; results keep
-the items' order. Batches too small to be worth a hand-off
-(`min_bytes_per_thread`, `min_items_per_thread`) stay on the caller's thread.
+The split is by bytes (copies) or by item count (I/O, with their bytes as a
+floor), in order; results keep the items' order. Batches too small to be worth a
+hand-off (`min_bytes_per_thread`, `min_items_per_thread`) stay on the caller's thread.
 A worker's exception is re-raised in the caller (callers turn it into per-item
 statuses: tiers never raise on the data path).
 
@@ -133,9 +133,15 @@ class IOThreads:
             for f in futures:
                 f.result()
 
-    def split(self, n: int, part: Callable[[int, int], list[T]]) -> list[T]:
-        """``part(lo, hi)`` over consecutive ranges covering [0, n); results in order."""
+    def split(self, n: int, part: Callable[[int, int], list[T]], nbytes: int | None = None) -> list[T]:
+        """``part(lo, hi)`` over consecutive ranges covering [0, n); results in order. With
+        `nbytes` (the bytes the n items move), each thread also gets `min_bytes_per_thread`
+        of them at least: a batch of a few small files reads faster on one thread than
+        handed off (12 files of 384 KiB from the page cache: 1.05 ms on one, 1.2-1.5 ms on
+        two of a 2-core box; 64 such files: the same either way)."""
         k = min(self.threads, n // self._min_items)
+        if nbytes is not None:
+            k = min(k, nbytes // self._min_bytes)
         pool = self._pool() if k > 1 else None
         if pool is None:
             return part(0, n)

@@ -54,3 +54,19 @@ def test_small_batches_stay_on_the_caller() -> None:
     me = threading.get_ident()
     assert io.split(3, lambda lo, hi: [threading.get_ident()] * (hi - lo)) == [me] * 3
     io.close()
+
+
+def test_a_split_gives_each_thread_its_bytes_floor() -> None:
+    """Enough items for two threads but too few bytes (`nbytes` under two threads'
+    `min_bytes_per_thread`): all on the caller; at the floor, split in two."""
+    io = IOThreads(2, min_items_per_thread=1, min_bytes_per_thread=1000)
+    me = threading.get_ident()
+
+    def threads_of(lo: int, hi: int) -> list[int]:
+        return [threading.get_ident()] * (hi - lo)
+
+    assert io.split(10, threads_of, nbytes=1999) == [me] * 10
+    assert io.split(10, threads_of) != [me] * 10  # no bytes given: the item count decides
+    split = io.split(10, threads_of, nbytes=2000)
+    assert split[:5] == [me] * 5 and me not in split[5:]
+    io.close()

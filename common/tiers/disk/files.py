@@ -13,6 +13,7 @@ import os
 from ...objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
+    HeaderFastPath,
     ObjectHeader,
     RejectReason,
     check_header,
@@ -36,27 +37,35 @@ def read_header_fd(fd: int) -> ObjectHeader:
     return decode_header(os.pread(fd, total, 0))
 
 
-def read_verified(fd: int, parts: tuple[memoryview, ...], exp: Expectation) -> GetResult:
+def read_verified(
+    fd: int, parts: tuple[memoryview, ...], exp: Expectation, fast: HeaderFastPath | None = None
+) -> GetResult:
     """Header and payload of one open file into the destination `parts`;
     raises ObjectRejected on a bad header.
 
     Objects without token ids (every full chunk) have a header length known
-    from the key, so header and payload arrive in one `preadv`."""
+    from the key, so header and payload arrive in one `preadv`; their header is
+    checked by `fast` (one per batch) when it is exactly the one `exp` predicts,
+    else decoded and checked field by field."""
     size = os.fstat(fd).st_size
     want = sum([p.nbytes for p in parts])
+    reason: RejectReason | None = None
     if size == PAGE + want:
         head = bytearray(PAGE)
         got = os.preadv(fd, [head, *parts], 0)
-        header = decode_header(head)
+        raw = memoryview(head)
+        hit = fast.check(raw, header_length(raw[:HEADER_PREFIX_BYTES]) + want, exp) if fast is not None else None
+        header = hit[0] if hit is not None else decode_header(head)
+        reason = None if hit is not None else check_header(header, exp)
         payload_got = got - PAGE
         offset = PAGE
     else:
         prefix = os.pread(fd, HEADER_PREFIX_BYTES, 0)
         total = header_length(prefix)
         header = decode_header(os.pread(fd, total, 0))
+        reason = check_header(header, exp)
         payload_got = -1
         offset = data_offset(total)
-    reason = check_header(header, exp)
     if reason is not None:
         return GetResult(TierStatus.REJECTED, header, reason)
     if want != header.payload_len:

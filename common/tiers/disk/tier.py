@@ -62,6 +62,7 @@ from pathlib import Path
 from ...keys import GroupKey, StoreKey
 from ...objects import (
     Expectation,
+    HeaderFastPath,
     ObjectHeader,
     ObjectRejected,
     Payload,
@@ -378,9 +379,10 @@ class DiskTier(Tier):
         pass that touches the hits and indexes files another process wrote."""
 
         def part(lo: int, hi: int) -> list[GetResult]:
-            return [self._get_one(keys[i], dsts[i], expected[i], verify_checksum) for i in range(lo, hi)]
+            fast = HeaderFastPath()  # one per thread: it caches
+            return [self._get_one(keys[i], dsts[i], expected[i], verify_checksum, fast) for i in range(lo, hi)]
 
-        results = self._io.split(len(keys), part)
+        results = self._io.split(len(keys), part, sum(payload_nbytes(d) for d in dsts))
         hits = [k.group for k, r in zip(keys, results) if r.ok]
         gone = [k for k, r in zip(keys, results) if r.status is TierStatus.MISS]
         try:
@@ -394,7 +396,9 @@ class DiskTier(Tier):
             pass
         return results
 
-    def _get_one(self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool) -> GetResult:
+    def _get_one(
+        self, key: StoreKey, dst: Payload, exp: Expectation, verify: bool, fast: HeaderFastPath | None = None
+    ) -> GetResult:
         rel = rel_file(key)
         try:
             fd = fs.open_regular(self._root_fd, rel)
@@ -407,7 +411,7 @@ class DiskTier(Tier):
             return GetResult(TierStatus.ERROR, detail=f"{rel}: {exc}")
         parts = payload_parts(dst)
         try:
-            result = read_verified(fd, parts, exp)
+            result = read_verified(fd, parts, exp, fast)
             if result.ok and verify:
                 assert result.header is not None
                 bad = check_payload(result.header, parts)
@@ -452,7 +456,8 @@ class DiskTier(Tier):
         def part(lo: int, hi: int) -> list[TierStatus]:
             return self._write_items([items[i] for i in todo[lo:hi]])
 
-        for i, status in zip(todo, self._io.split(len(todo), part)):
+        nbytes = sum(items[i].header.payload_len for i in todo)
+        for i, status in zip(todo, self._io.split(len(todo), part, nbytes)):
             statuses[i] = status
         failed = [items[i].key.group for i in todo if statuses[i] is not TierStatus.OK]
         if failed:
