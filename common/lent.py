@@ -213,13 +213,11 @@ class LentCopies:
         no tier of this store), counted: ``{at[j]: (header, view)}``, and ``held()`` over the caller's `n`
         positions (True where nothing was host-lent). Without a lending host store, nothing."""
         host = self._lending_host()
+        if host is None:
+            return {}, lambda: [True] * n
         located, tiers = plan.located, self._by_name
-        mine = (
-            []
-            if host is None
-            else [j for j, it in enumerate(items) if tiers.get(located.get(it.key, "")) in (None, host)]
-        )
-        if host is None or not mine:
+        mine = [j for j, it in enumerate(items) if tiers.get(located.get(it.key, "")) in (None, host)]
+        if not mine:
             return {}, lambda: [True] * n
         start = time.perf_counter()
         got, host_held = host.lend(

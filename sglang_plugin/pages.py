@@ -76,8 +76,8 @@ class PageCopies:
         ok = self.session.load_pages(
             self._parts(binding, keys, host_indices),
             n,
-            lent=binding.canonical
-            is not None,  # converted on the way in: read memory's and the host store's copies in place
+            # converted on the way in: read memory's and the host store's copies in place
+            lent=binding.canonical is not None,
             tenant=self.tenant,
             page_tokens=binding.page_size if name == "kv" else 0,
         )

@@ -106,9 +106,9 @@ class BlockLoads:
                 continue
             ids = [job.blocks[wanted[j]].block_ids[slot.group] for j in sel]
             views = lent[plan.first : plan.first + len(wanted)]
-            if any(views[j] is not None for j in sel):
-                whole = plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft)
-                if whole and isinstance(slot.layout, CanonicalBlocks) and slot.layout.reads_addresses:
+            if any(views[j] is not None for j in sel):  # only where every layout reads addresses (`lends`)
+                assert isinstance(slot.layout, CanonicalBlocks)
+                if plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft):
                     slot.layout.scatter_at(ids, [_address(views[j], rows[j]) for j in sel], lane)
                     in_place += sum(view.nbytes for j in sel if (view := views[j]) is not None)
                     continue

@@ -277,14 +277,15 @@ class TransferRunner:
         host-store object whose pages another process took, `KVStore.complete_load_lent`)
         join the failed ones, so the engine recomputes their blocks (the scatter wrote them
         with bytes that are not the object). Returns the chunks restored and the blocks failed."""
-        changed = {plan.chunk_of[i] for i, kept in enumerate(held()) if not kept}
-        if not changed:
+        lost = [i for i, kept in enumerate(held()) if not kept]
+        if not lost:
             return ok, failed
+        changed = {plan.chunk_of[i] for i in lost}
         chunks = task.job.chunks
         failed = failed | {b for c in changed for b in chunks[c].blocks}
         with self._lock:
             task.failed_blocks = failed
-        self._metrics.inc("missing_at_load", len(changed))
+        self._metrics.inc("missing_at_load", len(lost))  # objects, as `_read` counts them
         return [i for i in ok if i not in changed], failed
 
     def _read(

@@ -308,12 +308,18 @@ class HostTier(DiskTier):
                 continue
             out[i] = (header, view)
             lent.append((i, extent))
-        stable = self._pages.stamped_many([e.runs for _, e in lent], [e.gen for _, e in lent])
-        self.torn += stable.count(False)
-        for (i, _), ok in zip(lent, stable):
+
+        def stable() -> list[bool]:
+            """Per lent object: its pages still its own (those that are not counted in `torn`)."""
+            now = self._pages.stamped_many([e.runs for _, e in lent], [e.gen for _, e in lent])
+            self.torn += now.count(False)
+            return now
+
+        kept = stable()
+        for (i, _), ok in zip(lent, kept):
             if not ok:  # the header or checksum was read while the pages changed: no verdict
                 out[i] = None
-        lent = [le for le, ok in zip(lent, stable) if ok]
+        lent = [le for le, ok in zip(lent, kept) if ok]
         if lent:
             try:
                 self._catalog.touch([keys[i].group for i, _ in lent])
@@ -321,10 +327,8 @@ class HostTier(DiskTier):
                 pass
 
         def held() -> list[bool]:
-            now = self._pages.stamped_many([e.runs for _, e in lent], [e.gen for _, e in lent])
-            self.torn += now.count(False)
             verdict = [True] * n
-            for (i, _), ok in zip(lent, now):
+            for (i, _), ok in zip(lent, stable()):
                 verdict[i] = ok
             return verdict
 
