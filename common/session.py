@@ -153,8 +153,8 @@ class Session:
     ) -> Session:
         """An engine process's session: `start_engine_process`, then the store the config
         enables, whose memory-tier copies use the native region copy and whose host and disk
-        tiers the native batch file write and removal, once the kernels loaded."""
-        from .ops import object_remover, object_writer, region_copier
+        tiers the native batch file write, read and removal, once the kernels loaded."""
+        from .ops import object_reader, object_remover, object_writer, region_copier
 
         start_engine_process()
         store = KVStore.from_config(
@@ -163,6 +163,7 @@ class Session:
             region_copier=region_copier,
             object_writer=object_writer,
             object_remover=object_remover,
+            object_reader=object_reader,
             write_back=write_back,
         )
         return cls(store, group_fingerprint)

@@ -55,6 +55,7 @@ from .tails import TailSlots
 from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
 from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.disk.reads import ObjectReader
 from .tiers.disk.removes import ObjectRemover
 from .tiers.disk.writes import ObjectWriter
 from .tiers.factory import build_tiers
@@ -148,6 +149,7 @@ class KVStore(LentCopies, StoreWrites):
         region_copier: Callable[[], RegionCopier | None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
         object_remover: Callable[[], ObjectRemover | None] | None = None,
+        object_reader: Callable[[], ObjectReader | None] | None = None,
         write_back: bool = True,
     ) -> KVStore:
         """Build the tiers the config enables (`build_tiers`), fastest first."""
@@ -157,6 +159,7 @@ class KVStore(LentCopies, StoreWrites):
             region_copier=region_copier,
             object_writer=object_writer,
             object_remover=object_remover,
+            object_reader=object_reader,
         )
         return cls(config, tiers, metrics, write_back=write_back)
 

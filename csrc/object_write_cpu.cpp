@@ -1,44 +1,22 @@
 // See object_write_cpu.h.
 #include "object_write_cpu.h"
 
+#include "open_beneath.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>  // renameat
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <vector>
 
-#ifndef SYS_openat2
-#define SYS_openat2 437  // the same number on every Linux architecture (unified syscall table)
-#endif
-
 namespace {
 
-constexpr uint64_t kResolveNoMagiclinks = 0x02;
-constexpr uint64_t kResolveNoSymlinks = 0x04;
-constexpr uint64_t kResolveBeneath = 0x08;
-
-struct OpenHow {  // the kernel's struct open_how (linux/openat2.h), spelled here for old headers
-  uint64_t flags;
-  uint64_t mode;
-  uint64_t resolve;
-};
-
-// openat2(root_fd, path, flags) beneath the root, following no symlink: an fd or -errno.
-int open_beneath(int root_fd, const char* path, int flags) {
-  OpenHow how{static_cast<uint64_t>(flags | O_NOFOLLOW | O_CLOEXEC), 0,
-              kResolveBeneath | kResolveNoSymlinks | kResolveNoMagiclinks};
-  long fd;
-  do {
-    fd = syscall(SYS_openat2, root_fd, path, &how, sizeof(how));
-  } while (fd < 0 && errno == EINTR);
-  return fd < 0 ? -errno : static_cast<int>(fd);
-}
+using kvp::open_beneath;
 
 // A directory fd of `leaf` beneath `root_fd`, or -errno; a leaf that is a symlink itself is
 // -ELOOP (O_DIRECTORY | O_NOFOLLOW on it is ENOTDIR, like a file's: fs.open_dir's rule).

@@ -4,6 +4,7 @@
 //   copy_regions(pairs, streaming) -> None
 //   write_objects(root_fd, temp_dir_fd, objects, fsync) -> list[tuple[int, int]]
 //   remove_objects(root_fd, files, folders) -> tuple[list[int], list[int]]
+//   read_objects(root_fd, objects) -> list[tuple[int, int, int]]
 //
 // `pairs` is a sequence of (dst, src) objects with the buffer protocol (numpy
 // arrays, memoryviews), each C-contiguous, dst writable, both the same number
@@ -22,6 +23,13 @@
 // empty (kvp_remove_objects), all with the GIL released once; the result is one
 // errno per file (0 removed) and one 0/1 per folder (1 removed).
 //
+// `objects` (read) is a sequence of (path, parts): a relative file path (bytes)
+// and a sequence of writable buffers (the header page, then the payload's
+// destination). Everything is taken with the GIL held, then every file is read
+// with it released once (kvp_read_objects); the result is one (errno, size, got)
+// per object: errno 0 for an opened regular file, got the bytes read (-1 when its
+// size was not the parts' total and nothing was read).
+//
 // The torch custom ops of this extension are registered in bindings.cpp.
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -30,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "object_read_cpu.h"
 #include "object_write_cpu.h"
 #include "region_copy_cpu.h"
 
@@ -172,6 +181,39 @@ py::tuple remove_objects(int root_fd, const py::sequence& files, const py::seque
   return py::make_tuple(errs, removed);
 }
 
+py::list read_objects(int root_fd, const py::sequence& objects) {
+  const size_t n = py::len(objects);
+  std::vector<py::object> keep;  // the items (and so their paths) stay alive until the reads end
+  keep.reserve(2 * n);
+  std::vector<KvpObjectRead> objs(n);
+  std::vector<std::vector<struct iovec>> iovs(n);
+  HeldBuffers held(4 * n);
+  for (size_t i = 0; i < n; ++i) {
+    keep.push_back(objects[i]);
+    PyObject* item = keep.back().ptr();
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+      throw py::value_error("kvpack read_objects: every item must be a (path, parts) tuple");
+    }
+    py::sequence parts = py::reinterpret_borrow<py::sequence>(PyTuple_GET_ITEM(item, 1));
+    keep.push_back(parts);
+    const size_t np = py::len(parts);
+    iovs[i].reserve(np);
+    for (size_t j = 0; j < np; ++j) {
+      py::object part = parts[j];
+      const Py_buffer& view = held.take(part.ptr(), true);
+      iovs[i].push_back(iovec{view.buf, static_cast<size_t>(view.len)});
+    }
+    objs[i] = KvpObjectRead{tuple_path(item, 0, "path"), iovs[i].data(), static_cast<int>(np), 0, -1, -1};
+  }
+  {
+    py::gil_scoped_release nogil;
+    kvp_read_objects(root_fd, objs.data(), static_cast<int64_t>(n));
+  }
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = py::make_tuple(objs[i].err, objs[i].size, objs[i].got);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -184,4 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("remove_objects", &remove_objects, py::arg("root_fd"), py::arg("files"), py::arg("folders"),
         "Unlink each (leaf, name) file beneath root_fd, then rmdir each (parent, name, chain_start) folder while "
         "empty, GIL released once; (one errno per file, one 0/1 per folder).");
+  m.def("read_objects", &read_objects, py::arg("root_fd"), py::arg("objects"),
+        "Read each (path, parts) object file beneath root_fd into its parts when its size is theirs, GIL "
+        "released once; one (errno, size, got) per object.");
 }

@@ -17,7 +17,7 @@ builds nothing and needs no CUDA.
 """
 
 from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, inline_lane
-from ._build import ExtensionStatus, load_extension, object_remover, object_writer, region_copier
+from ._build import ExtensionStatus, load_extension, object_reader, object_remover, object_writer, region_copier
 from .copy import (
     Backend,
     UploadedIds,
@@ -48,6 +48,7 @@ __all__ = [
     "PagedKV",
     "gather_blocks",
     "load_extension",
+    "object_reader",
     "object_remover",
     "object_writer",
     "region_copier",

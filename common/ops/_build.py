@@ -40,6 +40,7 @@ import torch
 from .simd import CpuSimd
 
 if TYPE_CHECKING:
+    from ..tiers.disk.reads import ObjectReader
     from ..tiers.disk.removes import ObjectRemover
     from ..tiers.disk.writes import ObjectWriter
     from ..tiers.parallel import RegionCopier
@@ -50,6 +51,7 @@ _SOURCES_CPU = (
     "bindings.cpp",
     "block_copy_cpu.cpp",
     "canonical_copy_cpu.cpp",
+    "object_read_cpu.cpp",
     "object_write_cpu.cpp",
     "region_copy_cpu.cpp",
     "region_copy_py.cpp",
@@ -62,7 +64,9 @@ _HEADERS = (
     "cuda_words.h",
     "block_copy_cpu.h",
     "block_copy.h",
+    "object_read_cpu.h",
     "object_write_cpu.h",
+    "open_beneath.h",
     "region_copy_cpu.h",
     "transpose_sse2.h",
     "transpose_avx512.h",
@@ -370,6 +374,14 @@ def object_writer() -> ObjectWriter | None:
     Never waits."""
     module = _module
     return None if module is None else module.write_objects
+
+
+def object_reader() -> ObjectReader | None:
+    """The native batch object read (`kvpack.tiers.disk.reads`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _module
+    return None if module is None else module.read_objects
 
 
 def object_remover() -> ObjectRemover | None:

@@ -19,6 +19,7 @@ from ..eviction import make_policy
 from .base import Tier
 from .disk.check import check_index_files
 from .disk.fs import check_store_root
+from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
 from .parallel import RegionCopier
@@ -55,6 +56,7 @@ def build_tiers(
     region_copier: Callable[[], RegionCopier | None] | None = None,
     object_writer: Callable[[], ObjectWriter | None] | None = None,
     object_remover: Callable[[], ObjectRemover | None] | None = None,
+    object_reader: Callable[[], ObjectReader | None] | None = None,
 ) -> list[Tier]:
     """The tiers `config` enables, fastest first: memory (per process, or the host's), disk, Mooncake.
 
@@ -70,7 +72,7 @@ def build_tiers(
     a small machine wants that). `region_copier` hands the memory and host tiers a native
     copy (`kvpack.ops.region_copier`) once one is loaded, `object_writer` the disk tier a native
     batch file write (`kvpack.ops.object_writer`), `object_remover` a native batch
-    removal (`kvpack.ops.object_remover`)."""
+    removal (`kvpack.ops.object_remover`), `object_reader` a native batch read (`kvpack.ops.object_reader`)."""
     check_tiers(config, index_files=False)
     tiers: list[Tier] = []
     quotas = config.eviction.tenant_quotas
@@ -115,6 +117,7 @@ def build_tiers(
                 io_threads=copy_threads,
                 object_writer=object_writer,
                 object_remover=object_remover,
+                object_reader=object_reader,
             )
         )
     if config.mooncake.enabled:

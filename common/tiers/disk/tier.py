@@ -42,7 +42,7 @@ checksummed and written and the written ones marked ready in one more
 and a get batch's files are read and verified, on `io_threads` threads
 (`kvpack.tiers.parallel`: file I/O releases the GIL). Each thread's share of a
 put is one `writes.write_batch`: with the native writer, one GIL release for
-all its files. A file whose group was
+all its files, and of a get one `reads.read_batch` with the native reader. A file whose group was
 evicted while it was being written (by this or another process) is removed
 again, so the index and the directory agree.
 
@@ -80,6 +80,7 @@ from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
 from .files import read_header_fd, read_verified
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file
+from .reads import ObjectReader, read_batch
 from .removes import ObjectRemover, remove_batch
 from .rows import Victim
 from .writes import ObjectWriter, WriteOutcome, outcome_of, write_batch, write_job
@@ -135,6 +136,7 @@ class DiskTier(Tier):
         index_pace: Callable[[int], None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
         object_remover: Callable[[], ObjectRemover | None] | None = None,
+        object_reader: Callable[[], ObjectReader | None] | None = None,
         region_copier: Callable[[], RegionCopier | None] | None = None,
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
@@ -146,7 +148,8 @@ class DiskTier(Tier):
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
         test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
         the native batch file write (`kvpack.ops.object_writer`; None: write from Python), `object_remover`
-        at each removal for the native batch removal (`kvpack.ops.object_remover`), `region_copier` at each
+        at each removal for the native batch removal (`kvpack.ops.object_remover`), `object_reader` at each
+        get for the native batch read (`kvpack.ops.object_reader`), `region_copier` at each
         memory copy for the native one (`kvpack.ops.region_copier`: the host tier's copies)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
@@ -156,6 +159,7 @@ class DiskTier(Tier):
         self._fsync = fsync
         self._object_writer = object_writer
         self._object_remover = object_remover
+        self._object_reader = object_reader
         self._stale_temp_s = stale_temp_s
         self._capacity_bytes = capacity
         self._quotas = dict(quotas or {})
@@ -380,6 +384,14 @@ class DiskTier(Tier):
 
         def part(lo: int, hi: int) -> list[GetResult]:
             fast = HeaderFastPath()  # one per thread: it caches
+            native = self._object_reader() if self._object_reader is not None else None
+            if native is not None:
+
+                def slow(i: int) -> GetResult:
+                    return self._get_one(keys[lo + i], dsts[lo + i], expected[lo + i], verify_checksum, fast)
+
+                cut = slice(lo, hi)
+                return read_batch(self._root_fd, keys[cut], dsts[cut], expected[cut], verify_checksum, native, slow)
             return [self._get_one(keys[i], dsts[i], expected[i], verify_checksum, fast) for i in range(lo, hi)]
 
         results = self._io.split(len(keys), part, sum(payload_nbytes(d) for d in dsts))
