@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -31,9 +30,9 @@ from .integrity import IntegrityKey
 from .keys import StoreKey
 from .lifecycle import LoadPlan, PlanBook
 from .metrics import Metrics
-from .objects import ObjectHeader, payload_checksum
+from .objects import ObjectHeader
 from .reads import LoadItem, PageReads, TierReads
-from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .tiers.base import GetResult, PutItem, Tier, TierStatus, checksummed
 from .tiers.memory import MemoryTier
 
 if TYPE_CHECKING:
@@ -137,12 +136,7 @@ class LentCopies:
         if self._lower:
             items = [PutItem(k, h, d.data) for k, h, d in zip(keys, headers, dsts)]
             if not self.write_back:  # one checksum for every tier, as `_write_through` gives
-                items = [
-                    replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
-                    if it.header.checksum is None
-                    else it
-                    for it in items
-                ]
+                items = checksummed(items)
             headers = [it.header for it in items]
         mem = memory.publish(keys, headers, slots, reserved)
         self.metrics.observe("store_seconds", time.perf_counter() - start, tier=memory.name)

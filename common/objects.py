@@ -112,6 +112,19 @@ def payload_checksum(payload: Payload | bytes | np.ndarray) -> int:
     return hasher.intdigest()
 
 
+def payload_checksums(payloads: Sequence[Payload | np.ndarray]) -> list[int]:
+    """`payload_checksum` of each payload; with the extension loaded, the whole batch in one
+    native call that gives the GIL up once. Python's xxhash gives it up for every payload, and
+    in a process where another thread runs Python (an engine's scheduler) each re-take can
+    wait a switch interval (5 ms): a dozen pages' checksums cost 60 ms there."""
+    from .ops._build import checksummer  # here: kvpack.ops imports torch and the tiers
+
+    native = checksummer() if len(payloads) > 1 else None
+    if native is None:
+        return [payload_checksum(p) for p in payloads]
+    return native([p if isinstance(p, tuple) else (p,) for p in payloads])
+
+
 def copy_parts_into(dst: np.ndarray, payload: Payload) -> None:
     """Copy a payload's regions, in order, into the contiguous uint8 array `dst`."""
     offset = 0
@@ -360,6 +373,20 @@ def check_payload(header: ObjectHeader, payload: Payload | np.ndarray) -> Reject
     if header.checksum is not None and payload_checksum(payload) != header.checksum:
         return RejectReason.CHECKSUM
     return None
+
+
+def check_payloads(
+    headers: Sequence[ObjectHeader], payloads: Sequence[Payload | np.ndarray]
+) -> list[RejectReason | None]:
+    """`check_payload` of each (header, payload), the checksums in one `payload_checksums` batch."""
+    out: list[RejectReason | None] = [
+        RejectReason.LENGTH if payload_nbytes(p) != h.payload_len else None for h, p in zip(headers, payloads)
+    ]
+    todo = [i for i, h in enumerate(headers) if out[i] is None and h.checksum is not None]
+    for i, csum in zip(todo, payload_checksums([payloads[i] for i in todo])):
+        if csum != headers[i].checksum:
+            out[i] = RejectReason.CHECKSUM
+    return out
 
 
 # -- the fast path of a load: header bytes predicted from the Expectation -------------

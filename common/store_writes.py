@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -25,10 +24,10 @@ import numpy as np
 from .config import KVPackConfig
 from .integrity import IntegrityKey, seal_items
 from .metrics import Metrics, Tally
-from .objects import ObjectHeader, copy_parts_into, payload_checksum
+from .objects import ObjectHeader, copy_parts_into
 from .router_facts import record_stored_facts
 from .tier_events import TierEventFeed
-from .tiers.base import PutItem, Tier, TierStatus
+from .tiers.base import PutItem, Tier, TierStatus, checksummed
 from .tiers.memory import MemoryTier
 from .writeback import WriteBack
 
@@ -185,14 +184,7 @@ class StoreWrites:
         with its payload checksum (computed once, here, for every tier they go to)."""
         if self._integrity is not None:
             items = seal_items(self._integrity, items)
-        if checksum:
-            items = [
-                replace(it, header=replace(it.header, checksum=payload_checksum(it.payload)))
-                if it.header.checksum is None
-                else it
-                for it in items
-            ]
-        return items
+        return checksummed(items) if checksum else items
 
     def _write_through(
         self: _StoreParts, items: Sequence[PutItem], tiers: Sequence[Tier], sealed: bool = False

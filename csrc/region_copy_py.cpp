@@ -5,6 +5,7 @@
 //   write_objects(root_fd, temp_dir_fd, objects, fsync) -> list[tuple[int, int]]
 //   remove_objects(root_fd, files, folders) -> tuple[list[int], list[int]]
 //   read_objects(root_fd, objects) -> list[tuple[int, int, int]]
+//   checksums(payloads) -> list[int]
 //
 // `pairs` is a sequence of (dst, src) objects with the buffer protocol (numpy
 // arrays, memoryviews), each C-contiguous, dst writable, both the same number
@@ -30,6 +31,11 @@
 // per object: errno 0 for an opened regular file, got the bytes read (-1 when its
 // size was not the parts' total and nothing was read).
 //
+// `payloads` (checksums) is a sequence of sequences of buffers: each object's
+// parts in order. Every buffer is taken with the GIL held, then every digest is
+// computed with it released once (kvp_xxh3_many: xxh3_64, seed 0, as Python's
+// xxhash gives); one int per object.
+//
 // The torch custom ops of this extension are registered in bindings.cpp.
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -38,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "checksum_cpu.h"
 #include "object_read_cpu.h"
 #include "object_write_cpu.h"
 #include "region_copy_cpu.h"
@@ -214,6 +221,36 @@ py::list read_objects(int root_fd, const py::sequence& objects) {
   return out;
 }
 
+py::list checksums(const py::sequence& payloads) {
+  const size_t n = py::len(payloads);
+  std::vector<py::object> keep;  // each payload's sequence stays alive until the digests end
+  keep.reserve(n);
+  std::vector<struct iovec> parts;
+  parts.reserve(n);
+  std::vector<int64_t> first(n), count(n);
+  HeldBuffers held(n);
+  for (size_t i = 0; i < n; ++i) {
+    keep.push_back(payloads[i]);
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(keep.back());
+    const size_t np = py::len(seq);
+    first[i] = static_cast<int64_t>(parts.size());
+    count[i] = static_cast<int64_t>(np);
+    for (size_t j = 0; j < np; ++j) {
+      py::object part = seq[j];
+      const Py_buffer& view = held.take(part.ptr(), false);
+      parts.push_back(iovec{view.buf, static_cast<size_t>(view.len)});
+    }
+  }
+  std::vector<uint64_t> out(n);
+  {
+    py::gil_scoped_release nogil;
+    kvp_xxh3_many(parts.data(), first.data(), count.data(), static_cast<int64_t>(n), out.data());
+  }
+  py::list digests(n);
+  for (size_t i = 0; i < n; ++i) digests[i] = py::int_(out[i]);
+  return digests;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -229,4 +266,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_objects", &read_objects, py::arg("root_fd"), py::arg("objects"),
         "Read each (path, parts) object file beneath root_fd into its parts when its size is theirs, GIL "
         "released once; one (errno, size, got) per object.");
+  m.def("checksums", &checksums, py::arg("payloads"),
+        "xxh3_64 of each payload's parts in order (Python xxhash's digest), the GIL released once.");
 }

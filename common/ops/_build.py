@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,10 +47,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpack.ops")
 
+Checksummer = Callable[[Sequence[Sequence[Any]]], list[int]]
+"""Native ``checksums(payloads)``: xxh3_64 of each payload's parts (buffers: memoryviews, arrays,
+bytes) in order, one int per payload."""
+
 _SOURCES_CPU = (
     "bindings.cpp",
     "block_copy_cpu.cpp",
     "canonical_copy_cpu.cpp",
+    "checksum_cpu.cpp",
     "object_read_cpu.cpp",
     "object_write_cpu.cpp",
     "region_copy_cpu.cpp",
@@ -64,12 +69,14 @@ _HEADERS = (
     "cuda_words.h",
     "block_copy_cpu.h",
     "block_copy.h",
+    "checksum_cpu.h",
     "object_read_cpu.h",
     "object_write_cpu.h",
     "open_beneath.h",
     "region_copy_cpu.h",
     "transpose_sse2.h",
     "transpose_avx512.h",
+    "xxhash.h",
 )
 
 
@@ -374,6 +381,13 @@ def object_writer() -> ObjectWriter | None:
     Never waits."""
     module = _module
     return None if module is None else module.write_objects
+
+
+def checksummer() -> Checksummer | None:
+    """The native batch checksum (`kvpack.objects.payload_checksums`: xxh3_64 of each payload's parts,
+    the GIL released once for the batch) if the extension is loaded now, else None. Never waits."""
+    module = _module
+    return None if module is None else module.checksums
 
 
 def object_reader() -> ObjectReader | None:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_nbytes
+from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_checksums, payload_nbytes
 from ..router_facts import RouterFacts
 
 
@@ -77,6 +77,15 @@ class PutItem:
     @property
     def nbytes(self) -> int:
         return payload_nbytes(self.payload)
+
+
+def checksummed(items: Sequence[PutItem]) -> list[PutItem]:
+    """`items`, each without a checksum given its payload's (one `payload_checksums` batch)."""
+    todo = [i for i, it in enumerate(items) if it.header.checksum is None]
+    out = list(items)
+    for i, csum in zip(todo, payload_checksums([items[i].payload for i in todo])):
+        out[i] = replace(items[i], header=replace(items[i].header, checksum=csum))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

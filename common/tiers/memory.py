@@ -49,7 +49,7 @@ from ..objects import (
     Payload,
     RejectReason,
     check_header,
-    check_payload,
+    check_payloads,
     payload_parts,
 )
 from .arena import SlabArena, slab_for_capacity
@@ -181,13 +181,14 @@ class MemoryTier(Tier):
         self._io.copy(pairs, total)  # cached stores: the caller (or the checksum below) reads them next
         del pairs
         if verify_checksum:
+            headers: list[ObjectHeader] = []
             for i in copied:
-                copied_header = results[i].header
-                assert copied_header is not None
-                if copied_header.checksum is not None:
-                    bad = check_payload(copied_header, dsts[i])
-                    if bad is not None:
-                        results[i] = GetResult(TierStatus.REJECTED, copied_header, bad)
+                got = results[i].header
+                assert got is not None
+                headers.append(got)
+            for i, header, bad in zip(copied, headers, check_payloads(headers, [dsts[i] for i in copied])):
+                if bad is not None:
+                    results[i] = GetResult(TierStatus.REJECTED, header, bad)
         return results
 
     # -- writes --------------------------------------------------------------

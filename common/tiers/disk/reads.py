@@ -6,8 +6,8 @@
 size is exactly a header page plus the destination's bytes (the file of every
 full chunk, whose header length the key decides), read whole with one ``preadv``,
 all with the GIL released once. Then, per object with the GIL held, the header is
-compared with the bytes its `Expectation` predicts (`HeaderFastPath`) and, if
-asked, the payload's checksum is verified. Any other object (not found: a miss;
+compared with the bytes its `Expectation` predicts (`HeaderFastPath`), then, if
+asked, the checksums of the batch's payloads are verified in one `check_payloads`. Any other object (not found: a miss;
 anything else: a tail with token ids, a header that is not the predicted one, a
 checksum that does not match, a refused or odd file) goes to the caller's own
 single-object read (`slow`), which decides, counts and refuses exactly as it
@@ -31,7 +31,7 @@ from ...objects import (
     HeaderFastPath,
     ObjectRejected,
     Payload,
-    check_payload,
+    check_payloads,
     header_length,
     payload_parts,
 )
@@ -65,31 +65,29 @@ def read_batch(
     parts = [payload_parts(d) for d in dsts]
     jobs = [(rel_file(k).encode(), (heads[i * PAGE : (i + 1) * PAGE], *parts[i])) for i, k in enumerate(keys)]
     fast = HeaderFastPath()
-    out: list[GetResult] = []
+    out: list[GetResult | None] = []
     for i, (err, size, got) in enumerate(native(root_fd, jobs)):
         if err == errno.ENOENT:
             out.append(_MISS)
             continue
         whole = err == 0 and got >= 0 and got == size
-        head = heads[i * PAGE : (i + 1) * PAGE]
-        result = _checked(head, parts[i], expected[i], verify_checksum, fast) if whole else None
-        out.append(result if result is not None else slow(i))
-    return out
+        out.append(_header_ok(heads[i * PAGE : (i + 1) * PAGE], parts[i], expected[i], fast) if whole else None)
+    if verify_checksum:
+        ok = [i for i, r in enumerate(out) if r is not None and r.ok]
+        headers = [out[i].header for i in ok]  # type: ignore[union-attr]
+        for i, bad in zip(ok, check_payloads(headers, [parts[i] for i in ok])):  # type: ignore[arg-type]
+            if bad is not None:
+                out[i] = None
+    return [r if r is not None else slow(i) for i, r in enumerate(out)]
 
 
-def _checked(
-    head: memoryview, parts: tuple[memoryview, ...], exp: Expectation, verify: bool, fast: HeaderFastPath
+def _header_ok(
+    head: memoryview, parts: tuple[memoryview, ...], exp: Expectation, fast: HeaderFastPath
 ) -> GetResult | None:
-    """OK when `head` is the header `exp` predicts for a payload of `parts`' bytes and (if
-    `verify`) the payload matches its checksum; None for anything else."""
+    """OK when `head` is the header `exp` predicts for a payload of `parts`' bytes, else None."""
     want = sum([p.nbytes for p in parts])
     try:
         hit = fast.check(head, header_length(head[:HEADER_PREFIX_BYTES]) + want, exp)
     except ObjectRejected:
         return None
-    if hit is None:
-        return None
-    header = hit[0]
-    if verify and check_payload(header, parts) is not None:
-        return None
-    return GetResult(TierStatus.OK, header)
+    return GetResult(TierStatus.OK, hit[0]) if hit is not None else None

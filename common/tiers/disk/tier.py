@@ -56,7 +56,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...keys import GroupKey, StoreKey
@@ -68,12 +68,11 @@ from ...objects import (
     Payload,
     RejectReason,
     check_payload,
-    payload_checksum,
     payload_nbytes,
     payload_parts,
 )
 from ...router_facts import FactsRow, RouterFacts
-from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage, checksummed
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
 from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
@@ -497,8 +496,8 @@ class DiskTier(Tier):
         makes its leaf non-empty, so only a removal racing the few calls before it costs a retry."""
         finals = [file_name(it.key) for it in items]
         jobs = [
-            write_job(leaf_of(it.key), final, temp, _checksummed(it.header, it.payload), it.payload)
-            for it, final, temp in zip(items, finals, fs.temp_names(finals))
+            write_job(leaf_of(it.key), final, temp, it.header.encode(), it.payload)
+            for it, final, temp in zip(checksummed(items), finals, fs.temp_names(finals))
         ]
         statuses = [TierStatus.ERROR] * len(jobs)
         pending = list(range(len(jobs)))
@@ -587,10 +586,3 @@ def sort_puts(items: Sequence[PutItem]) -> tuple[list[TierStatus], list[int], di
 _MISS = GetResult(TierStatus.MISS)
 _DAMAGED = frozenset({RejectReason.TRUNCATED, RejectReason.CHECKSUM, RejectReason.GROUP})
 """Refusals of a file that decoded but is not a whole, intact object of its path: `contains` skips it."""
-
-
-def _checksummed(header: ObjectHeader, payload: Payload) -> bytes:
-    """`header` encoded, with the payload's checksum when it has none yet."""
-    if header.checksum is None:
-        header = replace(header, checksum=payload_checksum(payload))
-    return header.encode()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,13 +41,12 @@ from ...objects import (
     Payload,
     RejectReason,
     check_header,
-    check_payload,
+    check_payloads,
     decode_header,
     header_length,
-    payload_checksum,
     payload_parts,
 )
-from ..base import GetResult, PutItem, TierStatus
+from ..base import GetResult, PutItem, TierStatus, checksummed
 from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
 from ..disk.fs import SHM, open_store_root
@@ -151,7 +150,7 @@ class HostTier(DiskTier):
         """Admit the batch (pages allocated), copy each object into its pages, then mark the
         written ones ready; items refused for space are tried once more after a `reclaim_dead`
         that took something back."""
-        items = [it if it.header.checksum is not None else _checksummed(it) for it in items]
+        items = checksummed(items)
         statuses = self._put(items)
         full = [i for i, s in enumerate(statuses) if s is TierStatus.NO_SPACE]
         if full and self.reclaim_dead():
@@ -303,11 +302,14 @@ class HostTier(DiskTier):
                 continue
             header, start = checked
             lo = extent.runs[0][0] * page + start
-            view = area[lo : lo + header.payload_len].data.toreadonly()
-            if verify_checksum and check_payload(header, view) is not None:
-                continue
-            out[i] = (header, view)
+            out[i] = (header, area[lo : lo + header.payload_len].data.toreadonly())
             lent.append((i, extent))
+        if verify_checksum:  # one batch of checksums; a damaged object is not lent (its load reads it and refuses)
+            bad = check_payloads([out[i][0] for i, _ in lent], [out[i][1] for i, _ in lent])  # type: ignore[index]
+            for (i, _), reason in zip(lent, bad):
+                if reason is not None:
+                    out[i] = None
+            lent = [(i, e) for i, e in lent if out[i] is not None]
 
         def stable() -> list[bool]:
             """Per lent object: its pages still its own (those that are not counted in `torn`)."""
@@ -351,7 +353,7 @@ class HostTier(DiskTier):
                 span += copied[hi].header.payload_len
                 hi += 1
             self._io.copy([p for c in copied[lo:hi] for p in c.pairs], nbytes=span)
-            bad += [check_payload(c.header, c.parts) for c in copied[lo:hi]]
+            bad += check_payloads([c.header for c in copied[lo:hi]], [c.parts for c in copied[lo:hi]])
             lo = hi
         return bad
 
@@ -482,7 +484,3 @@ class _Copied:
     header: ObjectHeader
     parts: tuple[memoryview, ...]
     pairs: list[CopyPair]
-
-
-def _checksummed(item: PutItem) -> PutItem:
-    return replace(item, header=replace(item.header, checksum=payload_checksum(item.payload)))
