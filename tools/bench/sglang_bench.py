@@ -43,40 +43,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvpack.keys import ChunkHash, chain_hash
 from kvpack.tools.bench.sglang_multiturn import KVPACK_BACKEND
+from kvpack.tools.bench.sglang_pools import (
+    DTYPES,
+    BenchOp,
+    controller,
+    host_pool,
+    page_keys,
+    storage_config,
+    torchvision_shim,
+)
 from kvpack.tools.bench.timing import Row, gbps, hardware
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _torchvision_shim() -> None:
-    """SGLang imports torchvision; PyPI's is CUDA-linked and fails to register its ops
-    on a CPU-only machine. Defining the two op schemas first lets SGLang import (this
-    benchmark process only; kvpack's plugin never does this)."""
-    try:
-        torch._C._dispatch_find_schema_or_throw("torchvision::nms", "")
-        return
-    except RuntimeError:
-        pass
-    try:
-        import torchvision  # noqa: F401  (a working build registers the ops itself)
-
-        return
-    except Exception:
-        pass
-    lib = torch.library.Library("torchvision", "DEF")
-    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    globals()["_TV_LIB"] = lib
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -95,104 +77,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-cold", action="store_true", help="skip the cold (dropped page cache) gets")
     p.add_argument("--markdown", default="", help="append a markdown section with the results to this file")
     return p.parse_args(argv)
-
-
-def _keys(n: int, seed: int, page_tokens: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    out: list[str] = []
-    parent: ChunkHash | None = None
-    for _ in range(n):
-        parent = chain_hash(parent, rng.integers(0, 32000, size=page_tokens))
-        out.append(parent)
-    return out
-
-
-def _host_pool(args: argparse.Namespace) -> Any:
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
-    dtype = DTYPES[args.dtype]
-    tokens = args.pages * args.page_tokens  # device pool; the host pool is 2x (source + destination pages)
-    common = dict(
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=args.page_tokens,
-        layout=args.layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=args.layers,
-    )
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
-    if args.kind == "mha":
-        ks = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
-        vs = [torch.zeros(tokens, args.heads, args.head_dim, dtype=dtype) for _ in range(args.layers)]
-        info = MHABufferInfo(
-            buffers=KVBuffers(
-                k=tuple(ks), v=tuple(vs), k_data_ptrs=ptrs(ks), v_data_ptrs=ptrs(vs), layout=KVBufferLayout.NHD
-            ),
-            page_size=args.page_tokens,
-            head_num=args.heads,
-            head_dim=args.head_dim,
-            v_head_dim=args.head_dim,
-            dtype=dtype,
-            device=torch.device("cpu"),
-        )
-        pool = MHATokenToKVPoolHost(info, **common)
-    else:
-        width = args.heads * args.head_dim * 2  # same bytes per token and layer as the MHA pool
-        bufs = [torch.zeros(tokens, 1, width, dtype=dtype) for _ in range(args.layers)]
-        info = MLABufferInfo(
-            buffers=tuple(bufs),
-            data_ptrs=ptrs(bufs),
-            layer_indices=tuple(range(args.layers)),
-            device_layer_num=args.layers,
-            page_size=args.page_tokens,
-            kv_lora_rank=width - 64,
-            qk_rope_head_dim=64,
-            kv_cache_dim=width,
-            dtype=dtype,
-            device=torch.device("cpu"),
-        )
-        pool = MLATokenToKVPoolHost(info, **common, target_layer_num=args.layers)
-    flat = pool.kv_buffer.view(-1).view(torch.uint8)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
-    return pool
-
-
-def _storage_config(extra: dict[str, Any] | None, args: argparse.Namespace) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=args.kind == "mla",
-        enable_storage_metrics=False,
-        is_page_first_layout=args.layout == "page_first",
-        model_name="kvpack-bench",
-        extra_config=extra,
-    )
-
-
-def _controller(backend: Any, pool: Any) -> Any:
-    """What SGLang's CacheController methods read from `self` on the storage path."""
-    return SimpleNamespace(
-        storage_backend=backend, storage_host_pool=pool, mem_pool_host=pool, page_size=pool.page_size
-    )
-
-
-class _Op:
-    request_id = "kvpack-bench"
-
-    @staticmethod
-    def is_terminated() -> bool:
-        return False
 
 
 @dataclass
@@ -264,18 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     if "--multiturn" in given:  # the multi-turn comparison on real CPU servers (its own options)
         from kvpack.tools.bench import sglang_multiturn
 
-        return sglang_multiturn.main([a for a in given if a != "--multiturn"], before_model=_torchvision_shim)
+        return sglang_multiturn.main([a for a in given if a != "--multiturn"], before_model=torchvision_shim)
     if "--handoff" in given:  # a CPU SGLang server's first request for prompts a vLLM server computed
         from kvpack.tools.bench import sglang_handoff
 
-        return sglang_handoff.main([a for a in given if a != "--handoff"], before_model=_torchvision_shim)
+        return sglang_handoff.main([a for a in given if a != "--handoff"], before_model=torchvision_shim)
+    if "--busy-python" in given:  # the calls while another thread of the process runs Python
+        from kvpack.tools.bench import sglang_gil
+
+        return sglang_gil.main([a for a in given if a != "--busy-python"])
     args = _parse(given)
-    _torchvision_shim()
+    torchvision_shim()
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    pool = _host_pool(args)
+    pool = host_pool(args)
     n, ps = args.pages, pool.page_size
     src = pool.alloc(n * ps)
     dst = pool.alloc(n * ps)
@@ -312,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             extra.update(memory={"capacity": f"{2 * nbytes + (1 << 20)}"}, disk={"enabled": False})
         else:
             extra.update(memory={"enabled": False}, disk={"path": str(root / f"kvpack-{tier}"), "capacity": "64GiB"})
-        backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra, args), pool)
+        backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra, args), pool)
         backend.register_mem_pool_host(pool)
         return backend
 
@@ -329,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         regions: list[float] = []
         for rep in range(args.repeats + 1):
             for e in entries:
-                ctl, k = _controller(e.backend, pool), _keys(n, seed=1000 * rep + hash(e.label) % 997, page_tokens=ps)
+                ctl, k = (
+                    controller(e.backend, pool),
+                    page_keys(n, seed=1000 * rep + hash(e.label) % 997, page_tokens=ps),
+                )
                 keys[e.label] = k
                 if e.paired_memcpy:
                     paired.append(memcpy_once())
@@ -348,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         paired, regions = [], []
         for _ in range(args.repeats + 1):
             for e in entries:
-                ctl, fn, k = _controller(e.backend, pool), get_zero_copy if e.zero_copy else get_generic, keys[e.label]
+                ctl, fn, k = controller(e.backend, pool), get_zero_copy if e.zero_copy else get_generic, keys[e.label]
                 if e.paired_memcpy:
                     paired.append(memcpy_once())
                     regions.append(region_load_dst())
                 got: list[int] = []
-                get_times[e.label].append(_timed(lambda: got.append(fn(ctl, _Op, k, dst))))
+                get_times[e.label].append(_timed(lambda: got.append(fn(ctl, BenchOp, k, dst))))
                 if got[-1] != n:
                     print(f"! {e.label}: get returned {got[-1]} of {n} pages", file=sys.stderr)
         if paired:
@@ -369,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(max(2, args.repeats // 2)):
                 for e in cold_entries:
                     ctl, fn, k = (
-                        _controller(e.backend, pool),
+                        controller(e.backend, pool),
                         get_zero_copy if e.zero_copy else get_generic,
                         keys[e.label],
                     )
                     _drop_cache(e.folder)  # type: ignore[arg-type]
-                    cold[e.label].append(_timed(lambda: fn(ctl, _Op, k, dst)))
+                    cold[e.label].append(_timed(lambda: fn(ctl, BenchOp, k, dst)))
             for e in cold_entries:
                 results[f"{e.label} get (cold)"] = gbps(nbytes, min(cold[e.label]))
 
@@ -383,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     mem.close()
     disk = kvpack_backend("disk")
     file_dir = root / "sglang-file"
-    file_backend = HiCacheFile(_storage_config({"file_storage_path": str(file_dir)}, args), file_path=str(file_dir))
+    file_backend = HiCacheFile(storage_config({"file_storage_path": str(file_dir)}, args), file_path=str(file_dir))
     file_backend.register_mem_pool_host(pool)
     run(
         [
