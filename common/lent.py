@@ -81,7 +81,7 @@ class _StoreParts(Protocol):
     ) -> tuple[dict[int, tuple[ObjectHeader, memoryview]], Callable[[], list[bool]]]: ...
 
     def _read_not_lent(
-        self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False
+        self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False, promote: bool = True
     ) -> list[GetResult]: ...
 
     @property
@@ -238,14 +238,15 @@ class LentCopies:
         return front if isinstance(front, HostTier) and self._integrity is None else None
 
     def complete_load_pages_lent(
-        self: _StoreParts, plan: LoadPlan, reads: Sequence[PageReads]
+        self: _StoreParts, plan: LoadPlan, reads: Sequence[PageReads], promote: bool = True
     ) -> tuple[list[bool], list[memoryview | None], Callable[[], list[bool]]]:
         """`complete_load_lent` for batches of whole pages, in order (page j of ``reads[b]``
         at ``sum(len(r) for r in reads[:b]) + j``): per page, loaded, its payload lent by the
         memory tier or the host store (None where it was read into its `dst`, or missed), and
         ``held()`` to call after copying out of the views (`complete_load_lent`). A page memory
         holds with a header that does not match is read the ordinary way (`TierReads.load`: it
-        is refused and counted there, as `complete_load` would); so is every page neither lends."""
+        is refused and counted there, as `complete_load` would); so is every page neither lends.
+        `promote`: as `complete_load`'s."""
         memory = self._memory if self.lends_memory else None
         try:
             ok: list[bool] = []
@@ -277,7 +278,7 @@ class LentCopies:
             for i, (_, view) in lent.items():
                 ok[i], views[i] = True, view
             todo = [(i, it) for i, it in zip(rest_at, rest) if i not in lent]
-            for (i, _), res in zip(todo, self._read_not_lent(plan, [it for _, it in todo])):
+            for (i, _), res in zip(todo, self._read_not_lent(plan, [it for _, it in todo], False, promote)):
                 ok[i] = res.ok
             return ok, views, held
         finally:
@@ -289,15 +290,16 @@ class LentCopies:
             self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier)
 
     def _read_not_lent(
-        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False
+        self: _StoreParts, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False, promote: bool = True
     ) -> list[GetResult]:
         """What the memory tier did not lend, read the ordinary way (`TierReads.load`), each
-        first from the tier the plan's lookup named; `local_only`: no remote tier."""
+        first from the tier the plan's lookup named; `local_only`: no remote tier; `promote`:
+        a lower tier's hit also goes into the memory tier."""
         if not items:
             return []
         located: Mapping[StoreKey, str] = plan.located
         first = [self._by_name.get(located.get(it.key, "")) for it in items]
-        return self._reads.load(items, first, local_only)
+        return self._reads.load(items, first, local_only, promote)
 
 
 def _bytes_per_tenant(items: Sequence[LoadItem], lent: Mapping[int, tuple[ObjectHeader, memoryview]]) -> dict[str, int]:

@@ -99,16 +99,18 @@ class TierReads:
         return tier is not self._memory  # BOUNDARY: objects that crossed a process or persistence boundary
 
     def load(
-        self, items: Sequence[LoadItem], first: Sequence[Tier | None], local_only: bool = False
+        self, items: Sequence[LoadItem], first: Sequence[Tier | None], local_only: bool = False, promote: bool = True
     ) -> list[GetResult]:
         """Each item from `first[i]` when set, then read-through from the other tiers;
-        `local_only`: never from a `Tier.remote` one (a load inside an engine step)."""
+        `local_only`: never from a `Tier.remote` one (a load inside an engine step);
+        `promote`: a lower tier's hit is also put into the memory tier (False: the caller's
+        destination is a cache of the engine's own in host memory, which holds it now)."""
         results: list[GetResult | None] = [None] * len(items)
         tiers = [t for t in self.tiers if not (local_only and t.remote)]
         for tier in tiers:
             planned = [i for i, t in enumerate(first) if t is tier]
             if planned:
-                self._load_from(tier, items, planned, results)
+                self._load_from(tier, items, planned, results, promote)
         gone = [
             i
             for i, (t, r) in enumerate(zip(first, results))
@@ -120,7 +122,7 @@ class TierReads:
                 break
             todo = [i for i in todo if first[i] is not tier]
             if todo:
-                self._load_from(tier, items, todo, results)
+                self._load_from(tier, items, todo, results, promote)
         self._after_batch()
         if gone:
             gone_from = [t.name for i in gone if (t := first[i]) is not None]  # every i in gone has a first tier
@@ -132,16 +134,22 @@ class TierReads:
         return final
 
     def _load_from(
-        self, tier: Tier, items: Sequence[LoadItem], todo: Sequence[int], results: list[GetResult | None]
+        self,
+        tier: Tier,
+        items: Sequence[LoadItem],
+        todo: Sequence[int],
+        results: list[GetResult | None],
+        promote: bool = True,
     ) -> None:
-        """One batched get of `items[todo]` from `tier` into `results` (counted)."""
+        """One batched get of `items[todo]` from `tier` into `results` (counted); `promote`: its
+        hits are put into the memory tier too (`load`)."""
         start = time.perf_counter()
         got = self._safe_get(tier, [items[i] for i in todo])
         self.metrics.observe("load_seconds", time.perf_counter() - start, tier=tier.name)
-        promote: list[PutItem] = []
+        promoted: list[PutItem] = []
         damaged: list[GroupKey] = []
         loaded: dict[str, int] = {}
-        promoting = tier is not self._memory and self._memory is not None
+        promoting = promote and tier is not self._memory and self._memory is not None
         for i, res in zip(todo, got):
             item = items[i]
             if res.ok:
@@ -152,7 +160,7 @@ class TierReads:
                     header.payload_len if header is not None else payload_nbytes(item.dst)
                 )
                 if promoting and header is not None:
-                    promote.append(PutItem(item.key, header, item.dst))
+                    promoted.append(PutItem(item.key, header, item.dst))
                 continue
             if res.status is TierStatus.REJECTED:
                 reason = res.reason.value if res.reason else "unknown"
@@ -166,8 +174,8 @@ class TierReads:
                 results[i] = res
         for tenant, nbytes in loaded.items():
             self.metrics.inc("loaded_bytes", nbytes, tenant=tenant, tier=tier.name)
-        if promote and self._memory is not None:
-            self._memory.put_from(promote)
+        if promoted and self._memory is not None:
+            self._memory.put_from(promoted)
         if damaged:
             self._remove_quietly(tier, damaged)
 

@@ -404,14 +404,18 @@ class KVStore(LentCopies, StoreWrites):
             located = {k: t for k, t in zip(keys, self.locate(keys, budget)) if t is not None}
         return self._plans.open(located, self._memory)
 
-    def complete_load(self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False) -> list[GetResult]:
+    def complete_load(
+        self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False, promote: bool = True
+    ) -> list[GetResult]:
         """Restore each item, from the tier `plan` names first (read-through when it names
         none or that tier lost it), then release the plan's pins. Never raises.
         `local_only`: no `Tier.remote` tier is asked (a load on an engine's step must not wait
-        on the network; what only a remote tier holds is a miss)."""
+        on the network; what only a remote tier holds is a miss). `promote`: a lower tier's
+        hit is also put into this process's memory tier (False where the destination is a
+        cache the engine keeps in host memory itself: it holds the object now)."""
         try:
             first = [self._by_name.get(plan.located.get(it.key, "")) for it in items]
-            return self._reads.load(items, first, local_only)
+            return self._reads.load(items, first, local_only, promote)
         finally:
             self.release(plan)
 

@@ -11,5 +11,6 @@ for b in tiers copy mooncake vllm spec; do
   echo "=== kvpack bench $b"; "$vllm_venv/bin/python" -m kvpack.cli bench "$b"
 done
 echo "=== kvpack bench sglang"; "$sglang_venv/bin/python" -m kvpack.cli bench sglang
+echo "=== kvpack bench sglang --busy-python"; "$sglang_venv/bin/python" -m kvpack.cli bench sglang --busy-python
 echo "=== kvpack bench sglang --handoff"
 "$sglang_venv/bin/python" -m kvpack.cli bench sglang --handoff --vllm-python "$vllm_venv/bin/python"

@@ -90,6 +90,38 @@ def test_v1_round_trip_bit_exact(kind, layout, tiers, store_dir):
         backend.close()
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_read_from_disk_are_not_copied_into_the_memory_tier(kind, store_dir):
+    """What SGLang reads from L3 lands in its own L2 host pool: after a restart (an empty memory
+    tier, the pages on disk), a get restores them without putting a third copy into kvpack's
+    memory tier on the prefetch's path; what SGLang writes still goes there."""
+    pool = make_pool(kind, "page_first")
+    extra = kvpack_extra(store_dir, memory=True, disk=True)
+    n, keys = 4, page_keys(4, seed=21)
+    first = make_backend(pool, extra, mla=kind == "mla")
+    try:
+        fill_random(pool, seed=2)
+        src = alloc_pages(pool, n)
+        want = page_bytes(pool, src)
+        assert first.batch_set_v1(keys, src) == [True] * n
+        assert first.flush(10)
+    finally:
+        first.close()
+    restarted = make_backend(pool, extra, mla=kind == "mla")
+    try:
+        memory = restarted.session.store.tiers[0]
+        assert memory.name == "memory" and memory.usage().objects == 0
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        assert restarted.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(pool, dst) == want
+        assert memory.usage().objects == 0  # before: one object per page and pool member
+        assert restarted.batch_set_v1(page_keys(2, seed=22), src[: 2 * pool.page_size]) == [True, True]
+        assert memory.usage().objects > 0  # the control: SGLang's writes still fill it
+    finally:
+        restarted.close()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_second_server_reads_the_host_store_in_place(layout, store_dir):
     """Two backends on one host store (``memory.mode: host``, disk off), as two SGLang servers of a
