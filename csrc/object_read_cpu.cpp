@@ -3,45 +3,27 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <vector>
-
-#include "open_beneath.h"
+#include "object_files.h"
 
 namespace {
 
 // Reads parts[0..n) from fd at offset 0 until they are full or the file ends: the bytes
 // read, or -errno.
 int64_t read_parts(int fd, const struct iovec* parts, int n) {
-  std::vector<struct iovec> left(parts, parts + n);
-  size_t at = 0;
+  kvp::IovCursor left(parts, n);
   int64_t total = 0;
-  while (at < left.size()) {
-    if (left[at].iov_len == 0) {
-      ++at;
-      continue;
-    }
-    const int count = static_cast<int>(std::min<size_t>(left.size() - at, IOV_MAX));
-    const ssize_t got = preadv(fd, left.data() + at, count, total);
+  while (!left.done()) {
+    const ssize_t got = preadv(fd, left.data(), left.count(), total);
     if (got < 0) {
       if (errno == EINTR) continue;
       return -errno;
     }
     if (got == 0) break;  // the file ended (shrunk since fstat): the caller sees got < size
     total += got;
-    size_t done = static_cast<size_t>(got);
-    while (at < left.size() && done >= left[at].iov_len) {
-      done -= left[at].iov_len;
-      ++at;
-    }
-    if (at < left.size()) {
-      left[at].iov_base = static_cast<char*>(left[at].iov_base) + done;
-      left[at].iov_len -= done;
-    }
+    left.advance(static_cast<size_t>(got));
   }
   return total;
 }

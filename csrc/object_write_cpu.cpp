@@ -1,18 +1,14 @@
 // See object_write_cpu.h.
 #include "object_write_cpu.h"
 
-#include "open_beneath.h"
+#include "object_files.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
 #include <stdio.h>  // renameat
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <algorithm>
-#include <vector>
 
 namespace {
 
@@ -33,29 +29,15 @@ int open_leaf(int root_fd, const char* leaf) {
 
 // Every byte of parts[0..n) to fd; 0 or an errno.
 int write_parts(int fd, const struct iovec* parts, int n) {
-  std::vector<struct iovec> left(parts, parts + n);
-  size_t at = 0;
-  while (at < left.size()) {
-    if (left[at].iov_len == 0) {
-      ++at;
-      continue;
-    }
-    const int count = static_cast<int>(std::min<size_t>(left.size() - at, IOV_MAX));
-    const ssize_t got = writev(fd, left.data() + at, count);
+  kvp::IovCursor left(parts, n);
+  while (!left.done()) {
+    const ssize_t got = writev(fd, left.data(), left.count());
     if (got < 0) {
       if (errno == EINTR) continue;
       return errno;
     }
     if (got == 0) return EIO;
-    size_t done = static_cast<size_t>(got);
-    while (at < left.size() && done >= left[at].iov_len) {
-      done -= left[at].iov_len;
-      ++at;
-    }
-    if (at < left.size()) {
-      left[at].iov_base = static_cast<char*>(left[at].iov_base) + done;
-      left[at].iov_len -= done;
-    }
+    left.advance(static_cast<size_t>(got));
   }
   return 0;
 }

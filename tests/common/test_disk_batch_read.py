@@ -21,7 +21,7 @@ from helpers import chunk_id, expect, make_item
 
 from fixtures.os_calls import count_os_calls
 from kvpack.objects import Expectation, RejectReason
-from kvpack.ops import load_extension, object_reader
+from kvpack.ops import load_extension, object_reader, object_writer
 from kvpack.tiers.base import GetResult, PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.reads import ObjectReader
@@ -38,8 +38,10 @@ def _reader() -> Callable[[], ObjectReader | None]:
     return object_reader
 
 
-def _tier(root: Path, native: Callable[[], ObjectReader | None] | None, io_threads: int = 1) -> DiskTier:
-    return DiskTier(root, 1 << 30, io_threads=io_threads, object_reader=native)
+def _tier(
+    root: Path, native: Callable[[], ObjectReader | None] | None, io_threads: int = 1, **natives: object
+) -> DiskTier:
+    return DiskTier(root, 1 << 30, io_threads=io_threads, object_reader=native, **natives)  # type: ignore[arg-type]
 
 
 def _damage(tier: DiskTier, item: PutItem, how: str, victim: PutItem) -> None:
@@ -169,3 +171,19 @@ def test_objects_whose_openat2_is_refused_are_read_from_python(tmp_path: Path, m
     assert [r.status for r in res] == [TierStatus.OK] * len(items)
     assert all(np.array_equal(d, np.frombuffer(it.payload, np.uint8)) for it, d in zip(items, dsts))
     assert calls["preadv"] == len(items) - 1  # all but the first read again from Python
+
+
+@pytest.mark.parametrize("writer", ["native", "python"])
+def test_more_parts_than_one_vector_call_takes(tmp_path: Path, writer: str) -> None:
+    """A payload of 1500 regions (IOV_MAX is 1024): written and read back in several vector calls each."""
+    natives = {"object_writer": object_writer} if writer == "native" else {}
+    tier = _tier(tmp_path / "store", _reader(), **natives)
+    item, data = make_item("t", chunk_id(5), nbytes=1500 * 40, seed=5)
+    view = memoryview(data)
+    regions = tuple(view[i * 40 : (i + 1) * 40] for i in range(1500))
+    assert tier.put_from([PutItem(item.key, item.header, regions)]) == [TierStatus.OK]
+    out = np.zeros(1500 * 40, np.uint8)
+    out_view = memoryview(out)
+    dst = tuple(out_view[i * 40 : (i + 1) * 40] for i in range(1500))
+    res = tier.get_into([item.key], [dst], [expect(item)], True)
+    assert res[0].ok and np.array_equal(out, data)

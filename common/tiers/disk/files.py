@@ -96,10 +96,14 @@ def preadinto_full(fd: int, parts: tuple[memoryview, ...], offset: int) -> int:
     return got
 
 
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+"""Most buffers one ``writev`` takes (more is EINVAL)."""
+
+
 def write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
     views = [memoryview(b) for b in buffers]
     while views:
-        n = os.writev(fd, views)
+        n = os.writev(fd, views[:IOV_MAX])
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
