@@ -103,8 +103,11 @@ def test_groups_present_or_absent_together_under_eviction(mooncake_cluster_facto
     tier = _tier(cluster, use_groups=True)
     try:
         stored, full, mixed = _fill_and_count(tier, 300)
-        assert stored > 100, "the cluster refused most puts: no eviction happened"
-        assert 0 < full < 100, f"no eviction pressure: {full} of 300 groups still present"
+        # eviction is what was stored and is gone. How many puts the cluster refuses meanwhile (it
+        # may evict an object only once its 1 s lease ended) depends on how fast the puts come:
+        # 87 of 300 stored in one CI run once the checksums were native, more than 100 before
+        evicted = stored - full
+        assert full > 0 and evicted >= 20, f"no eviction pressure: {stored} groups stored, {full} still present"
         assert mixed == 0, f"{mixed} groups lost only some of their members"
     finally:
         tier.close()
