@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier, fs
 from kvpack.tiers.disk.removes import ObjectRemover
 
-from .timing import hardware
+from .timing import busy_python_threads, hardware
 
 LEAVES = 4
 """Leaf folders the objects share (each keeps objects after an eviction, as in a large store)."""
@@ -51,28 +50,6 @@ def _items(first: int, count: int, nbytes: int) -> list[PutItem]:
         header = ObjectHeader(spec.member_fingerprint, "bench", chunk, "kv", 16, nbytes, payload_checksum(payload))
         items.append(PutItem(StoreKey("bench", spec.group_fingerprint, chunk, "kv"), header, payload.data))
     return items
-
-
-@contextmanager
-def _busy_threads(n: int) -> Iterator[None]:
-    """`n` threads running Python without pause (an engine scheduler's stand-in)."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            for _ in range(1000):
-                x += 1
-
-    threads = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
 
 
 @contextmanager
@@ -113,7 +90,7 @@ def run(objects: int, nbytes: int, puts: int, busy: int, folder: Path, native: b
             for k in range(4):
                 tier.put_from(_items(1_000_000 * (k + 1), objects, nbytes))
         times: dict[str, list[float]] = {kind: [] for kind in tiers}
-        with _busy_threads(threads):
+        with busy_python_threads(threads):
             for r in range(puts):
                 for kind, tier in tiers.items():
                     items = _items(10_000 * (r + 1), objects, nbytes)

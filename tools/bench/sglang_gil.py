@@ -20,10 +20,8 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,31 +35,9 @@ from kvpack.tools.bench.sglang_pools import (
     storage_config,
     torchvision_shim,
 )
-from kvpack.tools.bench.timing import hardware
+from kvpack.tools.bench.timing import busy_python_threads, hardware
 
 Call = Callable[[], object]
-
-
-@contextmanager
-def _busy_thread(on: bool) -> Iterator[None]:
-    """While inside: (if `on`) one more thread of this process runs Python without pause."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-
-    thread = threading.Thread(target=spin, name="kvpack-bench-busy", daemon=True) if on else None
-    if thread is not None:
-        thread.start()
-        time.sleep(0.05)
-    try:
-        yield
-    finally:
-        stop.set()
-        if thread is not None:
-            thread.join()
 
 
 def _medians(calls: dict[str, Call], repeats: int) -> dict[str, float]:
@@ -137,7 +113,8 @@ def main(argv: list[str]) -> int:
     for op, make in (("get", getter), ("set", setter)):
         calls = {name: make(name) for name in names}
         alone = _medians(calls, args.repeats)
-        with _busy_thread(True):
+        with busy_python_threads(1):
+            time.sleep(0.05)  # the thread is running before the first timed call
             busy = _medians(calls, args.repeats)
         for name in names:
             a, b = alone[name], busy[name]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -123,3 +125,26 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
+
+
+@contextmanager
+def busy_python_threads(n: int) -> Iterator[None]:
+    """While inside: `n` threads of this process running Python without pause (an engine
+    scheduler's stand-in: each time a timed call gives the GIL up it may wait a switch interval)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for _ in range(1000):
+                x += 1
+
+    threads = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
