@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from .. import CanonicalGeometry, Payload
 
@@ -78,28 +77,37 @@ class StagingRows:
     once the store returned (`KVStore.store` lets the caller reuse its buffers then); a load
     takes one per group of pages and gives it back once its rows were scattered (no tier
     writes into a load's buffers after its call returned: `Tier.get_into`). Several may be
-    in use at once, from several threads. Thread-safe."""
+    in use at once, from several threads. Thread-safe.
+
+    numpy, not torch: every torch call from Python gives the GIL up and takes it back
+    (``view``, ``set_``, ``empty``), and inside an SGLang server, whose scheduler thread runs
+    Python, each re-take can wait a switch interval (5 ms); numpy's views and ``empty`` keep
+    the GIL. A take and its give-back make no torch call."""
 
     def __init__(self, kept_bytes: int = STAGING_KEPT_BYTES) -> None:
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
+        self._free: list[np.ndarray] = []
+        """Kept buffers: 1-D uint8 arrays that own their memory, each handed out at most once at a time."""
         self._kept_bytes = kept_bytes
 
-    def take(self, rows: int, width: int) -> torch.Tensor:
-        """``[rows, width]`` uint8: a kept buffer large enough (the smallest), else a new one."""
+    def take(self, rows: int, width: int) -> np.ndarray:
+        """``[rows, width]`` uint8, C-contiguous: a view of the smallest kept buffer large
+        enough, else of a new one."""
         need = rows * width
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
-            # by position, never by value: `list.remove` would compare tensors element-wise
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+            fits = [i for i, b in enumerate(self._free) if b.size >= need]
+            # by position, never by value: `list.remove` would compare arrays element-wise
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].size)) if fits else None
         if buf is None:
-            buf = torch.empty(need, dtype=torch.uint8)
-        return buf[:need].view(rows, width)
+            buf = np.empty(need, dtype=np.uint8)
+        return buf[:need].reshape(rows, width)
 
-    def give_back(self, rows: torch.Tensor) -> None:
-        """Keep `rows`' buffer for a later call (dropped when the kept bytes would exceed the bound)."""
-        buf = rows.view(-1)
-        base = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
+    def give_back(self, rows: np.ndarray) -> None:
+        """Keep the buffer `rows` (from `take`) views, for a later call (dropped when the kept
+        bytes would exceed the bound)."""
+        base = rows.base if isinstance(rows.base, np.ndarray) else rows  # numpy: the array owning the memory
         with self._lock:
-            if sum(b.numel() for b in self._free) + base.numel() <= self._kept_bytes:
+            if any(b is base for b in self._free):
+                raise ValueError("StagingRows.give_back: this buffer was given back already")
+            if sum(b.size for b in self._free) + base.size <= self._kept_bytes:
                 self._free.append(base)

@@ -326,10 +326,11 @@ class PoolBinding:
         if self.canonical is None:
             return self.pages.page_payloads(host_indices, n_pages), lambda: None
         staging = self._staging.take(n_pages, self.page_bytes)
-        self.canonical.copy(
-            self.pages.page_ids(host_indices, n_pages), staging.view(-1), gather=True, obj_heads=self.canonical.heads
+        base, size = int(staging.ctypes.data), self.page_bytes
+        self._convert(
+            self.pages.page_ids(host_indices, n_pages), [base + i * size for i in range(n_pages)], gather=True
         )
-        return row_views(staging.numpy()), lambda: self._staging.give_back(staging)
+        return row_views(staging), lambda: self._staging.give_back(staging)
 
     def fill_objects(self, host_indices: torch.Tensor, n_pages: int, dsts: Sequence[np.ndarray]) -> None:
         """Canonical pools: page j's object gathered straight into ``dsts[j]`` (a tier's slot
@@ -368,8 +369,7 @@ class PoolBinding:
         if self.canonical is None:
             return self.pages.page_payloads(host_indices, n_pages), _nothing_after_load
         ids = self.pages.page_ids(host_indices, n_pages)
-        staging = self._staging.take(n_pages, self.page_bytes)
-        rows = staging.numpy()
+        rows = self._staging.take(n_pages, self.page_bytes)
         base, size = int(rows.ctypes.data), self.page_bytes
 
         def finish(ok: Sequence[bool], views: Sequence[memoryview | None]) -> None:
@@ -386,7 +386,7 @@ class PoolBinding:
                     addrs.append(address_of(view))
                 sel.append(ids[i])
             self._convert(sel, addrs, gather=False)
-            self._staging.give_back(staging)
+            self._staging.give_back(rows)
 
         return row_views(rows), finish
 
@@ -399,8 +399,7 @@ class PoolBinding:
         geo, own = self.canonical, self.own
         assert geo is not None and own is not None
         ids = self.pages.page_ids(host_indices, n_pages)
-        staging = self._staging.take(n_pages, geo.object_bytes(obj.heads.size))
-        rows = staging.numpy()
+        rows = self._staging.take(n_pages, geo.object_bytes(obj.heads.size))
 
         def finish(ok: Sequence[bool], views: Sequence[memoryview | None]) -> None:
             sel = [i for i, good in enumerate(ok) if good]
@@ -409,7 +408,7 @@ class PoolBinding:
                 if view is not None:
                     rows[i] = np.frombuffer(view, dtype=np.uint8)
             if sel:
-                geo.scatter_heads([ids[i] for i in sel], staging[sel], obj.heads, obj.part, own)
-            self._staging.give_back(staging)
+                geo.scatter_heads([ids[i] for i in sel], torch.from_numpy(rows[sel]), obj.heads, obj.part, own)
+            self._staging.give_back(rows)
 
         return row_views(rows), finish

@@ -409,13 +409,13 @@ def test_staging_rows_are_reused_after_they_are_given_back_and_kept_within_their
     rows = StagingRows(kept_bytes=1000)
     a = rows.take(4, 100)
     b = rows.take(2, 100)  # a is still in use: b is another buffer
-    assert a.data_ptr() != b.data_ptr() and a.shape == (4, 100)
+    assert a.ctypes.data != b.ctypes.data and a.shape == (4, 100)
     rows.give_back(a)
     c = rows.take(3, 100)  # fits in a's buffer
-    assert c.data_ptr() == a.data_ptr() and c.shape == (3, 100)
+    assert c.ctypes.data == a.ctypes.data and c.shape == (3, 100)
     rows.give_back(c)
     rows.give_back(b)
-    assert rows.take(5, 100).data_ptr() not in (a.data_ptr(), b.data_ptr())  # neither is large enough
+    assert rows.take(5, 100).ctypes.data not in (a.ctypes.data, b.ctypes.data)  # neither is large enough
     big = rows.take(11, 100)
     rows.give_back(big)  # 1100 bytes would pass the bound of 1000 kept: dropped
-    assert rows.take(11, 100).data_ptr() != big.data_ptr()
+    assert rows.take(11, 100).ctypes.data != big.ctypes.data

@@ -42,16 +42,16 @@ def test_staging_rows_take_finds_a_kept_buffer_by_identity_not_by_value():
     one = rows.take(1, 4096)
     rows.give_back(one)
     a, b = rows.take(4, 4096), rows.take(4, 4096)
-    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert a.ctypes.data != b.ctypes.data
     rows.give_back(a)
     rows.give_back(b)
     got = rows.take(4, 4096)  # raised "The size of tensor a (4096) must match the size of tensor b (16384)"
     assert got.shape == (4, 4096)
-    assert got.untyped_storage().data_ptr() in {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+    assert got.ctypes.data in {a.ctypes.data, b.ctypes.data}
     # the other 4-page buffer and the 1-page one are still kept, each handed out once
     again = rows.take(4, 4096)
-    assert again.untyped_storage().data_ptr() != got.untyped_storage().data_ptr()
-    assert rows.take(1, 4096).untyped_storage().data_ptr() == one.untyped_storage().data_ptr()
+    assert again.ctypes.data != got.ctypes.data
+    assert rows.take(1, 4096).ctypes.data == one.ctypes.data
 
 
 def test_staging_rows_never_hand_one_buffer_to_two_takers():
@@ -60,7 +60,7 @@ def test_staging_rows_never_hand_one_buffer_to_two_takers():
     for buf in held:
         rows.give_back(buf)
     taken = [rows.take(n, 1024) for n in (7, 2, 5, 1, 3, 7)]
-    ptrs = [t.untyped_storage().data_ptr() for t in taken]
+    ptrs = [t.ctypes.data for t in taken]
     assert len(set(ptrs)) == len(ptrs)
     assert [t.shape[0] for t in taken] == [7, 2, 5, 1, 3, 7]
 
