@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checksum_cpu.h"
 #include "object_files.h"
 
 namespace {
@@ -33,6 +34,7 @@ bool read_one(int root_fd, KvpObjectRead& obj) {
   obj.err = 0;
   obj.size = -1;
   obj.got = -1;
+  obj.digest = 0;
   const int fd = kvp::open_beneath(root_fd, obj.path, O_RDONLY | O_NONBLOCK);
   if (fd < 0) {
     obj.err = -fd;
@@ -53,6 +55,11 @@ bool read_one(int root_fd, KvpObjectRead& obj) {
         obj.err = static_cast<int>(-got);
       } else {
         obj.got = got;
+        if (got == want && obj.digest_from >= 0 && obj.digest_from <= obj.nparts) {
+          const int64_t first = 0;
+          const int64_t count = obj.nparts - obj.digest_from;
+          kvp_xxh3_many(obj.parts + obj.digest_from, &first, &count, 1, &obj.digest);
+        }
       }
     }
   }
@@ -69,6 +76,7 @@ void kvp_read_objects(int root_fd, KvpObjectRead* objs, int64_t n) {
       objs[i].err = missing;
       objs[i].size = -1;
       objs[i].got = -1;
+      objs[i].digest = 0;
       continue;
     }
     if (read_one(root_fd, objs[i])) missing = objs[i].err;

@@ -4,7 +4,7 @@
 //   copy_regions(pairs, streaming) -> None
 //   write_objects(root_fd, temp_dir_fd, objects, fsync) -> list[tuple[int, int]]
 //   remove_objects(root_fd, files, folders) -> tuple[list[int], list[int]]
-//   read_objects(root_fd, objects) -> list[tuple[int, int, int]]
+//   read_objects(root_fd, objects, digest_from=-1) -> list[tuple[int, int, int, int]]
 //   checksums(payloads) -> list[int]
 //
 // `pairs` is a sequence of (dst, src) objects with the buffer protocol (numpy
@@ -27,9 +27,10 @@
 // `objects` (read) is a sequence of (path, parts): a relative file path (bytes)
 // and a sequence of writable buffers (the header page, then the payload's
 // destination). Everything is taken with the GIL held, then every file is read
-// with it released once (kvp_read_objects); the result is one (errno, size, got)
-// per object: errno 0 for an opened regular file, got the bytes read (-1 when its
-// size was not the parts' total and nothing was read).
+// with it released once (kvp_read_objects); the result is one (errno, size, got,
+// digest) per object: errno 0 for an opened regular file, got the bytes read (-1
+// when its size was not the parts' total and nothing was read), digest the
+// xxh3_64 of parts[digest_from:] of a whole read when digest_from >= 0 (else 0).
 //
 // `payloads` (checksums) is a sequence of sequences of buffers: each object's
 // parts in order. Every buffer is taken with the GIL held, then every digest is
@@ -188,7 +189,7 @@ py::tuple remove_objects(int root_fd, const py::sequence& files, const py::seque
   return py::make_tuple(errs, removed);
 }
 
-py::list read_objects(int root_fd, const py::sequence& objects) {
+py::list read_objects(int root_fd, const py::sequence& objects, int digest_from) {
   const size_t n = py::len(objects);
   std::vector<py::object> keep;  // the items (and so their paths) stay alive until the reads end
   keep.reserve(2 * n);
@@ -210,14 +211,14 @@ py::list read_objects(int root_fd, const py::sequence& objects) {
       const Py_buffer& view = held.take(part.ptr(), true);
       iovs[i].push_back(iovec{view.buf, static_cast<size_t>(view.len)});
     }
-    objs[i] = KvpObjectRead{tuple_path(item, 0, "path"), iovs[i].data(), static_cast<int>(np), 0, -1, -1};
+    objs[i] = KvpObjectRead{tuple_path(item, 0, "path"), iovs[i].data(), static_cast<int>(np), digest_from, 0, -1, -1, 0};
   }
   {
     py::gil_scoped_release nogil;
     kvp_read_objects(root_fd, objs.data(), static_cast<int64_t>(n));
   }
   py::list out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = py::make_tuple(objs[i].err, objs[i].size, objs[i].got);
+  for (size_t i = 0; i < n; ++i) out[i] = py::make_tuple(objs[i].err, objs[i].size, objs[i].got, objs[i].digest);
   return out;
 }
 
@@ -263,9 +264,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("remove_objects", &remove_objects, py::arg("root_fd"), py::arg("files"), py::arg("folders"),
         "Unlink each (leaf, name) file beneath root_fd, then rmdir each (parent, name, chain_start) folder while "
         "empty, GIL released once; (one errno per file, one 0/1 per folder).");
-  m.def("read_objects", &read_objects, py::arg("root_fd"), py::arg("objects"),
-        "Read each (path, parts) object file beneath root_fd into its parts when its size is theirs, GIL "
-        "released once; one (errno, size, got) per object.");
+  m.def("read_objects", &read_objects, py::arg("root_fd"), py::arg("objects"), py::arg("digest_from") = -1,
+        "Read each (path, parts) object file beneath root_fd into its parts when its size is theirs, hashing "
+        "parts[digest_from:] of each whole read when digest_from >= 0, GIL released once; one (errno, size, got, "
+        "digest) per object.");
   m.def("checksums", &checksums, py::arg("payloads"),
         "xxh3_64 of each payload's parts in order (Python xxhash's digest), the GIL released once.");
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from helpers import chunk_id, expect, make_item
 
 from fixtures.os_calls import count_os_calls
@@ -159,9 +160,11 @@ def test_objects_whose_openat2_is_refused_are_read_from_python(tmp_path: Path, m
     native = _reader()()
     assert native is not None
 
-    def refusing(root_fd: int, jobs: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[tuple[int, int, int]]:
+    def refusing(
+        root_fd: int, jobs: Sequence[tuple[bytes, Sequence[memoryview]]], digest_from: int
+    ) -> list[tuple[int, int, int, int]]:
         """The native reader as under a seccomp filter refusing openat2 from the second object on."""
-        return [*native(root_fd, jobs[:1]), *[(errno.EPERM, -1, -1)] * (len(jobs) - 1)]
+        return [*native(root_fd, jobs[:1], digest_from), *[(errno.EPERM, -1, -1, 0)] * (len(jobs) - 1)]
 
     tier = _tier(tmp_path / "store", lambda: refusing)
     items = [make_item("t", chunk_id(10 + i), nbytes=n, seed=i)[0] for i, n in enumerate(SIZES)]
@@ -187,3 +190,34 @@ def test_more_parts_than_one_vector_call_takes(tmp_path: Path, writer: str) -> N
     dst = tuple(out_view[i * 40 : (i + 1) * 40] for i in range(1500))
     res = tier.get_into([item.key], [dst], [expect(item)], True)
     assert res[0].ok and np.array_equal(out, data)
+
+
+def test_the_reader_hashes_each_whole_payload_as_python_xxhash_does(tmp_path: Path) -> None:
+    """The digest of a whole read covers exactly the parts from ``digest_from`` on, in order,
+    whatever their split; nothing is hashed when not asked or when the read was not whole."""
+    native = _reader()()
+    assert native is not None
+    root = tmp_path / "r"
+    root.mkdir()
+    bodies = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(SIZES)]
+    for i, body in enumerate(bodies):
+        (root / f"o{i}").write_bytes(b"H" * 64 + body.tobytes())
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+
+        def jobs() -> list[tuple[bytes, Sequence[memoryview]]]:
+            out: list[tuple[bytes, Sequence[memoryview]]] = []
+            for i, body in enumerate(bodies):
+                cut = body.nbytes // 3  # the payload in two parts of unequal size
+                dst = memoryview(bytearray(body.nbytes))
+                out.append((f"o{i}".encode(), (memoryview(bytearray(64)), dst[:cut], dst[cut:])))
+            return out
+
+        hashed = native(fd, jobs(), 1)
+        assert [d for *_, d in hashed] == [xxhash.xxh3_64_intdigest(b.tobytes()) for b in bodies]
+        assert [d for *_, d in native(fd, jobs(), -1)] == [0] * len(bodies)
+        # a size that is not the parts' total reads nothing, so hashes nothing
+        short = [(p, (parts[0], parts[1])) for p, parts in jobs()]
+        assert [(got, d) for _, _, got, d in native(fd, short, 1)] == [(-1, 0)] * len(bodies)
+    finally:
+        os.close(fd)
