@@ -291,6 +291,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="a control: kvpack's servers start every prefetch's page reads this many seconds late "
         "(the CPU shim's KVPACK_SGLANG_READ_DELAY_S): does SGLang credit a slower L3 more?",
     )
+    p.add_argument(
+        "--write-delay",
+        type=float,
+        default=0.0,
+        help="a control: kvpack's servers start every L3 write this many seconds late (the CPU shim's "
+        "KVPACK_SGLANG_WRITE_DELAY_S): does SGLang's schedule move with how long a write holds its L2 pages?",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every set-up, each on fresh stores")
     p.add_argument(
         "--in-turn",
@@ -320,7 +327,14 @@ def _setups(args: argparse.Namespace, root: Path, run: int = 1) -> list[tuple[st
     file_args = ["--hicache-storage-backend", "file"]
     file_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "file")}
     kv_args = ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(kvpack)]
-    kv_env = {"KVPACK_SGLANG_READ_DELAY_S": str(args.read_delay)} if args.read_delay > 0 else {}
+    kv_env = {
+        name: str(seconds)
+        for name, seconds in (
+            ("KVPACK_SGLANG_READ_DELAY_S", args.read_delay),
+            ("KVPACK_SGLANG_WRITE_DELAY_S", args.write_delay),
+        )
+        if seconds > 0
+    }
     setups: list[tuple[str, list[str], dict[str, str]]] = [
         ("L2 only", [], {}),
         ("file", file_args, file_env),
@@ -377,6 +391,7 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
         f"L2 {int(args.l2_ratio * args.device)}, "
         f"prefetch policy {args.prefetch_policy}{', in turn' if args.in_turn else ''}"
         f"{f', kvpack reads delayed {args.read_delay} s' if args.read_delay > 0 else ''}"
+        f"{f', kvpack writes delayed {args.write_delay} s' if args.write_delay > 0 else ''}"
     )
     for run in range(1, args.repeat + 1):
         run_root = root / f"run{run}" if args.repeat > 1 else root

@@ -37,7 +37,10 @@ line per call to the server's stdout (its log), seconds from ``PrefetchOperation
 With ``KVPACK_SGLANG_READ_DELAY_S=S`` (a control of the multi-turn bench, `--read-delay`), every
 prefetch's page reads start S seconds later (a sleep on SGLang's prefetch IO thread before the
 reads): the same backend made slower, to ask whether SGLang credits a request more L3 tokens
-when its prefetch ends later.
+when its prefetch ends later. With ``KVPACK_SGLANG_WRITE_DELAY_S=S`` (`--write-delay`), every L3
+backup call starts S seconds later (a sleep on SGLang's backup thread; the probe's `backup_s`
+leaves it out, `queued_s` holds it): to ask whether SGLang's schedule, and so its L3 credit,
+moves with how long a backend's writes hold their L2 pages.
 
 The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
 never edited; each wrapper calls the original and returns its result.
@@ -133,9 +136,12 @@ class _Sampler:
 
 def _backup_probe(original: Callable[..., Any]) -> Callable[..., Any]:
     sampler = _Sampler() if os.environ.get("KVPACK_SGLANG_PROBE_SAMPLE") == "1" else None
+    delay_s = float(os.environ.get("KVPACK_SGLANG_WRITE_DELAY_S") or 0.0)
 
     @functools.wraps(original)
     def page_backup(self: Any, operation: Any) -> Any:
+        if delay_s > 0:
+            time.sleep(delay_s)
         if sampler is not None:
             sampler.start()
         cpu0 = time.thread_time()
