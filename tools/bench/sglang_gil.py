@@ -8,7 +8,8 @@ what a backend costs there is set by how often it gives the GIL up as much as by
 
 This bench times, on real SGLang host pools, kvpack's memory and disk tiers through SGLang's
 zero-copy path and SGLang's ``file`` backend through its generic path (as `kvpack bench
-sglang` does), each get and set alone and then with one more thread spinning in Python, the
+sglang` does), each get and set alone and then with one more thread spinning in Python (the caller and
+that thread pinned to a core each, where there are two: `busy_python_threads`), the
 backends' calls interleaved. Medians (a busy thread makes the best sample a lucky one), and
 each backend's ratio against ``file`` in the same condition. Prints; asserts nothing.
 """
@@ -113,7 +114,7 @@ def main(argv: list[str]) -> int:
     for op, make in (("get", getter), ("set", setter)):
         calls = {name: make(name) for name in names}
         alone = _medians(calls, args.repeats)
-        with busy_python_threads(1):
+        with busy_python_threads(1, own_cores=True):
             time.sleep(0.05)  # the thread is running before the first timed call
             busy = _medians(calls, args.repeats)
         for name in names:

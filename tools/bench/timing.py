@@ -128,18 +128,31 @@ class Row:
 
 
 @contextmanager
-def busy_python_threads(n: int) -> Iterator[None]:
+def busy_python_threads(n: int, own_cores: bool = False) -> Iterator[None]:
     """While inside: `n` threads of this process running Python without pause (an engine
-    scheduler's stand-in: each time a timed call gives the GIL up it may wait a switch interval)."""
-    stop = threading.Event()
+    scheduler's stand-in: each time a timed call gives the GIL up it may wait a switch interval).
 
-    def spin() -> None:
+    With `own_cores`, where this process may run on `n` + 1 CPUs, the calling thread and each
+    busy thread are pinned to a CPU of their own (the caller's CPUs are restored on the way out):
+    the scheduler thread on a core of its own, as in a server, so that the busy thread takes the
+    GIL at every hand-off. Unpinned on 2 cores, whether it does follows where the kernel places
+    the two threads, and a run's timings fall in one of two modes."""
+    stop = threading.Event()
+    cpus = sorted(os.sched_getaffinity(0)) if own_cores else []
+    pin = len(cpus) >= n + 1
+    mine = os.sched_getaffinity(0) if pin else None
+
+    def spin(cpu: int | None) -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # Linux: 0 is the calling thread
         x = 0
         while not stop.is_set():
             for _ in range(1000):
                 x += 1
 
-    threads = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+    threads = [threading.Thread(target=spin, args=(cpus[i + 1] if pin else None,), daemon=True) for i in range(n)]
+    if pin:
+        os.sched_setaffinity(0, {cpus[0]})
     for t in threads:
         t.start()
     try:
@@ -148,3 +161,5 @@ def busy_python_threads(n: int) -> Iterator[None]:
         stop.set()
         for t in threads:
             t.join()
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
