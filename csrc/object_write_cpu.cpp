@@ -5,10 +5,14 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdio.h>  // renameat
+#include <linux/fs.h>  // FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_TOPDIR_FL
+#include <stdio.h>     // renameat
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <string>
 
 namespace {
 
@@ -25,6 +29,46 @@ int open_leaf(int root_fd, const char* leaf) {
   const bool link = fstat(path_fd, &st) == 0 && S_ISLNK(st.st_mode);
   close(path_fd);
   return link ? -ELOOP : fd;
+}
+
+// Best effort: FS_TOPDIR_FL on the folder `dfd` (ext4 spreads its subfolders over block groups;
+// other file systems refuse it). kvpack.tiers.disk.fs.spread_subfolders' rule.
+void spread_subfolders(int dfd) {
+  int flags = 0;
+  if (ioctl(dfd, FS_IOC_GETFLAGS, &flags) != 0 || (flags & FS_TOPDIR_FL) != 0) return;
+  flags |= FS_TOPDIR_FL;
+  (void)ioctl(dfd, FS_IOC_SETFLAGS, &flags);
+}
+
+// The folders of `leaf` made beneath the root, each 0700, one component at a time through
+// open_leaf (no symlink followed: -ELOOP), every folder made here but the last spread:
+// kvpack.tiers.disk.fs.make_dirs' rule. 0 or -errno.
+int make_leaf(int root_fd, const char* leaf) {
+  const std::string path(leaf);
+  int dfd = root_fd;
+  int rc = 0;
+  for (size_t start = 0;;) {
+    const size_t slash = path.find('/', start);
+    const bool last = slash == std::string::npos;
+    const std::string part = path.substr(start, last ? std::string::npos : slash - start);
+    const bool created = mkdirat(dfd, part.c_str(), 0700) == 0;
+    if (!created && errno != EEXIST) {
+      rc = -errno;
+      break;
+    }
+    const int nfd = open_leaf(dfd, part.c_str());
+    if (nfd < 0) {
+      rc = nfd;
+      break;
+    }
+    if (created && !last) spread_subfolders(nfd);
+    if (dfd != root_fd) close(dfd);
+    dfd = nfd;
+    if (last) break;
+    start = slash + 1;
+  }
+  if (dfd != root_fd) close(dfd);
+  return rc;
 }
 
 // Every byte of parts[0..n) to fd; 0 or an errno.
@@ -51,10 +95,14 @@ int fill_temp(int fd, const KvpObjectWrite& obj, int do_fsync) {
 }
 
 // One object (see the header); true when openat2 itself is missing or refused (ENOSYS, EPERM).
-bool write_one(int root_fd, int temp_dir_fd, KvpObjectWrite& obj, int do_fsync) {
+bool write_one(int root_fd, int temp_dir_fd, KvpObjectWrite& obj, int do_fsync, int make_leaves) {
   obj.err = 0;
   obj.temp_removed = 0;
-  const int dfd = open_leaf(root_fd, obj.leaf);
+  int dfd = open_leaf(root_fd, obj.leaf);
+  if (dfd == -ENOENT && make_leaves) {
+    const int made = make_leaf(root_fd, obj.leaf);
+    dfd = made < 0 ? made : open_leaf(root_fd, obj.leaf);
+  }
   if (dfd < 0) {
     obj.err = -dfd;
     return obj.err == ENOSYS || obj.err == EPERM;
@@ -80,7 +128,7 @@ bool write_one(int root_fd, int temp_dir_fd, KvpObjectWrite& obj, int do_fsync) 
 
 }  // namespace
 
-void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync) {
+void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync, int make_leaves) {
   int missing = 0;  // ENOSYS/EPERM from openat2: the rest of the batch is the caller's
   for (int64_t i = 0; i < n; ++i) {
     if (missing != 0) {
@@ -88,7 +136,7 @@ void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64
       objs[i].temp_removed = 0;
       continue;
     }
-    if (write_one(root_fd, temp_dir_fd, objs[i], do_fsync)) missing = objs[i].err;
+    if (write_one(root_fd, temp_dir_fd, objs[i], do_fsync, make_leaves)) missing = objs[i].err;
   }
 }
 

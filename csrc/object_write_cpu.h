@@ -6,7 +6,10 @@
 // O_NOFOLLOW, 0600) in the leaf or in `temp_dir_fd`, write every part (writev,
 // partial writes continued), optionally fsync, close, then renameat to the final
 // name in the leaf. On a failure after the temporary was created it is unlinked
-// (created O_EXCL by this call: provably ours). Rules of kvpack.tiers.disk.fs.
+// (created O_EXCL by this call: provably ours). With make_leaves, a leaf that is not
+// there is made first, folder by folder (0700, mkdirat then openat2 as above, so no
+// symlink on the way is followed; ext4's FS_TOPDIR_FL on each folder made but the
+// last). Rules of kvpack.tiers.disk.fs.
 #pragma once
 
 #include <stdint.h>
@@ -31,7 +34,7 @@ typedef struct {
 // not have (ENOSYS) or refuses (EPERM, seccomp) is that object's err, and every
 // later object of the batch gets the same err without a try (the caller writes
 // them another way). Thread safe; no global state; never throws.
-void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync);
+void kvp_write_objects(int root_fd, int temp_dir_fd, KvpObjectWrite* objs, int64_t n, int do_fsync, int make_leaves);
 
 typedef struct {
   const char* leaf;  // relative path of validated names, NUL-terminated

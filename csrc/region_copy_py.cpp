@@ -15,9 +15,10 @@
 //
 // `objects` is a sequence of (leaf, temp, final, parts): three bytes (a relative
 // folder path, two file names) and a sequence of buffers, written in order as one
-// file (kvp_write_objects). Everything is taken with the GIL held, then every
-// file of the batch is written with it released once; the result is one
-// (errno, temp_removed) per object, errno 0 for a written object.
+// file (kvp_write_objects; a missing leaf folder made first with make_leaves).
+// Everything is taken with the GIL held, then every file of the batch is written
+// with it released once; the result is one (errno, temp_removed) per object,
+// errno 0 for a written object.
 //
 // `files` is a sequence of (leaf, name) bytes and `folders` of (parent, name,
 // chain_start): the object files to unlink, then the folders to remove while
@@ -109,7 +110,7 @@ const char* path_bytes(PyObject* obj, const char* what) {
   return PyBytes_AS_STRING(obj);
 }
 
-py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects, bool fsync) {
+py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects, bool fsync, bool make_leaves) {
   const size_t n = py::len(objects);
   std::vector<py::object> keep;  // the items (and so their bytes) stay alive until the writes end
   keep.reserve(2 * n);
@@ -141,7 +142,7 @@ py::list write_objects(int root_fd, int temp_dir_fd, const py::sequence& objects
   }
   {
     py::gil_scoped_release nogil;
-    kvp_write_objects(root_fd, temp_dir_fd, objs.data(), static_cast<int64_t>(n), fsync ? 1 : 0);
+    kvp_write_objects(root_fd, temp_dir_fd, objs.data(), static_cast<int64_t>(n), fsync ? 1 : 0, make_leaves ? 1 : 0);
   }
   py::list out(n);
   for (size_t i = 0; i < n; ++i) out[i] = py::make_tuple(objs[i].err, objs[i].temp_removed);
@@ -259,8 +260,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_regions", &copy_regions, py::arg("pairs"), py::arg("streaming"),
         "Copy each (dst, src) buffer pair, GIL released; streaming: non-temporal stores for long regions.");
   m.def("write_objects", &write_objects, py::arg("root_fd"), py::arg("temp_dir_fd"), py::arg("objects"),
-        py::arg("fsync"), "Write each (leaf, temp, final, parts) object file beneath root_fd, GIL released once; "
-        "one (errno, temp_removed) per object.");
+        py::arg("fsync"), py::arg("make_leaves") = false,
+        "Write each (leaf, temp, final, parts) object file beneath root_fd (making a missing leaf folder "
+        "when make_leaves), GIL released once; one (errno, temp_removed) per object.");
   m.def("remove_objects", &remove_objects, py::arg("root_fd"), py::arg("files"), py::arg("folders"),
         "Unlink each (leaf, name) file beneath root_fd, then rmdir each (parent, name, chain_start) folder while "
         "empty, GIL released once; (one errno per file, one 0/1 per folder).");

@@ -138,6 +138,27 @@ def test_the_native_writer_makes_no_python_file_calls(tmp_path: Path, counted_sy
     assert counted_syscalls["writev"] >= len(SIZES) and counted_syscalls["rename"] == len(SIZES)
 
 
+def test_the_native_writer_makes_new_leaf_folders_itself_as_python_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh store's leaves are made inside the native call (from Python each folder is a
+    mkdir, an open and a close, each a GIL hand-off): no Python-level mkdir, and the same
+    folders with the same modes as the Python writer makes."""
+    native, python = _disk(tmp_path / "native", "native"), _disk(tmp_path / "py", "python")
+    mkdirs = count_os_calls(monkeypatch, ("mkdir",))
+    mkdirs.update(mkdir=0)  # opening the tiers made their roots
+    assert native.put_from(_items()) == [TierStatus.OK] * len(SIZES)
+    assert mkdirs == {"mkdir": 0}
+    assert python.put_from(_items()) == [TierStatus.OK] * len(SIZES)
+    assert mkdirs["mkdir"] >= len(SIZES)  # the control: the counter sees the Python writer's folders
+
+    def folders(root: Path) -> dict[str, int]:
+        return {str(p.relative_to(root)): p.stat().st_mode for p in sorted(root.rglob("*")) if p.is_dir()}
+
+    assert folders(tmp_path / "native") == folders(tmp_path / "py")
+    assert _files(tmp_path / "native") == _files(tmp_path / "py")
+
+
 def test_without_openat2_the_python_writer_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_syscalls: dict[str, int]
 ) -> None:
@@ -158,16 +179,21 @@ def test_an_object_whose_openat2_is_refused_is_written_from_python(
     native = writer() if writer is not None else None
     assert native is not None
 
-    def refusing(root_fd: int, temp_dir_fd: int, jobs: Sequence[NativeJob], fsync: bool) -> list[WriteResult]:
+    def refusing(
+        root_fd: int, temp_dir_fd: int, jobs: Sequence[NativeJob], fsync: bool, make_leaves: bool
+    ) -> list[WriteResult]:
         """The native writer as under a seccomp filter refusing openat2 from the second object on."""
-        return [*native(root_fd, temp_dir_fd, jobs[:1], fsync), *[(errno.EPERM, 0)] * (len(jobs) - 1)]
+        return [*native(root_fd, temp_dir_fd, jobs[:1], fsync, make_leaves), *[(errno.EPERM, 0)] * (len(jobs) - 1)]
 
+    first = _disk(tmp_path / "store", "native")  # the leaves made first: a retry would reorder the batch
+    assert first.put_from(_items(first=2)) == [TierStatus.OK] * len(SIZES)
+    first.close()
     tier = DiskTier(tmp_path / "store", 1 << 30, object_writer=lambda: refusing)
     counted_syscalls.update(writev=0, rename=0)
     items = _items()
     assert tier.put_from(items) == [TierStatus.OK] * len(items)
     assert counted_syscalls["rename"] == len(items) - 1  # all but the first written again from Python
-    assert _files(tmp_path / "store").keys() == {str(tier.path_of(it.key).relative_to(tier.root)) for it in items}
+    assert {str(tier.path_of(it.key).relative_to(tier.root)) for it in items} <= _files(tmp_path / "store").keys()
 
 
 @pytest.mark.parametrize("kind", WRITERS)

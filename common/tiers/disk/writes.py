@@ -42,8 +42,9 @@ NativeJob = tuple[bytes, bytes, bytes, Sequence[Buffer]]
 WriteResult = tuple[int, int]
 """(errno, temporaries removed) of one object: errno 0 when written; a removed temporary is
 this write's own (``own_temp`` in `DiskCounters.removed`)."""
-ObjectWriter = Callable[[int, int, Sequence[NativeJob], bool], list[WriteResult]]
-"""Native ``write_objects(root_fd, temp_dir_fd, jobs, fsync)``; `temp_dir_fd` < 0: temporaries in the leaf."""
+ObjectWriter = Callable[[int, int, Sequence[NativeJob], bool, bool], list[WriteResult]]
+"""Native ``write_objects(root_fd, temp_dir_fd, jobs, fsync, make_leaves)``; `temp_dir_fd` < 0: temporaries
+in the leaf; `make_leaves`: a leaf folder that is not there is made first (`fs.make_dirs`' rule)."""
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -118,7 +119,8 @@ def write_batch(
     Never raises for a file-system failure: that object's errno is its result."""
     if native is None or not fs.openat2_in_use() or not jobs:
         return [_write_python(root_fd, temp_dir_fd, job, fsync) for job in jobs]
-    results = list(native(root_fd, temp_dir_fd, [job.native() for job in jobs], fsync))
+    # leaves made natively: from Python each new folder is three system calls, each a GIL hand-off
+    results = list(native(root_fd, temp_dir_fd, [job.native() for job in jobs], fsync, True))
     for i, (err, removed) in enumerate(results):
         if err in fs.OPENAT2_MISSING:  # openat2 not tried: fs's walk instead
             again, removed_again = _write_python(root_fd, temp_dir_fd, jobs[i], fsync)
