@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,10 +54,10 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
         shutil.rmtree(host_root(name), ignore_errors=True)
 
 
-def _counted(tier: DiskTier, run: Callable[[], object]) -> int:
-    """SQL statements `run` executes on `tier`'s index connection (SQLite's trace callback). A trigger's
-    statements (the host tier's, freeing an object's pages) are traced with the text of the statement
-    that fired them, right after it: they run inside its step, so they are counted with it."""
+def _traced(tier: DiskTier, run: Callable[[], object]) -> list[str]:
+    """SQL statements `run` executes on `tier`'s index connection, in order (SQLite's trace callback).
+    A trigger's statements (the host tier's, freeing an object's pages) are traced with the text of
+    the statement that fired them, right after it: they run inside its step, so they count with it."""
     statements: list[str] = []
     db = tier._catalog._db
     db.set_trace_callback(statements.append)
@@ -64,7 +65,12 @@ def _counted(tier: DiskTier, run: Callable[[], object]) -> int:
         run()
     finally:
         db.set_trace_callback(None)
-    return sum(1 for i, text in enumerate(statements) if i == 0 or text != statements[i - 1])
+    return [text for i, text in enumerate(statements) if i == 0 or text != statements[i - 1]]
+
+
+def _counted(tier: DiskTier, run: Callable[[], object]) -> int:
+    """How many SQL statements `run` executes on `tier`'s index connection (`_traced`)."""
+    return len(_traced(tier, run))
 
 
 def _items(first: int, count: int) -> list:  # type: ignore[type-arg]
@@ -113,6 +119,36 @@ def test_removing_groups_and_recording_facts_take_as_many_statements_for_64_as_f
         assert tier.usage().groups == 0 and tier.facts_after(0, 1000) == []
     assert facts[0] == facts[1], f"statements per facts batch of {SIZES}: {facts}"
     assert removes[0] == removes[1], f"statements per removal of {SIZES} groups: {removes}"
+
+
+def test_marking_a_put_ready_is_one_statement_with_no_transaction_of_its_own(tmp_path: Path) -> None:
+    """``BEGIN`` and ``COMMIT`` around the disk tier's one ``UPDATE`` would be two more GIL hand-offs
+    per put (the host tier's ready mark also clears its pending rows: a transaction of its own)."""
+    tier = DiskTier(str(tmp_path / "kv"), 1 << 30)
+    statements = _traced(tier, _put(tier, 0, 8))
+    ready = [i for i, text in enumerate(statements) if "SET ready=1" in text]
+    assert len(ready) == 1, statements
+    assert statements[ready[0] - 1] == "COMMIT", statements  # the admission's transaction ended before it
+    assert not any(text.startswith("BEGIN") for text in statements[ready[0] :]), statements
+    assert all(tier._catalog.lookup([item.key for item in _items(0, 8)]))
+    tier.close()
+
+
+def test_no_statement_binds_more_parameters_than_sqlite_takes(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SQLite's own limit lowered to kvpack's, every statement of puts (one evicting), facts
+    and removals fits (the ready mark binds its time besides two per row: it once took one too many)."""
+    limit = 12
+    monkeypatch.setattr(batch_sql, "MAX_VARIABLES", limit)
+    probe = make(1 << 30)
+    _put(probe, 0, 1)()
+    tier = make(20 * probe.usage().used_bytes)
+    tier._catalog._db.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
+    _put(tier, 0, 16)()
+    _put(tier, 100, 12)()  # evicts 8
+    items = _items(100, 12)
+    assert tier.record_facts([(item.key.group, RouterFacts("o", "i", b"f")) for item in items]) == 12
+    assert tier.remove_groups([item.key.group for item in items[:5]]) == 5
+    assert tier._catalog.lookup([item.key for item in items]) == [False] * 5 + [True] * 7
 
 
 def test_batches_over_one_statements_parameters_are_split_and_index_the_same(

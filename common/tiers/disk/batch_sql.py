@@ -54,9 +54,10 @@ class DeletedGroup:
     members: tuple[str, ...]
 
 
-def chunks(rows: Sequence[T], width: int) -> Iterator[Sequence[T]]:
-    """`rows` in slices of at most `MAX_VARIABLES // width` rows (`width`: parameters per row)."""
-    step = max(1, MAX_VARIABLES // width)
+def chunks(rows: Sequence[T], width: int, extra: int = 0) -> Iterator[Sequence[T]]:
+    """`rows` in slices of at most `(MAX_VARIABLES - extra) // width` rows (`width`: parameters per
+    row, `extra`: the statement's parameters besides the rows')."""
+    step = max(1, (MAX_VARIABLES - extra) // width)
     for lo in range(0, len(rows), step):
         yield rows[lo : lo + step]
 
@@ -179,12 +180,18 @@ def delete_groups(db: sqlite3.Connection, ids: Sequence[bytes]) -> dict[bytes, D
     return found
 
 
+def mark_ready_changes_one_statement(keys: Sequence[tuple[bytes, str]]) -> bool:
+    """Does `mark_ready` of `keys` change the index in one statement (then it needs no transaction
+    of its own: a single statement is atomic)?"""
+    return len(set(keys)) <= max(1, (MAX_VARIABLES - 1) // 2)
+
+
 def mark_ready(db: sqlite3.Connection, keys: Sequence[tuple[bytes, str]], now_ns: int) -> list[bool]:
     """Mark the objects `keys` ready (``since`` = `now_ns`); per key, is it indexed? One ``UPDATE``
     per slice; only when some key is no longer indexed, one ``SELECT`` per slice says which."""
     unique = list(dict.fromkeys(keys))
     updated = 0
-    for part in chunks(unique, 2):
+    for part in chunks(unique, 2, extra=1):  # + since
         sql = (
             f"WITH k(g, m) AS (VALUES {values(len(part), 2)})"  # noqa: S608 - placeholders only
             " UPDATE objects SET ready=1, since=? WHERE (g, member) IN (SELECT g, m FROM k)"

@@ -178,15 +178,20 @@ class Catalog(ScanReconcile):
 
         SQLite's own busy handler sleeps in growing steps (up to 100 ms) while
         another process writes; waiting on the lock file instead hands the index
-        over as soon as the holder commits, so several writers do not idle."""
+        over as soon as the holder commits, so several writers do not idle.
 
-        def __init__(self, db: sqlite3.Connection, lock_fd: int, timeout_s: float) -> None:
-            self._db, self._fd, self._timeout_s = db, lock_fd, timeout_s
+        Without `begin`: the ``flock`` only, for a change of one statement, which
+        SQLite makes atomic by itself (``BEGIN`` and ``COMMIT`` are two more
+        statements, each giving the GIL up)."""
+
+        def __init__(self, db: sqlite3.Connection, lock_fd: int, timeout_s: float, begin: bool = True) -> None:
+            self._db, self._fd, self._timeout_s, self._begin = db, lock_fd, timeout_s, begin
 
         def __enter__(self) -> sqlite3.Connection:
             _flock(self._fd, self._timeout_s)
             try:
-                self._db.execute("BEGIN IMMEDIATE")
+                if self._begin:
+                    self._db.execute("BEGIN IMMEDIATE")
             except BaseException:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
                 raise
@@ -196,12 +201,13 @@ class Catalog(ScanReconcile):
             self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
         ) -> None:
             try:
-                self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+                if self._begin:
+                    self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _tx(self) -> Catalog._Tx:
-        return Catalog._Tx(self._db, self._lock_fd, self._timeout_s)
+    def _tx(self, begin: bool = True) -> Catalog._Tx:
+        return Catalog._Tx(self._db, self._lock_fd, self._timeout_s, begin)
 
     # -- state ---------------------------------------------------------------------
 
@@ -437,12 +443,15 @@ class Catalog(ScanReconcile):
             return self._delete_groups(db, [group_id(g) for g in groups])
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Mark the rows of `keys` ready (their files are written), in one transaction; per key,
-        was it still indexed (False: evicted or removed while it was written)?"""
+        """Mark the rows of `keys` ready (their files are written), atomically (one statement, or a
+        transaction around several); per key, was it still indexed (False: evicted or removed while
+        it was written)?"""
         if not keys:
             return []
-        with self._lock, self._tx() as db:
-            return batch_sql.mark_ready(db, [(group_id(k.group), k.member) for k in keys], time.time_ns())
+        rows = [(group_id(k.group), k.member) for k in keys]
+        # one UPDATE (any batch under ~16k objects) commits by itself; a SELECT after it, if any, only reads
+        with self._lock, self._tx(begin=not batch_sql.mark_ready_changes_one_statement(rows)) as db:
+            return batch_sql.mark_ready(db, rows, time.time_ns())
 
     def forget(self, keys: Sequence[StoreKey], stale_before_ns: int) -> None:
         """Delete single objects' rows (their file is gone or damaged); the group's and tenant's bytes follow.
