@@ -13,6 +13,10 @@ kvpack-probe transfer rid=a start_s=0.3000 transfer_s=0.0100 asked=256 loaded=25
 kvpack-probe transfer rid=c start_s=1.2000 transfer_s=0.0500 asked=512 loaded=256 terminated=1
 kvpack-probe backup queued_s=0.0200 backup_s=0.0100 asked=512 written=512 cpu_s=0.0040 samples=files.py:93:write_all:3
 kvpack-probe backup queued_s=0.0400 backup_s=0.0300 asked=512 written=512
+kvpack-probe submit rid=a outcome=issued occupied=256
+kvpack-probe submit rid=b outcome=declined_rate_limited occupied=1024
+kvpack-probe submit rid=a outcome=none occupied=768
+kvpack-probe submit rid=c outcome=issued occupied=0
 """
 METRICS = """\
 # HELP sglang:prefetched_tokens_total x
@@ -43,9 +47,10 @@ def test_a_run_becomes_one_row_of_prefetch_figures() -> None:
         "1 (0.50 s)",
         "cache_admission_shortfall 32, deadline 256",
         "2: 30 / 20 / 4",  # the second line is an older probe's, without cpu_s
+        "declined_rate_limited 1, issued 2, none 1",
     ]
 
 
 def test_a_run_without_prefetches_has_empty_cells() -> None:
     cells = PrefetchStats().cells()
-    assert cells == ["0 (0 cut)", "-", "- / -", "0 / 0 / 0 / 0", "0 / 0", "0", "none", "0: - / - / -"]
+    assert cells == ["0 (0 cut)", "-", "- / -", "0 / 0 / 0 / 0", "0 / 0", "0", "none", "0: - / - / -", "-"]

@@ -4,7 +4,7 @@ Read from three places, all SGLang's or the bench's own, backend-neutral (the sa
 and kvpack):
 
 - the timing probe's lines in the server log (``tests/sglang/server/cpu_site/cpu_server_probe.py``,
-  ``kvpack-probe query ...`` / ``kvpack-probe transfer ...``): per prefetch, seconds from its
+  ``kvpack-probe query ...`` / ``kvpack-probe transfer ...`` / ``kvpack-probe submit ...``): per prefetch, seconds from its
   submission to its last page read, the hit query's and the reads' own seconds, tokens asked,
   found by the hit query and read; per L3 write (backup), its wait in SGLang's backup queue and
   its own seconds (SGLang keeps the L2 pages of a write from eviction until its ack is drained);
@@ -27,6 +27,7 @@ QUERY = re.compile(r"kvpack-probe query rid=(\S+) queued_s=([\d.]+) query_s=([\d
 TRANSFER = re.compile(
     r"kvpack-probe transfer rid=(\S+) start_s=([\d.]+) transfer_s=([\d.]+) asked=(\d+) loaded=(\d+) terminated=(\d)"
 )
+SUBMIT = re.compile(r"kvpack-probe submit rid=(\S+) outcome=(\S+) occupied=(-?\d+)")
 BACKUP = re.compile(
     r"kvpack-probe backup queued_s=([\d.]+) backup_s=([\d.]+) asked=(\d+) written=(\d+)(?: cpu_s=([\d.]+))?"
 )
@@ -57,6 +58,8 @@ class PrefetchStats:
     credited: int = 0
     waits_s: list[float] = field(default_factory=list)
     """Per request held for a prefetch: SGLang's ``storage_prefetch_wait``."""
+    submits: dict[str, int] = field(default_factory=dict)
+    """Prefetch submissions by SGLang's outcome (``issued``, ``declined_*``, ``none``)."""
 
     def add_log(self, text: str) -> None:
         for m in QUERY.finditer(text):
@@ -70,6 +73,9 @@ class PrefetchStats:
             self.read_s.append(float(m.group(3)))
             self.loaded += int(m.group(5))
             self.cut += int(m.group(6))
+        for m in SUBMIT.finditer(text):
+            for outcome in m.group(2).split(","):
+                self.submits[outcome] = self.submits.get(outcome, 0) + 1
         for m in BACKUP.finditer(text):
             self.backup_queued_s.append(float(m.group(1)))
             self.backup_s.append(float(m.group(2)))
@@ -120,6 +126,7 @@ class PrefetchStats:
             held,
             unfulfilled,
             f"{len(self.backup_s)}: {mean(self.backup_queued_s)} / {mean(self.backup_s)} / {mean(self.backup_cpu_s)}",
+            ", ".join(f"{k} {v}" for k, v in sorted(self.submits.items())) or "-",
         ]
 
 
@@ -132,4 +139,5 @@ HEADER = [
     "requests held (mean wait)",
     "SGLang unfulfilled by reason",
     "L3 writes: ms queued / writing / on the writing thread's CPU, mean",
+    "prefetch submissions by SGLang's outcome",
 ]

@@ -42,6 +42,16 @@ backup call starts S seconds later (a sleep on SGLang's backup thread; the probe
 leaves it out, `queued_s` holds it): to ask whether SGLang's schedule, and so its L3 credit,
 moves with how long a backend's writes hold their L2 pages.
 
+- each prefetch submission (``UnifiedRadixCache.prefetch_from_storage``, on the scheduler thread:
+  a request's first lookup, a retry, or the re-query after its device prefix shrank), with what
+  SGLang's own outcome counters (``_prefetch_outcome_stats``) counted for it (``issued``, or why
+  it was declined) and the tokens then held by prefetches in flight::
+
+    kvpack-probe submit rid=R outcome=issued|declined_rate_limited|...|none occupied=T
+
+  (``none``: returned before counting anything, e.g. while the request's earlier prefetch is
+  still in flight).
+
 The lines are read by ``kvpack.tools.bench.sglang_prefetch_stats``. SGLang's own code is
 never edited; each wrapper calls the original and returns its result.
 """
@@ -60,6 +70,7 @@ from typing import Any
 
 PAGE_TRANSFER = "sglang.srt.managers.cache_controller"
 HIT_QUERY = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
+SUBMIT = "sglang.srt.mem_cache.unified_radix_cache"
 
 
 def _query_probe(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,6 +173,21 @@ def _backup_probe(original: Callable[..., Any]) -> Callable[..., Any]:
     return page_backup
 
 
+def _submit_probe(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prefetch_from_storage(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        stats = getattr(self, "_prefetch_outcome_stats", {})
+        before = dict(stats)
+        out = original(self, request, *args, **kwargs)
+        counted = [k for k, v in stats.items() if v != before.get(k) and k not in ("attempts", "l3_demand_requests")]
+        outcome = ",".join(sorted(counted)) or "none"
+        occupied = getattr(getattr(self, "cache_controller", None), "prefetch_tokens_occupied", -1)
+        print(f"kvpack-probe submit rid={request.rid} outcome={outcome} occupied={occupied}", flush=True)
+        return out
+
+    return prefetch_from_storage
+
+
 def _stamped(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -183,11 +209,20 @@ def _wrap_hit_query(module: ModuleType) -> None:
     cls._storage_hit_query = _query_probe(cls._storage_hit_query)
 
 
-PATCHES: dict[str, Callable[[ModuleType], None]] = {PAGE_TRANSFER: _wrap_page_transfer, HIT_QUERY: _wrap_hit_query}
+def _wrap_submit(module: ModuleType) -> None:
+    cls = module.UnifiedRadixCache
+    cls.prefetch_from_storage = _submit_probe(cls.prefetch_from_storage)
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    PAGE_TRANSFER: _wrap_page_transfer,
+    HIT_QUERY: _wrap_hit_query,
+    SUBMIT: _wrap_submit,
+}
 
 
 def install() -> None:
-    """Add a post-import patcher for the two controller modules (after the CPU patches)."""
+    """Add a post-import patcher for the probed modules (after the CPU patches)."""
     import sys
 
     from cpu_server_patches import PostImportPatcher
