@@ -4,10 +4,11 @@ Read from three places, all SGLang's or the bench's own, backend-neutral (the sa
 and kvpack):
 
 - the timing probe's lines in the server log (``tests/sglang/server/cpu_site/cpu_server_probe.py``,
-  ``kvpack-probe query ...`` / ``kvpack-probe transfer ...`` / ``kvpack-probe submit ...``): per prefetch, seconds from its
+  ``kvpack-probe query ...`` / ``transfer ...`` / ``submit ...``): per prefetch, seconds from its
   submission to its last page read, the hit query's and the reads' own seconds, tokens asked,
   found by the hit query and read; per L3 write (backup), its wait in SGLang's backup queue and
   its own seconds (SGLang keeps the L2 pages of a write from eviction until its ack is drained);
+  per prefetch submission, what SGLang's own outcome counters counted (issued, or why declined);
 - SGLang's ``/metrics`` (``--enable-metrics``): ``sglang:prefetched_tokens_total`` (read into L2),
   ``sglang:storage_prefetch_hit_tokens_total`` (found by the hit query) and
   ``sglang:storage_prefetch_unfulfilled_tokens_total`` by reason (``deadline``: the stop policy
