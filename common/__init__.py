@@ -60,6 +60,7 @@ from .canonical import (
     head_range_fingerprint,
     paged_geometry,
     split_sources,
+    upload_runs,
     vllm_cpu_geometry,
 )
 from .canonical import group_spec as canonical_group_spec
@@ -182,5 +183,6 @@ __all__ = [
     "start_engine_process",
     "tail_chunk",
     "tail_usable",
+    "upload_runs",
     "validate_member",
 ]

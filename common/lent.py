@@ -103,6 +103,12 @@ class LentCopies:
             and self.config.checksum is not ChecksumPolicy.ALWAYS
         )
 
+    def lent_host_mapping(self: _StoreParts) -> tuple[int, int] | None:
+        """(address, bytes) of the host store's memory the lent loads hand out views of (the
+        store's mapping in this process), None when the store lends none (`_lending_host`)."""
+        host = self._lending_host()
+        return None if host is None else host.mapping()
+
     def store_lent(
         self: _StoreParts,
         keys: Sequence[StoreKey],

@@ -171,6 +171,12 @@ SPECS: tuple[MetricSpec, ...] = (
         ("tenant",),
     ),
     MetricSpec("pinned_bytes", "Host memory this process holds pinned for GPU staging", (), Kind.GAUGE),
+    MetricSpec(
+        "host_registered_bytes",
+        "Host store memory this process registered with its GPU (loads from it copy once, no staging)",
+        (),
+        Kind.GAUGE,
+    ),
 )
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

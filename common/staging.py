@@ -8,7 +8,9 @@ when the host may touch them. The device behind it is a seam (`StagingDevice`):
 - `CudaDevice` (a cache on a CUDA GPU): pinned host rows taken from the process's
   one bounded pool (`kvpack.staging_pool`) and given back after their event, one
   side stream per direction (save = device to host, load = host to device) that
-  waits on the compute stream before each launch, a CUDA event recorded after it.
+  waits on the compute stream before each launch, a CUDA event recorded after it;
+  host memory registered with CUDA (`register_host`: the host store's mapping,
+  `kvpack.host_registration`) that a load copies from in place (`reads_in_place`).
 - ``tests/fixtures/recording_device.py``: a test double that runs launches only
   when their event is waited on (as a GPU would, later) and logs every operation.
 
@@ -30,6 +32,7 @@ Invariants (the tests check each with the recording device):
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -38,7 +41,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .host_registration import RegisteredRanges, Registration, register_with_cuda, unregister_with_cuda
 from .staging_pool import PinnedPool
+
+log = logging.getLogger(__name__)
 
 
 class Direction(str, Enum):
@@ -78,6 +84,20 @@ class StagingDevice(Protocol):
     def query(self, event: Any) -> bool: ...
 
     def released(self, tensors: list[torch.Tensor], event: Any) -> None: ...
+
+    def register_host(self, address: int, nbytes: int) -> bool:
+        """Let copies read ``[address, address + nbytes)`` of host memory in place from now on
+        (`reads_in_place`); False where the device cannot (nothing changed)."""
+        ...
+
+    def reads_in_place(self, address: int, nbytes: int) -> bool:
+        """Whether a copy to the cache reads these host bytes where they lie (a CPU cache: any
+        host memory; a GPU: pinned or registered memory), instead of from a staging row."""
+        ...
+
+    def unregister_host(self) -> None:
+        """Undo `register_host` (before the memory is unmapped)."""
+        ...
 
 
 class CpuDevice:
@@ -121,6 +141,15 @@ class CpuDevice:
     def released(self, tensors: list[torch.Tensor], event: Any) -> None:
         return None
 
+    def register_host(self, address: int, nbytes: int) -> bool:
+        return False  # a CPU cache reads any host memory already
+
+    def reads_in_place(self, address: int, nbytes: int) -> bool:
+        return True
+
+    def unregister_host(self) -> None:
+        return None
+
 
 class CudaDevice:
     """A cache on CUDA device `device`. The compute stream is the current stream of the
@@ -136,6 +165,9 @@ class CudaDevice:
         with torch.cuda.device(device):
             self.compute = torch.cuda.current_stream(device)
             self._streams = {d: torch.cuda.Stream(device) for d in Direction}
+        self.registered = RegisteredRanges()
+        """Host ranges registered with CUDA (`kvpack.host_registration`): read in place by loads."""
+        self._owned: list[int] = []
 
     def host_rows(self, rows: int, width: int) -> torch.Tensor:
         """Pinned rows from the pool; `StagingFull` when its bound is reached."""
@@ -173,6 +205,39 @@ class CudaDevice:
         device scratch goes back to torch's caching allocator when dropped."""
         for t in tensors:
             self.pool.give(t)
+
+    def register_host(self, address: int, nbytes: int) -> bool:
+        """``cudaHostRegister`` the range once (a warning and False where CUDA refuses it)."""
+        if self.registered.covers(address, nbytes):
+            return True
+        outcome, code = register_with_cuda(address, nbytes, torch.cuda.cudart(), self.device)
+        if outcome is Registration.REFUSED:
+            log.warning(
+                "kvpack: CUDA refused to register %d MiB of host memory (error %d): loads from it stage through "
+                "pinned rows",
+                nbytes >> 20,
+                code,
+            )
+            return False
+        if outcome is Registration.REGISTERED:
+            self._owned.append(address)
+        self.registered.add(address, nbytes)
+        return True
+
+    def reads_in_place(self, address: int, nbytes: int) -> bool:
+        return self.registered.covers(address, nbytes)
+
+    def unregister_host(self) -> None:
+        """Unregister what `register_host` registered (synchronizes the device first: no copy
+        may still read it)."""
+        if not self._owned and not tuple(self.registered):
+            return
+        torch.cuda.synchronize(self.device)
+        for address in self._owned:
+            unregister_with_cuda(address, torch.cuda.cudart(), self.device)
+        for lo, _ in tuple(self.registered):
+            self.registered.remove(lo)
+        self._owned = []
 
 
 def device_for(device: torch.device) -> StagingDevice:

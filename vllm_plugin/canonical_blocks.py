@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, vllm_cpu_geometry
+from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, upload_runs, vllm_cpu_geometry
 from kvpack.ops import Direction, Lane, inline_lane, load_extension
 
 from .byte_facts import UNKNOWN, BlockByteFacts
@@ -149,16 +149,32 @@ class CanonicalBlocks:
 
     @property
     def reads_addresses(self) -> bool:
-        """Whether `scatter_at` can run: a cache in host memory and the C++ kernel built."""
+        """Whether `scatter_at` can run: the cache holds all the heads of its objects, and it is
+        on a GPU, or in host memory with the C++ kernel built."""
         geo = self.geometry
-        return geo.tensors[0].device.type == "cpu" and geo.heads == self.own.size and load_extension().available
+        if geo.heads != self.own.size:
+            return False
+        return geo.tensors[0].device.type != "cpu" or load_extension().available
 
     def scatter_at(self, block_ids: Sequence[int], addrs: Sequence[int], lane: Lane) -> None:
         """Objects of `own`, object i at host address ``addrs[i]`` (a tier's lent slot or a
-        staging row, valid until the lane's event) -> blocks: one kernel call over the batch
-        (`CanonicalGeometry.copy_at`), launched on `lane`. Only where `reads_addresses`."""
-        ids, where = list(block_ids), list(addrs)
-        lane.launch(lambda: self.geometry.copy_at(ids, where, gather=False, use_kernel=True))
+        staging row, valid until the lane's event) -> blocks, launched on `lane`. Only where
+        `reads_addresses`. A cache in host memory copied inline: one kernel call over the batch
+        (`CanonicalGeometry.copy_at`). A device's lane (a GPU): the objects copied into device
+        rows, one DMA per run of objects back to back (`upload_runs`: the addresses must be
+        pinned or registered memory, `StagingDevice.reads_in_place`), then converted on the
+        device (`CanonicalGeometry.copy`): no host copy."""
+        ids, where, geo = list(block_ids), list(addrs), self.geometry
+        if lane.device.kind == "cpu" and geo.tensors[0].device.type == "cpu":
+            lane.launch(lambda: geo.copy_at(ids, where, gather=False, use_kernel=True))
+            return
+        rows = lane.scratch(len(ids), self.slot_bytes)
+
+        def run() -> None:
+            order = upload_runs(where, self.slot_bytes, rows)
+            geo.copy([ids[k] for k in order], rows.view(-1), gather=False, obj_heads=self.own.size, stream=lane.stream)
+
+        lane.launch(run)
 
     def scatter_from(
         self, block_ids: Sequence[int], src: torch.Tensor, stored: HeadRange, part: HeadRange, lane: Lane | None = None

@@ -108,14 +108,14 @@ class BlockLoads:
             views = lent[plan.first : plan.first + len(wanted)]
             if any(views[j] is not None for j in sel):  # only where every layout reads addresses (`lends`)
                 assert isinstance(slot.layout, CanonicalBlocks)
-                if plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft):
-                    slot.layout.scatter_at(ids, [_address(views[j], rows[j]) for j in sel], lane)
-                    in_place += sum(view.nbytes for j in sel if (view := views[j]) is not None)
+                whole = plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft)
+                # a view the device cannot read where it lies (on a GPU: not registered) goes to its row first
+                addrs = [_readable_address(staging, views[j], rows[j], whole) for j in sel]
+                read_there = sum(view.nbytes for j, a in zip(sel, addrs) if (view := views[j]) is not None and a)
+                if read_there:
+                    slot.layout.scatter_at(ids, [a or rows[j].data_ptr() for j, a in zip(sel, addrs)], lane)
+                    in_place += read_there
                     continue
-                for j in sel:
-                    view = views[j]
-                    if view is not None:
-                        np.copyto(rows[j].numpy(), np.frombuffer(view, dtype=np.uint8))
             rows = staging.copy_rows(rows[sel], lane) if len(sel) < len(wanted) else rows
             if plan.heads is not None:
                 assert isinstance(slot.layout, CanonicalBlocks)
@@ -153,9 +153,18 @@ class _MemberLoad:
     heads: tuple[HeadRange, HeadRange] | None = None
 
 
-def _address(view: memoryview | None, row: torch.Tensor) -> int:
-    """Host address of a read's payload: its lent view's, else its staging row's."""
-    return row.data_ptr() if view is None else address_of(view)
+def _readable_address(staging: Staging, view: memoryview | None, row: torch.Tensor, whole: bool) -> int:
+    """Where the scatter reads a lent payload `view` in place: its host address, when the
+    scatter copies whole objects (`whole`) and the device reads that memory there
+    (`StagingDevice.reads_in_place`); else 0, after copying the payload into its staging
+    `row`. 0 for a read that was not lent (already in its row)."""
+    if view is None:
+        return 0
+    address = address_of(view)
+    if whole and staging.device.reads_in_place(address, view.nbytes):
+        return address
+    np.copyto(row.numpy(), np.frombuffer(view, dtype=np.uint8))
+    return 0
 
 
 def refused_plan(staging: Staging) -> PlannedLoad:

@@ -90,7 +90,7 @@ class WorkerSide:
 
     @staging.setter
     def staging(self, staging: Staging) -> None:
-        self.runner.staging = staging
+        self.runner.use_staging(staging)
 
     # -- registration -----------------------------------------------------------
 

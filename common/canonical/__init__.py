@@ -14,7 +14,7 @@ qualifies and which packing its CPU attention uses (vllm_plugin/canonical_blocks
 packing.py), which host pools are canonical (sglang_plugin/pools.py).
 """
 
-from .addressed import address_of
+from .addressed import address_of, upload_runs
 from .geometry import CANONICAL_FORMAT, CanonicalGeometry, TilePacking, cpu_simd, paged_geometry, vllm_cpu_geometry
 from .identity import ENGINE, StoredRange, group_spec, head_range_fingerprint, split_sources
 
@@ -25,6 +25,7 @@ __all__ = [
     "StoredRange",
     "TilePacking",
     "address_of",
+    "upload_runs",
     "cpu_simd",
     "group_spec",
     "head_range_fingerprint",

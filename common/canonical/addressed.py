@@ -52,3 +52,18 @@ def address_of(buf: Any) -> int:
     return (
         int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if not isinstance(buf, np.ndarray) else int(buf.ctypes.data)
     )
+
+
+def upload_runs(addrs: Sequence[int], size: int, out: torch.Tensor) -> list[int]:
+    """Objects ``size`` bytes each, object i at host address ``addrs[i]``, copied into the rows of
+    `out` (``[>= len(addrs), size]`` uint8, on any device): one ``copy_`` per run of objects back to
+    back in memory (`address_runs`), queued on the current stream (``non_blocking``: from pinned or
+    CUDA-registered memory a DMA that reads the objects until the stream reaches it, so the caller
+    keeps them valid until its event; from pageable memory CUDA copies before it returns). Returns
+    the order of the rows: row r holds object ``order[r]``."""
+    order: list[int] = []
+    for run, low in address_runs(list(range(len(addrs))), addrs, size):
+        at = len(order)
+        out[at : at + len(run)].view(-1).copy_(bytes_at(low, size * len(run)), non_blocking=True)
+        order += run
+    return order

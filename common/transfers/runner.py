@@ -108,7 +108,25 @@ class TransferRunner:
     def use_device_of(self, tensor: torch.Tensor) -> None:
         """Stage through `tensor`'s device. Call on the thread whose current stream is the
         engine's compute stream (the model runner's, at registration)."""
-        self.staging = Staging.for_tensor(tensor)
+        self.use_staging(Staging.for_tensor(tensor))
+
+    def use_staging(self, staging: Staging) -> None:
+        """Copy through `staging` from now on, and let its device read the host store's mapping
+        in place (`StagingDevice.register_host`: on a GPU, registered with CUDA once per
+        process; its bytes are gauged as ``host_registered_bytes``)."""
+        self.staging = staging
+        mapping = self.session.store.lent_host_mapping()
+        if mapping is None:
+            return
+        started = time.monotonic()
+        if staging.device.register_host(*mapping):
+            self._metrics.gauge("host_registered_bytes", lambda: mapping[1])
+            log.info(
+                "kvpack: %d MiB of the host store registered with the %s device in %.2f s: its loads copy once",
+                mapping[1] >> 20,
+                staging.device.kind,
+                time.monotonic() - started,
+            )
 
     def disable(self, reason: str) -> None:
         """The engine's cache cannot be copied (refused at registration): from now on every load
@@ -521,6 +539,7 @@ class TransferRunner:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self.session.forget_at_exit(self)
+        self.staging.device.unregister_host()  # before the store unmaps what it registered
         self.session.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
 

@@ -11,10 +11,13 @@ fails on a GPU for a reason a CPU could have shown. Checks:
      blocks: bytes == the torch reference, the forward's write included; then the
      same on the torch path (kernels switched off: a GPU without nvcc), which
      stages through one device scratch per call;
+     then a load read where it lies in a shared mapping the staging device registered
+     (``cudaHostRegister``; the host store's arena on a GPU host);
   2. byte offsets past 2^31 in the cache and in the staging (GPU only, ~5 GiB);
   3. bandwidth over prebuilt tensors (>= ``--gib`` GiB, ids uploaded once, events
      around back-to-back launches): gather to pinned vs a pinned ``copy_`` (D2H),
-     scatter from pinned (H2D), gather to device vs a device ``copy_`` (D2D).
+     scatter from pinned (H2D), gather to device vs a device ``copy_`` (D2D); and, no target,
+     an H2D copy from registered memory vs from pinned (``h2d_registered``, ~1x expected).
 
 Prints ``STEP staging PASS|FAIL reason`` (checks 1-2) and ``STEP bandwidth PASS|MISSED|DRY
 figures`` (3: MISSED names each ratio below its target; DRY: CPU figures, no targets), read by
@@ -27,6 +30,8 @@ every check passed. Without ``--cpu`` and without a visible GPU both steps say F
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import sys
 import time
 import traceback
@@ -41,13 +46,14 @@ import kvpack_checkout  # noqa: E402
 
 MAPPING = kvpack_checkout.map_checkout()  # kvpack and kvpack.vllm_plugin from the checkout when not installed
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvpack.canonical import paged_geometry  # noqa: E402
 from kvpack.heads import HeadRange  # noqa: E402
 from kvpack.ops import ExtensionStatus, PagedKV, gather_blocks, load_extension, scatter_blocks, upload_ids  # noqa: E402
 from kvpack.ops._reference import gather_reference  # noqa: E402
-from kvpack.staging import Staging  # noqa: E402
+from kvpack.staging import Direction, Staging  # noqa: E402
 from kvpack.vllm_plugin.blocks import BlockLayout  # noqa: E402
 from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks  # noqa: E402
 
@@ -130,6 +136,56 @@ def check_staging_torch_path(device: torch.device) -> None:
         check_staging(device)
 
 
+def check_registered_host_load(device: torch.device) -> None:
+    """A load from a host store's mapping (a /dev/shm file mapped shared, as
+    `kvpack.tiers.host.pages.SharedPages` maps the arena): the staging device registers it
+    (on a GPU: ``cudaHostRegister``, and torch then sees it as pinned), the canonical scatter
+    reads four objects where they lie (two back to back in descending order, two apart) and
+    the blocks equal the gathered ones; then the mapping is unregistered."""
+    staging = Staging.for_tensor(torch.empty(0, device=device))
+    nb, bs = 16, 16
+    cache = _flash(nb, bs, 4, 64, device)
+    blocks = CanonicalBlocks(paged_geometry(PagedKV.from_layers([cache])), HeadRange(0, 4), nb)
+    if not blocks.reads_addresses:
+        raise AssertionError("the canonical layout cannot read objects at addresses here")
+    ids, slots, size = [1, 5, 7, 2], [9, 8, 3, 0], blocks.slot_bytes
+    got = staging.gather(len(ids), size, lambda r, lane: blocks.gather(ids, r, lane))
+    objects = got.host_rows().copy()
+    got.release()
+    path = f"/dev/shm/kvpack-gpu-check-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 10 * size)
+        mapping = mmap.mmap(fd, 10 * size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    arena = np.frombuffer(mapping, dtype=np.uint8)
+    for row, slot in zip(objects, slots):
+        arena[slot * size : (slot + 1) * size] = row
+    base = int(arena.ctypes.data)
+    try:
+        registered = staging.device.register_host(base, arena.nbytes)
+        if device.type == "cuda":
+            if not registered or not staging.device.reads_in_place(base, arena.nbytes):
+                raise AssertionError("CUDA did not register the shared mapping")
+            if not torch.frombuffer(mapping, dtype=torch.uint8).is_pinned():
+                raise AssertionError("torch does not see the registered mapping as pinned")
+        before = cache.clone()
+        dst = [0, 3, 4, 6]
+        with staging.lane(Direction.LOAD) as lane:
+            blocks.scatter_at(dst, [base + slot * size for slot in slots], lane)
+            event = staging.device.record(Direction.LOAD)
+        staging.device.synchronize(event)
+        for s, d in zip(ids, dst):
+            if not _same(cache[:, d], before[:, s]):
+                raise AssertionError(f"block {s} read from the mapping did not land in block {d}")
+    finally:
+        staging.device.unregister_host()
+        del arena
+        mapping.close()
+
+
 def check_large_offsets(device: torch.device) -> None:
     """Blocks past 2^31 bytes into the cache, into device staging past 2^31 bytes."""
     bs, heads, dim = 16, 8, 128  # 64 KiB per block and segment
@@ -202,6 +258,14 @@ def bandwidth(device: torch.device, gib: float, repeats: int) -> dict[str, float
     out["d2d"] = _seconds(lambda: dev_b.copy_(dev_a), repeats, device) / _seconds(
         lambda: gather_blocks(kv, ids, dev_b), repeats, device
     )
+    if device.type == "cuda":  # a host store's registered mapping vs pinned memory, the same H2D copy
+        shared = torch.empty(n, dtype=torch.uint8)
+        staging = Staging.for_tensor(dev_a)
+        if staging.device.register_host(shared.data_ptr(), n):
+            out["h2d_registered"] = _seconds(lambda: dev_a.copy_(host, non_blocking=True), repeats, device) / _seconds(
+                lambda: dev_a.copy_(shared, non_blocking=True), repeats, device
+            )
+            staging.device.unregister_host()
     out["gib"] = n / (1 << 30)
     return out
 
@@ -239,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[tuple[str, Callable[[], None]]] = [
         ("staging", lambda: check_staging(device)),
         ("staging-torch-path", lambda: check_staging_torch_path(device)),
+        ("registered-host-load", lambda: check_registered_host_load(device)),
     ]
     if device.type == "cuda":
         checks.append(("offsets>2^31", lambda: check_large_offsets(device)))
@@ -259,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         step("staging", "PASS", f"{passed}/{len(checks)} checks on {device.type} ({took:.0f}s)")
     figures = bandwidth(device, args.gib if device.type == "cuda" else 1 / 64, args.repeats)
-    ratios = " ".join(f"{k}={figures[k]:.2f}x" for k in TARGETS)
+    ratios = " ".join(f"{k}={figures[k]:.2f}x" for k in (*TARGETS, "h2d_registered") if k in figures)
     if device.type == "cuda":
         verdict, said = targets_verdict(figures)
         step("bandwidth", verdict, said)

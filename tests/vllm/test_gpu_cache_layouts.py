@@ -262,6 +262,45 @@ def test_kernel_block_splits_round_trip(request: pytest.FixtureRequest, order: s
         assert not _blocks(fresh, name)[others].any(), name
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_gpu_load_of_objects_where_they_lie_uploads_them_then_converts_on_the_device(
+    llama_config: Any, order: str
+) -> None:
+    """A GPU load from the host store's registered mapping (`CanonicalBlocks.scatter_at` on a
+    device's lane; the recording device stands in for the GPU, its launches deferred to the
+    event): the objects, scattered in the mapping (two back to back in descending order, one
+    apart), are copied into device rows and converted there. Nothing is written before the
+    event; after it the blocks equal the source's and no other block changed."""
+    from fixtures.recording_device import RecordingDevice
+    from kvpack.ops import Direction, Staging
+
+    spec = _spec(False, torch.float32, 16)
+    source = allocate(llama_config, order, spec, "cpu")
+    _fill_random(source, seed=21)
+    objects = _gather(register(source), IDS)
+    size = int(objects.shape[1])
+    mapping = torch.zeros((8, size), dtype=torch.uint8)  # the tier's pages
+    where = [6, 5, 1]
+    for row, slot in zip(objects, where):
+        mapping[slot] = row
+    fresh = allocate(llama_config, order, spec, "cpu")
+    layout = register(fresh).kv.layout
+    assert isinstance(layout, CanonicalBlocks) and layout.reads_addresses
+    before = {name: _blocks(fresh, name).clone() for name in LAYERS}
+    device = RecordingDevice()
+    staging = Staging(device)
+    with staging.lane(Direction.LOAD) as lane:
+        layout.scatter_at(IDS, [mapping[slot].data_ptr() for slot in where], lane)
+        event = device.record(Direction.LOAD)
+    assert ("device_rows", len(IDS), size) in device.ops  # the objects go to device rows first
+    assert all(torch.equal(_blocks(fresh, n), before[n]) for n in LAYERS)  # nothing before the event
+    device.synchronize(event)
+    others = [b for b in range(NUM_BLOCKS) if b not in IDS]
+    for name in LAYERS:
+        assert torch.equal(_blocks(fresh, name)[IDS], _blocks(source, name)[IDS]), name
+        assert torch.equal(_blocks(fresh, name)[others], before[name][others]), name
+
+
 # -- canonical objects: every GPU order equals vLLM's CPU layout ----------------------------------
 
 

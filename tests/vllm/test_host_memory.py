@@ -128,3 +128,48 @@ def test_planned_saves_count_as_held_until_they_must_have_landed_in_the_host_sto
     now[0] += 0.2
     memory.step_ended()
     assert memory.index.contains(wanted) == [mode == "process"]
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "refused"])
+def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_registered(
+    tiny_llama: Path, registered: bool
+) -> None:
+    """A vLLM engine on a host store whose worker copies through a GPU's staging (the recording
+    device stands in for the GPU: its launches run at their events; the engine's cache stays
+    on the CPU). Setting the staging registers the store's mapping with the device, as a CUDA
+    worker's registration does. Registered: a repeat of the prompt loads n - 1 tokens copied
+    once, from the mapping into device rows on the load lane (every byte the host store loaded
+    is counted in ``loaded_in_place_bytes``). Refused, as CUDA may refuse it: the same load
+    goes through pinned staging rows, none counted in place. Both answer as the run that
+    computed the prompt; the engine's close unregisters the mapping."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm_helpers import metric
+
+    from fixtures.recording_device import RecordingDevice
+    from kvpack.ops import Staging
+    from kvpack.tiers.host import drop
+
+    name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    extra = {"disk": {"enabled": False}, "memory": {"mode": "host", "host_name": name, "capacity": "256MiB"}}
+    device = RecordingDevice(refuse_registration=not registered)
+    llm = make_llm(tiny_llama, kv_config(extra))
+    try:
+        worker = get_kv_transfer_group().worker
+        worker.staging = Staging(device)
+        mapping = worker.runner.session.store.lent_host_mapping()
+        assert mapping is not None and device.registered.covers(*mapping) is registered
+        first = run(llm, P)
+        assert first.cached == 0
+        second = run(llm, P)
+        assert second.cached == len(P) - 1
+        assert same_output(second, first)
+        from_host = metric("loaded_bytes", tier="host")
+        assert from_host > 0
+        assert metric("loaded_in_place_bytes") == (from_host if registered else 0)
+        uploads = [op for op in device.ops if op[0] == "device_rows"]
+        assert bool(uploads) is registered  # the mapping's objects copied to device rows
+        assert device.violations == [] and device.unlaunched() == 0
+    finally:
+        close_llm(llm)
+        drop(name)
+    assert ("unregister_host",) in device.ops and not tuple(device.registered)

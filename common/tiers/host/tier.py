@@ -452,6 +452,12 @@ class HostTier(DiskTier):
         """This process's owner name in the store (`owners.Owner.token`; "" once closed)."""
         return self._owner.token if self._owner is not None else ""
 
+    def mapping(self) -> tuple[int, int]:
+        """(address, bytes) of this process's mapping of the arena's pages: what `lend` hands out
+        views of (registered with CUDA on a GPU host: `kvpack.host_registration`)."""
+        area = self._pages.area
+        return int(area.ctypes.data), int(area.nbytes)
+
     def page_census(self) -> tuple[int, int, int]:
         """(free, in limbo, held) pages of the arena (`HostCatalog.page_census`)."""
         return self._host_catalog.page_census()
