@@ -99,6 +99,12 @@ class StagingDevice(Protocol):
         """Undo `register_host` (before the memory is unmapped)."""
         ...
 
+    @property
+    def reads_host_in_place(self) -> bool:
+        """Whether any host memory besides staging rows is read in place (`reads_in_place`): a
+        load then asks the tiers to lend their payloads instead of copying them into rows."""
+        ...
+
 
 class CpuDevice:
     """A CPU cache: no streams, no events, plain host memory (the copy is done when
@@ -149,6 +155,10 @@ class CpuDevice:
 
     def unregister_host(self) -> None:
         return None
+
+    @property
+    def reads_host_in_place(self) -> bool:
+        return True
 
 
 class CudaDevice:
@@ -226,6 +236,12 @@ class CudaDevice:
 
     def reads_in_place(self, address: int, nbytes: int) -> bool:
         return self.registered.covers(address, nbytes)
+
+    @property
+    def reads_host_in_place(self) -> bool:
+        """Only once something was registered: a lent memory-tier slot (pageable) would be
+        copied into its pinned row anyway, inside the load's scatter."""
+        return self.registered.total_bytes > 0
 
     def unregister_host(self) -> None:
         """Unregister what `register_host` registered (synchronizes the device first: no copy

@@ -56,7 +56,9 @@ class BlockLoads:
             staging.give_back([p.staging for p in plans])
             raise
         scatter = partial(self._scatter, staging, job, plans, restore_draft)
-        lends = all(isinstance(m.layout, CanonicalBlocks) and m.layout.reads_addresses for m in layout.members)
+        lends = staging.device.reads_host_in_place and all(
+            isinstance(m.layout, CanonicalBlocks) and m.layout.reads_addresses for m in layout.members
+        )
         return PlannedLoad(reads, chunk_of, [p.staging for p in plans], scatter, lends)
 
     def _member_loads(

@@ -41,8 +41,9 @@ class PlannedLoad:
 
     `lends`: whether the scatter may be given lent payloads (`Session.complete_load_lent`):
     the adapter says so only where a lent payload costs no copy more than a staged one (a
-    cache in host memory, which the conversion reads a tier's slots into directly). Else
-    every ``lent[i]`` is None."""
+    cache in host memory, which the conversion reads a tier's slots into directly; a GPU
+    whose staging device registered the host store's mapping, `StagingDevice.reads_host_in_place`).
+    Else every ``lent[i]`` is None."""
 
     reads: list[ObjectIO]
     chunk_of: list[int]
