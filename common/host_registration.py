@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -77,8 +77,12 @@ class RegisteredRanges:
     def total_bytes(self) -> int:
         return sum(hi - lo for lo, hi in self._ranges)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self._ranges)
+    def clear(self) -> None:
+        self._ranges = ()
+
+    def __bool__(self) -> bool:
+        """Whether any range is registered."""
+        return bool(self._ranges)
 
 
 def _code(result: object) -> int:

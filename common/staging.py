@@ -241,18 +241,17 @@ class CudaDevice:
     def reads_host_in_place(self) -> bool:
         """Only once something was registered: a lent memory-tier slot (pageable) would be
         copied into its pinned row anyway, inside the load's scatter."""
-        return self.registered.total_bytes > 0
+        return bool(self.registered)
 
     def unregister_host(self) -> None:
         """Unregister what `register_host` registered (synchronizes the device first: no copy
         may still read it)."""
-        if not self._owned and not tuple(self.registered):
+        if not self.registered:  # what this device registered itself is part of it
             return
         torch.cuda.synchronize(self.device)
         for address in self._owned:
             unregister_with_cuda(address, torch.cuda.cudart(), self.device)
-        for lo, _ in tuple(self.registered):
-            self.registered.remove(lo)
+        self.registered.clear()
         self._owned = []
 
 

@@ -51,7 +51,7 @@ class Runtime:
 
 def test_ranges_cover_only_what_lies_inside_one_registered_range() -> None:
     ranges = RegisteredRanges()
-    assert not ranges.covers(4096, 1)
+    assert not ranges and not ranges.covers(4096, 1)
     ranges.add(4096, 8192)
     ranges.add(65536, 4096)
     assert ranges.covers(4096, 8192) and ranges.covers(8000, 100) and ranges.covers(65536, 4096)
@@ -62,6 +62,9 @@ def test_ranges_cover_only_what_lies_inside_one_registered_range() -> None:
     assert ranges.total_bytes == 8192 + 4096
     ranges.remove(4096)
     assert not ranges.covers(8000, 100) and ranges.covers(65536, 1)
+    assert ranges
+    ranges.clear()
+    assert not ranges and not ranges.covers(65536, 1)
 
 
 @pytest.mark.parametrize(

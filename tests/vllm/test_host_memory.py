@@ -172,4 +172,4 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     finally:
         close_llm(llm)
         drop(name)
-    assert ("unregister_host",) in device.ops and not tuple(device.registered)
+    assert ("unregister_host",) in device.ops and not device.registered
