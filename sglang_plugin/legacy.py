@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvpack import AdapterEvent, MemberObject, Session
+from kvpack import AdapterEvent, MemberObject, MemberSpec, Session
 
 from .pools import PoolBinding
 from .registry import PoolRegistry
@@ -26,7 +26,7 @@ class LegacyPageInterface:
     pools: PoolRegistry
     tenant: str
     session: Session
-    _flat: _FlatMember | None = None
+    _flat: FlatMember | None = None
 
     def _valid_chunks(self, keys: Sequence[str]) -> bool:
         raise NotImplementedError
@@ -34,13 +34,13 @@ class LegacyPageInterface:
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         raise NotImplementedError
 
-    def _flat_binding(self) -> _FlatMember | None:
+    def _flat_binding(self) -> FlatMember | None:
         kv = self.pools.kv
         if kv is None or self.pools.mem_pool_host is None:
             return None
         flat = self._flat
         if flat is None:
-            flat = _FlatMember(kv, self.pools.mem_pool_host)
+            flat = FlatMember(kv, self.pools.mem_pool_host)
             self._flat = flat
         return flat
 
@@ -96,19 +96,20 @@ class LegacyPageInterface:
             return self._data_path_error("batch_set", exc, False)
 
     def exists(self, key: str) -> bool:
+        """Whether `get` would find `key`: its flat page is stored (a zero-copy ``kv`` object
+        alone is not what `get` reads)."""
         try:
             flat = self._flat_binding()
-            kv = self.pools.kv
-            if kv is None or flat is None or not self._valid_chunks([key]):
+            if flat is None or not self._valid_chunks([key]):
                 return False
-            found = self.session.contains_members(self.tenant, [key], [kv.member, flat.member])[0]
-            return found[kv.member] or found[flat.member]
+            return bool(self.session.contains_members(self.tenant, [key], [flat.member])[0][flat.member])
         except Exception as exc:
             return self._data_path_error("exists", exc, False)
 
 
-class _FlatMember:
-    """The legacy path's member: one page in SGLang's ``get_data_page(flat=True)`` order."""
+class FlatMember:
+    """The legacy path's member: one page in SGLang's ``get_data_page(flat=True)`` order
+    (`name`: SGLang's KV pool, whose pages these are)."""
 
     def __init__(self, kv: PoolBinding, host_pool: Any) -> None:
         page = host_pool.get_dummy_flat_data_page()
@@ -119,3 +120,5 @@ class _FlatMember:
         spec = kv.layout
         self.fingerprint = replace(spec, layer_names=("kvflat",), layer_shape=(self.page_bytes,)).member_fingerprint
         self.obj = MemberObject(self.member, self.fingerprint, self.page_size, self.page_bytes)
+        self.name = kv.name
+        self.spec = MemberSpec(self.member, self.fingerprint)

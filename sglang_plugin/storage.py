@@ -67,7 +67,7 @@ import torch
 from kvpack import AdapterRefusal, Coverage, MemberSpec, Session
 
 from .config import split_extra_config
-from .legacy import LegacyPageInterface
+from .legacy import FlatMember, LegacyPageInterface
 from .pages import ENGINE, PageCopies
 from .pools import ParallelInfo, PoolBinding, checkpoint_kv_heads, pool_name, sglang_model_identity
 from .registry import PoolRegistry
@@ -106,6 +106,9 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             kv_heads=checkpoint_kv_heads(storage_config.model_name),
         )
         self.tenant = self.config.tenant
+        self.zero_copy = bool(self.engine_config.get("interface_v1", 0))
+        """Whether SGLang reads and writes KV pages through `batch_get_v1`/`batch_set_v1` (its
+        test for a dynamic backend); otherwise through the legacy by-value `batch_get`/`batch_set`."""
         # A batch's copies and file I/O run on io_threads threads inside the tiers; one store
         # call per SGLang call. Write-through: SGLang calls batch_set from its backup thread
         # (never its forward path) and takes True as stored, and at shutdown it SIGKILLs the
@@ -149,13 +152,16 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     # -- lookups ------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Leading pages with every required member: KV, plus every registered
-        draft pool (a KV-only prefix while a draft pool exists is partial)."""
+        """Leading pages with every required member: the KV member SGLang's gets read (the
+        zero-copy ``kv`` object with ``interface_v1``, the legacy flat page without), plus
+        every registered draft pool (a KV-only prefix while a draft pool exists is partial)."""
         try:
             if self.pools.kv_refused:
                 return 0
-            kv = self.pools.kv
-            return self._exists(list(keys), ([kv] if kv is not None else []) + self.pools.drafts(), []).kv_hit_pages
+            kv: PoolBinding | FlatMember | None = self.pools.kv if self.zero_copy else self._flat_binding()
+            members: list[PoolBinding | FlatMember] = [kv] if kv is not None else []
+            members.extend(self.pools.drafts())
+            return self._exists(list(keys), members, []).kv_hit_pages
         except Exception as exc:
             return self._data_path_error("batch_exists", exc, 0)
 
@@ -187,7 +193,10 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             return self._data_path_error("batch_exists_v2", exc, PoolTransferResult(0, {}, []))
 
     def _exists(
-        self, keys: list[str], all_pages: Sequence[PoolBinding], trailing: Sequence[tuple[PoolBinding, int]]
+        self,
+        keys: list[str],
+        all_pages: Sequence[PoolBinding | FlatMember],
+        trailing: Sequence[tuple[PoolBinding, int]],
     ) -> PoolTransferResult:
         """One core lookup over every pool as a member: ALL_PAGES pools cover every page,
         TRAILING_PAGES pools the last `window` pages before the hit's end
@@ -195,7 +204,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         if not keys or not self._valid_chunks(keys):
             return PoolTransferResult(0, {}, [])
         self.session.wait_warm()  # at once unless a tier makes its first connect; HiCache's prefetch thread
-        pools: dict[str, tuple[PoolBinding, MemberSpec]] = {}
+        pools: dict[str, tuple[PoolBinding | FlatMember, MemberSpec]] = {}
         for b in all_pages:
             pools.setdefault(b.member, (b, b.spec))
         for b, window in trailing:

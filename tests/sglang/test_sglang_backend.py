@@ -304,7 +304,8 @@ def test_mla_is_written_once_and_read_by_every_rank(store_dir):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_legacy_generic_path_round_trip(layout, store_dir):
-    """Without interface_v1 SGLang calls batch_set/batch_get with flat pages."""
+    """Without interface_v1 SGLang calls batch_set/batch_get with flat pages, and its prefetch
+    asks `batch_exists` (SGLang 0.5.23's hit query) for the pages those gets read."""
     pool = make_pool("mha", layout)
     extra = kvpack_extra(store_dir)
     extra.pop("interface_v1")
@@ -316,13 +317,41 @@ def test_legacy_generic_path_round_trip(layout, store_dir):
         keys = page_keys(2, seed=22)
         values = [pool.get_data_page(int(idx[i * ps]), flat=True) for i in range(2)]
         want = [v.clone() for v in values]
+        assert backend.batch_exists(keys) == 0
         assert backend.batch_set(keys, values) is True
         assert backend.exists(keys[0]) and not backend.exists(page_keys(1, seed=23)[0])
+        assert backend.batch_exists(keys + page_keys(1, seed=23)) == 2
         got = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
         assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
         assert backend.get(page_keys(1, seed=24)[0]) is None
     finally:
         backend.close()
+
+
+def test_each_interface_reports_only_the_pages_its_gets_read(store_dir):
+    """One store written through both of SGLang's paths: a server on the zero-copy path is told
+    of the pages `batch_get_v1` loads, one on the generic path of those `batch_get` loads; a hit
+    on the other path's object would be a failed read."""
+    pool = make_pool("mha", "layer_first")
+    generic_extra = kvpack_extra(store_dir, memory=False)
+    generic_extra.pop("interface_v1")
+    zero_copy = make_backend(pool, kvpack_extra(store_dir, memory=False))
+    generic = make_backend(pool, generic_extra)
+    try:
+        fill_random(pool, seed=25)
+        idx = alloc_pages(pool, 2)
+        v1_keys, flat_keys = page_keys(2, seed=26), page_keys(2, seed=27)
+        assert zero_copy.batch_set_v1(v1_keys, idx) == [True, True]
+        flat = [pool.get_data_page(int(idx[i * pool.page_size]), flat=True) for i in range(2)]
+        assert generic.batch_set(flat_keys, flat) is True
+        assert zero_copy.flush(10) and generic.flush(10)
+        assert zero_copy.batch_exists(v1_keys) == 2 and zero_copy.batch_exists(flat_keys) == 0
+        assert generic.batch_exists(flat_keys) == 2 and generic.batch_exists(v1_keys) == 0
+        assert not generic.exists(v1_keys[0])
+        assert generic.batch_get(v1_keys[:1], [pool.get_dummy_flat_data_page()]) == [None]
+    finally:
+        zero_copy.close()
+        generic.close()
 
 
 # -- failure behaviour ------------------------------------------------------------

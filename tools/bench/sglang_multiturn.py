@@ -298,6 +298,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="a control: kvpack's servers start every L3 write this many seconds late (the CPU shim's "
         "KVPACK_SGLANG_WRITE_DELAY_S): does SGLang's schedule move with how long a write holds its L2 pages?",
     )
+    p.add_argument(
+        "--kvpack-interface",
+        choices=("v1", "generic"),
+        default="v1",
+        help="a control: SGLang drives kvpack through its zero-copy v1 path (the default) or, like `file`, "
+        "through its generic by-value path (``interface_v1`` 0)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every set-up, each on fresh stores")
     p.add_argument(
         "--in-turn",
@@ -320,6 +327,7 @@ def _setups(args: argparse.Namespace, root: Path, run: int = 1) -> list[tuple[st
     always the later one."""
     kvpack = {
         **KVPACK_BACKEND,
+        "interface_v1": int(args.kvpack_interface == "v1"),
         "memory": {"capacity": "64MiB"},
         "disk": {"path": str(root / "kvpack"), "capacity": "8GiB"},
         "io_threads": args.io_threads,
@@ -392,6 +400,7 @@ def main(argv: list[str], before_model: Callable[[], None] = lambda: None) -> in
         f"prefetch policy {args.prefetch_policy}{', in turn' if args.in_turn else ''}"
         f"{f', kvpack reads delayed {args.read_delay} s' if args.read_delay > 0 else ''}"
         f"{f', kvpack writes delayed {args.write_delay} s' if args.write_delay > 0 else ''}"
+        f"{', kvpack through the generic interface' if args.kvpack_interface == 'generic' else ''}"
     )
     for run in range(1, args.repeat + 1):
         run_root = root / f"run{run}" if args.repeat > 1 else root
