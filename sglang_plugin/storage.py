@@ -117,9 +117,12 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self.pools = PoolRegistry(self.session, par)
         self.pages = PageCopies(self.session, self.tenant, self.pools)
         log.info(
-            "kvpack: SGLang storage backend for tenant %s, tiers %s, tp %d/%d pp %d/%d mla=%s writer=%s",
+            "kvpack: SGLang storage backend for tenant %s, tiers %s, %s, tp %d/%d pp %d/%d mla=%s writer=%s",
             self.tenant,
             self.session.tier_names,
+            "zero-copy pages (interface_v1)"
+            if self.zero_copy
+            else "pages copied by SGLang's generic path (no interface_v1: not shared with vLLM or zero-copy servers)",
             par.tp_rank,
             par.tp_size,
             par.pp_rank,

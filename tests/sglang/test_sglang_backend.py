@@ -354,6 +354,21 @@ def test_each_interface_reports_only_the_pages_its_gets_read(store_dir):
         generic.close()
 
 
+def test_start_up_line_names_the_path_sglang_uses(store_dir, caplog):
+    """A user who left ``interface_v1`` out reads in the server log that pages are copied and not shared."""
+    generic_extra = kvpack_extra(store_dir, memory=False)
+    generic_extra.pop("interface_v1")
+    lines = []
+    for extra in (kvpack_extra(store_dir, memory=False), generic_extra):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="kvpack.sglang"):
+            backend = make_backend(make_pool("mha", "layer_first"), extra)
+        backend.close()
+        lines.append(" ".join(r.getMessage() for r in caplog.records if "storage backend for tenant" in r.getMessage()))
+    assert "zero-copy pages (interface_v1)" in lines[0] and "generic path" not in lines[0]
+    assert "generic path (no interface_v1: not shared" in lines[1]
+
+
 # -- failure behaviour ------------------------------------------------------------
 
 
