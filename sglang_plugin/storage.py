@@ -161,7 +161,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         try:
             if self.pools.kv_refused:
                 return 0
-            kv: PoolBinding | FlatMember | None = self.pools.kv if self.zero_copy else self._flat_binding()
+            kv = self._kv_read_by_gets()
             members: list[PoolBinding | FlatMember] = [kv] if kv is not None else []
             members.extend(self.pools.drafts())
             return self._exists(list(keys), members, []).kv_hit_pages
@@ -177,8 +177,8 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         try:
             if self.pools.kv_refused:
                 return PoolTransferResult(0, {}, [])
-            kv = self.pools.kv
-            all_pages: list[PoolBinding] = [kv] if kv is not None else []
+            kv, read = self.pools.kv, self._kv_read_by_gets()
+            all_pages: list[PoolBinding | FlatMember] = [read] if read is not None else []
             trailing: list[tuple[PoolBinding, int]] = []
             for t in pool_transfers or []:
                 b = self.binding(t.name)
@@ -194,6 +194,11 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             return self._exists(list(keys), all_pages, trailing)
         except Exception as exc:
             return self._data_path_error("batch_exists_v2", exc, PoolTransferResult(0, {}, []))
+
+    def _kv_read_by_gets(self) -> PoolBinding | FlatMember | None:
+        """The KV member SGLang's page gets read: the zero-copy ``kv`` object with
+        ``interface_v1``, the legacy flat page without (`zero_copy`)."""
+        return self.pools.kv if self.zero_copy else self._flat_binding()
 
     def _exists(
         self,

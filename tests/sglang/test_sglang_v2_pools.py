@@ -114,7 +114,10 @@ def _swa_scenario(set_kv, set_swa):
     return keys
 
 
-def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path):
+@pytest.mark.parametrize("interface", ["v1", "generic"])
+def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path, interface):
+    """kvpack's hits with a TRAILING_PAGES pool equal SGLang's `file` backend's, on either of
+    SGLang's KV paths (generic: the KV pages are whole flat pages, as `file` stores them)."""
     kv = make_pool("mha", "page_first")
     swa = mha_pool("page_first", layers=1, pool_label="swa")
     fill_random(kv, seed=5)
@@ -125,7 +128,10 @@ def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path):
     def pages(sel):
         return torch.cat([idx[i * ps : (i + 1) * ps] for i in sel])
 
-    backend = make_backend(kv, kvpack_extra(store_dir))
+    extra = kvpack_extra(store_dir)
+    if interface == "generic":
+        extra.pop("interface_v1")
+    backend = make_backend(kv, extra)
     backend.register_mem_host_pool_v2(swa, PoolName.SWA)
     ref = HiCacheFile(storage_config({}), file_path=str(tmp_path / "sglang-file"))
     ref.register_mem_pool_host(kv)
@@ -133,8 +139,12 @@ def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path):
     try:
 
         def set_kv(keys):
-            assert backend.batch_set_v1(keys, idx) == [True] * 6
-            assert ref.batch_set(keys, [kv.get_data_page(int(idx[i * ps])) for i in range(6)])
+            flat = [kv.get_data_page(int(idx[i * ps])) for i in range(6)]
+            if interface == "v1":
+                assert backend.batch_set_v1(keys, idx) == [True] * 6
+            else:
+                assert backend.batch_set(keys, flat) is True
+            assert ref.batch_set(keys, flat)
 
         def set_swa(keys, sel):
             t = [
