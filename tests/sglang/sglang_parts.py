@@ -138,9 +138,14 @@ def storage_config(
     )
 
 
-def kvpack_extra(store_dir: Any = None, *, memory: bool = True, disk: bool = True, **more: Any) -> dict[str, Any]:
-    """DYNAMIC + a kvpack config with the chosen tiers."""
+def kvpack_extra(
+    store_dir: Any = None, *, memory: bool = True, disk: bool = True, zero_copy: bool = True, **more: Any
+) -> dict[str, Any]:
+    """DYNAMIC + a kvpack config with the chosen tiers (`zero_copy` False: without ``interface_v1``,
+    so that SGLang drives the backend through its generic by-value path)."""
     extra: dict[str, Any] = dict(DYNAMIC)
+    if not zero_copy:
+        del extra["interface_v1"]
     extra["memory"] = {"enabled": memory, "capacity": "256MiB"}
     extra["disk"] = {"enabled": disk, "path": str(store_dir)} if disk else {"enabled": False}
     extra.update(more)

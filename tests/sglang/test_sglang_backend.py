@@ -307,9 +307,7 @@ def test_legacy_generic_path_round_trip(layout, store_dir):
     """Without interface_v1 SGLang calls batch_set/batch_get with flat pages, and its prefetch
     asks `batch_exists` (SGLang 0.5.23's hit query) for the pages those gets read."""
     pool = make_pool("mha", layout)
-    extra = kvpack_extra(store_dir)
-    extra.pop("interface_v1")
-    backend = make_backend(pool, extra)
+    backend = make_backend(pool, kvpack_extra(store_dir, zero_copy=False))
     try:
         fill_random(pool, seed=21)
         idx = alloc_pages(pool, 2)
@@ -333,10 +331,8 @@ def test_each_interface_reports_only_the_pages_its_gets_read(store_dir):
     of the pages `batch_get_v1` loads, one on the generic path of those `batch_get` loads; a hit
     on the other path's object would be a failed read."""
     pool = make_pool("mha", "layer_first")
-    generic_extra = kvpack_extra(store_dir, memory=False)
-    generic_extra.pop("interface_v1")
     zero_copy = make_backend(pool, kvpack_extra(store_dir, memory=False))
-    generic = make_backend(pool, generic_extra)
+    generic = make_backend(pool, kvpack_extra(store_dir, memory=False, zero_copy=False))
     try:
         fill_random(pool, seed=25)
         idx = alloc_pages(pool, 2)
@@ -356,13 +352,13 @@ def test_each_interface_reports_only_the_pages_its_gets_read(store_dir):
 
 def test_start_up_line_names_the_path_sglang_uses(store_dir, caplog):
     """A user who left ``interface_v1`` out reads in the server log that pages are copied and not shared."""
-    generic_extra = kvpack_extra(store_dir, memory=False)
-    generic_extra.pop("interface_v1")
     lines = []
-    for extra in (kvpack_extra(store_dir, memory=False), generic_extra):
+    for zero_copy in (True, False):
         caplog.clear()
         with caplog.at_level("INFO", logger="kvpack.sglang"):
-            backend = make_backend(make_pool("mha", "layer_first"), extra)
+            backend = make_backend(
+                make_pool("mha", "layer_first"), kvpack_extra(store_dir, memory=False, zero_copy=zero_copy)
+            )
         backend.close()
         lines.append(" ".join(r.getMessage() for r in caplog.records if "storage backend for tenant" in r.getMessage()))
     assert "zero-copy pages (interface_v1)" in lines[0] and "generic path" not in lines[0]

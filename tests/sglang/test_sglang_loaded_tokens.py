@@ -31,9 +31,7 @@ def test_v1_loads_count_restored_tokens(store_dir):
 
 def test_legacy_loads_count_restored_tokens(store_dir):
     pool = make_pool("mha", "layer_first")
-    extra = kvpack_extra(store_dir)
-    extra.pop("interface_v1")
-    backend = make_backend(pool, extra)
+    backend = make_backend(pool, kvpack_extra(store_dir, zero_copy=False))
     try:
         ps = pool.page_size
         fill_random(pool, seed=34)

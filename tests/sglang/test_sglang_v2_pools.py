@@ -128,10 +128,7 @@ def test_trailing_pages_pool_matches_sglang_file_backend(store_dir, tmp_path, in
     def pages(sel):
         return torch.cat([idx[i * ps : (i + 1) * ps] for i in sel])
 
-    extra = kvpack_extra(store_dir)
-    if interface == "generic":
-        extra.pop("interface_v1")
-    backend = make_backend(kv, extra)
+    backend = make_backend(kv, kvpack_extra(store_dir, zero_copy=interface == "v1"))
     backend.register_mem_host_pool_v2(swa, PoolName.SWA)
     ref = HiCacheFile(storage_config({}), file_path=str(tmp_path / "sglang-file"))
     ref.register_mem_pool_host(kv)
