@@ -88,6 +88,7 @@ from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tier_events import TierEvent, TierEventFeed, TierEventKind
 from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.host import resolve_memory
+from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
@@ -98,6 +99,7 @@ __all__ = [
     "AdapterRefusal",
     "PagePart",
     "TransferRunner",
+    "conversion_threads",
     "SaveJob",
     "PlannedLoad",
     "LoadJob",

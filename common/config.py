@@ -387,7 +387,8 @@ class KVPackConfig:
     write_queue_depth: int = 256
     """Bounded write-back queue (objects); when full, stores are dropped and counted."""
     io_threads: int = 2
-    """Write-back threads (and the tiers' copy/I-O threads): 1 .. `MAX_THREADS`."""
+    """Write-back threads (and the tiers' copy/I-O threads, and the threads converting an
+    SGLang GPU server's pages: `kvpack.conversion_threads`): 1 .. `MAX_THREADS`."""
     trusted_tenants: tuple[str, ...] = ()
     """Tenant names a request may choose with ``kv_transfer_params["kvpack_tenant"]``
     (``["*"]``: any valid name). Empty (the default): that parameter is ignored,

@@ -105,6 +105,16 @@ def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int)
         )
 
 
+def computes_on_host_cpu(host_pool: Any) -> bool:
+    """Whether SGLang's forward pass runs on the host's CPU: the device the host pool moves
+    pages to and from (``_transfer_device`` of SGLang 0.5.23's MHA pools, from the device
+    pool's buffers: ``cuda`` on a GPU server, ``cpu`` on a CPU one). True when the pool does
+    not say (the answer that takes no core from the forward pass)."""
+    device = getattr(host_pool, "_transfer_device", None)
+    kind = getattr(device, "type", device)
+    return not isinstance(kind, str) or kind == "cpu"
+
+
 def _model_dir(model_name: str | None) -> tuple[str, str]:
     """SGLang's ``storage_config.model_name`` as (checkpoint directory or name, format tag):
     ``<name>-<storage_format_tag>`` when the host pool has a page format of its own."""
@@ -314,7 +324,8 @@ class PoolBinding:
         """Page ids, regions and in-place payloads of the pool's pages."""
         self._staging = StagingRows()
         """Canonical pools: the conversion's staging, kept between saves and loads."""
-        self._threads = max(1, copy_threads)
+        self.copy_threads = max(1, copy_threads)
+        """Canonical pools: threads converting one call's pages, the caller's included (`kvpack.conversion_threads`)."""
         self._workers: ThreadPoolExecutor | None = None
         """Canonical pools: `copy_threads - 1` threads beside the caller's for the conversion (made on first use)."""
         self._workers_lock = threading.Lock()
@@ -345,12 +356,12 @@ class PoolBinding:
         """`copy_runs` on this binding's threads."""
         assert self.canonical is not None
         workers = None
-        if self._threads > 1:
+        if self.copy_threads > 1:
             with self._workers_lock:
                 if self._workers is None:
-                    self._workers = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="kvpack-sglang-copy")
+                    self._workers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="kvpack-sglang-copy")
                 workers = self._workers
-        copy_runs(self.canonical, ids, addrs, gather=gather, workers=workers, threads=self._threads)
+        copy_runs(self.canonical, ids, addrs, gather=gather, workers=workers, threads=self.copy_threads)
 
     def close(self) -> None:
         """Stop the conversion threads (idempotent)."""

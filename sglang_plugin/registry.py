@@ -15,9 +15,9 @@ import logging
 import threading
 from typing import Any
 
-from kvpack import KVLayoutSpec, MemberRole, MemberSpec, Session
+from kvpack import KVLayoutSpec, MemberRole, MemberSpec, Session, conversion_threads
 
-from .pools import ParallelInfo, PoolBinding, canonical_group, pool_name
+from .pools import ParallelInfo, PoolBinding, canonical_group, computes_on_host_cpu, pool_name
 
 log = logging.getLogger("kvpack.sglang")
 
@@ -25,9 +25,11 @@ log = logging.getLogger("kvpack.sglang")
 class PoolRegistry:
     """The bound pools of one SGLang storage backend (see the module docstring)."""
 
-    def __init__(self, session: Session, par: ParallelInfo) -> None:
+    def __init__(self, session: Session, par: ParallelInfo, io_threads: int = 1) -> None:
         self.session = session
         self.par = par
+        self.io_threads = io_threads
+        """The config's ``io_threads``: a canonical pool's conversion threads on a GPU server (`conversion_threads`)."""
         self.mem_pool_host: Any = None
         """The anchor pool given to ``register_mem_pool_host`` (None before)."""
         self.registered_pools: dict[str, Any] = {}
@@ -75,8 +77,8 @@ class PoolRegistry:
         if not self.session.group_fingerprint:
             raise RuntimeError("kvpack: register_mem_pool_host must come before other host pools")
         try:
-            # one conversion thread: SGLang backs pages up while its forward pass runs on the same cores
-            binding = PoolBinding(name, host_pool, self.par, self._layout_name, copy_threads=1)
+            threads = conversion_threads(self.io_threads, computes_on_host_cpu(host_pool))
+            binding = PoolBinding(name, host_pool, self.par, self._layout_name, copy_threads=threads)
         except Exception as exc:  # a pool kvpack cannot describe: its pages always miss
             self.errors[name] = str(exc)
             log.warning("kvpack: SGLang pool %s (%s) cannot be stored: %s", name, type(host_pool).__name__, exc)
@@ -84,12 +86,13 @@ class PoolRegistry:
         with self._lock:
             self.bindings[name] = binding
         log.info(
-            "kvpack: pool %s -> member %s (%d B/page in %d regions, %s)",
+            "kvpack: pool %s -> member %s (%d B/page in %d regions, %s%s)",
             name,
             binding.member,
             binding.page_bytes,
             binding.parts,
             "replicated" if binding.replicated else "sharded",
+            f", conversion threads {binding.copy_threads}" if binding.canonical is not None else "",
         )
 
     def binding(self, name: Any) -> PoolBinding | None:

@@ -114,7 +114,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         # (never its forward path) and takes True as stored, and at shutdown it SIGKILLs the
         # scheduler process (kill_process_tree), so nothing is left queued once True is returned.
         self.session = Session.start(self.config, copy_threads=max(1, self.config.io_threads), write_back=False)
-        self.pools = PoolRegistry(self.session, par)
+        self.pools = PoolRegistry(self.session, par, self.config.io_threads)
         self.pages = PageCopies(self.session, self.tenant, self.pools)
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, %s, tp %d/%d pp %d/%d mla=%s writer=%s",

@@ -70,3 +70,12 @@ def test_a_split_gives_each_thread_its_bytes_floor() -> None:
     split = io.split(10, threads_of, nbytes=2000)
     assert split[:5] == [me] * 5 and me not in split[5:]
     io.close()
+
+
+def test_conversion_threads_are_io_threads_only_off_the_hosts_cpu() -> None:
+    """An engine computing on an accelerator gets `io_threads` conversion threads (at least
+    one); one computing on the host's CPU gets one, whatever `io_threads` says."""
+    from kvpack import conversion_threads
+
+    assert [conversion_threads(n, engine_on_host_cpu=False) for n in (0, 1, 2, 5)] == [1, 1, 2, 5]
+    assert [conversion_threads(n, engine_on_host_cpu=True) for n in (0, 1, 2, 5)] == [1, 1, 1, 1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -178,5 +179,45 @@ def test_the_memory_tier_restores_pages_saved_into_shuffled_slots(layout):
         dst = alloc_pages(pool, n)
         assert backend.batch_get_v1(keys2, dst) == [True] * n
         assert page_bytes(pool, dst) == want
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("engine_device", ["cpu", "cuda"])
+def test_pages_are_converted_on_io_threads_only_when_sglang_computes_off_the_cpu(engine_device, monkeypatch):
+    """A GPU server's KV pool (its host pool moves pages to a ``cuda`` device) is converted on
+    ``io_threads`` threads; a CPU server's on the calling thread alone, whose forward pass
+    needs the other cores (`kvpack.conversion_threads`). SGLang checks a pool's device buffers
+    against its device, so the GPU server's pool is a CPU pool told what a GPU server's says.
+    Either way the pages come back byte for byte."""
+    pool = make_pool("mha", "page_first", device_tokens=512)
+    if engine_device == "cuda":
+        pool._transfer_device = torch.device("cuda")
+    backend = make_backend(pool, kvpack_extra(memory=True, disk=False, io_threads=3))
+    try:
+        binding = backend.pools.kv
+        assert binding is not None and binding.canonical is not None
+        assert binding.copy_threads == (3 if engine_device == "cuda" else 1)
+        monkeypatch.setattr(conversion, "MIN_BYTES_PER_THREAD", 1)  # these small pages get threads too
+        seen: list[str] = []
+        copy_at = type(binding.canonical).copy_at
+
+        def recorded(self, *args, **kw):  # type: ignore[no-untyped-def]
+            seen.append(threading.current_thread().name)
+            return copy_at(self, *args, **kw)
+
+        monkeypatch.setattr(type(binding.canonical), "copy_at", recorded)
+        fill_random(pool, seed=5)
+        n = 12
+        src, keys = alloc_pages(pool, n), page_keys(n, seed=41)
+        want = page_bytes(pool, src)
+        assert backend.batch_set_v1(keys, src) == [True] * n
+        poison(pool)
+        dst = alloc_pages(pool, n)
+        assert backend.batch_get_v1(keys, dst) == [True] * n
+        assert page_bytes(pool, dst) == want
+        # one piece per thread, in the save and in the load; the caller's piece on its own thread
+        on_workers = [name for name in seen if name.startswith("kvpack-sglang-copy")]
+        assert (len(seen), len(on_workers)) == ((6, 4) if engine_device == "cuda" else (2, 0)), seen
     finally:
         backend.close()

@@ -73,6 +73,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pages", type=int, default=256, help="pages per call")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--io-threads", type=int, default=2, help="kvpack io_threads (copy/IO threads per call)")
+    p.add_argument(
+        "--engine-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="the device the host pool says SGLang computes on: cuda converts pages as on a GPU server "
+        "(io_threads threads), cpu as on a CPU one (one thread)",
+    )
     p.add_argument("--dir", default="", help="folder for both backends' files (default: a temp folder under $TMPDIR)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold (dropped page cache) gets")
     p.add_argument("--markdown", default="", help="append a markdown section with the results to this file")
@@ -118,6 +125,21 @@ def _memcpy_timer(nbytes: int) -> Callable[[], float]:
         return _timed(lambda: ctypes.memmove(dst.ctypes.data, src.ctypes.data, nbytes))
 
     return once
+
+
+def _threaded_copy_seconds(nbytes: int, threads: int, samples: int) -> float:
+    """Best seconds of a `threads`-thread copy of `nbytes` between two warm buffers (torch's
+    ``copy_`` on its intra-op threads, set for these samples only): the reference for a
+    conversion that runs on that many threads."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.ones_like(src)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dst.copy_(src)
+        return min(_timed(lambda: dst.copy_(src)) for _ in range(samples))
+    finally:
+        torch.set_num_threads(before)
 
 
 def _region_memcpy_timers(
@@ -270,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"{e.label} get (cold)"] = gbps(nbytes, min(cold[e.label]))
 
     mem = kvpack_backend("memory")
+    binding = mem.pools.kv
+    threads = binding.copy_threads if binding is not None and binding.canonical is not None else 1
+    print(f"# kvpack converts pages on {threads} thread(s): the host pool says SGLang computes on {args.engine_device}")
     run([_Entry("kvpack memory", mem, True, None, None, paired_memcpy=True)])
     mem.close()
     disk = kvpack_backend("disk")
@@ -312,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             results["sglang file get (page cache)"],
         ),
     ]
+    if threads > 1:
+        threaded = gbps(nbytes, _threaded_copy_seconds(nbytes, threads, 2 * args.repeats + 2))
+        rows[2:2] = [
+            Row(f"kvpack memory {op}", results[f"kvpack memory {op}"], f"memcpy, {threads} threads", threaded)
+            for op in ("set", "get")
+        ]
     if not args.no_cold:
         rows.append(
             Row(

@@ -102,6 +102,10 @@ def host_pool(args: argparse.Namespace) -> Any:
             device=torch.device("cpu"),
         )
         pool = MLATokenToKVPoolHost(info, **common, target_layer_num=args.layers)
+    if getattr(args, "engine_device", "cpu") != "cpu":
+        # As a GPU server's pool says it (SGLang checks its device buffers against this device,
+        # so a CPU machine cannot build one): kvpack reads it to choose its conversion threads.
+        pool._transfer_device = torch.device(args.engine_device)
     flat = pool.kv_buffer.view(-1).view(torch.uint8)
     flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
     return pool
