@@ -13,10 +13,11 @@
 //   kvpack::canonical_copy_simd(..., int max_simd, bool gather) -> int  test aid: the
 //                          CPU copy at SIMD level <= max_simd; returns the level used
 //   kvpack::canonical_copy_at(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids,
-//                          Tensor obj_addrs, int[] geometry, int max_simd, bool gather) -> int
+//                          Tensor obj_addrs, int[] geometry, int max_simd, bool gather,
+//                          int threads=1) -> int
 //                          the CPU copy with object i at host address obj_addrs[i] (int64,
-//                          one per block id; memory the caller keeps valid, objects apart);
-//                          returns the SIMD level used
+//                          one per block id; memory the caller keeps valid, objects apart),
+//                          on `threads` native threads; returns the SIMD level used
 //   kvpack::cpu_simd() -> int   the widest SIMD level (KVP_SIMD_*) the CPU copy uses
 //
 // `tensors` are the cache tensors that own the memory (listed so that the
@@ -33,6 +34,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <thread>
 #include <vector>
 
 #include "block_copy_cpu.h"
@@ -166,9 +169,13 @@ int64_t canonical_copy_simd(at::TensorList tensors, const at::Tensor& ptr_table,
   return max_simd < cpu ? max_simd : cpu;
 }
 
-// The CPU canonical copy over objects at the host addresses `obj_addrs` (one per block id).
+// The CPU canonical copy over objects at the host addresses `obj_addrs` (one per block id),
+// cut into `threads` pieces of about equal count (the caller's thread takes the first, one
+// native thread each the others, joined before returning: the GIL is given up once for
+// the whole call, never taken by a helper). Pieces touch disjoint blocks and objects.
 int64_t canonical_copy_at(at::TensorList tensors, const at::Tensor& ptr_table, const at::Tensor& block_ids,
-                          const at::Tensor& obj_addrs, c10::IntArrayRef geometry, int64_t max_simd, bool gather) {
+                          const at::Tensor& obj_addrs, c10::IntArrayRef geometry, int64_t max_simd, bool gather,
+                          int64_t threads) {
   (void)tensors;
   const KvpCanonGeometry g = unpack_canon(geometry);
   TORCH_CHECK(ptr_table.is_cpu() && block_ids.is_cpu() && obj_addrs.is_cpu(),
@@ -182,10 +189,32 @@ int64_t canonical_copy_at(at::TensorList tensors, const at::Tensor& ptr_table, c
                   obj_addrs.numel() == block_ids.numel(),
               "kvpack: obj_addrs must be a contiguous int64 tensor of one address per block id, got ",
               obj_addrs.numel(), " for ", block_ids.numel());
-  const int rc = kvp_canonical_copy_cpu_at(reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>()),
-                                           block_ids.data_ptr<int64_t>(),
-                                           reinterpret_cast<const uint64_t*>(obj_addrs.data_ptr<int64_t>()),
-                                           block_ids.numel(), &g, gather ? 1 : 0, static_cast<int>(max_simd));
+  TORCH_CHECK(threads >= 1 && threads <= 64, "kvpack: canonical_copy_at takes 1..64 threads, got ", threads);
+  const uint64_t* table = reinterpret_cast<const uint64_t*>(ptr_table.data_ptr<int64_t>());
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  const uint64_t* addrs = reinterpret_cast<const uint64_t*>(obj_addrs.data_ptr<int64_t>());
+  const int64_t n = block_ids.numel();
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  const int64_t share = (n + pieces - 1) / std::max<int64_t>(1, pieces);
+  std::vector<int> codes(static_cast<size_t>(pieces), KVP_OK);
+  auto piece = [&](int64_t k) {
+    const int64_t lo = k * share, hi = std::min(n, lo + share);
+    if (lo < hi) {
+      codes[static_cast<size_t>(k)] = kvp_canonical_copy_cpu_at(table, ids + lo, addrs + lo, hi - lo, &g, gather ? 1 : 0,
+                                                                static_cast<int>(max_simd));
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t k = 1; k < pieces; ++k) helpers.emplace_back(piece, k);
+  piece(0);
+  for (auto& t : helpers) t.join();
+  int rc = KVP_OK;
+  for (int code : codes) {
+    if (code != KVP_OK) {
+      rc = code;
+      break;
+    }
+  }
   TORCH_CHECK(rc != KVP_ERR_BLOCK_ID, "kvpack: a block id is outside [0, ", g.num_cache_blocks, ")");
   TORCH_CHECK(rc == KVP_OK, "kvpack: invalid canonical-copy geometry (code ", rc, ")");
   const int64_t cpu = kvp_cpu_simd();
@@ -305,7 +334,7 @@ TORCH_LIBRARY(kvpack, m) {
   // CPU: the canonical copy with each object at its own host address (a tier's slots).
   m.def(
       "canonical_copy_at(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor obj_addrs, "
-      "int[] geometry, int max_simd, bool gather) -> int");
+      "int[] geometry, int max_simd, bool gather, int threads=1) -> int");
   // Test aid (CPU): the canonical copy capped at a SIMD level (every level, on one CPU).
   m.def(
       "canonical_copy_simd(Tensor(a!)[] tensors, Tensor ptr_table, Tensor block_ids, Tensor(b!) staging, "

@@ -1,5 +1,5 @@
 """The canonical conversion's copies for SGLang host pools: pages <-> objects at any host
-addresses, in pieces on several threads (`copy_runs`), and the staging rows kept between
+addresses, in pieces on several native threads (`copy_runs`), and the staging rows kept between
 calls for objects a tier reads or writes itself (`StagingRows`)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -29,32 +28,21 @@ def copy_runs(
     addrs: Sequence[int],
     *,
     gather: bool,
-    workers: ThreadPoolExecutor | None = None,
     threads: int = 1,
 ) -> None:
     """Pages ``ids[i]`` of the pool <-> the canonical object at host address ``addrs[i]``
     (``geo.object_bytes(geo.heads)`` bytes each; written when `gather`, else read), at any
     addresses in any order (a tier's slots, staging rows): one `CanonicalGeometry.copy_at`
-    call per piece of the batch (one kernel call over the piece's objects; without the
-    kernel, one copy per run of objects back to back). With `workers`, the pages are cut
-    into up to `threads` pieces of about equal count, run on the caller and the workers at
-    once (the kernel releases the GIL; pieces touch disjoint pages and objects). Every
-    address must stay valid until this returns; it returns once every piece is done, and
-    raises the first piece's error."""
-    n = len(ids)
-    pieces = min(threads, n * geo.object_bytes(geo.heads) // MIN_BYTES_PER_THREAD) if workers is not None else 1
-    share = -(-n // max(1, pieces))
-    cuts = [(k, min(n, k + share)) for k in range(0, n, share)] if n else [(0, 0)]
-
-    def convert(cut: tuple[int, int]) -> None:
-        geo.copy_at(ids[cut[0] : cut[1]], addrs[cut[0] : cut[1]], gather=gather)
-
-    futures = [workers.submit(convert, c) for c in cuts[1:]] if workers is not None else []
-    try:
-        convert(cuts[0])
-    finally:
-        for f in futures:
-            f.result()
+    call over the batch (one kernel call; without the kernel, one copy per run of objects
+    back to back), cut into up to `threads` pieces of about equal count where each piece
+    moves at least `MIN_BYTES_PER_THREAD`, one native thread each, the caller's included.
+    The GIL is given up once, inside the kernel, and no helper thread runs Python: beside
+    an SGLang scheduler thread busy in Python (a GPU server's), a helper that had to take
+    the GIL back would wait for its switch interval, and Python worker threads made an
+    8B model's 12-page get 1.8x slower there than one thread. Every address must stay valid
+    until this returns."""
+    pieces = max(1, min(threads, len(ids) * geo.object_bytes(geo.heads) // MIN_BYTES_PER_THREAD))
+    geo.copy_at(ids, addrs, gather=gather, threads=pieces)
 
 
 def row_views(rows: np.ndarray) -> list[Payload]:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -326,9 +324,6 @@ class PoolBinding:
         """Canonical pools: the conversion's staging, kept between saves and loads."""
         self.copy_threads = max(1, copy_threads)
         """Canonical pools: threads converting one call's pages, the caller's included (`kvpack.conversion_threads`)."""
-        self._workers: ThreadPoolExecutor | None = None
-        """Canonical pools: `copy_threads - 1` threads beside the caller's for the conversion (made on first use)."""
-        self._workers_lock = threading.Lock()
 
     def store_payloads(self, host_indices: torch.Tensor, n_pages: int) -> tuple[list[Payload], Callable[[], None]]:
         """What to store for each page, and what to call once the store returned: in place
@@ -355,20 +350,7 @@ class PoolBinding:
     def _convert(self, ids: Sequence[int], addrs: Sequence[int], *, gather: bool) -> None:
         """`copy_runs` on this binding's threads."""
         assert self.canonical is not None
-        workers = None
-        if self.copy_threads > 1:
-            with self._workers_lock:
-                if self._workers is None:
-                    self._workers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="kvpack-sglang-copy")
-                workers = self._workers
-        copy_runs(self.canonical, ids, addrs, gather=gather, workers=workers, threads=self.copy_threads)
-
-    def close(self) -> None:
-        """Stop the conversion threads (idempotent)."""
-        with self._workers_lock:
-            workers, self._workers = self._workers, None
-        if workers is not None:
-            workers.shutdown(wait=True)
+        copy_runs(self.canonical, ids, addrs, gather=gather, threads=self.copy_threads)
 
     def load_buffers(
         self, host_indices: torch.Tensor, n_pages: int

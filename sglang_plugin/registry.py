@@ -130,7 +130,3 @@ class PoolRegistry:
             names.update({m.name: kv.name for m in members})
             out.append([m for spec in specs for m in (members if spec.name == kv.member else [spec])])
         return out, names
-
-    def close(self) -> None:
-        for binding in list(self.bindings.values()):
-            binding.close()

@@ -316,7 +316,6 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
 
     def close(self) -> None:
         self.session.close()
-        self.pools.close()
 
 
 __all__ = ["KVPackStorage"]

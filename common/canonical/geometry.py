@@ -214,13 +214,15 @@ class CanonicalGeometry:
         gather: bool,
         use_kernel: bool | None = None,
         simd: CpuSimd = CpuSimd.AVX512,
+        threads: int = 1,
     ) -> CpuSimd | None:
         """Blocks <-> objects of all the cache's heads (`object_bytes(heads)` each), object i
         at host address ``addrs[i]`` (a tier's slots: anywhere, in any order; objects must not
         overlap, and the memory stays valid until this returns): one kernel call over the
-        batch at SIMD level <= `simd` (the GIL released inside it) for a CPU cache with the
-        extension, else one `copy` per run of objects back to back (`address_runs`). Returns
-        the SIMD level the kernel used, or None when it copied by runs."""
+        batch at SIMD level <= `simd` (the GIL released once inside it; the batch cut into
+        `threads` pieces, one native thread each, the caller's included) for a CPU cache
+        with the extension, else one `copy` per run of objects back to back (`address_runs`),
+        on this thread. Returns the SIMD level the kernel used, or None when it copied by runs."""
         ids = [int(b) for b in block_ids]
         if len(addrs) != len(ids):
             raise ValueError(f"kvpack.ops: {len(addrs)} object addresses for {len(ids)} blocks")
@@ -241,7 +243,9 @@ class CanonicalGeometry:
         index = torch.tensor(ids, dtype=torch.int64)
         where = torch.tensor(addrs, dtype=torch.int64)
         table = self._table(self.tensors[0].device)
-        level = torch.ops.kvpack.canonical_copy_at(list(self.tensors), table, index, where, fields, int(simd), gather)
+        level = torch.ops.kvpack.canonical_copy_at(
+            list(self.tensors), table, index, where, fields, int(simd), gather, max(1, threads)
+        )
         return CpuSimd(int(level))
 
     def _kernel(self, ids: list[int], staging: torch.Tensor, gather: bool, heads: tuple[int, ...], raw: int) -> None:

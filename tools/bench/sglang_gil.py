@@ -63,6 +63,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pages", type=int, default=12, help="pages per call (the bench model's multi-turn calls: 12)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument(
+        "--engine-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="the device the host pool says SGLang computes on (cuda: pages converted on io_threads threads)",
+    )
     p.add_argument("--dir", default="", help="folder for the backends' files (default: a temp folder under $TMPDIR)")
     args = p.parse_args(argv)
     args.layout, args.kind = "page_first", "mha"
@@ -109,7 +115,10 @@ def main(argv: list[str]) -> int:
 
     names = (*zero_copy, "sglang file")
     print(f"# kvpack bench sglang --busy-python: {hardware()}, switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
-    print(f"# {n} pages of {page // 1024} KiB a call, median of {args.repeats}, files in {root}")
+    print(
+        f"# {n} pages of {page // 1024} KiB a call, median of {args.repeats}, "
+        f"SGLang on {args.engine_device}, files in {root}"
+    )
     print(f"{'call':22} {'alone ms':>9} {'x file':>7} {'busy ms':>9} {'x file':>7}")
     for op, make in (("get", getter), ("set", setter)):
         calls = {name: make(name) for name in names}
