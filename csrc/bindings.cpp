@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -205,7 +206,13 @@ int64_t canonical_copy_at(at::TensorList tensors, const at::Tensor& ptr_table, c
     }
   };
   std::vector<std::thread> helpers;
-  for (int64_t k = 1; k < pieces; ++k) helpers.emplace_back(piece, k);
+  int64_t started = 1;
+  try {
+    for (; started < pieces; ++started) helpers.emplace_back(piece, started);
+  } catch (const std::system_error&) {
+    // no thread to be had (the process's limit): the caller copies the pieces left
+  }
+  for (int64_t k = started; k < pieces; ++k) piece(k);
   piece(0);
   for (auto& t : helpers) t.join();
   int rc = KVP_OK;
