@@ -266,11 +266,18 @@ def corrupt_objects(soak: Soak) -> str:
         mc = mooncake_edit(soak, corrupt=keys, wait_s=CANARY_WAIT_S) if keys else {}
     flipped = sum(_flip_payload_byte(p) for p in files)
     # Host memory evicts a tenant's own entries first: push the canary out with its own tenant's.
-    soak.evict_memory(tenant)
-    res = soak.send("canary-reload", tenant, prompt)
+    # The load stays paused until the reload: its writes (the disk tier is 40 MiB, shared in plain
+    # LRU order) could push the corrupted disk copies out too, leaving nothing to refuse (a
+    # fresh-clone CI run, 2026-12-05: 5 disk copies corrupted, 1 of 5 in Mooncake, reload
+    # cached_tokens=0). The evictors alone write about 24 MiB.
+    with soak.quiet(max_s=30.0):
+        soak.evict_memory(tenant)
+        left = sum(p.exists() for p in files)
+        res = soak.send("canary-reload", tenant, prompt)
     return (
         f"{'; '.join(stores)}; {flipped} disk and {mc.get('corrupted', 0)} of {len(keys)} Mooncake objects "
         f"corrupted ({mc.get('error', 'ok') if mc else 'no Mooncake'}); "
+        f"{left} of {len(files)} disk copies left after the evictors; "
         f"reload: {res.status}, cached_tokens={res.cached_tokens}"
     )
 
