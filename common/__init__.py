@@ -90,6 +90,7 @@ from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
+from .weights import WeightsOrigin, WeightsState, WeightsWatch
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
 __version__ = "0.1.0"
@@ -187,4 +188,7 @@ __all__ = [
     "tail_usable",
     "upload_runs",
     "validate_member",
+    "WeightsOrigin",
+    "WeightsState",
+    "WeightsWatch",
 ]

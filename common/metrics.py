@@ -138,6 +138,16 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("save_blocks_planned", "Blocks the scheduler asked the workers to save", ()),
     MetricSpec("saved_blocks", "Blocks the workers saved", ()),
     MetricSpec("save_errors", "Saves that failed (a future miss, never an engine error)", ()),
+    MetricSpec(
+        "weight_changes",
+        "In-place weight changes seen by this process, by what the new weights are (checkpoint, reloaded, private)",
+        ("origin",),
+    ),
+    MetricSpec(
+        "stale_weights_transfers",
+        "Loads refused and saves dropped because the request was planned under weights since replaced",
+        ("kind",),
+    ),
     MetricSpec("save_dropped_at_exit", "Saves still queued when the exit flush's bound ran out (lost)", ()),
     MetricSpec("loaded_blocks", "Blocks restored into the engine", ()),
     MetricSpec("loaded_draft_blocks", "Blocks restored with their draft-model KV", ()),

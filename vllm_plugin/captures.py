@@ -139,7 +139,11 @@ class CaptureTracker:
             tail = self._tail_ref(run, tail_at)
             if tail is not None:
                 refs.append(tail)
-        return [TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True)] if refs else []
+        return (
+            [TransferJob(req_id, run.scope.tenant, tuple(refs), capture=True, weights=run.scope.weights)]
+            if refs
+            else []
+        )
 
     def finish_tail(self, run: _Running, block_ids: Sequence[Sequence[int]]) -> BlockRef | None:
         """The tail a finished request leaves (EOS, stop, abort): the computed tokens of its

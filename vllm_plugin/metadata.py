@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpack import HitPlan, ReportedObject, RouterFacts
+from kvpack import HitPlan, ReportedObject, RouterFacts, WeightsState
 
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
@@ -86,6 +86,9 @@ class TransferJob:
     """A load inside this step (vLLM's synchronous load): the worker copies it before the
     forward that computes the rest of the prompt; failed blocks are recomputed. Only for
     hits in the workers' memory (`SchedulerSide`); every other load is asynchronous."""
+    weights: str = ""
+    """The weights identity the request was planned under (`kvpack.WeightsState.identity`):
+    a worker holding other weights refuses the load and drops the save."""
 
 
 @dataclass
@@ -105,12 +108,16 @@ class KVPackWorkerMetadata(KVConnectorWorkerMetadata):
     """Group keys (``GroupKey.as_str()``) evicted from memory."""
     failed_loads: list[str] = field(default_factory=list)
     """Requests with a block that could not be loaded: never offered again (vLLM recomputes)."""
+    weights: WeightsState | None = None
+    """The worker's weights, when they changed since its last report (None: no news)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVPackWorkerMetadata):
-            return KVPackWorkerMetadata(
-                self.stored + other.stored, self.evicted + other.evicted, self.failed_loads + other.failed_loads
-            )
+            weights = self.weights
+            if other.weights is not None and (weights is None or other.weights.newer_than(weights)):
+                weights = other.weights
+            failed = self.failed_loads + other.failed_loads
+            return KVPackWorkerMetadata(self.stored + other.stored, self.evicted + other.evicted, failed, weights)
         return self
 
 

@@ -45,6 +45,7 @@ def request_scope(
     config: KVPackConfig | str,
     on_untrusted: Callable[[str], None] | None = None,
     warned: threading.Event | None = None,
+    weights: str = "",
 ) -> RequestScope:
     """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
     ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
@@ -60,6 +61,7 @@ def request_scope(
         named=params.get(TENANT_PARAM),
         signature=params.get(TENANT_SIG_PARAM),
         adapter=adapter,
+        weights=weights,
         named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
         request_id=str(getattr(request, "request_id", "?")),
     )
@@ -79,6 +81,9 @@ class RequestScopes:
         self.session = session
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
+        self.weights = ""
+        """The engine's weights identity as the workers last reported it (`kvpack.WeightsState`):
+        seeds the key chain of every request scoped from now on."""
 
     def of(self, request: Request) -> RequestScope | None:
         if not cacheable(request):
@@ -89,6 +94,7 @@ class RequestScopes:
                 self.config,
                 lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
                 self._untrusted_warned,
+                self.weights,
             )
         except BadTenant as exc:
             if not self._bad_tenant_logged.is_set():  # once per process: the name is the client's

@@ -86,6 +86,7 @@ from kvpack import (
     RequestScope,
     Session,
     WaitBudget,
+    WeightsState,
 )
 
 from .captures import CaptureTracker
@@ -136,7 +137,10 @@ class SchedulerSide:
         self._pending_saves: list[TransferJob] = []
         self._interval = MetricsInterval(self.session.metrics)
         """The connector's per-interval stats: what this side's store counted since the last take."""
-        self._scope_of = RequestScopes(config, self.session).of
+        self._scopes = RequestScopes(config, self.session)
+        self._scope_of = self._scopes.of
+        self._weights = WeightsState()
+        """The workers' weights as last reported (`kvpack.WeightsState`)."""
         """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
         self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
@@ -243,7 +247,7 @@ class SchedulerSide:
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
         self._pending_loads[request.request_id] = TransferJob(
-            request.request_id, plan.scope.tenant, refs, handoff_wait_s=wait_s, sync=sync
+            request.request_id, plan.scope.tenant, refs, handoff_wait_s=wait_s, sync=sync, weights=plan.scope.weights
         )
         self._load_issued.add(request.request_id)
         if sync:
@@ -320,7 +324,7 @@ class SchedulerSide:
             tail = self._captures.finish_tail(run, block_ids)
             if tail is None:
                 return False, None
-            job = TransferJob(req_id, run.scope.tenant, (tail,))
+            job = TransferJob(req_id, run.scope.tenant, (tail,), weights=run.scope.weights)
             self._pending_saves.append(job)
             # a follow-up turn in the next step hits it (the load waits for it)
             self.memory.expect(job, self.session.key)
@@ -334,7 +338,7 @@ class SchedulerSide:
         tail = state_tail_ref(self.scope, rs, tokens, block_ids, partial_tails, self._place_tail) if rs else None
         if tail is None or rs is None:
             return False, None
-        self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,)))
+        self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,), weights=rs.weights))
         self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
         return True, None
 
@@ -348,6 +352,11 @@ class SchedulerSide:
         """Apply the workers' report (`finished_sending` needs no bookkeeping here: vLLM
         itself frees a finished request's blocks once its save is reported)."""
         if isinstance(report, KVPackWorkerMetadata):
+            if report.weights is not None and report.weights.newer_than(self._weights):
+                # requests scoped from now on are keyed by the new weights; those planned before
+                # keep the old ones, and the workers refuse their loads and drop their saves
+                self._weights = report.weights
+                self._scopes.weights = report.weights.identity
             self.memory.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
                 self._failed.add(req_id)

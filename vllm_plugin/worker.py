@@ -30,14 +30,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack import KVPackConfig, LayoutError, LoadChunk, LoadJob, SaveJob, Session, TransferRunner, start_engine_process
+from kvpack import (
+    KVPackConfig,
+    LayoutError,
+    LoadChunk,
+    LoadJob,
+    SaveJob,
+    Session,
+    TransferRunner,
+    WeightsState,
+    start_engine_process,
+)
 from kvpack.ops import Staging
 
 from .loads import BlockLoads, refused_plan, tokens_used
 from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
 from .registration import RankPosition, WorkerLayout, register_layout
 from .saves import gather_members, save_bytes
-from .scopes import Scope
+from .scopes import Scope, target_identity
+from .weights import EngineWeights, watch_weights
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +93,11 @@ class WorkerSide:
         self.layout: WorkerLayout | None = None
         """What this worker copies; fixed by `register_kv_caches` (None before, or refused)."""
         self.runner = TransferRunner(self.session, config)
+        self.weights: EngineWeights | None = None
+        """Watches this worker's model for in-place weight changes (set at registration)."""
+        self.weights_now = WeightsState()
+        """The weights this worker computes with: jobs planned under others are refused."""
+        self._weights_news = False
 
     @property
     def staging(self) -> Staging:
@@ -101,6 +117,9 @@ class WorkerSide:
         # before the first forward: AMX permission (a 1-token step over a restored prefix may
         # be this process's first AMX use) and the copy kernels, not in the first load's bound
         start_engine_process()
+        self.weights = watch_weights(
+            self.vllm_config, target_identity(self.vllm_config, self.config), self.session.metrics
+        )
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
             self.runner.use_device_of(first)
@@ -116,8 +135,11 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
+        self.poll_weights()
         for job in meta.loads:  # a disabled runner (refused cache) fails each load: vLLM recomputes it
-            if job.sync:
+            if job.weights != self.weights_now.identity:  # planned under weights replaced since
+                self.runner.refuse_load(self._load_job(job), sync=job.sync)
+            elif job.sync:
                 self.runner.load_now(self._load_job(job))
             else:
                 self.runner.submit_load(self._load_job(job))
@@ -133,9 +155,22 @@ class WorkerSide:
         for job in meta.saves:
             blocks = len(job.blocks)
             gather = partial(gather_members, slots=slots, job=job)
-            self.runner.submit_save(
-                SaveJob(job.req_id, job.tenant, blocks, save_bytes(slots, job), gather, capture=job.capture)
-            )
+            save = SaveJob(job.req_id, job.tenant, blocks, save_bytes(slots, job), gather, capture=job.capture)
+            if blocks and job.weights != self.weights_now.identity:
+                # computed (at least in part) by weights replaced since: never stored under either
+                self.runner.drop_save(save)
+            else:
+                self.runner.submit_save(save)
+
+    def poll_weights(self) -> None:
+        """Notice an in-place weight change before this step's loads and saves (`kvpack.WeightsWatch`);
+        the scheduler learns it from the next report."""
+        if self.weights is None:
+            return
+        now = self.weights.poll()
+        if now is not self.weights_now:
+            self.weights_now = now
+            self._weights_news = True
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(saves done, loads done, loads failed): a failed load is also a done load."""
@@ -151,9 +186,11 @@ class WorkerSide:
 
     def take_report(self) -> KVPackWorkerMetadata | None:
         stored, evicted, failed = self.runner.take_report()
-        if not stored and not evicted and not failed:
+        weights = self.weights_now if self._weights_news else None
+        self._weights_news = False
+        if not stored and not evicted and not failed and weights is None:
             return None
-        return KVPackWorkerMetadata(stored, evicted, failed)
+        return KVPackWorkerMetadata(stored, evicted, failed, weights)
 
     def take_stats(self) -> dict[str, float]:
         """What this worker's store counted since the last call (`kvpack_*` metrics' increases)."""

@@ -159,6 +159,21 @@ class TransferRunner:
         self._step_loads.append(task)
         self._load_q.put(task)
 
+    def refuse_load(self, job: LoadJob, sync: bool) -> None:
+        """Fail `job` without reading anything: the engine recomputes its blocks. For a load the
+        adapter knows to be wrong (planned under weights since replaced); `sync` as for
+        `load_now` (the blocks go to `take_failed_blocks`), else reported by `finished`."""
+        self._metrics.inc("stale_weights_transfers", kind="load")
+        if sync:
+            with self._lock:
+                self._failed_blocks |= job.blocks
+            return
+        task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
+        task.failed_blocks = job.blocks
+        task.done.set()
+        with self._lock:
+            self._loads[job.job_id] = task
+
     def load_now(self, job: LoadJob) -> None:
         """Run `job` here, before the caller's forward (its wait for earlier saves is bounded by
         `SYNC_SAVE_WAIT_S`; it reads host memory and disk only, never a remote tier); blocks
@@ -412,6 +427,13 @@ class TransferRunner:
             self._saves_queued += 1
         self._save_q.put((job, gathered))
         return True
+
+    def drop_save(self, job: SaveJob) -> None:
+        """Store nothing of `job` (a future miss) but report it done, so the engine frees blocks
+        it kept for it: for a save the adapter knows to be wrong (planned under weights since
+        replaced)."""
+        self._metrics.inc("stale_weights_transfers", kind="save")
+        self._save_ended(job)
 
     def _gather(self, job: SaveJob) -> list[Gathered] | None:
         """Launch `job`'s gather through the cache gate; None (counted) while the cache is released."""

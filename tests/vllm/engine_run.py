@@ -4,7 +4,10 @@
 
 SPEC: {"model", "extra" (kvpack config, or null: no connector), "prompts": {name: ids},
 "preamble" (code run first, e.g. to force an attention ISA), "max_tokens", "engine"
-(more `LLM` arguments)}. The script then simply ends: no drain, no flush, no shutdown.
+(more `LLM` arguments), "steps" (optional: what to do in order, each a prompt name or
+{"exec": code run with ``llm`` in scope, e.g. a weight update}; a name generated twice is
+reported as ``name``, ``name#2``, ...)}. Without steps every prompt is generated once. The
+script then simply ends: no drain, no flush, no shutdown.
 Also run from the SGLang venv's tests with the vLLM venv's python (cross-engine reuse).
 """
 
@@ -24,10 +27,18 @@ def main(raw: str) -> None:
     from vllm_helpers import kv_config, make_llm, run
 
     llm = make_llm(spec["model"], kv_config(spec["extra"]) if spec["extra"] is not None else None, **spec["engine"])
-    out = {}
-    for name, ids in spec["prompts"].items():
-        r = run(llm, ids, max_tokens=spec["max_tokens"])
-        out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
+    out: dict[str, dict[str, object]] = {}
+    for step in spec.get("steps") or list(spec["prompts"]):
+        if isinstance(step, dict):
+            exec(step["exec"], {"llm": llm})  # noqa: S102 - test code given by the test itself
+            continue
+        r = run(llm, spec["prompts"][step], max_tokens=spec["max_tokens"])
+        seen = sum(1 for k in out if k == step or k.startswith(step + "#"))
+        out[step if not seen else f"{step}#{seen + 1}"] = {
+            "tokens": list(r.tokens),
+            "logprobs": list(r.logprobs),
+            "cached": r.cached,
+        }
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -310,6 +310,7 @@ def start_engine_process(
     multiprocess: bool = False,
     preamble: str = "",
     max_tokens: int = 8,
+    steps: list[Any] | None = None,
     **engine: Any,
 ) -> EngineProcess:
     """Start `prompts` through a new engine in a new process that then simply ends, as a
@@ -328,6 +329,7 @@ def start_engine_process(
             "preamble": preamble,
             "max_tokens": max_tokens,
             "engine": engine,
+            "steps": steps,
         }
     )
     here = str(Path(__file__).parent)
@@ -353,11 +355,20 @@ def engine_process(
     preamble: str = "",
     max_tokens: int = 8,
     timeout_s: float = 300,
+    steps: list[Any] | None = None,
     **engine: Any,
 ) -> dict[str, Run]:
-    """`start_engine_process`, then its result: each prompt's `Run`."""
+    """`start_engine_process`, then its result: each prompt's `Run` (each generation's, with `steps`)."""
     started = start_engine_process(
-        model, extra, prompts, log, multiprocess=multiprocess, preamble=preamble, max_tokens=max_tokens, **engine
+        model,
+        extra,
+        prompts,
+        log,
+        multiprocess=multiprocess,
+        preamble=preamble,
+        max_tokens=max_tokens,
+        steps=steps,
+        **engine,
     )
     return started.result(timeout_s)
 
