@@ -135,7 +135,8 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
-        self.poll_weights()
+        if meta.loads or meta.saves:  # a change between steps is seen before any job acts on it
+            self.poll_weights()
         for job in meta.loads:  # a disabled runner (refused cache) fails each load: vLLM recomputes it
             if job.weights != self.weights_now.identity:  # planned under weights replaced since
                 self.runner.refuse_load(self._load_job(job), sync=job.sync)

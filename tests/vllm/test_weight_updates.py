@@ -34,10 +34,7 @@ P = prompt(5101, 301)
 Q = prompt(5202, 333)
 R = prompt(5303, 270)
 
-RELOAD_B = (
-    "llm.collective_rpc('reload_weights', kwargs={{'weights_path': {path!r}}})\n"
-    "llm.reset_prefix_cache()\n"
-)
+RELOAD_B = "llm.collective_rpc('reload_weights', kwargs={{'weights_path': {path!r}}})\nllm.reset_prefix_cache()\n"
 LOAD_B_TENSORS = (  # a trainer's tensors through vLLM's own API (in-process: the iterator is passed as is)
     "from safetensors.torch import load_file\n"
     "tensors = load_file({path!r})\n"
