@@ -90,7 +90,7 @@ from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
-from .weights import WeightsOrigin, WeightsState, WeightsWatch
+from .weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
 __version__ = "0.1.0"
@@ -191,4 +191,5 @@ __all__ = [
     "WeightsOrigin",
     "WeightsState",
     "WeightsWatch",
+    "with_weights",
 ]

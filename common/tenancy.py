@@ -15,9 +15,8 @@ and the operator's config; the core decides. The rules (docs/ARCHITECTURE.md):
 - Else the config's default tenant.
 - A trusted name that is not a valid tenant (`keys.validate_tenant`) raises
   `BadTenant`: the request runs without the cache.
-- The salt, the LoRA adapter and weights changed in place (`kvpack.weights`) seed the key
-  chain (`keys.seed_hash`), so salted prompts never share keys, whatever the tenant is,
-  and neither do prompts computed by other weights.
+- The salt and the LoRA adapter seed the key chain (`keys.seed_hash`), so salted
+  prompts never share keys, whatever the tenant is.
 """
 
 from __future__ import annotations
@@ -46,9 +45,6 @@ class TenantSource:
     """A front end's signature of `named` (`keys.tenant_signature`), or None."""
     adapter: str = ""
     """The LoRA adapter's identity ("" none): a different adapter never shares keys."""
-    weights: str = ""
-    """The engine's weights when they changed in place since start-up (`kvpack.weights.WeightsState`
-    identity; "" the start-up checkpoint's): other weights never share keys."""
     named_by: str = "the request"
     """Where `named` came from, for the log (vLLM: ``kv_transfer_params['kvpack_tenant']``)."""
     request_id: str = "?"
@@ -57,8 +53,9 @@ class TenantSource:
 
 @dataclass(frozen=True)
 class RequestScope:
-    """A request's tenant and the seed of its key chain (None: unsalted, no adapter, the
-    start-up checkpoint's weights), and the weights identity the seed covers."""
+    """A request's tenant and the seed of its key chain (None: unsalted, no adapter), and the
+    weights the engine held when the request was scoped (`kvpack.WeightsState.identity`; an
+    adapter refuses its transfers once the engine holds others)."""
 
     tenant: str
     seed: ChunkHash | None
@@ -113,10 +110,8 @@ def resolve_tenant(
         seed_parts.append(f"salt={salt}")
     if source.adapter:
         seed_parts.append(f"lora={source.adapter}")
-    if source.weights:
-        seed_parts.append(f"weights={source.weights}")
     seed = seed_hash("\x00".join(seed_parts)) if seed_parts else None
-    return RequestScope(tenant=tenant, seed=seed, weights=source.weights)
+    return RequestScope(tenant=tenant, seed=seed)
 
 
 def tenant_trusted(config: KVPackConfig, tenant: object, signature: object) -> bool:

@@ -14,9 +14,9 @@ the process that holds the model, and `WeightsState` names what the engine holds
 - `WeightsOrigin.PRIVATE`: anything else (tensors sent by a trainer, a partial load): named by the
   engine instance and the change's ordinal. No other engine shares them; said once in the log.
 
-A non-empty identity seeds every key's chain (`kvpack.tenancy.TenantSource.weights`), so it is in
-every key and in every object header's checked ``chunk``: an object computed by other weights is
-never found, and one found is never of other weights.
+A non-empty identity is part of the layout's model (`with_weights`), so it is in the group
+fingerprint that scopes every key and in every member fingerprint an object header carries and a
+load checks: an object computed by other weights is never found, and one found is never loaded.
 
 Invariants: `WeightsWatch.poll` is cheap (one pass over the parameters' version counters and
 storage addresses; no device synchronisation, no bytes read) and is called once per engine step
@@ -84,6 +84,13 @@ class WeightsState:
 
 STARTUP = WeightsState()
 """The weights of the checkpoint an engine started on."""
+
+
+def with_weights(model: str, weights: str) -> str:
+    """The layout's model field (`KVLayoutSpec.model`) of an engine started on checkpoint `model`
+    that holds weights `weights` now (a `WeightsState.identity`; ``""``: the checkpoint's own, and
+    `model` is returned unchanged, so objects of a checkpoint keep their keys)."""
+    return f"{model}|weights={weights}" if weights else model
 
 
 def private_identity(instance: str, epoch: int) -> str:

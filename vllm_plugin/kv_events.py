@@ -195,6 +195,11 @@ class RouterEvents:
         """vLLM's event hash form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), read once: vLLM's own
         `maybe_convert_block_hash` reads the environment per hash (most of a step's cost here)."""
 
+    def rescope(self, fingerprint: str) -> None:
+        """The engine's weights changed in place: other instances' facts of this group fingerprint
+        are announced from now on (blocks already announced are withdrawn as the tiers evict them)."""
+        self._fingerprint = fingerprint
+
     # -- requests and saves ---------------------------------------------------------
 
     def follow(self, request: Request) -> None:

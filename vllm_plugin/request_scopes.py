@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
@@ -45,7 +46,6 @@ def request_scope(
     config: KVPackConfig | str,
     on_untrusted: Callable[[str], None] | None = None,
     warned: threading.Event | None = None,
-    weights: str = "",
 ) -> RequestScope:
     """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
     ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
@@ -61,7 +61,6 @@ def request_scope(
         named=params.get(TENANT_PARAM),
         signature=params.get(TENANT_SIG_PARAM),
         adapter=adapter,
-        weights=weights,
         named_by=f"kv_transfer_params[{TENANT_PARAM!r}]",
         request_id=str(getattr(request, "request_id", "?")),
     )
@@ -82,19 +81,18 @@ class RequestScopes:
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
         self.weights = ""
-        """The engine's weights identity as the workers last reported it (`kvpack.WeightsState`):
-        seeds the key chain of every request scoped from now on."""
+        """The engine's weights as the workers last reported them (`kvpack.WeightsState.identity`):
+        every request scoped from now on carries it (its transfers are refused under others)."""
 
     def of(self, request: Request) -> RequestScope | None:
         if not cacheable(request):
             return None
         try:
-            return request_scope(
+            rs = request_scope(
                 request,
                 self.config,
                 lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
                 self._untrusted_warned,
-                self.weights,
             )
         except BadTenant as exc:
             if not self._bad_tenant_logged.is_set():  # once per process: the name is the client's
@@ -106,3 +104,4 @@ class RequestScopes:
                 )
             self.session.record(AdapterEvent.BAD_TENANT)
             return None
+        return replace(rs, weights=self.weights) if self.weights else rs

@@ -71,7 +71,7 @@ worst a tail is written again).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
@@ -82,6 +82,7 @@ from kvpack import (
     HitPlan,
     HitQuery,
     KVPackConfig,
+    MemberSpec,
     MetricsInterval,
     RequestScope,
     Session,
@@ -113,10 +114,18 @@ log = logging.getLogger("kvpack.vllm")
 
 class SchedulerSide:
     def __init__(
-        self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0
+        self,
+        config: KVPackConfig,
+        scope: Scope,
+        can_load: bool,
+        can_save: bool,
+        sync_load_max_blocks: int = 0,
+        scope_for: Callable[[str], Scope] | None = None,
     ) -> None:
         """`sync_load_max_blocks`: the largest hit loaded inside a step (0: none; see the
-        module docstring)."""
+        module docstring). `scope_for(weights)`: the engine's scope once its weights changed
+        in place (`scopes.make_scope`; None: this side never rescopes)."""
+        self._scope_for = scope_for
         self.config = config
         self.sync_load_max_blocks = sync_load_max_blocks
         self.scope = scope
@@ -125,9 +134,10 @@ class SchedulerSide:
         self.memory = WorkersMemory(config, scope)
         # a lookup view: the workers write, this process only reads (no write-back threads)
         self.session = Session.reader(config, self.memory.tiers, scope.fingerprint)
-        self.members = scope.member_specs()
-        self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
+        self.members: list[MemberSpec] = []
+        self._splits: list[list[MemberSpec]] = []
         """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
+        self._bind(scope)
         self._plans: dict[str, HitPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
@@ -139,9 +149,9 @@ class SchedulerSide:
         """The connector's per-interval stats: what this side's store counted since the last take."""
         self._scopes = RequestScopes(config, self.session)
         self._scope_of = self._scopes.of
+        """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
         self._weights = WeightsState()
         """The workers' weights as last reported (`kvpack.WeightsState`)."""
-        """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
         self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
@@ -353,15 +363,29 @@ class SchedulerSide:
         itself frees a finished request's blocks once its save is reported)."""
         if isinstance(report, KVPackWorkerMetadata):
             if report.weights is not None and report.weights.newer_than(self._weights):
-                # requests scoped from now on are keyed by the new weights; those planned before
-                # keep the old ones, and the workers refuse their loads and drop their saves
-                self._weights = report.weights
-                self._scopes.weights = report.weights.identity
+                self._use_weights(report.weights)
             self.memory.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)
                 self._captures.restart(req_id)
+
+    def _use_weights(self, weights: WeightsState) -> None:
+        """The workers hold other weights now: lookups from here on are scoped by the fingerprint
+        that names them. Requests scoped before keep their stamp, and the workers refuse their
+        loads and drop their saves."""
+        self._weights = weights
+        self._scopes.weights = weights.identity
+        if self._scope_for is not None:
+            self._bind(self._scope_for(weights.identity))
+
+    def _bind(self, scope: Scope) -> None:
+        """Plan lookups and saves under `scope` (its fingerprint scopes every key)."""
+        self.scope = scope
+        self.memory.scope = scope
+        self.session.bind_group(scope.fingerprint)
+        self.members = scope.member_specs()
+        self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
 
     def take_stats(self) -> dict[str, float]:
         """What this side's store counted since the last call (`kvpack_*` metrics' increases)."""

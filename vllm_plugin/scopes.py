@@ -44,6 +44,7 @@ from kvpack import (
     canonical_group_spec,
     identify_model,
     resolve_memory,
+    with_weights,
 )
 
 from .canonical_blocks import head_split
@@ -331,9 +332,14 @@ def resolve_draft_placement(vllm_config: VllmConfig, config: KVPackConfig) -> Dr
 
 
 def make_scope(
-    vllm_config: VllmConfig, config: KVPackConfig | None = None, kv_cache_config: KVCacheConfig | None = None
+    vllm_config: VllmConfig,
+    config: KVPackConfig | None = None,
+    kv_cache_config: KVCacheConfig | None = None,
+    weights: str = "",
 ) -> Scope:
-    """The engine's `Scope`. `config` defaults to the one in ``kv_connector_extra_config``.
+    """The engine's `Scope`. `config` defaults to the one in ``kv_connector_extra_config``;
+    `weights`: the weights the engine holds when they changed in place since start-up
+    (`kvpack.WeightsState.identity`; part of the model, so of every fingerprint).
     Raises ValueError (engine start-up) for a combination kvpack cannot store."""
     from vllm.platforms import current_platform
 
@@ -347,7 +353,7 @@ def make_scope(
     model_cfg = vllm_config.model_config
     draft = draft_identity(vllm_config)
     placement = resolve_draft_placement(vllm_config, config)
-    model = target_identity(vllm_config, config)
+    model = with_weights(target_identity(vllm_config, config), weights)
     if draft:
         model += f"|draft={draft}"
     if placement is not DraftPlacement.NONE:

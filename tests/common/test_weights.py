@@ -14,9 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvpack import KVPackConfig, Metrics, WeightsOrigin, WeightsWatch
+from kvpack import KVLayoutSpec, Metrics, WeightsOrigin, WeightsWatch, with_weights
 from kvpack.model_identity import model_identity
-from kvpack.tenancy import TenantSource, resolve_tenant
 from kvpack.weights import RELIST_EVERY, private_identity
 
 
@@ -143,12 +142,14 @@ def test_a_path_that_is_not_a_local_checkpoint_names_nothing(
     assert watch.poll().origin is WeightsOrigin.PRIVATE
 
 
-def test_weights_seed_the_key_chain_and_the_start_checkpoint_keeps_its_keys() -> None:
-    config = KVPackConfig.from_dict({})
-    before = resolve_tenant(TenantSource(), config)
-    assert before.seed is None  # unchanged: objects of the start-up checkpoint keep their keys
-    after = resolve_tenant(TenantSource(weights="private:abc"), config)
-    other = resolve_tenant(TenantSource(weights="private:abd"), config)
-    assert after.seed is not None and after.seed != other.seed and after.weights == "private:abc"
-    salted = resolve_tenant(TenantSource(salt="s", weights="private:abc"), config)
-    assert salted.seed not in (after.seed, resolve_tenant(TenantSource(salt="s"), config).seed)
+def test_weights_are_in_every_fingerprint_and_the_start_checkpoint_keeps_its_own() -> None:
+    def spec(model: str) -> KVLayoutSpec:
+        return KVLayoutSpec(engine="vllm:cpu", model=model, dtype="float32", chunk_tokens=16)
+
+    start = spec("ckpt:v1:aa")
+    assert spec(with_weights("ckpt:v1:aa", "")) == start  # objects of the start-up checkpoint keep their keys
+    private = spec(with_weights("ckpt:v1:aa", private_identity("engine-1", 1)))
+    reloaded = spec(with_weights("ckpt:v1:aa", "ckpt:v1:bb"))
+    fingerprints = {s.group_fingerprint for s in (start, private, reloaded)}
+    assert len(fingerprints) == 3
+    assert len({s.member_fingerprint for s in (start, private, reloaded)}) == 3

@@ -8,8 +8,8 @@ engine holds at that moment:
 
 - ``reload_weights`` from B's path through ``collective_rpc`` (vLLM's default multi-process
   mode: the scheduler learns the change from the workers), then ``reset_prefix_cache()`` as RL
-  frameworks call it. Objects of A are not loaded; what is stored from then on is named by B's
-  checkpoint digest, so a second engine that reloads B shares it.
+  frameworks call it. Objects of A are not loaded; what is stored from then on is under a
+  fingerprint naming B's checkpoint digest, so a second engine that reloads B shares it.
 - a trainer's tensors through ``model.load_weights`` (an RL worker extension's call), no reset:
   the new weights cannot be named, so the engine's entries become private to it.
 - parameters written in place with ``copy_`` (no loading method at all): noticed from the
