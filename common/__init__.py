@@ -51,6 +51,7 @@ the life of a stored block):
 """
 
 from .adapter_events import AdapterEvent, AdapterRefusal
+from .batch_log import BatchFigures, BatchLog, Direction
 from .budget import WaitBudget
 from .canonical import (
     CanonicalGeometry,
@@ -66,13 +67,15 @@ from .canonical import (
 from .canonical import group_spec as canonical_group_spec
 from .client_input import MAX_DETAIL_CHARS, Refusals, clip
 from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
+from .engine_counters import EngineCounters
 from .errors import ConfigError, KVPackError, LayoutError
 from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .heads import HeadRange, HeadSplit
+from .hit_sources import UNKNOWN_TIER, HitSources
 from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout_spec import KVLayoutSpec
-from .metrics import Metrics, MetricsInterval
+from .metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
 from .model_identity import ModelIdentity
 from .model_identity import (
     model_identity as identify_model,
@@ -86,7 +89,7 @@ from .store import KVStore, LoadItem
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tier_events import TierEvent, TierEventFeed, TierEventKind
-from .tiers.base import GetResult, PutItem, TierStatus
+from .tiers.base import GetResult, Medium, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
@@ -143,6 +146,17 @@ __all__ = [
     "MemoryMode",
     "Metrics",
     "MetricsInterval",
+    "ExportedCounter",
+    "EngineCounters",
+    "exported_counters",
+    "parse_series_key",
+    "series_key",
+    "HitSources",
+    "UNKNOWN_TIER",
+    "Medium",
+    "BatchFigures",
+    "BatchLog",
+    "Direction",
     "ModelIdentity",
     "ObjectHeader",
     "ObjectIO",

@@ -78,6 +78,8 @@ class PlannedTail:
     """Whether its draft members are loaded too."""
     source: int = 0
     """The member set it is read as (0: `HitQuery.members`, i: ``alternatives[i - 1]``)."""
+    tiers: tuple[str, ...] = ()
+    """The tiers the lookup found its members in (empty: not known, e.g. a handoff's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,7 +175,12 @@ def plan_lookup(
         used = tuple(int(t) for t in rest[: matched - k * bs])
         with_draft = all(m in match.members for m in query.draft_members)
         tail = PlannedTail(
-            chunk=match.chunk, stored_tokens=match.stored_tokens, token_ids=used, with_draft=with_draft, source=source
+            chunk=match.chunk,
+            stored_tokens=match.stored_tokens,
+            token_ids=used,
+            with_draft=with_draft,
+            source=source,
+            tiers=match.tiers,
         )
         metrics.inc("tail_hit_tokens", len(used), tenant=tenant)
     found: dict[str, list[tuple[str, str]]] = {}

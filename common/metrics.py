@@ -21,6 +21,7 @@ stays monotonic.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import threading
 from collections import defaultdict
@@ -54,6 +55,10 @@ class MetricSpec:
     labels: tuple[str, ...]
     kind: Kind = Kind.COUNTER
 
+    @property
+    def labels_without_tenant(self) -> tuple[str, ...]:
+        return tuple(k for k in self.labels if k != "tenant")
+
 
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("lookups", "Prefix lookups", ("tenant",)),
@@ -62,6 +67,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("full_hits", "Lookups whose hit covers every required member", ("tenant",)),
     MetricSpec(
         "partial_hits", "Chunks whose target was stored but a required member was not", ("tenant", "missing_member")
+    ),
+    MetricSpec(
+        "hit_tier_tokens",
+        "Tokens the engine accepted as loaded, by the tier the lookup found them in (a chunk: its farthest member's)",
+        ("tier",),
     ),
     MetricSpec("tail_hit_tokens", "Tokens reused from stored partial-block tails", ("tenant",)),
     MetricSpec("loaded_tokens", "Tokens restored into the engine", ("tenant",)),
@@ -226,6 +236,10 @@ class Metrics:
         self._hist: dict[str, dict[tuple[str, ...], list[float]]] = defaultdict(
             lambda: defaultdict(lambda: [0.0, 0.0, 0.0])
         )
+        self._kept = {c.name: tuple(self._specs[c.name].labels.index(k) for k in c.labels) for c in exported_counters()}
+        """Per counter with labels besides ``tenant``: the positions of those (`series_totals`)."""
+        self._series: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
+        """Per such counter and label set without the tenant: its sum, kept as it changes."""
 
     @classmethod
     def for_config(cls, config: KVPackConfig) -> Metrics:
@@ -261,9 +275,12 @@ class Metrics:
         values = self._labels(name, labels)
         prom = self._prom[name]
         (prom.labels(*values) if values else prom).inc(amount)  # type: ignore[union-attr]
+        kept = self._kept.get(name)
         with self._lock:
             self._values[name][values] += amount
             self._totals[name] += amount
+            if kept:
+                self._series[(name, tuple(values[i] for i in kept))] += amount
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
         values = self._labels(name, labels)
@@ -320,6 +337,13 @@ class Metrics:
         with self._lock:
             return dict(self._totals)
 
+    def series_totals(self) -> dict[str, float]:
+        """Every counter of `exported_counters` that has labels besides ``tenant``, summed over
+        tenants, per label set: ``{series_key(name, labels): value}``."""
+        with self._lock:
+            items = list(self._series.items())
+        return {series_key(n, dict(zip(self._specs[n].labels_without_tenant, v))): x for (n, v), x in items}
+
     def serve_prometheus(self, port: int, span: int = 1, addr: str = "127.0.0.1") -> int | None:
         """Expose this registry over HTTP on the first free port of
         ``port .. port + span - 1`` (loopback by default). Returns the port, or
@@ -356,14 +380,19 @@ class MetricsInterval:
     """What `metrics` counted since the last `take`: one counter system for an engine's own
     per-interval stats hook (vLLM's ``KVConnectorStats``) and Prometheus alike."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, series: bool = False) -> None:
+        """`series`: also take the label sets of `Metrics.series_totals` (for an engine's
+        own metrics endpoint; plain keys stay each counter's sum, for its log line)."""
         self._metrics = metrics
+        self._series = series
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def take(self) -> dict[str, float]:
         """``{name: increase}`` of every total that changed since the last call (see `Metrics.totals`)."""
         totals = self._metrics.totals()
+        if self._series:
+            totals.update(self._metrics.series_totals())
         with self._lock:
             last, self._last = self._last, totals
         return {k: v - last.get(k, 0.0) for k, v in totals.items() if v != last.get(k, 0.0)}
@@ -389,6 +418,41 @@ class Tally:
         for (name, labels), amount in self._acc.items():
             self._metrics.inc(name, amount, **dict(labels))
         self._acc.clear()
+
+
+@dataclass(frozen=True)
+class ExportedCounter:
+    """A counter as an engine's own metrics endpoint shows it: summed over tenants (the
+    engine's label sets stay bounded whatever the tenants), by its other labels."""
+
+    name: str
+    doc: str
+    labels: tuple[str, ...]
+
+
+def exported_counters() -> list[ExportedCounter]:
+    """Every counter of `SPECS`, its labels without ``tenant``."""
+    return [ExportedCounter(s.name, s.doc, s.labels_without_tenant) for s in SPECS if s.kind is Kind.COUNTER]
+
+
+def series_key(name: str, labels: dict[str, str]) -> str:
+    """One label set of a counter as a plain string key (``name{"tier":"disk"}``): an
+    engine's stats payload stays a flat ``{str: number}`` that sums key by key."""
+    return name + json.dumps(labels, sort_keys=True, separators=(",", ":"))
+
+
+def parse_series_key(key: str) -> tuple[str, dict[str, str]] | None:
+    """`series_key`'s inverse (None: a plain total's key, or not one of its keys)."""
+    brace = key.find("{")
+    if brace <= 0:
+        return None
+    try:
+        labels = json.loads(key[brace:])
+    except ValueError:
+        return None
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        return None
+    return key[:brace], labels
 
 
 def _fmt(labels: tuple[str, ...], values: tuple[str, ...]) -> str:

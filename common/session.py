@@ -47,6 +47,7 @@ from .config import KVPackConfig
 from .cpu_features import request_amx_permission
 from .exit_flush import Flushable, flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec
+from .hit_sources import HitSources, hit_sources
 from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
 from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
 from .lifecycle import LoadPlan
@@ -264,6 +265,16 @@ class Session:
             )
 
         return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
+
+    def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
+        """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,
+        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.hit_sources`)."""
+        if plan.scope is not None:
+            self.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
+        sources = hit_sources(plan, external_tokens, chunk_tokens, self.store.tiers)
+        for tier, n in sources.by_tier.items():
+            self.store.metrics.inc("hit_tier_tokens", n, tier=tier)
+        return sources
 
     def plan_handoff(self, query: HitQuery, claim: HandoffClaim) -> HitPlan:
         """The hit of a request another instance computed and stored (`HandoffClaim`), without

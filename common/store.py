@@ -132,7 +132,7 @@ class KVStore(LentCopies, StoreWrites):
         self._closed = False
         if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
-        self.tails = TailSlots(config, self.metrics, self.peek_headers)
+        self.tails = TailSlots(config, self.metrics, self.peek_located)
         from .config import METRICS_PORT_SPAN
 
         self.metrics_port = self.metrics.serve_configured(config.metrics_port, METRICS_PORT_SPAN)
@@ -362,9 +362,16 @@ class KVStore(LentCopies, StoreWrites):
         return replace(result, located=located)
 
     def peek_headers(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[ObjectHeader | None]:
-        """The header of each key from the fastest tier holding it (None: none does).
+        """The header of each key from the fastest tier holding it (None: none does)."""
+        return self.peek_located(keys, budget)[0]
+
+    def peek_located(
+        self, keys: Sequence[StoreKey], budget: WaitBudget | None = None
+    ) -> tuple[list[ObjectHeader | None], list[str | None]]:
+        """`peek_headers`, and the name of the tier each header came from (None: none).
         One `peek_headers` call per tier, for the keys no faster tier answered."""
         out: list[ObjectHeader | None] = [None] * len(keys)
+        where: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
             todo = [i for i, h in enumerate(out) if h is None]
             if not todo:
@@ -381,7 +388,8 @@ class KVStore(LentCopies, StoreWrites):
                 continue
             for i, header in zip(todo, found):
                 out[i] = header
-        return out
+                where[i] = tier.name if header is not None else None
+        return out, where
 
     # -- load ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,10 +46,12 @@ class TailMatch:
     stored_tokens: int
     token_ids: tuple[int, ...]
     members: tuple[str, ...]
+    tiers: tuple[str, ...] = ()
+    """The tiers its members' headers were found in (the load reads it from those)."""
 
 
-HeaderPeek = Callable[[Sequence[StoreKey], "WaitBudget | None"], "list[ObjectHeader | None]"]
-"""`KVStore.peek_headers`: each key's header from the fastest tier holding it."""
+HeaderPeek = Callable[[Sequence[StoreKey], "WaitBudget | None"], "tuple[list[ObjectHeader | None], list[str | None]]"]
+"""`KVStore.peek_located`: each key's header from the fastest tier holding it, and that tier's name."""
 
 
 class TailSlots:
@@ -82,9 +84,12 @@ class TailSlots:
         best: TailMatch | None = None
         missing_draft: set[str] = set()
         slots = self._tail_slot_headers(tenant, fingerprint, parent, [m.name for m in members], budget)
-        for chunk, found in slots:
+        for chunk, found, tiers in slots:
             headers = dict(zip((m.name for m in members), found))
             match = self._match_tail_slot(chunk, headers, query, members, match_unit, missing_draft)
+            if match is not None:
+                used = dict(zip((m.name for m in members), tiers))
+                match = replace(match, tiers=tuple(sorted({t for m in match.members if (t := used.get(m))})))
             if match is not None and (best is None or match.tokens > best.tokens):
                 best = match
         if best is None or len(best.members) < len(members):
@@ -94,13 +99,13 @@ class TailSlots:
 
     def _tail_slot_headers(
         self, tenant: str, fingerprint: str, parent: str | None, members: Sequence[str], budget: WaitBudget | None
-    ) -> list[tuple[str, list[ObjectHeader | None]]]:
-        """For each tail slot of `parent`: (its chunk, the header of each member, in
-        `members` order). One batched `peek_headers` per tier for all of them."""
+    ) -> list[tuple[str, list[ObjectHeader | None], list[str | None]]]:
+        """For each tail slot of `parent`: (its chunk, the header of each member and the tier
+        it came from, in `members` order). One batched `peek_headers` per tier for all of them."""
         chunks = [tail_chunk(parent, slot) for slot in range(TAIL_SLOTS)]
-        headers = self._peek([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
+        headers, tiers = self._peek([StoreKey(tenant, fingerprint, c, m) for c in chunks for m in members], budget)
         n = len(members)
-        return [(c, headers[i * n : (i + 1) * n]) for i, c in enumerate(chunks)]
+        return [(c, headers[i * n : (i + 1) * n], tiers[i * n : (i + 1) * n]) for i, c in enumerate(chunks)]
 
     def _match_tail_slot(
         self,
@@ -154,7 +159,7 @@ class TailSlots:
         ids = tuple(int(t) for t in token_ids)
         extends: str | None = None
         empty: str | None = None
-        for chunk, headers in self._tail_slot_headers(tenant, fingerprint, parent, members, budget):
+        for chunk, headers, _ in self._tail_slot_headers(tenant, fingerprint, parent, members, budget):
             stored = headers[0].token_ids if headers[0] is not None else None
             if stored is None:
                 empty = empty or chunk

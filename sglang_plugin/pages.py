@@ -11,12 +11,13 @@ loaded. A set stores only the pages the session's de-duplication says are still 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvpack import AdapterRefusal, MemberObject, PagePart, Payload, Session, clip
+from kvpack import AdapterRefusal, BatchLog, Direction, MemberObject, PagePart, Payload, Session, clip
 
 from .pools import PoolBinding
 from .registry import PoolRegistry
@@ -36,6 +37,8 @@ class PageCopies:
         self.pools = pools
         self._logged: set[AdapterRefusal] = set()
         """Refusal reasons already logged: each is logged once, then only counted (bounded by the enum)."""
+        self.batches = BatchLog()
+        """Each get and set call's pages and bandwidth, for SGLang's `get_stats` (bounded)."""
 
     def _first(self, why: AdapterRefusal) -> bool:
         """Count a refusal; whether it is the first of its reason here (the one to log)."""
@@ -73,6 +76,7 @@ class PageCopies:
         if not self._usable(binding, name, keys, "get"):
             return [False] * n
         assert binding is not None
+        began = time.perf_counter()
         ok = self.session.load_pages(
             self._parts(binding, keys, host_indices),
             n,
@@ -81,9 +85,14 @@ class PageCopies:
             tenant=self.tenant,
             page_tokens=binding.page_size if name == "kv" else 0,
         )
+        self._note(Direction.LOAD, binding, sum(ok), began)
         if not all(ok):
             log.debug("kvpack: %s get: %d of %d pages", name, sum(ok), n)
         return ok
+
+    def _note(self, direction: Direction, binding: PoolBinding, pages: int, began: float) -> None:
+        """One call's figures: `pages` pages of `binding`'s pool, moved since `began`."""
+        self.batches.note(direction, pages, pages * int(binding.obj.payload_len or 0), time.perf_counter() - began)
 
     def _parts(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[PagePart]:
         """Per object set of the pages: the pool's own member, or, for pages the lookup found
@@ -121,6 +130,14 @@ class PageCopies:
         assert binding is not None
         if not binding.writes:
             return [True] * n
+        began = time.perf_counter()
+        ok = self._set(binding, keys, host_indices)
+        self._note(Direction.STORE, binding, sum(ok), began)
+        return ok
+
+    def _set(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """`set` of a bound, writing pool with valid keys."""
+        n = len(keys)
 
         def pages(todo: Sequence[int]) -> torch.Tensor:
             return host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)

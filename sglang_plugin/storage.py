@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from kvpack import AdapterRefusal, Coverage, MemberSpec, Session
+from kvpack import AdapterRefusal, Coverage, Direction, MemberSpec, Session
 
 from .config import split_extra_config
 from .legacy import FlatMember, LegacyPageInterface
@@ -81,6 +81,7 @@ try:  # SGLang is present wherever this backend is loaded; the import keeps kvpa
         PoolTransfer,
         PoolTransferResult,
     )
+    from sglang.srt.observability.metrics_collector import StorageMetrics
 except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"kvpack.sglang_plugin needs SGLang (pip install 'kvpack[sglang]'): {exc}") from exc
 
@@ -307,9 +308,18 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         SGLang instance may not wipe them. Use kvpack's own tools."""
         log.warning("kvpack: clear() ignored: the kvpack store is shared across instances and tenants")
 
-    def get_stats(self) -> None:
-        """SGLang storage metrics are its own; kvpack's are in `metrics_snapshot()` / Prometheus."""
-        return None
+    def get_stats(self) -> StorageMetrics:
+        """SGLang's own storage metrics (``--enable-metrics``): pages and GiB/s of each get
+        (prefetch) and set (backup) call since the last call; SGLang records each in its
+        histograms. kvpack's own counters: `metrics_snapshot()`, ``metrics_port``."""
+        figures = self.pages.batches.take()
+        loads, saves = figures[Direction.LOAD], figures[Direction.STORE]
+        return StorageMetrics(
+            prefetch_pgs=loads.pages,
+            backup_pgs=saves.pages,
+            prefetch_bandwidth=loads.gb_per_s,
+            backup_bandwidth=saves.gb_per_s,
+        )
 
     def metrics_snapshot(self) -> dict[str, dict[str, float]]:
         return self.session.metrics_snapshot()

@@ -28,10 +28,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from .kv_events import router_events, tier_feed, worker_events
 from .metadata import KVPackConnectorMetadata
+from .prom import KVPackPromMetrics, cache_hit_sources
 from .scheduler import SchedulerSide
 from .scopes import load_config, make_scope
 from .worker import WorkerSide
@@ -41,15 +42,17 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvpack import Session
+    from kvpack import HitSources, Session
 
 log = logging.getLogger("kvpack.vllm")
 
@@ -75,7 +78,8 @@ class KVPackConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """Each counter's sum, for vLLM's log line (its label sets go to /metrics: `prom`)."""
+        return {k: v for k, v in self.data.items() if "{" not in k}
 
     def is_empty(self) -> bool:
         return not self.data
@@ -118,6 +122,8 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
             else None
         )
         self._tier_feed = tier_feed(vllm_config, self.worker.session) if self.worker is not None else None
+        self._hit_sources: dict[str, HitSources] = {}
+        """Per running request whose hit the workers load: the hit by tier (dropped when it finishes)."""
         _LIVE.add(self)
 
     @property
@@ -215,6 +221,17 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPackConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """kvpack's counters on the server's own /metrics (`prom.KVPackPromMetrics`)."""
+        return KVPackPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         for side in (self.worker, self.scheduler):
             if side is not None:
@@ -230,7 +247,13 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        sources = self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if sources is not None:
+            self._hit_sources[request.request_id] = sources
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The accepted hit by vLLM's cache source: host memory, disk, remote (`prom`)."""
+        return cache_hit_sources(self._hit_sources.get(request.request_id), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -257,6 +280,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         if self.router_events is not None:
             self.router_events.finished(request.request_id)
+        self._hit_sources.pop(request.request_id, None)
         return self.scheduler.request_finished(request, block_ids)
 
     def register_finished_partial_tail(

@@ -81,6 +81,7 @@ from kvpack import (
     HandoffClaim,
     HitPlan,
     HitQuery,
+    HitSources,
     KVPackConfig,
     MemberSpec,
     MetricsInterval,
@@ -145,7 +146,7 @@ class SchedulerSide:
         """Requests whose hit, as last answered to vLLM, loads inside the step."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
-        self._interval = MetricsInterval(self.session.metrics)
+        self._interval = MetricsInterval(self.session.metrics, series=True)
         """The connector's per-interval stats: what this side's store counted since the last take."""
         self._scopes = RequestScopes(config, self.session)
         self._scope_of = self._scopes.of
@@ -245,14 +246,14 @@ class SchedulerSide:
         tail_members = self._splits[plan.tail.source] if self._splits and plan.tail else self.members
         return self.memory.holds(plan, tail_members, self.session)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, external: int) -> HitSources | None:
+        if external <= 0:
+            return None
         plan = self._plans.get(request.request_id)
         if plan is None or plan.scope is None:
-            return
+            return None
         block_ids = blocks.get_block_ids()
-        refs = hit_refs(plan, block_ids, num_external_tokens, self.scope.block_size, self._state_groups)
+        refs = hit_refs(plan, block_ids, external, self.scope.block_size, self._state_groups)
         wait_s = self.config.handoff_wait_ms / 1000.0 if plan.handoff else 0.0
         sync = request.request_id in self._sync_loads
         self._sync_loads.discard(request.request_id)
@@ -262,8 +263,8 @@ class SchedulerSide:
         self._load_issued.add(request.request_id)
         if sync:
             self.session.record(AdapterEvent.SYNC_LOAD_REQUESTED)
-        self.session.record(AdapterEvent.EXTERNAL_HIT_TOKENS, num_external_tokens, tenant=plan.scope.tenant)
         self.session.record(AdapterEvent.LOAD_REQUESTED)
+        return self.session.accept_hit(plan, external, self.scope.block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
         if scheduler_output is not None and self._captures:

@@ -96,10 +96,23 @@ class TierUsage:
     groups: int
 
 
+class Medium(enum.Enum):
+    """Where a tier keeps its bytes, as engines' metrics name the source of cached tokens."""
+
+    HOST = "host"
+    """This host's memory: a process's memory tier, the host store."""
+    DISK = "disk"
+    """A file system."""
+    REMOTE = "remote"
+    """Another machine's store (Mooncake)."""
+
+
 class Tier(ABC):
     """One storage tier. Thread-safe: any method may be called from any thread."""
 
     name: str = "tier"
+    medium: Medium = Medium.REMOTE
+    """Where its bytes are (`kvpack.hit_sources` splits a hit's tokens by it)."""
     remote: bool = False
     """Calls leave this process and may each wait up to the tier's own bound (Mooncake):
     `KVStore` skips such a tier once an engine step's `WaitBudget` is spent."""

@@ -53,7 +53,7 @@ from ..objects import (
     payload_parts,
 )
 from .arena import SlabArena, slab_for_capacity
-from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 from .parallel import CopyPair, IOThreads, RegionCopier
 
 
@@ -77,6 +77,7 @@ def _gid(key: StoreKey | GroupKey) -> str:
 
 class MemoryTier(Tier):
     name = "memory"
+    medium = Medium.HOST
     front = True
 
     def __init__(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload
-from .base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class ReportedMemoryIndex(Tier):
     """Index of other processes' memory tiers, fed by their reports. Bounded (oldest dropped)."""
 
     name = "memory"
+    medium = Medium.HOST
 
     def __init__(self, max_objects: int = 1_000_000) -> None:
         self._lock = threading.Lock()

@@ -81,7 +81,7 @@ class TransferRunner:
         self._reported_failed: list[str] = []
         self._stored: list[ReportedObject] = []
         self._evicted: list[str] = []
-        self._interval = MetricsInterval(self._metrics)
+        self._interval = MetricsInterval(self._metrics, series=True)
         self._idle_step = False
         self._disabled = False
         self._step_loads: list[LoadTask] = []
@@ -523,7 +523,8 @@ class TransferRunner:
         return stored, evicted, failed
 
     def take_stats(self) -> dict[str, float]:
-        """What this process's store counted since the last call (`kvpack_*` increases)."""
+        """What this process's store counted since the last call (`kvpack_*` increases, and their
+        label sets without the tenant: `Metrics.series_totals`)."""
         return self._interval.take()
 
     def _admit(self, bound: ByteBound, direction: str, name: str, nbytes: int) -> bool:

@@ -12,10 +12,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_helpers import (
@@ -56,7 +59,7 @@ def test_multiprocess_hit_served_from_worker_memory(tiny_llama: Path, monkeypatc
     follows at once, as a user's would (no drain)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     ids = prompt(11, 301)
-    llm = make_llm(tiny_llama, kv_config({"disk": {"enabled": False}}))
+    llm = make_llm(tiny_llama, kv_config({"disk": {"enabled": False}}), disable_log_stats=False)
     try:
         first = run(llm, ids)
         assert first.cached == 0
@@ -65,8 +68,22 @@ def test_multiprocess_hit_served_from_worker_memory(tiny_llama: Path, monkeypatc
         assert same_output(first, second)
         other = run(llm, prompt(12, 301))  # negative control: an unstored prompt does not hit
         assert other.cached == 0
+        # vLLM's split of the cached tokens by source: whole blocks and the tail, all in host
+        # memory; a split that did not sum to them would be reported as external_unspecified
+        assert counters(llm, "vllm:prompt_tokens_cached_by_source", "source") == {"host": len(ids) - 1}
+        assert counters(llm, "vllm:kvpack_hit_tier_tokens", "tier") == {"memory": len(ids) - 1}
     finally:
         close_llm(llm)
+
+
+def counters(llm: Any, name: str, label: str) -> dict[str, float]:
+    """Counter `name`'s non-zero values by `label`, summed over the rest (`LLM.get_metrics`)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = float(getattr(m, "value", 0) or 0)
+        if m.name == name and value:
+            out[m.labels[label]] = out.get(m.labels[label], 0.0) + value
+    return out
 
 
 def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
@@ -151,9 +168,31 @@ def test_openai_server_two_lifetimes_second_hits(tiny_llama: Path, first_lifetim
     try:
         second = post_completion(port, body)
         cold = post_completion(port, {**body, "prompt": prompt(22, 301)})  # negative control
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            scraped = resp.read().decode()  # the server's own /metrics, after both answers
     finally:
         stop_server(proc)
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens") == len(ids) - 1
     assert ((cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0) == 0
+    # the hit by vLLM's source: this lifetime's memory tier (one process per engine: the
+    # per-process tier) was empty, so all of it, whole blocks and tail, came from the disk
+    by_source = samples(scraped, "vllm:prompt_tokens_cached_by_source_total", "source")
+    assert by_source == {"disk": len(ids) - 1}, by_source  # not external_unspecified
+    # kvpack's own counters on the same port, summed over tenants
+    assert samples(scraped, "vllm:kvpack_hit_tier_tokens_total", "tier") == {"disk": len(ids) - 1}
+    assert samples(scraped, "vllm:kvpack_loaded_bytes_total", "tier").get("disk", 0) > 0
+
+
+def samples(text: str, name: str, label: str) -> dict[str, float]:
+    """Prometheus text `text`: sample `name`'s non-zero values by `label`, summed over the rest."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+        found = re.search(rf'(?:^|,){label}="([^"]*)"', labels)
+        if found and float(value):
+            out[found.group(1)] = out.get(found.group(1), 0.0) + float(value)
+    return out

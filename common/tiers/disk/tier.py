@@ -72,7 +72,7 @@ from ...objects import (
     payload_parts,
 )
 from ...router_facts import FactsRow, RouterFacts
-from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage, checksummed
+from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
 from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
@@ -120,6 +120,7 @@ class DiskCounters:
 
 class DiskTier(Tier):
     name = "disk"
+    medium = Medium.DISK
 
     def __init__(
         self,

@@ -46,7 +46,7 @@ from ...objects import (
     header_length,
     payload_parts,
 )
-from ..base import GetResult, PutItem, TierStatus, checksummed
+from ..base import GetResult, Medium, PutItem, TierStatus, checksummed
 from ..disk import DiskTier
 from ..disk.catalog import Catalog, open_catalog
 from ..disk.fs import SHM, open_store_root
@@ -65,6 +65,7 @@ __all__ = ["FIELD", "HostTier"]
 
 class HostTier(DiskTier):
     name = "host"
+    medium = Medium.HOST
     front = True
 
     def __init__(

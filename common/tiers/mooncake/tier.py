@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from ...config import MooncakeProtocol, MooncakeTierConfig
 from ...keys import GroupKey, StoreKey
 from ...objects import Expectation, ObjectHeader, Payload
-from ..base import GetResult, PutItem, Tier, TierStatus, TierUsage
+from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 from . import connection
 from .connection import CircuitBreaker, Connection, TierEvents, TierState
 from .gets import Gets
@@ -33,6 +33,7 @@ class MooncakeTier(Tier):
     passed (tests and tools; an engine never waits)."""
 
     name = "mooncake"
+    medium = Medium.REMOTE
     remote = True
 
     def __init__(self, config: MooncakeTierConfig, *, wait_ready_s: float = 0.0) -> None:
