@@ -93,8 +93,8 @@ from .tiers.base import GetResult, Medium, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
-from .weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
+from .weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,7 +93,6 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         self.kvpack_config = load_config(vllm_config)  # ConfigError names the field: fails start-up
         # ValueError for KV cache groups kvpack cannot store: fails start-up with the reason
         self.scope = make_scope(vllm_config, self.kvpack_config, kv_cache_config)
-        scope_for = partial(make_scope, vllm_config, self.kvpack_config, kv_cache_config)
         ktc = self._kv_transfer_config
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -109,11 +107,10 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
                 can_load=ktc.is_kv_consumer,
                 can_save=ktc.is_kv_producer,
                 sync_load_max_blocks=_sync_load_max_blocks(kv_cache_config),
-                scope_for=scope_for,
             )
             _warn_if_killed_before_flush(vllm_config, self.kvpack_config.shutdown_flush_s)
         else:
-            self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope, scope_for=scope_for)
+            self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         # vLLM's KV events (--kv-events-config): the workers' tier events, published by the scheduler side
         self.router_events = (

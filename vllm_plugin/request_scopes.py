@@ -26,6 +26,7 @@ from kvpack import (
     RequestScope,
     Session,
     TenantSource,
+    WeightsState,
     clip,
     resolve_tenant,
 )
@@ -80,9 +81,17 @@ class RequestScopes:
         self.session = session
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
-        self.weights = ""
-        """The engine's weights as the workers last reported them (`kvpack.WeightsState.identity`):
-        every request scoped from now on carries it (its transfers are refused under others)."""
+        self.weights = WeightsState()
+        """The engine's weights as the workers last reported them: every request scoped from now on
+        carries their identity (its transfers are refused under other weights)."""
+
+    def adopt(self, weights: WeightsState | None) -> bool:
+        """True when `weights` (a workers' report; None: no news) is newer than what requests carry
+        now: from here on they carry it."""
+        if weights is None or not weights.newer_than(self.weights):
+            return False
+        self.weights = weights
+        return True
 
     def of(self, request: Request) -> RequestScope | None:
         if not cacheable(request):
@@ -104,4 +113,4 @@ class RequestScopes:
                 )
             self.session.record(AdapterEvent.BAD_TENANT)
             return None
-        return replace(rs, weights=self.weights) if self.weights else rs
+        return replace(rs, weights=self.weights.identity) if self.weights.identity else rs

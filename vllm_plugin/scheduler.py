@@ -71,7 +71,7 @@ worst a tail is written again).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpack import (
@@ -80,15 +80,12 @@ from kvpack import (
     Coverage,
     HandoffClaim,
     HitPlan,
-    HitQuery,
     HitSources,
     KVPackConfig,
-    MemberSpec,
     MetricsInterval,
     RequestScope,
     Session,
     WaitBudget,
-    WeightsState,
 )
 
 from .captures import CaptureTracker
@@ -115,18 +112,10 @@ log = logging.getLogger("kvpack.vllm")
 
 class SchedulerSide:
     def __init__(
-        self,
-        config: KVPackConfig,
-        scope: Scope,
-        can_load: bool,
-        can_save: bool,
-        sync_load_max_blocks: int = 0,
-        scope_for: Callable[[str], Scope] | None = None,
+        self, config: KVPackConfig, scope: Scope, can_load: bool, can_save: bool, sync_load_max_blocks: int = 0
     ) -> None:
         """`sync_load_max_blocks`: the largest hit loaded inside a step (0: none; see the
-        module docstring). `scope_for(weights)`: the engine's scope once its weights changed
-        in place (`scopes.make_scope`; None: this side never rescopes)."""
-        self._scope_for = scope_for
+        module docstring)."""
         self.config = config
         self.sync_load_max_blocks = sync_load_max_blocks
         self.scope = scope
@@ -135,10 +124,6 @@ class SchedulerSide:
         self.memory = WorkersMemory(config, scope)
         # a lookup view: the workers write, this process only reads (no write-back threads)
         self.session = Session.reader(config, self.memory.tiers, scope.fingerprint)
-        self.members: list[MemberSpec] = []
-        self._splits: list[list[MemberSpec]] = []
-        """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`)."""
-        self._bind(scope)
         self._plans: dict[str, HitPlan] = {}
         self._load_issued: set[str] = set()
         """Requests whose load was handed to the workers: at most one load attempt each."""
@@ -151,8 +136,6 @@ class SchedulerSide:
         self._scopes = RequestScopes(config, self.session)
         self._scope_of = self._scopes.of
         """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
-        self._weights = WeightsState()
-        """The workers' weights as last reported (`kvpack.WeightsState`)."""
         self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
@@ -179,25 +162,11 @@ class SchedulerSide:
         if rs is None or request.request_id in self._failed:  # a load failed once: recompute, never retry
             plan = HitPlan.miss(n, rs)
         else:
-            query = self._query(request, rs, n)
+            query = self.scope.hit_query(rs, request.all_token_ids[:n])
             claim = self._handoff_of(request, rs)
             plan = self.session.plan_handoff(query, claim) if claim else self.session.plan_hit(query, self._budget)
         self._plans[request.request_id] = plan
         return plan
-
-    def _query(self, request: Request, rs: RequestScope, n: int) -> HitQuery:
-        """The request's facts for the core: its first `n` tokens, the engine's members, and,
-        for canonical objects, the other head splits' (`kvpack.heads`; the engine's own first)."""
-        members, others = (self._splits[0], self._splits[1:]) if self._splits else (self.members, [])
-        return HitQuery(
-            scope=rs,
-            token_ids=list(request.all_token_ids[:n]),
-            chunk_tokens=self.scope.block_size,
-            min_prefill_tokens=self.scope.min_prefill_tokens,
-            members=members,
-            alternatives=others,
-            draft_members=self.scope.draft_members,
-        )
 
     def _handoff_of(self, request: Request, rs: RequestScope) -> HandoffClaim | None:
         """The prefill instance's handoff in `request`'s params (`handoff.handoff_claim`); a
@@ -205,7 +174,7 @@ class SchedulerSide:
         is then served as any other)."""
         params = getattr(request, "kv_transfer_params", None)
         try:
-            return handoff_claim(params, self.scope.fingerprint, rs.tenant, [len(s) for s in self._splits])
+            return handoff_claim(params, self.scope.fingerprint, rs.tenant, [len(s) for s in self.scope.head_splits])
         except HandoffError as exc:
             self._handoff_refusals.refuse(exc.reason, str(exc), request.request_id)
             return None
@@ -243,7 +212,7 @@ class SchedulerSide:
         blocks = plan.hit_chunks + (plan.tail is not None)
         if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid:
             return False
-        tail_members = self._splits[plan.tail.source] if self._splits and plan.tail else self.members
+        tail_members = self.scope.split_members(plan.tail.source if plan.tail else 0)
         return self.memory.holds(plan, tail_members, self.session)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, external: int) -> HitSources | None:
@@ -327,7 +296,7 @@ class SchedulerSide:
         if self.can_save and run is not None and wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             # a prefill instance: tell the decode instance what it saved (blocks captured as computed)
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
-            ranges = len(self._splits[0]) if self._splits else 0
+            ranges = len(self.scope.head_splits[0]) if self.scope.head_splits else 0
             handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
             self.session.record(AdapterEvent.HANDOFF_SENT)
             return False, handoff.to_params()
@@ -363,30 +332,15 @@ class SchedulerSide:
         """Apply the workers' report (`finished_sending` needs no bookkeeping here: vLLM
         itself frees a finished request's blocks once its save is reported)."""
         if isinstance(report, KVPackWorkerMetadata):
-            if report.weights is not None and report.weights.newer_than(self._weights):
-                self._use_weights(report.weights)
+            if self._scopes.adopt(report.weights):  # the workers' weights changed in place: lookups
+                # from here on under their fingerprint; requests scoped before keep their stamp
+                self.scope = self.memory.scope = self.scope.with_weights(self._scopes.weights.identity)
+                self.session.bind_group(self.scope.fingerprint)
             self.memory.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)
                 self._captures.restart(req_id)
-
-    def _use_weights(self, weights: WeightsState) -> None:
-        """The workers hold other weights now: lookups from here on are scoped by the fingerprint
-        that names them. Requests scoped before keep their stamp, and the workers refuse their
-        loads and drop their saves."""
-        self._weights = weights
-        self._scopes.weights = weights.identity
-        if self._scope_for is not None:
-            self._bind(self._scope_for(weights.identity))
-
-    def _bind(self, scope: Scope) -> None:
-        """Plan lookups and saves under `scope` (its fingerprint scopes every key)."""
-        self.scope = scope
-        self.memory.scope = scope
-        self.session.bind_group(scope.fingerprint)
-        self.members = scope.member_specs()
-        self._splits = [scope.member_specs(p) for p in scope.heads.partitions()] if scope.heads is not None else []
 
     def take_stats(self) -> dict[str, float]:
         """What this side's store counted since the last call (`kvpack_*` metrics' increases)."""

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from typing import TYPE_CHECKING
 
 from kvpack import (
@@ -37,10 +38,12 @@ from kvpack import (
     DraftPlacementMode,
     HeadRange,
     HeadSplit,
+    HitQuery,
     KVLayoutSpec,
     KVPackConfig,
     MemberRole,
     MemberSpec,
+    RequestScope,
     canonical_group_spec,
     identify_model,
     resolve_memory,
@@ -174,6 +177,13 @@ class Scope:
     min_prefill_tokens: int = 1
     """The fewest prompt tokens a hit leaves vLLM to compute (`min_prefill_tokens`): 1, or 2
     with a drafter that runs a model of its own."""
+    remake: Callable[[str], Scope] | None = field(default=None, compare=False, repr=False)
+    """The engine's scope for other weights (`make_scope` with ``weights``); None: fixed."""
+
+    def with_weights(self, weights: str) -> Scope:
+        """This engine's scope once it holds `weights` (`kvpack.WeightsState.identity`): their name
+        is in the model, so in every fingerprint. Itself when it cannot be remade."""
+        return self.remake(weights) if self.remake is not None else self
 
     @property
     def fingerprint(self) -> str:
@@ -200,6 +210,35 @@ class Scope:
             return self.members
         base = self.groups[group].member_base if self.groups else "kv"
         return tuple(member_name(r, self.world, base) for r in range(self.world))
+
+    @cached_property
+    def lookup_members(self) -> list[MemberSpec]:
+        """What a lookup requires under this scope (`member_specs`), computed once."""
+        return self.member_specs()
+
+    @cached_property
+    def head_splits(self) -> list[list[MemberSpec]]:
+        """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`);
+        empty for engine-native objects."""
+        return [self.member_specs(p) for p in self.heads.partitions()] if self.heads is not None else []
+
+    def split_members(self, split: int) -> list[MemberSpec]:
+        """The members of head split `split` (canonical objects), else what a lookup requires."""
+        return self.head_splits[split] if self.head_splits else self.lookup_members
+
+    def hit_query(self, rs: RequestScope, token_ids: Sequence[int]) -> HitQuery:
+        """A request's facts for the core's planner: its tokens, this engine's members and, for
+        canonical objects, the other head splits' (`kvpack.heads`; the engine's own first)."""
+        splits = self.head_splits
+        return HitQuery(
+            scope=rs,
+            token_ids=list(token_ids),
+            chunk_tokens=self.block_size,
+            min_prefill_tokens=self.min_prefill_tokens,
+            members=splits[0] if splits else self.lookup_members,
+            alternatives=splits[1:],
+            draft_members=self.draft_members,
+        )
 
     def member_specs(self, partition: Sequence[HeadRange] | None = None) -> list[MemberSpec]:
         """What a lookup requires: each group's members with its coverage, then sidecar drafts.
@@ -385,6 +424,7 @@ def make_scope(
             world=world,
             heads=split,
             min_prefill_tokens=min_prefill_tokens(vllm_config),
+            remake=partial(make_scope, vllm_config, config, kv_cache_config),
         )
     spec = KVLayoutSpec(
         engine=f"vllm:{current_platform.device_type}",
@@ -408,4 +448,5 @@ def make_scope(
         groups=groups,
         world=world,
         min_prefill_tokens=min_prefill_tokens(vllm_config),
+        remake=partial(make_scope, vllm_config, config, kv_cache_config),
     )

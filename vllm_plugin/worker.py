@@ -25,7 +25,6 @@ however often the drafter's layers call `save_kv_layer`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -87,11 +86,7 @@ class WorkerSide:
         config: KVPackConfig,
         scope: Scope,
         session: Session | None = None,
-        scope_for: Callable[[str], Scope] | None = None,
     ) -> None:
-        """`scope_for(weights)`: the engine's scope once its weights changed in place
-        (`scopes.make_scope`; None: this worker does not watch its weights)."""
-        self._scope_for = scope_for
         self._caches: tuple[dict[str, torch.Tensor], int] | None = None
         """The registered KV caches and block count (a layout is registered again under new weights)."""
         self.config = config
@@ -128,9 +123,8 @@ class WorkerSide:
         # before the first forward: AMX permission (a 1-token step over a restored prefix may
         # be this process's first AMX use) and the copy kernels, not in the first load's bound
         start_engine_process()
-        if self._scope_for is not None:
-            checkpoint = target_identity(self.vllm_config, self.config)
-            self.weights = watch_weights(self.vllm_config, checkpoint, self.session.metrics)
+        checkpoint = target_identity(self.vllm_config, self.config)
+        self.weights = watch_weights(self.vllm_config, checkpoint, self.session.metrics)
         self._caches = (kv_caches, num_blocks)
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
@@ -191,12 +185,11 @@ class WorkerSide:
             return
         self.weights_now = now
         self._weights_news = True
-        if self._scope_for is not None and self._caches is not None:
-            # saves gathered earlier carry the old member fingerprints in their objects; the keys
-            # and headers of everything gathered from here on name the new weights
-            self.scope = self._scope_for(now.identity)
-            self.session.bind_group(self.scope.fingerprint)
-            self._register(self.scope)
+        # saves gathered earlier carry the old member fingerprints in their objects; the keys
+        # and headers of everything gathered from here on name the new weights
+        self.scope = self.scope.with_weights(now.identity)
+        self.session.bind_group(self.scope.fingerprint)
+        self._register(self.scope)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(saves done, loads done, loads failed): a failed load is also a done load."""
