@@ -4,7 +4,7 @@
 
 SPEC: {"model", "extra" (kvpack config, or null: no connector), "prompts": {name: ids},
 "preamble" (code run first, e.g. to force an attention ISA), "max_tokens", "engine"
-(more `LLM` arguments)}. The script then simply ends: no drain, no flush, no shutdown.
+(more `LLM` arguments), "salts" (optional: {name: cache_salt} for some prompts)}. The script then simply ends: no drain, no flush, no shutdown.
 Also run from the SGLang venv's tests with the vLLM venv's python (cross-engine reuse).
 """
 
@@ -26,7 +26,8 @@ def main(raw: str) -> None:
     llm = make_llm(spec["model"], kv_config(spec["extra"]) if spec["extra"] is not None else None, **spec["engine"])
     out = {}
     for name, ids in spec["prompts"].items():
-        r = run(llm, ids, max_tokens=spec["max_tokens"])
+        salt = spec.get("salts", {}).get(name)
+        r = run(llm, ids, max_tokens=spec["max_tokens"], **({"cache_salt": salt} if salt else {}))
         out[name] = {"tokens": list(r.tokens), "logprobs": list(r.logprobs), "cached": r.cached}
     print("RESULT " + json.dumps(out), flush=True)
 
