@@ -82,7 +82,7 @@ from .model_identity import (
 )  # not under its module's name: kvpack.model_identity stays the module
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .page_loads import PagePart
-from .router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails
+from .router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails, shares_facts
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .store import KVStore, LoadItem
@@ -176,6 +176,7 @@ __all__ = [
     "RouterFacts",
     "new_origin",
     "shared_fact_tails",
+    "shares_facts",
     "StoreKey",
     "StoredRange",
     "TailMatch",

@@ -22,7 +22,12 @@ Invariants:
   bound; an index error skips the step, the next retries);
 - a reader skips the rows its own instance wrote (`RouterFacts.origin`) and those whose
   `identity` (what makes the adapter's hashes comparable: vLLM's hash function and seed)
-  differs from its own, counting them (``kvpack_shared_facts{outcome}``).
+  differs from its own, counting them (``kvpack_shared_facts{outcome}``);
+- a salted request's blocks get no facts row (`shares_facts`): their facts (token ids) stay with
+  the instance that computed them, whose own events are all that announce them. A router matches
+  a request by hashing its token ids, which a salted block's engine hash does not follow (the salt
+  seeds it), so another instance's announcement would only tell that instance's subscribers a
+  salted tenant's prompt; without the token ids a router could not match it at all.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .shared_sweep import SWEPT_TIERS
 
 if TYPE_CHECKING:
     from .session import Session
+    from .tenancy import RequestScope
     from .tiers.base import PutItem
 
 log = logging.getLogger("kvpack")
@@ -47,6 +53,12 @@ MAX_FACTS_BYTES = 1 << 16
 """A facts row's blob at most (a block's token ids and hashes take a few KiB); larger ones are not recorded."""
 PER_STEP = 64
 """Rows a reader takes per engine step at most (one indexed read)."""
+
+
+def shares_facts(scope: RequestScope) -> bool:
+    """Whether the blocks of a request of `scope` get a facts row on a shared tier (module
+    docstring): not for a salted request."""
+    return not scope.salted
 
 
 def new_origin() -> str:

@@ -60,6 +60,9 @@ class RequestScope:
     tenant: str
     seed: ChunkHash | None
     weights: str = ""
+    salted: bool = False
+    """The request carries a cache salt: its blocks are announced to routers only by the instance
+    that computed them, never through a shared tier's facts (`kvpack.router_facts.shares_facts`)."""
 
 
 class BadTenant(ValueError):
@@ -111,7 +114,7 @@ def resolve_tenant(
     if source.adapter:
         seed_parts.append(f"lora={source.adapter}")
     seed = seed_hash("\x00".join(seed_parts)) if seed_parts else None
-    return RequestScope(tenant=tenant, seed=seed)
+    return RequestScope(tenant=tenant, seed=seed, salted=bool(salt))
 
 
 def tenant_trusted(config: KVPackConfig, tenant: object, signature: object) -> bool:

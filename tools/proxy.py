@@ -23,6 +23,13 @@ connection; every upstream call has a timeout (``--timeout-s``).
 sends each request whole to the next instance in turn (`RoundRobin`), as a
 load balancer that knows nothing of prefixes does: what one instance computed
 reaches another only through a tier they share (``kvpack bench pair``).
+
+What it forwards (`kvpack.tools.proxy_input`): the path and query of an origin-form request
+target, to the upstream's own scheme, host and port (any other target: 400); a body only with
+one ``Content-Length`` of at most ``--max-body-bytes`` (8 MiB by default; missing: 411, over:
+413, checked before a byte is read); ``kv_transfer_params`` without the client's ``kvpack`` /
+``kvpack_*`` fields unless ``--trust-kvpack-params``. A client connection idle for
+`CLIENT_IDLE_S` is closed.
 """
 
 from __future__ import annotations
@@ -35,20 +42,52 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .proxy_input import (
+    BODY_BYTES_CAP,
+    MAX_BODY_BYTES,
+    Refusal,
+    Upstream,
+    body_length,
+    client_params,
+    origin_path,
+    upstream_url,
+)
 
 log = logging.getLogger("kvpack.proxy")
 
 PROXIED = ("/v1/completions", "/v1/chat/completions")
+CLIENT_IDLE_S = 60.0
+"""Seconds a client connection may send or take nothing before the proxy closes it."""
 
 
 @dataclass(frozen=True)
 class Upstreams:
+    """A prefill/decode pair's base URLs (``http://HOST[:PORT][/PATH]``), each upstream call
+    bounded by `timeout_s` seconds."""
+
     prefill: str
     decode: str
     timeout_s: float
+    prefill_at: Upstream = field(init=False)
+    """`prefill`, split (`Upstream.parse`: ValueError, one line, for a URL that is not one)."""
+    decode_at: Upstream = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_at", Upstream.parse(self.prefill))
+        object.__setattr__(self, "decode_at", Upstream.parse(self.decode))
+
+
+@dataclass(frozen=True)
+class ClientBounds:
+    """What the proxy takes from a client: bodies of at most `max_body_bytes`; its
+    ``kv_transfer_params``' kvpack fields only when `trust_kvpack_params`."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    trust_kvpack_params: bool = False
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -63,9 +102,12 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
-    """The decode instance's request: the client's, with the prefill side's handoff params."""
+    """The decode instance's request: the client's, with the prefill side's handoff params over
+    the client's own (as forwarded: `proxy_input.client_params`)."""
     params = prefill_response.get("kv_transfer_params")
-    return dict(body, kv_transfer_params=params) if params else dict(body)
+    if not isinstance(params, dict) or not params:
+        return dict(body)
+    return dict(body, kv_transfer_params={**(body.get("kv_transfer_params") or {}), **params})
 
 
 def _post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
@@ -81,10 +123,10 @@ class RoundRobin:
         if not urls:
             raise ValueError("round robin over no instance")
         self.timeout_s = timeout_s
-        self._cycle = itertools.cycle(urls)
+        self._cycle = itertools.cycle([Upstream.parse(u) for u in urls])
         self._lock = threading.Lock()
 
-    def next(self) -> str:
+    def next(self) -> Upstream:
         with self._lock:
             return next(self._cycle)
 
@@ -109,12 +151,14 @@ def _relay(handler: BaseHTTPRequestHandler, resp: Any, stream: bool) -> None:
     handler.wfile.write(b"0\r\n\r\n")
 
 
-def make_handler(up: Upstreams | RoundRobin) -> type[BaseHTTPRequestHandler]:
+def make_handler(up: Upstreams | RoundRobin, bounds: ClientBounds | None = None) -> type[BaseHTTPRequestHandler]:
     """The request handler: prefill/decode over `up` (`Upstreams`), or each request to the next
-    instance (`RoundRobin`)."""
+    instance (`RoundRobin`); what a client may send is bounded by `bounds` (module docstring)."""
+    limits = bounds or ClientBounds()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = CLIENT_IDLE_S
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("proxy: " + fmt, *args)
@@ -123,13 +167,26 @@ def make_handler(up: Upstreams | RoundRobin) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(payload)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(payload)
 
+        def _refuse(self, refusal: Refusal) -> None:
+            """Answer `refusal` and close: a body left unread must not be taken for a request."""
+            self.close_connection = True
+            self._reply(refusal.status, json.dumps({"error": str(refusal)}).encode())
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            base = up.next() if isinstance(up, RoundRobin) else up.decode
+            base = up.next() if isinstance(up, RoundRobin) else up.decode_at
             try:
-                with urllib.request.urlopen(base + self.path, timeout=up.timeout_s) as resp:
+                url = upstream_url(base, self.path)
+                body_length(self.headers, limits.max_body_bytes, required=False)
+            except Refusal as refusal:
+                self._refuse(refusal)
+                return
+            try:
+                with urllib.request.urlopen(url, timeout=up.timeout_s) as resp:
                     self._reply(resp.status, resp.read(), resp.headers.get("Content-Type", "application/json"))
             except urllib.error.HTTPError as exc:
                 self._reply(exc.code, exc.read())
@@ -137,29 +194,45 @@ def make_handler(up: Upstreams | RoundRobin) -> type[BaseHTTPRequestHandler]:
                 self._reply(502, json.dumps({"error": f"decode instance: {exc}"}).encode())
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path not in PROXIED:
-                self._reply(404, json.dumps({"error": f"kvpack proxy serves {list(PROXIED)}"}).encode())
-                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
-            except ValueError as exc:
-                self._reply(400, json.dumps({"error": f"not JSON: {exc}"}).encode())
+                origin_path(self.path)
+                n = body_length(self.headers, limits.max_body_bytes, required=True)
+                if self.path not in PROXIED:
+                    raise Refusal(404, f"kvpack proxy serves {list(PROXIED)}")
+                body = self._json(n)
+                params = client_params(body, limits.trust_kvpack_params)
+            except Refusal as refusal:
+                self._refuse(refusal)
                 return
+            if params is not None:
+                body["kv_transfer_params"] = params
             stream = bool(body.get("stream"))
             if isinstance(up, RoundRobin):
                 base = up.next()
-                self._forward(base + self.path, body, up.timeout_s, f"instance {base}", stream)
+                self._forward(upstream_url(base, self.path), body, up.timeout_s, f"instance {base}", stream)
                 return
             try:
-                with _post(up.prefill + self.path, prefill_body(body), up.timeout_s) as resp:
+                with _post(upstream_url(up.prefill_at, self.path), prefill_body(body), up.timeout_s) as resp:
                     handoff = json.loads(resp.read())
             except urllib.error.HTTPError as exc:
                 self._reply(exc.code, exc.read())
                 return
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 self._reply(502, json.dumps({"error": f"prefill instance: {exc}"}).encode())
                 return
-            self._forward(up.decode + self.path, decode_body(body, handoff), up.timeout_s, "decode instance", stream)
+            handoff = handoff if isinstance(handoff, dict) else {}
+            to_decode = decode_body(body, handoff)
+            self._forward(upstream_url(up.decode_at, self.path), to_decode, up.timeout_s, "decode instance", stream)
+
+        def _json(self, n: int) -> dict[str, Any]:
+            """The request's body of `n` bytes (already bounded) as a JSON object; `Refusal` otherwise."""
+            try:
+                body = json.loads(self.rfile.read(n) or b"{}")
+            except ValueError as exc:
+                raise Refusal(400, f"not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise Refusal(400, f"the body must be a JSON object, got {type(body).__name__}")
+            return body
 
         def _forward(self, url: str, body: dict[str, Any], timeout_s: float, who: str, stream: bool) -> None:
             """POST `body` to `url` and relay the answer (`_relay`); an upstream error is
@@ -192,9 +265,10 @@ class ProxyServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def serve(up: Upstreams | RoundRobin, host: str, port: int) -> ThreadingHTTPServer:
-    """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one."""
-    return ProxyServer((host, port), make_handler(up))
+def serve(up: Upstreams | RoundRobin, host: str, port: int, bounds: ClientBounds | None = None) -> ThreadingHTTPServer:
+    """A started-but-not-serving server (call ``serve_forever``); port 0 picks a free one.
+    ValueError (one line) for an upstream URL that is not ``http(s)://HOST[:PORT][/PATH]``."""
+    return ProxyServer((host, port), make_handler(up, bounds))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,18 +279,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound of each upstream call")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help="largest request body taken from a client (larger: 413 before it is read; default %(default)s)",
+    )
+    parser.add_argument(
+        "--trust-kvpack-params",
+        action="store_true",
+        help="forward the kvpack / kvpack_* fields clients send in kv_transfer_params (a tenant, its "
+        "signature): only behind a front end that sets them itself; otherwise they are dropped",
+    )
     args = parser.parse_args(argv)
     if bool(args.round_robin) == bool(args.prefill or args.decode) or bool(args.prefill) != bool(args.decode):
         parser.error("give --prefill and --decode, or --round-robin URL...")
+    if not 1 <= args.max_body_bytes <= BODY_BYTES_CAP:
+        parser.error(f"--max-body-bytes must be 1..{BODY_BYTES_CAP}, got {args.max_body_bytes}")
+    if not 0 < args.timeout_s < float("inf"):
+        parser.error(f"--timeout-s must be a number of seconds > 0, got {args.timeout_s}")
     logging.basicConfig(level=logging.INFO)
-    if args.round_robin:
-        urls = [u.rstrip("/") for u in args.round_robin]
-        server = serve(RoundRobin(urls, args.timeout_s), args.host, args.port)
-        where = "round robin over " + ", ".join(urls)
-    else:
-        up = Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s)
-        server = serve(up, args.host, args.port)
-        where = f"prefill {args.prefill}, decode {args.decode}"
+    bounds = ClientBounds(args.max_body_bytes, args.trust_kvpack_params)
+    try:
+        if args.round_robin:
+            urls = [u.rstrip("/") for u in args.round_robin]
+            server = serve(RoundRobin(urls, args.timeout_s), args.host, args.port, bounds)
+            where = "round robin over " + ", ".join(urls)
+        else:
+            up = Upstreams(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s)
+            server = serve(up, args.host, args.port, bounds)
+            where = f"prefill {args.prefill}, decode {args.decode}"
+    except ValueError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        print(f"kvpack proxy: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
     print(f"kvpack proxy on http://{args.host}:{server.server_address[1]} -> {where}", flush=True)
     try:
         server.serve_forever()

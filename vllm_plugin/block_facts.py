@@ -9,9 +9,9 @@ instance on that tier announces the block with the same hashes (`decode`).
 Hashes agree across instances only with the same hash function and the same ``NONE_HASH`` seed
 (vLLM's ``prefix_caching_hash_algo``; the seed is fixed for sha256 and random per process for the
 non-crypto hashes unless ``PYTHONHASHSEED`` is shared, which KV-aware routers need anyway).
-`hash_identity` names both (with the hash block size) by a digest, never the seed itself: a reader
-announces only rows of its own identity, so a misconfigured pair announces nothing, never a wrong
-hash.
+`hash_identity` names both (with the hash block size and `FACTS_RULE`) by a digest, never the seed
+itself: a reader announces only rows of its own identity, so a misconfigured pair announces nothing,
+never a wrong hash. A salted request's block has no facts row: only its writer announces it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class BlockFacts:
     tiers: set[str] = field(default_factory=set)
     group: GroupKey | None = None
     """Its kvpack group, once a shared tier announced it (what that tier's sweep follows)."""
+    shared: bool = True
+    """Whether its facts may be recorded on a shared tier for other instances (False: a salted
+    request's block, announced only by the instance that computed it)."""
 
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True):
@@ -53,6 +56,10 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
 
 
 _DECODER = msgspec.msgpack.Decoder(_Wire)
+FACTS_RULE = "unsalted-only"
+"""Part of `hash_identity`: the rows of a writer that records only unsalted requests' blocks
+(`kvpack.router_facts.shares_facts`). Rows of a writer without this rule (which may hold a salted
+tenant's token ids) are of another identity: a reader announces none of them."""
 
 
 def encode(block: BlockFacts, hash_block_size: int) -> bytes:
@@ -93,7 +100,8 @@ def hash_identity(algo: str, hash_block_size: int) -> str | None:
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
     if none_hash is None:
         return None
-    return hashlib.sha256(f"vllm|{algo}|{hash_block_size}|".encode() + bytes(none_hash)).hexdigest()[:32]
+    rule = f"vllm|{algo}|{hash_block_size}|{FACTS_RULE}|"
+    return hashlib.sha256(rule.encode() + bytes(none_hash)).hexdigest()[:32]
 
 
 def identity_source(algo: str, hash_block_size: int) -> Callable[[], str | None]:

@@ -34,8 +34,9 @@ it finds gone into ``BlockRemoved`` (the tier's medium), through the same transl
 workers' own removals, so a block is withdrawn once whichever comes first.
 
 Blocks other instances stored on a shared tier (this instance can load them): with such a tier,
-`note_saves` hands each saved chunk's facts to its save (`BlockRef.announce`, encoded by
-`kvpack.vllm_plugin.block_facts`), which the tier records beside the group once the object is
+`note_saves` hands each saved chunk's facts (not those of a salted request's chunk, which only
+this instance announces: `kvpack.router_facts.shares_facts`) to its save (`BlockRef.announce`,
+encoded by `kvpack.vllm_plugin.block_facts`), which the tier records beside the group once the object is
 ready (`kvpack.router_facts`). Each step `take` reads at most 64 rows other instances wrote
 (`kvpack.FactsTail`: one indexed read) and announces those of its own hash identity and model
 layout as ``BlockStored`` on that tier (the writer's hashes), once; the tier's sweep then follows
@@ -79,6 +80,7 @@ from kvpack import (
     new_origin,
     shared_fact_tails,
     shared_tier_sweeps,
+    shares_facts,
 )
 from vllm import envs
 
@@ -153,6 +155,8 @@ def worker_events(feed: TierEventFeed | None) -> KVPackKVEvents | None:
 class _Followed:
     request: Request
     seed: ChunkHash | None
+    shares: bool
+    """Its blocks' facts may go to a shared tier (`kvpack.router_facts.shares_facts`: unsalted)."""
     chunks: list[ChunkHash] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
 
@@ -208,10 +212,10 @@ class RouterEvents:
         if rid in self._requests or not self._per_chunk:
             return
         try:
-            seed = request_scope(request, self._config, None, self._warned).seed
+            scope = request_scope(request, self._config, None, self._warned)
         except BadTenant:
             return
-        self._requests[rid] = _Followed(request, seed)
+        self._requests[rid] = _Followed(request, scope.seed, shares_facts(scope))
         while len(self._requests) > MAX_REQUESTS:
             self._requests.popitem(last=False)
 
@@ -242,8 +246,11 @@ class RouterEvents:
         refs = []
         for ref in job.blocks:
             block = self._blocks.get((job.tenant, ref.chunk)) if ref.token_ids is None else None
-            facts = RouterFacts(origin, identity, encode(block, self._bs // self._per_chunk)) if block else None
-            refs.append(replace(ref, announce=facts) if facts is not None else ref)
+            if block is None or not block.shared:
+                refs.append(ref)  # a tail, unknown, or a salted request's block: no facts row
+                continue
+            facts = RouterFacts(origin, identity, encode(block, self._bs // self._per_chunk))
+            refs.append(replace(ref, announce=facts))
         return replace(job, blocks=tuple(refs))
 
     def _remember(self, tenant: str, chunk: str, f: _Followed) -> None:
@@ -264,6 +271,7 @@ class RouterEvents:
                 token_ids=list(f.request.all_token_ids[i * self._bs : (i + 1) * self._bs]),
                 lora_id=getattr(lora, "lora_int_id", None),
                 lora_name=getattr(lora, "lora_name", None),
+                shared=f.shares,
             ),
         )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpack import BadTenant, KVPackConfig, TenantSource, resolve_tenant
+from kvpack import BadTenant, KVPackConfig, TenantSource, resolve_tenant, shares_facts
 from kvpack.keys import seed_hash, tenant_signature
 
 KEY = "a1" * 32
@@ -37,3 +37,18 @@ def test_salt_scopes_tenant_and_seeds_the_chain() -> None:
     assert odd.tenant.startswith("salt-") and len(odd.tenant) == len("salt-") + 16
     lora = resolve_tenant(TenantSource(salt="s1", adapter="sql:3"), "acme")
     assert lora.tenant == "s1" and lora.seed == seed_hash("salt=s1\x00lora=sql:3") != salted.seed
+
+
+def test_only_unsalted_requests_share_their_blocks_facts() -> None:
+    """A salted request's blocks get no facts row on a shared tier (kvpack.router_facts): only the
+    instance that computed them announces them to its routers; a named tenant does not change it."""
+    trusted = KVPackConfig.from_dict({"trusted_tenants": ["*"]})
+    for source, shares in (
+        (TenantSource(), True),
+        (TenantSource(named="bob"), True),
+        (TenantSource(adapter="lora:1"), True),
+        (TenantSource(salt="s"), False),
+        (TenantSource(salt="s", named="bob"), False),
+    ):
+        scope = resolve_tenant(source, trusted)
+        assert (scope.salted, shares_facts(scope)) == (not shares, shares), source

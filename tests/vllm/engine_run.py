@@ -4,10 +4,11 @@
 
 SPEC: {"model", "extra" (kvpack config, or null: no connector), "prompts": {name: ids},
 "preamble" (code run first, e.g. to force an attention ISA), "max_tokens", "engine"
-(more `LLM` arguments), "steps" (optional: what to do in order, each a prompt name or
-{"exec": code run with ``llm`` in scope, e.g. a weight update}; a name generated twice is
-reported as ``name``, ``name#2``, ...)}. Without steps every prompt is generated once. The
-script then simply ends: no drain, no flush, no shutdown.
+(more `LLM` arguments), "salts" (optional: {name: cache_salt} for some prompts), "steps"
+(optional: what to do in order, each a prompt name or {"exec": code run with ``llm`` in scope,
+e.g. a weight update}; a name generated twice is reported as ``name``, ``name#2``, ...)}.
+Without steps every prompt is generated once. The script then simply ends: no drain, no flush,
+no shutdown.
 Also run from the SGLang venv's tests with the vLLM venv's python (cross-engine reuse).
 """
 
@@ -32,7 +33,8 @@ def main(raw: str) -> None:
         if isinstance(step, dict):
             exec(step["exec"], {"llm": llm})  # noqa: S102 - test code given by the test itself
             continue
-        r = run(llm, spec["prompts"][step], max_tokens=spec["max_tokens"])
+        salt = spec.get("salts", {}).get(step)
+        r = run(llm, spec["prompts"][step], max_tokens=spec["max_tokens"], **({"cache_salt": salt} if salt else {}))
         seen = sum(1 for k in out if k == step or k.startswith(step + "#"))
         out[step if not seen else f"{step}#{seen + 1}"] = {
             "tokens": list(r.tokens),

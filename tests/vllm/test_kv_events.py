@@ -10,7 +10,9 @@ host store (``memory.mode: host``), another engine process's saves that evict bl
 engine announced are withdrawn too (``BlockRemoved``, medium ``CPU``), exactly those; the same
 on a disk folder two engines share (medium ``STORAGE``). Blocks another engine process stored
 in the shared host store are announced too (``BlockStored`` with vLLM's hashes of their
-tokens, those the writer announced), and withdrawn when a third process's saves evict them.
+tokens, those the writer announced), and withdrawn when a third process's saves evict them;
+those of a salted request are not (only their writer announces them), and their token ids are
+in no facts row.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from vllm_helpers import (  # noqa: E402
     prompt,
     run,
     start_engine_process,
+    stored_files,
 )
 
-from kvpack import StoreKey, chunk_hashes  # noqa: E402
+from kvpack import StoreKey, TenantSource, chunk_hashes, resolve_tenant  # noqa: E402
 from kvpack.tiers.host import drop  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -56,11 +59,17 @@ class Subscriber:
     """A router's side of vLLM's KV events: SUB for the live stream, the replay socket for
     the batches published before it joined (zmq's slow joiner)."""
 
-    def __init__(self, port: int, replay_port: int) -> None:
+    def __init__(self, port: int, replay_port: int, bind: bool = False) -> None:
+        """`bind`: the router binds its SUB socket on 127.0.0.1 and the engine's publisher connects
+        to it (an ``endpoint`` that is neither a wildcard nor ipc); else it connects to the engine's."""
         ctx = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
-        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.bound = bind
+        if bind:
+            self.sub.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.replay_addr = f"tcp://127.0.0.1:{replay_port}"
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.batches: dict[int, KVEventBatch] = {}
@@ -72,8 +81,12 @@ class Subscriber:
         return [e for seq in sorted(self.batches) for e in self.batches[seq].events]
 
     def wait_for(self, done: Callable[[list[Any]], bool], timeout_s: float = 30.0) -> list[Any]:
-        """Receive until `done(events)` holds (or the bound passes: the caller's assert then fails)."""
+        """Receive until `done(events)` holds (or the bound passes: the caller's assert then fails).
+        A bound SUB first asks for the batches published so far: a publisher that connects drops
+        its first batch (zmq takes the subscription in at that send)."""
         deadline = time.monotonic() + timeout_s
+        if self.bound and not self.batches:
+            self._replay()
         while time.monotonic() < deadline:
             if self.sub.poll(100):
                 _topic, seq, payload = self.sub.recv_multipart()
@@ -378,6 +391,63 @@ def _another_process_stores(tiny_llama: Path, tmp_path: Path, tiers: dict[str, A
         assert metric("shared_facts", "SCHEDULER", tier=owner, outcome="taken") == 3
 
         _another_process_evicts_some(llm, subscriber, tier, keys, hashes, medium, extra, tiny_llama, tmp_path, seed=24)
+    finally:
+        close_llm(llm)
+        subscriber.close()
+
+
+S = prompt(42, 3 * BLOCK + 45)
+"""A salted tenant's prompt: 3 whole blocks + a tail."""
+SALT = "tenant s"
+
+
+def test_a_salted_tenants_blocks_another_process_stored_are_not_announced(tiny_llama: Path, tmp_path: Path) -> None:
+    """Engine 2 (a process, KV events on an ipc endpoint) stores salted S, then unsalted P, in a
+    disk folder engine 1 shares. Engine 1's router binds its SUB socket on 127.0.0.1 and engine 1's
+    publisher connects to it (the README's example), with the replay socket on 127.0.0.1. It
+    announces P's 3 blocks (the control) and none of S's, with or without token ids; the folder's
+    facts rows hold P's blocks only, though S's blocks are stored there."""
+    disk_path = tmp_path / "kv"
+    extra = {
+        "memory": {"enabled": False},
+        "disk": {"path": str(disk_path), "capacity": 10 * (OBJECT_BYTES + (16 << 10))},
+    }
+    port, replay_port = free_port(), free_port()
+    subscriber = Subscriber(port, replay_port, bind=True)
+    events_config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "topic": TOPIC,
+    }
+    llm = make_llm(tiny_llama, kv_config(extra), kv_events_config=events_config)
+    try:
+        (tier,) = _connector("WORKER").worker.session.store.tiers
+        writer_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp_path}/w.sock"}
+        writer = start_engine_process(
+            tiny_llama,
+            extra,
+            {"S": S, "P": P},
+            tmp_path / "writer.log",
+            salts={"S": SALT},
+            kv_events_config=writer_events,
+        )
+        assert writer.result()["P"].cached == 0
+        salted = resolve_tenant(TenantSource(salt=SALT), "default").tenant
+        assert len(stored_files(disk_path, salted)) == 4  # S's 3 blocks and its tail are on the shared tier
+        run(llm, prompt(23, 20), tenant="not/a tenant")  # steps that only publish what engine 1 reads
+        blocks = [tuple(P[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+
+        def announced(events: list[Any]) -> bool:
+            return {tuple(e.token_ids) for e in events if isinstance(e, BlockStored)} >= set(blocks)
+
+        events = subscriber.wait_for(announced)
+        stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == "disk"]
+        assert sorted(tuple(e.token_ids) for e in stored) == sorted(blocks)  # P's, each once; none of S's
+        rows = tier.facts_after(0, 100)
+        assert sorted(r.group.tenant for r in rows) == ["default"] * 3  # no row of the salted tenant
+        assert metric("shared_facts", "SCHEDULER", tier="disk", outcome="taken") == 3
     finally:
         close_llm(llm)
         subscriber.close()

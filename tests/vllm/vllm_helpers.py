@@ -311,12 +311,13 @@ def start_engine_process(
     preamble: str = "",
     max_tokens: int = 8,
     steps: list[Any] | None = None,
+    salts: dict[str, str] | None = None,
     **engine: Any,
 ) -> EngineProcess:
     """Start `prompts` through a new engine in a new process that then simply ends, as a
     user's script does (kvpack config `extra`; None: no connector), without waiting for it:
     the test may do other work meanwhile. `preamble` runs first in that process (e.g. to
-    force an attention ISA)."""
+    force an attention ISA); `salts` gives some prompts (by name) a ``cache_salt``."""
     import json
     import subprocess
     import sys
@@ -330,6 +331,7 @@ def start_engine_process(
             "max_tokens": max_tokens,
             "engine": engine,
             "steps": steps,
+            "salts": salts or {},
         }
     )
     here = str(Path(__file__).parent)
