@@ -73,7 +73,7 @@ from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout_spec import KVLayoutSpec
 from .metrics import Metrics, MetricsInterval
-from .model_identity import ModelIdentity
+from .model_identity import ModelIdentity, adapter_identity
 from .model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.model_identity stays the module
@@ -90,8 +90,8 @@ from .tiers.base import GetResult, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
-from .weights import WeightsOrigin, WeightsState, WeightsWatch
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
+from .weights import WeightsOrigin, WeightsState, WeightsWatch, scoped_fingerprint
 
 __version__ = "0.1.0"
 
@@ -178,6 +178,7 @@ __all__ = [
     "clip",
     "head_range_fingerprint",
     "identify_model",
+    "adapter_identity",
     "resolve_memory",
     "resolve_tenant",
     "shared_tier_sweep",
@@ -191,4 +192,5 @@ __all__ = [
     "WeightsOrigin",
     "WeightsState",
     "WeightsWatch",
+    "scoped_fingerprint",
 ]

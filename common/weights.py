@@ -79,6 +79,17 @@ STARTUP = WeightsState()
 """The weights of the checkpoint an engine started on."""
 
 
+def scoped_fingerprint(base: str, state: WeightsState) -> str:
+    """`base` (a fingerprint or a model identity that names a layout) scoped to the weights
+    `state`: `base` itself for the start-up checkpoint's weights (identity ``""``), else a
+    value that differs for every other identity. For engines whose keys kvpack cannot seed
+    (SGLang hands page hashes it chained itself): the weights go into what scopes the keys."""
+    if not state.identity:
+        return base
+    digest = hashlib.sha256(f"kvpack-weights-scope\0{base}\0{state.identity}".encode()).hexdigest()
+    return f"{base}|weights={digest[:32]}"
+
+
 def private_identity(instance: str, epoch: int) -> str:
     """The identity of weights nobody can name: unique to one engine instance and change."""
     digest = hashlib.sha256(f"kvpack-private-weights\0{instance}\0{epoch}".encode()).hexdigest()
@@ -211,6 +222,12 @@ class WeightsWatch:
                 "entries are private to it until its weights are reloaded from a checkpoint"
             )
         return state
+
+    def dropped_saves(self, pages: int) -> None:
+        """Count `pages` an adapter did not store because the weights that computed them were
+        since replaced (``kvpack_stale_weights_transfers{kind="save"}``)."""
+        if self._metrics is not None and pages > 0:
+            self._metrics.inc("stale_weights_transfers", float(pages), kind="save")
 
     def _sign(self) -> Signature:
         params = _parameters(self._modules())
