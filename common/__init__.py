@@ -76,7 +76,7 @@ from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
 from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
 from .layout_spec import KVLayoutSpec
 from .metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
-from .model_identity import ModelIdentity
+from .model_identity import ModelIdentity, adapter_identity
 from .model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.model_identity stays the module
@@ -193,6 +193,7 @@ __all__ = [
     "clip",
     "head_range_fingerprint",
     "identify_model",
+    "adapter_identity",
     "resolve_memory",
     "resolve_tenant",
     "shared_tier_sweep",

@@ -161,7 +161,71 @@ def clear_cache() -> None:
     """Forget every cached digest (tests; a long-lived process never needs it)."""
     with _cache_lock:
         _cache.clear()
+        _adapter_cache.clear()
         _named.clear()
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_IGNORED_FIELDS = IGNORED_CONFIG_FIELDS | {"base_model_name_or_path", "revision"}
+"""adapter_config.json fields that name where the base came from, not what the adapter computes
+(the base model is in the layout fingerprint already)."""
+_ADAPTER_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_adapter_cache: dict[tuple[str, tuple[tuple[str, int, int, int], ...]], str] = {}
+
+
+def adapter_identity(path: str | os.PathLike[str] | None, name: str) -> str:
+    """The identity of a LoRA adapter in a request's key seed: what the adapter computes, not
+    what it is called.
+
+    A local adapter directory (one with ``adapter_config.json``) is ``lora:v1:<32 hex>``: a
+    SHA-256 over that file as canonical JSON (without `ADAPTER_IGNORED_FIELDS`) and every
+    weight file's name and whole content (adapters are small), so an adapter reloaded under
+    the same name with other weights never shares keys, and the same adapter shares under
+    any name or path. Cached per real path and the size/mtime/inode of every file read.
+    Anything else (a hub name, a path not on this machine, an unreadable file) is
+    ``name:<name>``, logged once per name."""
+    root = Path(os.fspath(path)).expanduser() if path else None
+    if root is not None and (root / ADAPTER_CONFIG).is_file():
+        try:
+            return f"lora:v{IDENTITY_VERSION}:{_adapter_digest(root.resolve())}"
+        except (OSError, ValueError) as exc:
+            reason = f"cannot read it: {exc}"
+    else:
+        reason = "not a local adapter directory"
+    with _cache_lock:
+        first = f"lora\0{name}" not in _named
+        _named.add(f"lora\0{name}")
+    if first:
+        log.info("kvpack: LoRA adapter %r at %r: %s; its cache identity is its name", name, str(path or ""), reason)
+    return f"name:{name}"
+
+
+def _adapter_digest(root: Path) -> str:
+    config = root / ADAPTER_CONFIG
+    weights = sorted({p for pattern in _ADAPTER_WEIGHTS for p in root.glob(pattern) if p.is_file()})
+    key = (str(root), tuple(_stat_key(root, f) for f in [config, *weights]))
+    with _cache_lock:
+        hit = _adapter_cache.get(key)
+    if hit is not None:
+        return hit
+    try:
+        data = json.loads(config.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config}: {exc}") from None
+    cleaned = (
+        {k: _clean(v) for k, v in data.items() if k not in ADAPTER_IGNORED_FIELDS} if isinstance(data, dict) else data
+    )
+    h = hashlib.sha256(f"kvpack-adapter-identity-v{IDENTITY_VERSION}\0".encode())
+    h.update(json.dumps(cleaned, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+    for f in weights:
+        h.update(f"\0file:{f.name}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    digest = h.hexdigest()[:32]
+    with _cache_lock:
+        _adapter_cache[key] = digest
+    return digest
 
 
 # -- what is read ------------------------------------------------------------------

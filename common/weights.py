@@ -230,6 +230,12 @@ class WeightsWatch:
             )
         return state
 
+    def dropped_saves(self, pages: int) -> None:
+        """Count `pages` an adapter did not store because the weights that computed them were
+        since replaced (``kvpack_stale_weights_transfers{kind="save"}``)."""
+        if self._metrics is not None and pages > 0:
+            self._metrics.inc("stale_weights_transfers", float(pages), kind="save")
+
     def _sign(self) -> Signature:
         modules = self._modules()
         module_ids = tuple(map(id, modules))

@@ -34,12 +34,15 @@ class LegacyPageInterface:
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         raise NotImplementedError
 
+    def _poll_weights(self, what: str, pages: int = 0) -> bool:
+        raise NotImplementedError
+
     def _flat_binding(self) -> FlatMember | None:
         kv = self.pools.kv
         if kv is None or self.pools.mem_pool_host is None:
             return None
         flat = self._flat
-        if flat is None:
+        if flat is None or flat.source is not kv:  # a new binding after weights changed (`PoolRegistry.rescope`)
             flat = FlatMember(kv, self.pools.mem_pool_host)
             self._flat = flat
         return flat
@@ -53,6 +56,7 @@ class LegacyPageInterface:
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         try:
+            self._poll_weights("batch_get")  # a weight change rescopes the keys first
             flat = self._flat_binding()
             if flat is None or not self._valid_chunks(keys):
                 return [None] * len(keys)
@@ -80,6 +84,8 @@ class LegacyPageInterface:
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
         try:
+            if self._poll_weights("batch_set", len(keys)):
+                return True
             flat = self._flat_binding()
             if flat is None or values is None or not self._valid_chunks(keys):
                 return False
@@ -99,6 +105,7 @@ class LegacyPageInterface:
         """Whether `get` would find `key`: its flat page is stored (a zero-copy ``kv`` object
         alone is not what `get` reads)."""
         try:
+            self._poll_weights("exists")
             flat = self._flat_binding()
             if flat is None or not self._valid_chunks([key]):
                 return False
@@ -114,6 +121,7 @@ class FlatMember:
     def __init__(self, kv: PoolBinding, host_pool: Any) -> None:
         page = host_pool.get_dummy_flat_data_page()
         self.page_bytes = int(page.numel() * page.element_size())
+        self.source = kv
         self.page_size = kv.page_size
         self.writes = kv.writes
         self.member = kv.member.replace("kv", "kvflat", 1)

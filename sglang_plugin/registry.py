@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any
 
 from kvpack import KVLayoutSpec, MemberRole, MemberSpec, Session, conversion_threads
@@ -44,24 +45,49 @@ class PoolRegistry:
     def register_anchor(self, mem_pool_host: Any) -> None:
         """The KV (anchor) host pool; fixes the group fingerprint of every page."""
         self.mem_pool_host = mem_pool_host
-        layout = str(getattr(mem_pool_host, "layout", "unknown"))
-        dtype = str(getattr(mem_pool_host, "dtype", "unknown")).removeprefix("torch.")
-        page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
-        self._layout_name = layout
-        has_kv = getattr(mem_pool_host, "kv_buffer", None) is not None
-        shared = canonical_group(mem_pool_host, self.par, layout) if has_kv else None
+        self._layout_name = str(getattr(mem_pool_host, "layout", "unknown"))
+        self.page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
+        self.session.bind_group(self._group_fingerprint())
+        if getattr(mem_pool_host, "kv_buffer", None) is not None:
+            self._bind("kv", mem_pool_host)
+
+    def _group_fingerprint(self) -> str:
+        """The anchor pool's group: canonical (shared with vLLM) where kvpack stores the KV
+        canonically, else SGLang's own layout, model identity, dtype, page size, TP/PP sizes."""
+        pool = self.mem_pool_host
+        has_kv = getattr(pool, "kv_buffer", None) is not None
+        shared = canonical_group(pool, self.par, self._layout_name) if has_kv else None
         group = shared or KVLayoutSpec(
-            engine=f"sglang:{layout}",
+            engine=f"sglang:{self._layout_name}",
             model=self.par.model,
-            dtype=dtype,
-            chunk_tokens=page_size,
+            dtype=str(getattr(pool, "dtype", "unknown")).removeprefix("torch."),
+            chunk_tokens=self.page_size,
             tp_size=self.par.tp_size,
             pp_size=self.par.pp_size,
         )
-        self.session.bind_group(group.group_fingerprint)
-        self.page_size = page_size
-        if has_kv:
-            self._bind("kv", mem_pool_host)
+        return group.group_fingerprint
+
+    def rescope(self, model: str) -> None:
+        """Bind every registered pool again for the model identity `model` (the engine's weights
+        changed in place: `kvpack.with_weights`): the group fingerprint, every member's
+        fingerprint and the canonical sources all derive from it, so no page of other weights
+        is found or accepted. The new bindings replace the old ones in one assignment."""
+        self.par = replace(self.par, model=model)
+        if self.mem_pool_host is None:
+            return
+        pools = dict(self.registered_pools)
+        if getattr(self.mem_pool_host, "kv_buffer", None) is not None:
+            pools["kv"] = self.mem_pool_host  # the anchor's KV, as `register` keeps it
+        bindings: dict[str, PoolBinding] = {}
+        errors: dict[str, str] = {}
+        for name, pool in pools.items():
+            binding = self._make_binding(name, pool, errors)
+            if binding is not None:
+                bindings[name] = binding
+        group = self._group_fingerprint()
+        with self._lock:
+            self.bindings, self.errors = bindings, errors
+        self.session.bind_group(group)
 
     def register(self, host_pool: Any, host_pool_name: Any) -> None:
         """A pool of SGLang's v2 registration (the KV pool here, when no anchor came first)."""
@@ -76,12 +102,8 @@ class PoolRegistry:
     def _bind(self, name: str, host_pool: Any) -> None:
         if not self.session.group_fingerprint:
             raise RuntimeError("kvpack: register_mem_pool_host must come before other host pools")
-        try:
-            threads = conversion_threads(self.io_threads, computes_on_host_cpu(host_pool))
-            binding = PoolBinding(name, host_pool, self.par, self._layout_name, copy_threads=threads)
-        except Exception as exc:  # a pool kvpack cannot describe: its pages always miss
-            self.errors[name] = str(exc)
-            log.warning("kvpack: SGLang pool %s (%s) cannot be stored: %s", name, type(host_pool).__name__, exc)
+        binding = self._make_binding(name, host_pool, self.errors)
+        if binding is None:
             return
         with self._lock:
             self.bindings[name] = binding
@@ -94,6 +116,17 @@ class PoolRegistry:
             "replicated" if binding.replicated else "sharded",
             f", conversion threads {binding.copy_threads}" if binding.canonical is not None else "",
         )
+
+    def _make_binding(self, name: str, host_pool: Any, errors: dict[str, str]) -> PoolBinding | None:
+        """`host_pool` as a member for the current `par`; None (the reason in `errors`, logged)
+        for a pool kvpack cannot describe: its pages always miss."""
+        try:
+            threads = conversion_threads(self.io_threads, computes_on_host_cpu(host_pool))
+            return PoolBinding(name, host_pool, self.par, self._layout_name, copy_threads=threads)
+        except Exception as exc:
+            errors[name] = str(exc)
+            log.warning("kvpack: SGLang pool %s (%s) cannot be stored: %s", name, type(host_pool).__name__, exc)
+            return None
 
     def binding(self, name: Any) -> PoolBinding | None:
         return self.bindings.get(pool_name(name))

@@ -64,13 +64,14 @@ from typing import Any
 
 import torch
 
-from kvpack import AdapterRefusal, Coverage, Direction, MemberSpec, Session
+from kvpack import AdapterRefusal, Coverage, Direction, MemberSpec, Session, with_weights
 
 from .config import split_extra_config
 from .legacy import FlatMember, LegacyPageInterface
 from .pages import ENGINE, PageCopies
 from .pools import ParallelInfo, PoolBinding, checkpoint_kv_heads, pool_name, sglang_model_identity
 from .registry import PoolRegistry
+from .weights import WeightUpdates
 
 try:  # SGLang is present wherever this backend is loaded; the import keeps kvpack importable without it.
     from sglang.srt.mem_cache.hicache_storage import (
@@ -117,6 +118,11 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self.session = Session.start(self.config, copy_threads=max(1, self.config.io_threads), write_back=False)
         self.pools = PoolRegistry(self.session, par, self.config.io_threads)
         self.pages = PageCopies(self.session, self.tenant, self.pools)
+        self.weights = WeightUpdates.find(
+            lambda state: self.pools.rescope(with_weights(par.model, state.identity)), self.session.metrics
+        )
+        """In-place weight updates (`kvpack.sglang_plugin.weights`): a change rescopes every key and
+        member fingerprint from the start-up model identity; None outside a scheduler."""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, %s, tp %d/%d pp %d/%d mla=%s writer=%s",
             self.tenant,
@@ -131,6 +137,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             par.is_mla_model,
             par.is_storage_writer,
         )
+
+    def _poll_weights(self, what: str, pages: int = 0) -> bool:
+        """`WeightUpdates.saves_dropped` at the start of a call (`pages`: a save's); an error in
+        it is a data-path error (nothing dropped: the call that follows answers)."""
+        try:
+            return self.weights is not None and self.weights.saves_dropped(pages)
+        except Exception as exc:
+            return bool(self._data_path_error(what, exc, False))
 
     # -- registration (`PoolRegistry`) ---------------------------------------------
 
@@ -160,6 +174,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         zero-copy ``kv`` object with ``interface_v1``, the legacy flat page without), plus
         every registered draft pool (a KV-only prefix while a draft pool exists is partial)."""
         try:
+            self._poll_weights("batch_exists")
             if self.pools.kv_refused:
                 return 0
             kv = self._kv_read_by_gets()
@@ -176,6 +191,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         try:
+            self._poll_weights("batch_exists_v2")
             if self.pools.kv_refused:
                 return PoolTransferResult(0, {}, [])
             kv, read = self.pools.kv, self._kv_read_by_gets()
@@ -236,6 +252,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         try:
+            self._poll_weights("batch_get_v1")
             if self.pools.anchor_only:
                 return [True] * len(keys)  # logical anchor: v2 pools carry the data (as SGLang's own backends)
             return self.pages.get(self.pools.kv, "kv", list(keys), host_indices)
@@ -246,8 +263,8 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         try:
-            if self.pools.anchor_only:
-                return [True] * len(keys)
+            if self._poll_weights("batch_set_v1", len(keys)) or self.pools.anchor_only:
+                return [True] * len(keys)  # held: dropped, reported done (the pages are of other weights)
             return self.pages.set(self.pools.kv, "kv", list(keys), host_indices)
         except Exception as exc:
             return self._data_path_error("batch_set_v1", exc, [False] * len(keys))
@@ -257,11 +274,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
+        self._poll_weights("batch_get_v2")
         return self._each_pool(transfers, self.pages.get, "batch_get_v2")
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
+        if self._poll_weights("batch_set_v2", sum(len(t.keys or []) for t in transfers or [])):
+            return {t.name: [True] * len(t.keys or []) for t in transfers or []}
         return self._each_pool(transfers, self.pages.set, "batch_set_v2")
 
     def _each_pool(

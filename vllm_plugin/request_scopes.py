@@ -27,6 +27,7 @@ from kvpack import (
     Session,
     TenantSource,
     WeightsState,
+    adapter_identity,
     clip,
     resolve_tenant,
 )
@@ -56,7 +57,7 @@ def request_scope(
     if not isinstance(params, dict):
         params = {}
     lora = getattr(request, "lora_request", None)
-    adapter = "" if lora is None else f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+    adapter = "" if lora is None else lora_identity(lora)
     source = TenantSource(
         salt=getattr(request, "cache_salt", None) or "",
         named=params.get(TENANT_PARAM),
@@ -66,6 +67,13 @@ def request_scope(
         request_id=str(getattr(request, "request_id", "?")),
     )
     return resolve_tenant(source, config, on_untrusted, warned)
+
+
+def lora_identity(lora: Any) -> str:
+    """A LoRA request's adapter by content (`kvpack.adapter_identity` of its ``lora_path``),
+    by ``<name>:<int id>`` where its files are not on this machine."""
+    name = f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+    return adapter_identity(getattr(lora, "lora_path", None) or getattr(lora, "path", None), name)
 
 
 def cacheable(request: Request) -> bool:
