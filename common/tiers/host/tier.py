@@ -48,7 +48,7 @@ from ...objects import (
 )
 from ..base import GetResult, PutItem, TierStatus, checksummed
 from ..disk import DiskTier
-from ..disk.catalog import Catalog, open_catalog
+from ..disk.catalog import Catalog, IndexBusy, open_catalog
 from ..disk.fs import SHM, open_store_root
 from ..disk.rows import Victim, group_id
 from ..disk.tier import sort_puts
@@ -83,6 +83,8 @@ class HostTier(DiskTier):
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
         ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena."""
         self._owner: Owner | None = None
+        self._unfinished: list[str] = []
+        """Writers whose put's end (`HostCatalog.finish`) failed: ended by a later put."""
         self._asked = capacity
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
@@ -123,11 +125,21 @@ class HostTier(DiskTier):
         def make(path: str, timeout_s: float) -> Catalog:
             return HostCatalog(path, timeout_s, capacity=asked, root_fd=root_fd)
 
-        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make)
+        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make, private_root=True)
         assert isinstance(catalog, HostCatalog)
-        self._owner = Owner(self._root_fd)
+        self._owner = Owner(self._root_fd, on_fork=self._register_child)
         catalog.owner = self._owner.token
         return catalog
+
+    def _register_child(self) -> None:
+        """In a forked child (`owners.Owner.in_child`): register the child as a user of its own, so
+        its writes are its own pending rows and a dead parent is not kept live by it."""
+        catalog = self._host_catalog
+        try:
+            self._owner = Owner(self._root_fd, on_fork=self._register_child)
+        except OSError:
+            self._owner = None
+        catalog.owner = self._owner.token if self._owner is not None else ""
 
     @property
     def _host_catalog(self) -> HostCatalog:
@@ -160,6 +172,7 @@ class HostTier(DiskTier):
 
     def _put(self, items: Sequence[PutItem]) -> list[TierStatus]:
         catalog = self._host_catalog
+        self._finish_abandoned()
         statuses, sizes, by_tenant = sort_puts(items)
         heads = [item.header.encode() for item in items]
         charges = [catalog.geometry.charge(len(h), n) for h, n in zip(heads, sizes)]
@@ -175,6 +188,10 @@ class HostTier(DiskTier):
                 for i, ok in zip(idx, admitted):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
+        except IndexBusy:  # another process holds the index: dropped (a later miss), never a stall
+            self.counters.count_removed("index_busy", sum(s is TierStatus.OK for s in statuses))
+            self._abandon(items, extents, writer)
+            return [TierStatus.TIMEOUT if s is TierStatus.OK else s for s in statuses]
         except Exception:  # noqa: BLE001 - an index that cannot be written: nothing is stored
             self._abandon(items, extents, writer)
             return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
@@ -184,8 +201,13 @@ class HostTier(DiskTier):
         self._write(items, heads, placed)
         try:  # one short transaction: from now on the written objects are found (`contains`)
             still = catalog.finish([items[i].key for i in todo], writer)
-        except Exception:  # noqa: BLE001 - left pending: reclaimed as a dead writer's, or forgotten after the grace
-            return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
+        except Exception as exc:  # noqa: BLE001 - left pending: its pages go with the next put's finish
+            self._unfinished.append(writer)
+            busy = isinstance(exc, IndexBusy)
+            if busy:
+                self.counters.count_removed("index_busy", len(todo))
+            failed = TierStatus.TIMEOUT if busy else TierStatus.ERROR
+            return [failed if s is TierStatus.OK else s for s in statuses]
         for i, indexed in zip(todo, still):
             if not indexed:  # evicted while it was written (a later put, another process)
                 statuses[i] = TierStatus.NO_SPACE
@@ -206,6 +228,16 @@ class HostTier(DiskTier):
             pairs += pair_up(pages.regions(extent.runs, start, start + items[i].header.payload_len), src)
         self._io.copy(pairs, streaming=True)
         pages.end_writes([extent.runs for _, extent in placed], [extent.gen for _, extent in placed])
+
+    def _finish_abandoned(self) -> None:
+        """End the earlier puts whose own end could not have the index in time (their objects stay
+        unseen: `HostCatalog.finish` of no keys frees their pages)."""
+        while self._unfinished:
+            try:
+                self._host_catalog.finish([], self._unfinished[0])
+            except Exception:  # noqa: BLE001 - still busy: the next put tries again
+                return
+            self._unfinished.pop(0)
 
     def _abandon(self, items: Sequence[PutItem], extents: dict[tuple[bytes, str], Extent], writer: str) -> None:
         """A put that failed after some of its admissions: unindex what it admitted and free its pages."""
