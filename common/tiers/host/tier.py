@@ -304,9 +304,13 @@ class HostTier(DiskTier):
     ) -> tuple[list[tuple[ObjectHeader, memoryview] | None], Callable[[], list[bool]]]:
         """A lent get: per key, the header and a read-only view of the payload in the mapping
         (no copy), when the object is ready and whole (its stamps), its header is the expected
-        one, its payload lies in one run of pages and, if `verify_checksum`, its checksum is
-        right; else None (the caller reads it with `get_into`, which counts why). Hits are
-        touched as `get_into` touches them.
+        one and its payload lies in one run of pages; else None (the caller reads it with
+        `get_into`, which counts why). Hits are touched as `get_into` touches them.
+
+        With `verify_checksum` nothing is lent: a checksum must cover the bytes the engine reads,
+        and a view's bytes can change after any check of them (any process of this user maps them
+        writable), so such loads go through `get_into`, which copies into the caller's buffer
+        first and verifies that copy.
 
         The view is shared memory another process may rewrite at any time (its pages given to
         another object), so the seqlock of `get_into` is closed by the caller: it copies out of
@@ -316,7 +320,7 @@ class HostTier(DiskTier):
         `get_into` checks every checksum after its copy instead)."""
         n = len(keys)
         out: list[tuple[ObjectHeader, memoryview] | None] = [None] * n
-        if not ORDERED_STORES:
+        if not ORDERED_STORES or verify_checksum:
             return out, lambda: [True] * n
         try:
             found = self._host_catalog.ready_extents(keys)
@@ -336,12 +340,6 @@ class HostTier(DiskTier):
             lo = extent.runs[0][0] * page + start
             out[i] = (header, area[lo : lo + header.payload_len].data.toreadonly())
             lent.append((i, extent))
-        if verify_checksum:  # one batch of checksums; a damaged object is not lent (its load reads it and refuses)
-            bad = check_payloads([out[i][0] for i, _ in lent], [out[i][1] for i, _ in lent])  # type: ignore[index]
-            for (i, _), reason in zip(lent, bad):
-                if reason is not None:
-                    out[i] = None
-            lent = [(i, e) for i, e in lent if out[i] is not None]
 
         def stable() -> list[bool]:
             """Per lent object: its pages still its own (those that are not counted in `torn`)."""
@@ -351,7 +349,7 @@ class HostTier(DiskTier):
 
         kept = stable()
         for (i, _), ok in zip(lent, kept):
-            if not ok:  # the header or checksum was read while the pages changed: no verdict
+            if not ok:  # the header was read while the pages changed: no verdict
                 out[i] = None
         lent = [le for le, ok in zip(lent, kept) if ok]
         if lent:
