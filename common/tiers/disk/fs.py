@@ -8,6 +8,10 @@ delete anything kvpack did not put in its own store folder.
   without the marker, or with another format, is refused. Errors are
   `ConfigError`s naming ``disk.path``. `check_store_root` applies the same
   rules and changes nothing (no folder, no marker): the start-up check.
+- A folder in a folder others may write into (``/tmp``; the host store's, right
+  in `SHM`) is private (`kvpack.tiers.disk.private`): its own name is never
+  resolved (a symlink there is refused), it is created 0700 or must be this
+  user's alone (checked on its descriptor), and so must its marker.
 - Everything inside is reached from the root's directory fd: `open_beneath`
   uses ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has
   it, else a walk of ``openat(O_NOFOLLOW)`` one component at a time, so a
