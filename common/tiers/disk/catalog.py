@@ -474,9 +474,11 @@ class Catalog(ScanReconcile):
         with self._lock, self._tx(save=True) as db:
             return batch_sql.insert_facts(db, [(g, f.origin, f.identity, f.blob) for g, f in todo])
 
-    def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
-        """Delete the groups' rows; returns those that were indexed."""
-        with self._lock, self._tx() as db:
+    def remove_groups(self, groups: Sequence[GroupKey], save: bool = False) -> list[Victim]:
+        """Delete the groups' rows; returns those that were indexed. `save`: on a save's path (`_tx`)."""
+        if not groups:
+            return []
+        with self._lock, self._tx(save=save) as db:
             return self._delete_groups(db, [group_id(g) for g in groups])
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
@@ -513,8 +515,9 @@ class Catalog(ScanReconcile):
                 db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (key.tenant,))
 
     def reopen_lock(self) -> None:
-        """In a forked child: a lock fd of its own at the same number (`_Forked`); on failure the
-        number holds nothing lockable by the parent's lock (``/dev/null``), so writes time out."""
+        """In a forked child: a lock fd of its own at the same number (`index_files._Forked`). Where the
+        lock file cannot be opened the number holds ``/dev/null``: it shares nothing with the parent's
+        lock, and SQLite's own lock still orders the child's writes."""
         try:
             if self._private_fd is not None:
                 fd = private.open_file(self._private_fd, INDEX_FILES[3], os.O_RDWR, INDEX_FILES[3], create=False)
@@ -534,6 +537,7 @@ class Catalog(ScanReconcile):
             self.flush_touches()
         except sqlite3.Error:
             pass
+        index_files.FORKED.discard(self)
         with self._lock:
             self._db.close()
             os.close(self._lock_fd)

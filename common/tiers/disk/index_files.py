@@ -66,6 +66,10 @@ class _Forked:
     def add(self, catalog: LockHolder) -> None:
         self._live.add(catalog)
 
+    def discard(self, catalog: LockHolder) -> None:
+        """Forget a closed catalog (its fd number may be reused: never touched in a child)."""
+        self._live.discard(catalog)
+
     def _in_child(self) -> None:
         for catalog in list(self._live):
             catalog.reopen_lock()

@@ -478,7 +478,7 @@ class DiskTier(Tier):
             statuses[i] = status
         failed = [items[i].key.group for i in todo if statuses[i] is not TierStatus.OK]
         if failed:
-            self._drop_victims(self._catalog.remove_groups(failed), "failed_write")
+            self._drop_victims(self._catalog.remove_groups(failed, save=True), "failed_write")
         written = [i for i in todo if statuses[i] is TierStatus.OK]
         try:  # one short transaction: from now on the written objects are found (`contains`)
             still = self._catalog.mark_ready([items[i].key for i in written])

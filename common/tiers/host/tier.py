@@ -172,8 +172,10 @@ class HostTier(DiskTier):
 
     def _put(self, items: Sequence[PutItem]) -> list[TierStatus]:
         catalog = self._host_catalog
-        self._finish_abandoned()
         statuses, sizes, by_tenant = sort_puts(items)
+        if not self._finish_abandoned():  # the index is still held: no second wait for it
+            self.counters.count_removed("index_busy", sum(s is TierStatus.OK for s in statuses))
+            return [TierStatus.TIMEOUT if s is TierStatus.OK else s for s in statuses]
         heads = [item.header.encode() for item in items]
         charges = [catalog.geometry.charge(len(h), n) for h, n in zip(heads, sizes)]
         writer = writer_name(catalog.owner)
@@ -229,22 +231,28 @@ class HostTier(DiskTier):
         self._io.copy(pairs, streaming=True)
         pages.end_writes([extent.runs for _, extent in placed], [extent.gen for _, extent in placed])
 
-    def _finish_abandoned(self) -> None:
-        """End the earlier puts whose own end could not have the index in time (their objects stay
-        unseen: `HostCatalog.finish` of no keys frees their pages)."""
+    def _finish_abandoned(self) -> bool:
+        """End the earlier puts whose own end could not have the index in time (`HostCatalog.finish`:
+        their objects, written whole, become found; their limbo pages free). False when the index is
+        still held past `WRITE_LOCK_WAIT_S` (the next put tries again)."""
         while self._unfinished:
             try:
                 self._host_catalog.finish([], self._unfinished[0])
-            except Exception:  # noqa: BLE001 - still busy: the next put tries again
-                return
+            except IndexBusy:
+                return False
+            except Exception:  # noqa: BLE001 - an index that cannot be written: the next put tries again
+                return True
             self._unfinished.pop(0)
+        return True
 
     def _abandon(self, items: Sequence[PutItem], extents: dict[tuple[bytes, str], Extent], writer: str) -> None:
         """A put that failed after some of its admissions: unindex what it admitted and free its pages."""
+        if not extents:
+            return  # nothing admitted: nothing to undo (no second wait for a busy index)
         admitted = {g for g, _ in extents}
         groups = list({it.key.group: None for it in items if group_id(it.key.group) in admitted})
         try:
-            self._drop_victims(self._catalog.remove_groups(groups), "failed_write")
+            self._drop_victims(self._catalog.remove_groups(groups, save=True), "failed_write")
             self._host_catalog.finish([], writer)
         except Exception:  # noqa: BLE001 - left to reclaim_dead / the grace, as a crash would be
             pass
