@@ -69,12 +69,14 @@ def _host(args: argparse.Namespace) -> int:
     import re
 
     from .config import HOST_NAME_RE
-    from .tiers.host.stores import drop, host_stores
+    from .tiers.host.stores import drop, host_stores, not_stores
 
     stores = host_stores()
     if args.action is None:
         for s in stores:
             print(f"{s.name}\t{s.held_bytes >> 20} MiB\t{s.users} live user(s)\t{s.path}")
+        for line in not_stores():
+            print(f"kvpack host: {line}", file=sys.stderr)
         return 0
     names = [s.name for s in stores if s.users == 0] if args.unused else args.names
     if not names and not args.unused:
