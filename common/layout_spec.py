@@ -69,6 +69,16 @@ class KVLayoutSpec:
             }
         )
 
+    def describe(self, model_name: str = "") -> str:
+        """What `group_fingerprint` covers, for people (``kvpack usage``): the engine's name for the
+        model (`model_name`, a path or hub name), its identity, engine, dtype, tokens per chunk and
+        parallel sizes."""
+        ident = self.model if len(self.model) <= 48 else self.model[:45] + "..."
+        head = f"{model_name} [{ident}]" if model_name and model_name != self.model else ident
+        return (
+            f"{head} ({self.engine}, {self.dtype}, {self.chunk_tokens} tokens/chunk, tp{self.tp_size} pp{self.pp_size})"
+        )
+
     @property
     def member_fingerprint(self) -> str:
         """32 hex chars; identifies this member's exact layout."""

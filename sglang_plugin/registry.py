@@ -58,7 +58,7 @@ class PoolRegistry:
             tp_size=self.par.tp_size,
             pp_size=self.par.pp_size,
         )
-        self.session.bind_group(group.group_fingerprint)
+        self.session.bind_group(group.group_fingerprint, group.describe(self.par.model_name))
         self.page_size = page_size
         if has_kv:
             self._bind("kv", mem_pool_host)

@@ -30,7 +30,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpack import KVPackConfig, LayoutError, LoadChunk, LoadJob, SaveJob, Session, TransferRunner, start_engine_process
+from kvpack import (
+    ClearScope,
+    KVPackConfig,
+    LayoutError,
+    LoadChunk,
+    LoadJob,
+    SaveJob,
+    Session,
+    TransferRunner,
+    start_engine_process,
+)
 from kvpack.ops import Staging
 
 from .loads import BlockLoads, refused_plan, tokens_used
@@ -116,11 +126,24 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
+        if meta.clear is not None:
+            self._clear(meta.clear)
         for job in meta.loads:  # a disabled runner (refused cache) fails each load: vLLM recomputes it
             if job.sync:
                 self.runner.load_now(self._load_job(job))
             else:
                 self.runner.submit_load(self._load_job(job))
+
+    def _clear(self, scope: ClearScope) -> None:
+        """A reset the scheduler applied (`SchedulerSide.reset`), before this step's loads: the saves
+        queued before it reach the store (bounded by ``io_timeout_ms``), then this process's tiers
+        drop what it names (its memory tier; the shared ones again, for stores that landed since),
+        and the scheduler's index of the workers' memory hears of the groups dropped."""
+        self.runner.settle_saves(self.config.io_timeout_ms / 1000.0)
+        report = self.session.clear(scope, who="vLLM reset_cache (worker)")
+        memory = report.removed.get("memory")
+        if memory is not None:
+            self.runner.report_removed(memory.groups)
 
     def queue_saves(self, meta: KVPackConnectorMetadata) -> None:
         """Hand this step's saves to the runner (from wait_for_save: once per step, after

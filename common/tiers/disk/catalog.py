@@ -64,7 +64,7 @@ from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
-from . import batch_sql
+from . import batch_sql, census
 from .batch_sql import GroupRows, ObjectRows
 from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
@@ -95,6 +95,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS facts(seq INTEGER PRIMARY KEY AUTOINCREMENT, g BLOB NOT NULL UNIQUE,"
     " origin TEXT NOT NULL, identity TEXT NOT NULL, blob BLOB NOT NULL)",
+    census.OWNER_INDEX,
+    census.MODELS_TABLE,
 )
 
 
@@ -160,7 +162,7 @@ class Catalog(ScanReconcile):
             db.execute(_SCHEMA[0])
             row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
             if row is not None and row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "facts", "meta"):
+                for table in ("groups", "objects", "tenants", "facts", "models", "meta"):
                     db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
             for stmt in _SCHEMA:
                 db.execute(stmt)
@@ -441,6 +443,41 @@ class Catalog(ScanReconcile):
         """Delete the groups' rows; returns those that were indexed."""
         with self._lock, self._tx() as db:
             return self._delete_groups(db, [group_id(g) for g in groups])
+
+    # -- operators (`kvpack.tiers.disk.census`) -------------------------------------------
+
+    def usage_rows(self) -> list[census.UsageRow]:
+        """Objects and bytes per (tenant, group fingerprint): one grouped read, no write."""
+        with self._lock:
+            return census.usage_rows(self._db)
+
+    def count_matching(self, tenants: frozenset[str] | None, fingerprints: frozenset[str] | None) -> tuple[int, int]:
+        """(objects, bytes) `remove_matching` would remove now (no write)."""
+        with self._lock:
+            return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
+
+    def remove_matching(
+        self, tenants: frozenset[str] | None, fingerprints: frozenset[str] | None, batch: int = 10_000
+    ) -> Iterator[list[Victim]]:
+        """Delete the groups of `tenants` and `fingerprints` (None: any) that eviction could take,
+        `batch` groups per transaction (others' writes wait at most one batch), yielding each
+        batch's deleted groups for their files to go after it committed."""
+        while True:
+            with self._lock, self._tx() as db:
+                ids = census.select_groups(db, tenants, fingerprints, self.EVICTABLE, batch)
+                gone = self._delete_groups(db, ids) if ids else []
+            if not ids:
+                return
+            yield gone
+
+    def name_fingerprint(self, fingerprint: str, label: str) -> None:
+        """Name `fingerprint` in the index (``kvpack usage``); the first name recorded stays."""
+        with self._lock, self._tx(begin=False) as db:
+            census.name_fingerprint(db, fingerprint, label)
+
+    def fingerprint_names(self) -> dict[str, str]:
+        with self._lock:
+            return census.fingerprint_names(self._db)
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Mark the rows of `keys` ready (their files are written), atomically (one statement, or a

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...clearing import Cleared, ClearScope, ClearUnsupported
 from ...keys import GroupKey, StoreKey
 from ...objects import (
     Expectation,
@@ -544,6 +545,26 @@ class DiskTier(Tier):
         except Exception:  # noqa: BLE001
             return 0
         return self._drop_victims(victims, "removed")
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """Remove (or count) the groups `scope` matches, found in the shared index (a batch of rows
+        per transaction, then their files: `Catalog.remove_matching`); a group whose object is being
+        written is left (eviction's rule). A load racing with it misses: its row or its file is gone."""
+        if not self.index_complete():
+            raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
+        if dry_run:
+            return Cleared(*self._catalog.count_matching(scope.tenants, scope.fingerprints))
+        objects = nbytes = 0
+        for victims in self._catalog.remove_matching(scope.tenants, scope.fingerprints):
+            objects += self._drop_victims(victims, "removed")
+            nbytes += sum(v.nbytes for v in victims)
+        return Cleared(objects, nbytes)
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        try:
+            self._catalog.name_fingerprint(fingerprint, label)
+        except Exception:  # noqa: BLE001, S110 - a name is for operators: never fails a store
+            pass
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""
