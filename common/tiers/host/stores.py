@@ -3,8 +3,11 @@
 A host store outlives its processes (`place`: a tmpfs folder, until reboot), as the
 disk tier's folder does: a server restarted, or a second one started later, finds
 the prefixes the first computed. Its memory comes back when an operator drops it
-(`drop`), or at reboot. The last process's exit leaves it in place on purpose: it
-cannot know whether another server starts a second later. A store holds its whole
+(`drop`), or at reboot. A store the operator asked for (``memory.mode: host``) outlives its
+last process on purpose: it cannot know whether another server starts a second later. A
+store ``memory.mode: auto`` chose gives its memory back when its last user closes it
+(`give_back`, race-free against a process opening it at that moment); a last user killed
+before it closed leaves it, until the next user of that name closes or `drop`. A store holds its whole
 arena (the `memory.capacity` it was made with, `pages`) plus its index from the
 moment it is made until it is dropped.
 
@@ -17,14 +20,19 @@ exits, unseen by the others.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
+import time
 from dataclasses import dataclass
 
 from ..disk.fs import SHM
-from .owners import live_users
+from .owners import live_owners, live_users
 from .place import host_root
+
+GIVE_BACK_WAIT_S = 2.0
+"""Longest a closing process waits for the store folder's lock to give an auto store back."""
 
 
 @dataclass(frozen=True)
@@ -80,3 +88,56 @@ def drop(name: str, shm: str = SHM) -> str | None:
         return None
     shutil.rmtree(aside, ignore_errors=True)
     return None
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def lock_folder(fd: int, mode: int, wait_s: float) -> bool:
+    """``flock`` the store folder open at `fd` (`mode`: ``LOCK_SH`` or ``LOCK_EX``) within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+
+
+def is_at(fd: int, path: str) -> bool:
+    """Is the folder open at `fd` still the one at `path` (not renamed aside, not replaced)?"""
+    try:
+        now, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def give_back(name: str, shm: str = SHM, wait_s: float = GIVE_BACK_WAIT_S) -> bool:
+    """Drop host store `name` if no process uses it, race-free against one opening it: True when dropped.
+
+    Called by a store's last user as it closes (a store that ``memory.mode: auto`` chose,
+    `HostTier`). An opener holds the folder's shared ``flock`` from opening the folder until its
+    owner file is in place (`HostTier._open_root`); this takes the exclusive one, so no opener is
+    half-way in while it counts the live owners. One that opened the folder before is counted
+    (its owner file is locked); one that comes after finds the folder renamed aside when it gets
+    its shared lock and opens the path again (a new, empty store)."""
+    path = host_root(name, shm)
+    try:
+        fd = os.open(path, _DIR)
+    except OSError:
+        return False
+    try:
+        if not lock_folder(fd, fcntl.LOCK_EX, wait_s) or not is_at(fd, path) or live_owners(fd):
+            return False
+        aside = f"{path}.dropped-{secrets.token_hex(4)}"
+        try:
+            os.rename(path, aside)
+        except OSError:
+            return False
+    finally:
+        os.close(fd)  # the lock goes with it
+    shutil.rmtree(aside, ignore_errors=True)
+    return True

@@ -24,7 +24,9 @@ under one `capacity` (the arena's size: the budget is held from the start, never
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +59,7 @@ from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
 from .pages import ORDERED_STORES, Geometry, SharedPages, pair_up, payload_offset
 from .place import host_root
+from .stores import give_back, is_at, lock_folder
 
 log = logging.getLogger("kvpack")
 
@@ -77,12 +80,16 @@ class HostTier(DiskTier):
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
         region_copier: Callable[[], RegionCopier | None] | None = None,
+        give_back_unused: bool = False,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with an arena of
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena."""
+        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
+        `give_back_unused`: the last user to close the store drops it (`stores.give_back`; a
+        store ``memory.mode: auto`` chose)."""
         self._owner: Owner | None = None
+        self._name, self._shm, self._give_back = host_name, shm, give_back_unused
         self._asked = capacity
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
@@ -115,7 +122,15 @@ class HostTier(DiskTier):
     # -- DiskTier's hooks -----------------------------------------------------------
 
     def _open_root(self, path: str) -> tuple[str, int]:
-        return open_store_root(path, FIELD, shm=True)
+        """The store folder, held under its shared ``flock`` until this process's owner file is in
+        place (`_open_catalog`): a last user giving the store back (`stores.give_back`) waits for
+        it, or has renamed the folder aside, and then this opens the path again."""
+        for _ in range(8):
+            real, fd = open_store_root(path, FIELD, shm=True)
+            if lock_folder(fd, fcntl.LOCK_SH, 10.0) and is_at(fd, real):
+                return real, fd
+            os.close(fd)
+        raise ConfigError(FIELD, f"{path}: the host store kept being dropped while this process opened it")
 
     def _open_catalog(self, busy_timeout_s: float) -> Catalog:
         root_fd, asked = self._root_fd, self._asked
@@ -126,6 +141,7 @@ class HostTier(DiskTier):
         catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make)
         assert isinstance(catalog, HostCatalog)
         self._owner = Owner(self._root_fd)
+        fcntl.flock(self._root_fd, fcntl.LOCK_UN)  # a user now: `_open_root`'s shared lock is done
         catalog.owner = self._owner.token
         return catalog
 
@@ -470,6 +486,8 @@ class HostTier(DiskTier):
         pages = getattr(self, "_pages", None)
         if pages is not None:
             pages.close()
+        if self._give_back and give_back(self._name, self._shm):
+            log.info("kvpack: host store %s given back (memory.mode auto, its last user closed)", self._name)
 
 
 _MISS = GetResult(TierStatus.MISS)
