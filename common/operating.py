@@ -188,6 +188,7 @@ def _clear_disk(path: str, scope: ClearScope, dry_run: bool) -> StoreCleared:
         result.failed = str(exc).splitlines()[0][:200]
         return result
     try:
+        tier.wait_indexed(60.0)  # an index still being built: it raises in `clear`, one line
         return _run(result, scope, dry_run, tier)
     finally:
         tier.close()

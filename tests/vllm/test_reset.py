@@ -127,3 +127,37 @@ def test_server_reset_external_recomputes(tiny_llama: Path, tmp_path: Path) -> N
     finally:
         stop_server(proc)
     assert _still_there(store, other), "the reset removed another model's objects"
+
+
+def test_kvpack_clear_while_the_engine_loads_the_tenants_prefixes(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvpack clear --tenant`` runs while the engine loads that tenant's prefixes from disk (the
+    memory tier off, so every hit is a disk load): each run is exact, no error; after a clear that
+    finished, the tenant's prompts are recomputed."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    store = tmp_path / "kv"
+    extra = {"disk": {"path": str(store)}, "memory": {"enabled": False}, "trusted_tenants": ["*"]}
+    prompts = [prompt(600 + i, 260) for i in range(6)]
+    llm = make_llm(tiny_llama, kv_config(extra), block_size=BS)
+    clear_cmd = [sys.executable, "-m", "kvpack.cli", "clear", "--tenant", "leaver", "--disk", str(store)]
+    try:
+        first = [run(llm, ids, tenant="leaver") for ids in prompts]  # computed: the no-cache reference
+        assert run(llm, prompts[0], tenant="leaver").cached > 0, "no hit to race with"
+        clearing = subprocess.Popen(clear_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        during = [run(llm, ids, tenant="leaver") for ids in prompts * 2]
+        out, err = clearing.communicate(timeout=120)
+        assert clearing.returncode == 0, err[-2000:]
+        assert "removed" in out, out
+        for got, want in zip(during, first * 2):
+            assert same_output(got, want), (got, want)
+        done = subprocess.run(clear_cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        after = [run(llm, ids, tenant="leaver") for ids in prompts]
+        assert [r.cached for r in after] == [0] * len(prompts), "a cleared tenant's prefix was still a hit"
+        assert all(same_output(a, b) for a, b in zip(after, first))
+    finally:
+        close_llm(llm)
