@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .config_build import join_path
 from .errors import ConfigError
@@ -194,13 +195,13 @@ def _size(nbytes: int | None) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-class Clearable:
+class Clearable(Protocol):
     """What `clear_tiers` needs of a tier (`kvpack.tiers.base.Tier` has it)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:  # pragma: no cover - protocol
-        raise NotImplementedError
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared: ...
 
 
 def clear_tiers(tiers: Sequence[Clearable], scope: ClearScope, dry_run: bool = False) -> ClearReport:
@@ -223,17 +224,3 @@ def clear_tiers(tiers: Sequence[Clearable], scope: ClearScope, dry_run: bool = F
             got = Cleared(before.objects + got.objects, nbytes, before.groups + got.groups)
         report.removed[tier.name] = got
     return report
-
-
-def merge_counts(reports: Iterable[Mapping[str, Cleared]]) -> dict[str, Cleared]:
-    """Sum per-tier counts of several reports (the CLI's several stores of one kind)."""
-    out: dict[str, Cleared] = {}
-    for removed in reports:
-        for name, c in removed.items():
-            b = out.get(name)
-            if b is None:
-                out[name] = Cleared(c.objects, c.nbytes)
-            else:
-                nbytes = None if b.nbytes is None or c.nbytes is None else b.nbytes + c.nbytes
-                out[name] = Cleared(b.objects + c.objects, nbytes)
-    return out

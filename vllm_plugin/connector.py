@@ -218,8 +218,8 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``): kvpack's
-        reset rule (`kvpack.clearing`), applied by the scheduler side (`SchedulerSide.reset`)."""
-        return self.scheduler.reset() if self.scheduler is not None else False
+        reset rule (`kvpack.clearing`), applied by the scheduler side (`vllm_plugin.resets`)."""
+        return self.scheduler.resets.apply() if self.scheduler is not None else False
 
     def shutdown(self) -> None:
         for side in (self.worker, self.scheduler):

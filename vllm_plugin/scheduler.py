@@ -77,7 +77,6 @@ from typing import TYPE_CHECKING, Any
 from kvpack import (
     AdapterEvent,
     ChunkHash,
-    ClearScope,
     Coverage,
     HandoffClaim,
     HitPlan,
@@ -98,6 +97,7 @@ from .metadata import (
     hit_refs,
 )
 from .request_scopes import RequestScopes
+from .resets import PendingReset
 from .scopes import Scope
 from .state_tails import PartialTail, partial_tails, state_tail_ref
 from .workers_memory import WorkersMemory
@@ -147,8 +147,7 @@ class SchedulerSide:
         self._captures = CaptureTracker(scope.block_size, tails)
         """Every cacheable request, saved in the steps that compute it (`captures`)."""
         self._partial_tails: dict[str, list[PartialTail]] = {}
-        self._clearing: ClearScope | None = None
-        """A reset's scope, until the next step's metadata hands it to the workers (`reset`)."""
+        self.resets = PendingReset(self.session, self._plans.clear)
         self._budget = WaitBudget(config.io_timeout_ms / 1000.0)
         """What this scheduler step's lookups and save planning may wait on remote tiers
         in all (renewed when `build_connector_meta` ends, once per step: vLLM asks for
@@ -164,8 +163,7 @@ class SchedulerSide:
         if cached is not None and cached.num_tokens == n:
             return cached
         rs = self._scope_of(request)
-        # a load failed once: recompute, never retry; a reset not yet passed to the workers: no hit
-        if rs is None or request.request_id in self._failed or self._clearing is not None:
+        if rs is None or request.request_id in self._failed or self.resets.scope is not None:  # no retry, no mid-reset
             plan = HitPlan.miss(n, rs)
         else:
             query = self._query(request, rs, n)
@@ -261,10 +259,8 @@ class SchedulerSide:
                 self._pending_saves.append(job)
                 self.memory.expect(job, self.session.key)
                 self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
-        meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves, self._clearing)
-        self._clearing = None
-        self._pending_loads = {}
-        self._pending_saves = []
+        meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves, self.resets.take())
+        self._pending_loads, self._pending_saves = {}, []
         self._budget.renew()  # the step ends here: its lookups and save planning shared one budget
         self.memory.step_ended()
         return meta
@@ -358,19 +354,6 @@ class SchedulerSide:
                 self._failed.add(req_id)
                 self._plans.pop(req_id, None)
                 self._captures.restart(req_id)
-
-    def reset(self) -> bool:
-        """vLLM's ``reset_cache``: the core's reset rule on the tiers this process reaches
-        (`Session.reset`: the host store, disk, Mooncake, the index of the workers' memory), then
-        the workers' own memory tiers, told in the next step's metadata (no hit is planned
-        until then). True when every tier in scope removed what it names; False when
-        ``reset.scope`` is off or a tier failed."""
-        report = self.session.reset("vLLM reset_cache")
-        if report is None:
-            return False
-        self._clearing = report.scope
-        self._plans.clear()
-        return report.ok
 
     def take_stats(self) -> dict[str, float]:
         """What this side's store counted since the last call (`kvpack_*` metrics' increases)."""

@@ -135,7 +135,7 @@ class WorkerSide:
                 self.runner.submit_load(self._load_job(job))
 
     def _clear(self, scope: ClearScope) -> None:
-        """A reset the scheduler applied (`SchedulerSide.reset`), before this step's loads: the saves
+        """A reset the scheduler applied (`vllm_plugin.resets`), before this step's loads: the saves
         queued before it reach the store (bounded by ``io_timeout_ms``), then this process's tiers
         drop what it names (its memory tier; the shared ones again, for stores that landed since),
         and the scheduler's index of the workers' memory hears of the groups dropped."""

@@ -50,6 +50,7 @@ one transaction at most every `TOUCH_FLUSH_S` (or with the next put), at most
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -451,28 +452,33 @@ class Catalog(ScanReconcile):
         with self._lock:
             return census.usage_rows(self._db)
 
-    def count_matching(self, tenants: frozenset[str] | None, fingerprints: frozenset[str] | None) -> tuple[int, int]:
-        """(objects, bytes) `remove_matching` would remove now (no write)."""
-        with self._lock:
-            return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
-
-    def remove_matching(
-        self, tenants: frozenset[str] | None, fingerprints: frozenset[str] | None, batch: int = 10_000
-    ) -> Iterator[list[Victim]]:
-        """Delete the groups of `tenants` and `fingerprints` (None: any) that eviction could take,
-        `batch` groups per transaction (others' writes wait at most one batch), yielding each
-        batch's deleted groups for their files to go after it committed."""
+    def clear_matching(
+        self,
+        tenants: frozenset[str] | None,
+        fingerprints: frozenset[str] | None,
+        drop: Callable[[list[Victim]], int] | None,
+        batch: int = 10_000,
+    ) -> tuple[int, int]:
+        """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
+        could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
+        one batch), each batch handed to `drop` once committed (it removes their files and answers
+        how many objects went); without, only counted (no write)."""
+        if drop is None:
+            with self._lock:
+                return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
+        objects = nbytes = 0
         while True:
             with self._lock, self._tx() as db:
                 ids = census.select_groups(db, tenants, fingerprints, self.EVICTABLE, batch)
                 gone = self._delete_groups(db, ids) if ids else []
             if not ids:
-                return
-            yield gone
+                return objects, nbytes
+            objects, nbytes = objects + drop(gone), nbytes + sum(v.nbytes for v in gone)
 
     def name_fingerprint(self, fingerprint: str, label: str) -> None:
-        """Name `fingerprint` in the index (``kvpack usage``); the first name recorded stays."""
-        with self._lock, self._tx(begin=False) as db:
+        """Name `fingerprint` in the index (``kvpack usage``); the first name recorded stays. Never
+        raises: a name is for operators, it never fails a store."""
+        with contextlib.suppress(sqlite3.Error, OSError, TimeoutError), self._lock, self._tx(begin=False) as db:
             census.name_fingerprint(db, fingerprint, label)
 
     def fingerprint_names(self) -> dict[str, str]:

@@ -547,24 +547,14 @@ class DiskTier(Tier):
         return self._drop_victims(victims, "removed")
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """Remove (or count) the groups `scope` matches, found in the shared index (a batch of rows
-        per transaction, then their files: `Catalog.remove_matching`); a group whose object is being
-        written is left (eviction's rule). A load racing with it misses: its row or its file is gone."""
+        """From the shared index (`Catalog.clear_matching`), then the files: a racing load misses."""
         if not self.index_complete():
             raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
-        if dry_run:
-            return Cleared(*self._catalog.count_matching(scope.tenants, scope.fingerprints))
-        objects = nbytes = 0
-        for victims in self._catalog.remove_matching(scope.tenants, scope.fingerprints):
-            objects += self._drop_victims(victims, "removed")
-            nbytes += sum(v.nbytes for v in victims)
-        return Cleared(objects, nbytes)
+        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
+        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
 
     def name_group(self, fingerprint: str, label: str) -> None:
-        try:
-            self._catalog.name_fingerprint(fingerprint, label)
-        except Exception:  # noqa: BLE001, S110 - a name is for operators: never fails a store
-            pass
+        self._catalog.name_fingerprint(fingerprint, label)
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""
