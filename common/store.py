@@ -489,6 +489,8 @@ class KVStore(LentCopies, StoreWrites):
         report = clear_tiers(self.tiers, scope, dry_run)
         if not dry_run:
             for name, cleared in report.removed.items():
+                if self.events is not None and cleared.groups:  # routers hear of the memory tier's groups gone
+                    self.events.removed(name, [GroupKey.parse(g) for g in cleared.groups])
                 self.metrics.inc("cleared_objects", cleared.objects, tier=name)
                 self.metrics.inc("cleared_bytes", cleared.nbytes or 0, tier=name)
             for name in report.failed:

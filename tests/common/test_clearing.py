@@ -33,6 +33,7 @@ from kvpack import (
 )
 from kvpack.clearing import ResetConfig, ResetScope, engine_scope
 from kvpack.eviction import make_policy
+from kvpack.tier_events import TierEventKind
 from kvpack.tiers.base import Tier
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.host import HostTier, host_root
@@ -187,5 +188,18 @@ def test_reset_narrowed_to_a_tier(tmp_path: Path) -> None:
         report = session.reset("test")
         assert report is not None and set(report.removed) == {"disk"}
         assert session.store.in_memory([it.key for it in _items("acme", FP_A)]) == [True] * 2 * PER
+    finally:
+        session.close()
+
+
+def test_a_reset_tells_routers_of_the_memory_groups_gone(tmp_path: Path) -> None:
+    session = _session(tmp_path, disk={"enabled": False})
+    try:
+        feed = session.store.tier_events()
+        session.store.complete_store(_items("acme", FP_A))
+        feed.take()
+        assert session.reset("test") is not None
+        removed = {e.group for e in feed.take() if e.kind is TierEventKind.REMOVED and e.tier == "memory"}
+        assert removed == {StoreKey("acme", FP_A, chunk_id(i), "kv").group.as_str() for i in range(PER)}
     finally:
         session.close()
