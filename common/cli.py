@@ -3,7 +3,7 @@
     kvpack inspect DIR [--json]
     kvpack config [FILE]        # check FILE as engine start-up does; print the effective config
     kvpack host [drop NAME... | drop --unused]  # this user's host memory stores; give one's memory back
-    kvpack usage [--config FILE] [--disk DIR] [--json]   # objects and bytes per tier, tenant and model
+    kvpack usage [--config FILE] [--disk DIR] [--mooncake-http H:P] [--json]  # per tier, tenant and model
     kvpack clear --tenant T [--model M] [--tier T...] [--dry-run] [--config FILE] [--disk DIR] [--json]
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
@@ -121,7 +121,7 @@ def _usage(args: argparse.Namespace) -> int:
     cfg = _operator_config(args, "usage")
     if cfg is None:
         return 2
-    stores, hidden = usage(cfg)
+    stores, hidden = usage(cfg, args.mooncake_http or "")
     if args.json:
         print(json.dumps({"stores": [s.to_dict() for s in stores], "not_visible": hidden}, indent=2))
     else:
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p_clear.add_argument("--model", help="a part of a model's name as kvpack usage shows it, or its fingerprint")
     p_clear.add_argument("--tier", action="append", choices=TIERS, help="only this tier (repeat for several)")
     p_clear.add_argument("--dry-run", action="store_true", help="count what would go, remove nothing")
+    p_usage.add_argument("--mooncake-http", help="a Mooncake master's HTTP address (its --metrics_port): list its keys")
     for p in (p_usage, p_clear):
         p.add_argument("--config", help="the engines' kvpack config file (default: the default config)")
         p.add_argument("--disk", help="the disk store folder (default: the config's disk.path)")

@@ -9,7 +9,8 @@ storage clear).
 
 Usage reads the indexes only (one grouped SQL scan each; no object file is opened), through a
 read-only connection: it changes nothing, takes no writer lock and is not a user of a host store.
-Mooncake keeps no per-tenant listing a client can ask, so usage names it as not listable.
+Mooncake's client API lists no keys; its master's HTTP server does (``/get_all_keys``, sizes
+from ``/batch_query_keys``), which usage reads when given its address (``--mooncake-http``).
 
 Clear is safe against engines running at that moment: it removes through each tier's own path
 (index rows, then files; the host store's pages; Mooncake's forced ``remove_by_regex``), and a
@@ -36,7 +37,12 @@ from .tiers.disk.catalog import INDEX_NAME
 from .tiers.host import HostTier
 from .tiers.host.stores import HostStore, host_stores
 
-MOONCAKE_NOT_LISTABLE = "Mooncake keeps no listing by key prefix a client can ask (kvpack clear removes by prefix)"
+MOONCAKE_NOT_LISTABLE = "its client API lists no keys: pass --mooncake-http HOST:PORT (the master's --metrics_port)"
+MAX_LISTED_KEYS = 10_000_000
+"""Keys read from a Mooncake master's listing at most (a bounded answer from a server)."""
+MAX_LISTING_BYTES = 2 << 30
+SIZE_BATCH = 100
+"""Keys per ``/batch_query_keys`` call (a GET: the keys travel in its URL)."""
 MEMORY_NOT_VISIBLE = "a per-process memory tier is inside its engine's process (the engine's reset verb reaches it)"
 
 
@@ -65,7 +71,7 @@ class StoreUsage:
                     "fingerprint": r.fingerprint,
                     "model": self.models.get(r.fingerprint, ""),
                     "objects": r.objects,
-                    "bytes": r.nbytes,
+                    "bytes": r.nbytes if r.nbytes >= 0 else None,
                 }
                 for r in self.rows
             ],
@@ -108,7 +114,47 @@ def _store_usage(tier: str, root: str, shown: str) -> StoreUsage:
     return usage
 
 
-def usage(config: KVPackConfig) -> tuple[list[StoreUsage], dict[str, str]]:
+def mooncake_usage(http: str, sized: int = 100_000, timeout_s: float = 30.0) -> StoreUsage:
+    """Objects (and bytes, for the first `sized` keys) per tenant and fingerprint in a Mooncake
+    cluster, from its master's HTTP listing (``/get_all_keys``, ``/batch_query_keys``: the
+    master's ``--metrics_port``); kvpack's keys only. Bytes are None past `sized` keys."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    out = StoreUsage("mooncake", http)
+    base = http if http.startswith("http://") else f"http://{http}"
+    try:
+        with urllib.request.urlopen(f"{base}/get_all_keys", timeout=timeout_s) as resp:  # noqa: S310 - operator's URL
+            text = resp.read(MAX_LISTING_BYTES).decode("utf-8", "replace")
+    except (OSError, ValueError) as exc:
+        out.note = f"unreachable: {str(exc)[:200]}"
+        return out
+    counts: dict[tuple[str, str], list[int]] = {}
+    keys = [k for k in text.splitlines()[:MAX_LISTED_KEYS] if k.startswith("kvpack/") and k.count("/") == 4]
+    sizes: dict[str, int] = {}
+    for lo in range(0, min(len(keys), sized), SIZE_BATCH):
+        part = keys[lo : min(lo + SIZE_BATCH, sized)]
+        url = f"{base}/batch_query_keys?keys=" + urllib.parse.quote(",".join(part), safe=",/")
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310
+                data = json.loads(resp.read(64 << 20)).get("data") or {}
+        except (OSError, ValueError):
+            break
+        for key, info in data.items():
+            values = (info or {}).get("values") or []
+            if values and isinstance(values[0], dict):
+                sizes[key] = int(values[0].get("size_", 0))
+    for key in keys:
+        _, tenant, fp, _, _ = key.split("/")
+        acc = counts.setdefault((tenant, fp), [0, 0])
+        acc[0] += 1
+        acc[1] = -1 if acc[1] < 0 or key not in sizes else acc[1] + sizes[key]
+    out.rows = [census.UsageRow(t, fp, n, b) for (t, fp), (n, b) in sorted(counts.items())]
+    return out
+
+
+def usage(config: KVPackConfig, mooncake_http: str = "") -> tuple[list[StoreUsage], dict[str, str]]:
     """(each readable store's usage, tiers not visible from here -> why)."""
     out: list[StoreUsage] = []
     for host in host_stores():
@@ -118,7 +164,9 @@ def usage(config: KVPackConfig) -> tuple[list[StoreUsage], dict[str, str]]:
     if config.disk.enabled:
         out.append(_store_usage("disk", config.disk.path, config.disk.path))
     hidden = {"memory": MEMORY_NOT_VISIBLE}
-    if config.mooncake.enabled:
+    if mooncake_http:
+        out.append(mooncake_usage(mooncake_http))
+    elif config.mooncake.enabled:
         hidden["mooncake"] = MOONCAKE_NOT_LISTABLE
     return out, hidden
 
@@ -233,9 +281,8 @@ def format_usage(stores: list[StoreUsage], hidden: dict[str, str]) -> str:
             lines.append(f"{s.tier:<6} {s.store[-34:]:<34} ({s.note})")
         for r in s.rows:
             model = s.models.get(r.fingerprint) or f"fingerprint {r.fingerprint}"
-            lines.append(
-                f"{s.tier:<6} {s.store[-34:]:<34} {r.tenant[:16]:<16} {r.objects:>9} {size(r.nbytes):>10}  {model}"
-            )
+            nbytes = size(r.nbytes if r.nbytes >= 0 else None)
+            lines.append(f"{s.tier:<6} {s.store[-34:]:<34} {r.tenant[:16]:<16} {r.objects:>9} {nbytes:>10}  {model}")
     for s in stores:
         if s.users is not None:
             lines.append(

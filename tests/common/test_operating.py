@@ -157,3 +157,23 @@ def test_clear_reaches_mooncake(mooncake_cluster, tmp_path: Path) -> None:  # ty
         assert all(tier.contains([it.key for it in stays]))
     finally:
         tier.close()
+
+
+def test_usage_lists_mooncake_through_the_masters_http(mooncake_cluster, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from kvpack.tiers.mooncake import MooncakeTier
+
+    tier = MooncakeTier(mooncake_cluster.tier_config())
+    assert tier.wait_ready(15)
+    try:
+        for t, n in (("mc-a", 3), ("mc-b", 2)):
+            assert tier.put_from(_items(t, FPS[1], n=n)) == [TierStatus.OK] * n
+        http = f"127.0.0.1:{mooncake_cluster.metrics_port}"
+        rc, out, _ = _cli(capsys, "usage", "--disk", "/nonexistent-kvpack-usage", "--mooncake-http", http, "--json")
+        assert rc == 0
+        rows = next(s for s in json.loads(out)["stores"] if s["tier"] == "mooncake")["rows"]
+        mine = {r["tenant"]: (r["fingerprint"], r["objects"]) for r in rows if r["tenant"] in ("mc-a", "mc-b")}
+        assert mine == {"mc-a": (FPS[1], 3), "mc-b": (FPS[1], 2)}, rows
+        sized = [r["bytes"] for r in rows if r["tenant"] in ("mc-a", "mc-b")]
+        assert all(b is not None and b >= 4096 * 2 for b in sized), sized  # payload + header per object
+    finally:
+        tier.close()
