@@ -147,9 +147,13 @@ def _clear(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpack clear: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger("kvpack").setLevel(logging.ERROR)  # the tiers' start-up notes are not this command's
     scope = ClearScope(tenants=frozenset({args.tenant}), fingerprints=fps, tiers=frozenset(args.tier or TIERS))
-    results = clear(cfg, scope, args.dry_run)
+    quiet, level = logging.getLogger("kvpack"), logging.getLogger("kvpack").level
+    quiet.setLevel(logging.ERROR)  # the tiers' start-up notes are not this command's
+    try:
+        results = clear(cfg, scope, args.dry_run)
+    finally:
+        quiet.setLevel(level)
     if args.json:
         rows = [
             {"tier": r.tier, "store": r.store, "objects": r.cleared.objects if r.cleared else None,

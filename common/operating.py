@@ -215,7 +215,7 @@ def _run(result: StoreCleared, scope: ClearScope, dry_run: bool, tier: Any) -> S
 def _clear_host(host: HostStore, scope: ClearScope, dry_run: bool) -> StoreCleared:
     result = StoreCleared("host", host.name)
     try:
-        tier = HostTier(host.name, 1 << 20)  # an existing store keeps its own size
+        tier = HostTier(host.name, 1 << 20, asked_for=False)  # an existing store keeps its own size
     except (ConfigError, OSError, sqlite3.Error) as exc:
         result.failed = str(exc).splitlines()[0][:200]
         return result

@@ -94,13 +94,13 @@ def test_no_give_back_while_a_process_is_opening_it(name: str) -> None:
     tier = HostTier(name, 16 << 20, give_back_unused=True)
     tier.close()
     assert not os.path.exists(host_root(name)), "the last user's close did not give it back"
-    tier = HostTier(name, 16 << 20)
-    tier.close()  # not asked to give it back: it stays
+    tier = HostTier(name, 16 << 20, give_back_unused=True)
     fd = os.open(host_root(name), os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # as an opener holds it until its owner file is in place
-        assert not give_back(name, wait_s=0.05)
+        tier.close()  # the last user, but one is half-way in: it gives up at its bound, the store stays
         assert os.path.isdir(host_root(name))
+        assert not give_back(name, wait_s=0.05)
     finally:
         os.close(fd)
     assert give_back(name)
@@ -110,3 +110,21 @@ def test_no_give_back_while_a_process_is_opening_it(name: str) -> None:
         assert again.usage().objects == 0
     finally:
         again.close()
+
+
+def test_an_auto_user_never_gives_back_a_store_someone_asked_for(name: str) -> None:
+    asked = _start("host", name)
+    joined = _start("auto", name)  # auto beside a live user: the host store
+    _end(asked)
+    _end(joined)  # the last user, an auto one
+    assert _users(name) == 0, "a store memory.mode host asked for was given back"
+
+
+def test_kvpack_clear_visiting_an_auto_store_leaves_it_auto(name: str) -> None:
+    HostTier(name, 16 << 20, give_back_unused=True, asked_for=False).close()  # made and given back
+    user = _start("auto", name)
+    try:
+        assert main(["clear", "--tenant", "nobody", "--tier", "host"]) == 0  # opens every host store
+    finally:
+        _end(user)
+    assert _users(name) is None, "a visit by kvpack clear made an auto store persist"

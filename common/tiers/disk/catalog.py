@@ -481,6 +481,12 @@ class Catalog(ScanReconcile):
         with contextlib.suppress(sqlite3.Error, OSError, TimeoutError), self._lock, self._tx(begin=False) as db:
             census.name_fingerprint(db, fingerprint, label)
 
+    def mark_kept(self) -> None:
+        """Note in the index that a user asked for this store to outlive its processes
+        (``memory.mode: host``): `kvpack.tiers.host.stores.give_back` then leaves it."""
+        with self._lock, self._tx(begin=False) as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES('kept', '1')")
+
     def fingerprint_names(self) -> dict[str, str]:
         with self._lock:
             return census.fingerprint_names(self._db)

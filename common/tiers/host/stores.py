@@ -24,9 +24,12 @@ import fcntl
 import os
 import secrets
 import shutil
+import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 
+from ..disk.catalog import INDEX_NAME
 from ..disk.fs import SHM
 from .owners import live_owners, live_users
 from .place import host_root
@@ -115,6 +118,24 @@ def is_at(fd: int, path: str) -> bool:
     return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
+def _kept(path: str) -> bool:
+    """Did a user of the store at `path` ask for it to outlive its processes (`Catalog.mark_kept`)?
+    True when that cannot be read (a store is never dropped on a doubt)."""
+    index = os.path.join(path, INDEX_NAME)
+    try:
+        if not stat.S_ISREG(os.lstat(index).st_mode):
+            return True
+        db = sqlite3.connect(f"file:{index}?mode=ro", uri=True, timeout=5.0)
+        try:
+            return db.execute("SELECT 1 FROM meta WHERE k='kept'").fetchone() is not None
+        finally:
+            db.close()
+    except FileNotFoundError:
+        return False  # no index yet: nothing was stored, nobody asked
+    except (OSError, sqlite3.Error):
+        return True
+
+
 def give_back(name: str, shm: str = SHM, wait_s: float = GIVE_BACK_WAIT_S) -> bool:
     """Drop host store `name` if no process uses it, race-free against one opening it: True when dropped.
 
@@ -123,14 +144,15 @@ def give_back(name: str, shm: str = SHM, wait_s: float = GIVE_BACK_WAIT_S) -> bo
     owner file is in place (`HostTier._open_root`); this takes the exclusive one, so no opener is
     half-way in while it counts the live owners. One that opened the folder before is counted
     (its owner file is locked); one that comes after finds the folder renamed aside when it gets
-    its shared lock and opens the path again (a new, empty store)."""
+    its shared lock and opens the path again (a new, empty store). A store any user opened with
+    ``memory.mode: host`` is kept (`Catalog.mark_kept`): asked for once, it persists."""
     path = host_root(name, shm)
     try:
         fd = os.open(path, _DIR)
     except OSError:
         return False
     try:
-        if not lock_folder(fd, fcntl.LOCK_EX, wait_s) or not is_at(fd, path) or live_owners(fd):
+        if not lock_folder(fd, fcntl.LOCK_EX, wait_s) or not is_at(fd, path) or live_owners(fd) or _kept(path):
             return False
         aside = f"{path}.dropped-{secrets.token_hex(4)}"
         try:

@@ -81,13 +81,15 @@ class HostTier(DiskTier):
         busy_timeout_s: float = 10.0,
         region_copier: Callable[[], RegionCopier | None] | None = None,
         give_back_unused: bool = False,
+        asked_for: bool | None = None,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with an arena of
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
         ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
         `give_back_unused`: the last user to close the store drops it (`stores.give_back`; a
-        store ``memory.mode: auto`` chose)."""
+        store ``memory.mode: auto`` chose). `asked_for` (default: not `give_back_unused`): a user
+        asked for the store (``memory.mode: host``), so it persists; False for a tool's visit."""
         self._owner: Owner | None = None
         self._name, self._shm, self._give_back = host_name, shm, give_back_unused
         self._asked = capacity
@@ -105,6 +107,8 @@ class HostTier(DiskTier):
             region_copier=region_copier,
         )
         catalog = self._host_catalog
+        if (not give_back_unused) if asked_for is None else asked_for:
+            catalog.mark_kept()  # asked for: no last user of an `auto` process gives it back
         self._capacity_bytes = catalog.geometry.capacity
         if catalog.geometry.capacity != Geometry.for_capacity(capacity).capacity:
             log.warning(
