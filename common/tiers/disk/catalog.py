@@ -457,7 +457,7 @@ class Catalog(ScanReconcile):
         tenants: frozenset[str] | None,
         fingerprints: frozenset[str] | None,
         drop: Callable[[list[Victim]], int] | None,
-        batch: int = 10_000,
+        batch: int = 2_000,
     ) -> tuple[int, int]:
         """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
         could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
