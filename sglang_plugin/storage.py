@@ -106,6 +106,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
             is_mla_model=bool(storage_config.is_mla_model),
             is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
             kv_heads=checkpoint_kv_heads(storage_config.model_name),
+            model_name=str(storage_config.model_name or ""),
         )
         self.tenant = self.config.tenant
         self.zero_copy = bool(self.engine_config.get("interface_v1", 0))
@@ -324,9 +325,10 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return self.session.flush(timeout_s)
 
     def clear(self) -> None:
-        """Not supported: kvpack's tiers are shared by instances and tenants, so one
-        SGLang instance may not wipe them. Use kvpack's own tools."""
-        log.warning("kvpack: clear() ignored: the kvpack store is shared across instances and tenants")
+        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.clearing`):
+        by default this instance's model's objects, every tenant, every tier it reaches; the
+        config's ``reset`` section narrows, widens or turns it off. Logged in one line."""
+        self.session.reset("SGLang storage clear")
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's own storage metrics (``--enable-metrics``): pages and GiB/s of each get

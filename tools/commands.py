@@ -28,6 +28,12 @@ def _evict() -> Tool:
     return evict_bench.main
 
 
+def _usage() -> Tool:
+    from .bench import usage_bench
+
+    return usage_bench.main
+
+
 def _copy() -> Tool:
     from .bench import copy_bench
 
@@ -126,6 +132,7 @@ BENCHES: dict[str, Callable[[], Tool]] = {
     "scale": _scale,
     "chat": _chat,
     "hostile": _hostile,
+    "usage": _usage,
 }
 """`kvpack bench NAME`: each benchmark's ``main``, imported when it runs."""
 

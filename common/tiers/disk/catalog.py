@@ -50,6 +50,7 @@ one transaction at most every `TOUCH_FLUSH_S` (or with the next put), at most
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -64,7 +65,7 @@ from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
-from . import batch_sql, index_files, private
+from . import batch_sql, census, index_files, private
 from .batch_sql import GroupRows, ObjectRows
 from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
@@ -99,6 +100,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS facts(seq INTEGER PRIMARY KEY AUTOINCREMENT, g BLOB NOT NULL UNIQUE,"
     " origin TEXT NOT NULL, identity TEXT NOT NULL, blob BLOB NOT NULL)",
+    census.OWNER_INDEX,
+    census.MODELS_TABLE,
 )
 
 
@@ -189,7 +192,7 @@ class Catalog(ScanReconcile):
             db.execute(_SCHEMA[0])
             row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
             if row is not None and row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "facts", "meta"):
+                for table in ("groups", "objects", "tenants", "facts", "models", "meta"):
                     db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
             for stmt in _SCHEMA:
                 db.execute(stmt)
@@ -480,6 +483,52 @@ class Catalog(ScanReconcile):
             return []
         with self._lock, self._tx(save=save) as db:
             return self._delete_groups(db, [group_id(g) for g in groups])
+
+    # -- operators (`kvpack.tiers.disk.census`) -------------------------------------------
+
+    def usage_rows(self) -> list[census.UsageRow]:
+        """Objects and bytes per (tenant, group fingerprint): one grouped read, no write."""
+        with self._lock:
+            return census.usage_rows(self._db)
+
+    def clear_matching(
+        self,
+        tenants: frozenset[str] | None,
+        fingerprints: frozenset[str] | None,
+        drop: Callable[[list[Victim]], int] | None,
+        batch: int = 2_000,
+    ) -> tuple[int, int]:
+        """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
+        could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
+        one batch), each batch handed to `drop` once committed (it removes their files and answers
+        how many objects went); without, only counted (no write)."""
+        if drop is None:
+            with self._lock:
+                return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
+        objects = nbytes = 0
+        while True:
+            with self._lock, self._tx() as db:
+                ids = census.select_groups(db, tenants, fingerprints, self.EVICTABLE, batch)
+                gone = self._delete_groups(db, ids) if ids else []
+            if not ids:
+                return objects, nbytes
+            objects, nbytes = objects + drop(gone), nbytes + sum(v.nbytes for v in gone)
+
+    def name_fingerprint(self, fingerprint: str, label: str) -> None:
+        """Name `fingerprint` in the index (``kvpack usage``); the first name recorded stays. Never
+        raises: a name is for operators, it never fails a store."""
+        with contextlib.suppress(sqlite3.Error, OSError, TimeoutError), self._lock, self._tx(begin=False) as db:
+            census.name_fingerprint(db, fingerprint, label)
+
+    def mark_kept(self) -> None:
+        """Note in the index that a user asked for this store to outlive its processes
+        (``memory.mode: host``): `kvpack.tiers.host.stores.give_back` then leaves it."""
+        with self._lock, self._tx(begin=False) as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES('kept', '1')")
+
+    def fingerprint_names(self) -> dict[str, str]:
+        with self._lock:
+            return census.fingerprint_names(self._db)
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Mark the rows of `keys` ready (their files are written), atomically (one statement, or a

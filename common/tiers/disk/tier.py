@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...clearing import Cleared, ClearScope, ClearUnsupported
 from ...keys import GroupKey, StoreKey
 from ...objects import (
     Expectation,
@@ -551,6 +552,16 @@ class DiskTier(Tier):
         except Exception:  # noqa: BLE001
             return 0
         return self._drop_victims(victims, "removed")
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """From the shared index (`Catalog.clear_matching`), then the files: a racing load misses."""
+        if not self.index_complete():
+            raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
+        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
+        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        self._catalog.name_fingerprint(fingerprint, label)
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""

@@ -32,6 +32,9 @@ from .place import host_root, shm_problem, store_name
 
 log = logging.getLogger("kvpack")
 
+_AUTO_CHOSE: set[str] = set()
+"""Host store names that ``memory.mode: auto`` resolved to HOST in this process (`chosen_by_auto`)."""
+
 
 def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM) -> MemoryMode:
     """PROCESS or HOST for `config` (see the module docstring); ConfigError naming ``memory.mode``
@@ -56,7 +59,14 @@ def memory_mode(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM)
     if problem is not None:
         log.warning("kvpack: memory.mode auto: the per-process memory tier (%s)", problem)
         return MemoryMode.PROCESS
+    _AUTO_CHOSE.add(store_name(config))
     return MemoryMode.HOST
+
+
+def chosen_by_auto(config: KVPackConfig) -> bool:
+    """Did ``memory.mode: auto`` choose the host store of `config` (in this process, here or in
+    `resolve_memory`), rather than the operator? Such a store is given back by its last user."""
+    return store_name(config) in _AUTO_CHOSE
 
 
 def resolve_memory(config: KVPackConfig, engine_processes: int = 1, shm: str = SHM) -> KVPackConfig:

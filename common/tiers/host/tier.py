@@ -24,7 +24,9 @@ under one `capacity` (the arena's size: the budget is held from the start, never
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +59,7 @@ from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
 from .pages import ORDERED_STORES, Geometry, SharedPages, pair_up, payload_offset
 from .place import host_root
+from .stores import give_back, is_at, lock_folder
 
 log = logging.getLogger("kvpack")
 
@@ -78,14 +81,20 @@ class HostTier(DiskTier):
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
         region_copier: Callable[[], RegionCopier | None] | None = None,
+        give_back_unused: bool = False,
+        asked_for: bool | None = None,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with an arena of
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena."""
+        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
+        `give_back_unused`: the last user to close the store drops it (`stores.give_back`; a
+        store ``memory.mode: auto`` chose). `asked_for` (default: not `give_back_unused`): a user
+        asked for the store (``memory.mode: host``), so it persists; False for a tool's visit."""
         self._owner: Owner | None = None
         self._unfinished: list[str] = []
         """Writers whose put's end (`HostCatalog.finish`) failed: ended by a later put."""
+        self._name, self._shm, self._give_back = host_name, shm, give_back_unused
         self._asked = capacity
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
@@ -101,6 +110,8 @@ class HostTier(DiskTier):
             region_copier=region_copier,
         )
         catalog = self._host_catalog
+        if (not give_back_unused) if asked_for is None else asked_for:
+            catalog.mark_kept()  # asked for: no last user of an `auto` process gives it back
         self._capacity_bytes = catalog.geometry.capacity
         if catalog.geometry.capacity != Geometry.for_capacity(capacity).capacity:
             log.warning(
@@ -118,7 +129,15 @@ class HostTier(DiskTier):
     # -- DiskTier's hooks -----------------------------------------------------------
 
     def _open_root(self, path: str) -> tuple[str, int]:
-        return open_store_root(path, FIELD, shm=True)
+        """The store folder, held under its shared ``flock`` until this process's owner file is in
+        place (`_open_catalog`): a last user giving the store back (`stores.give_back`) waits for
+        it, or has renamed the folder aside, and then this opens the path again."""
+        for _ in range(8):
+            real, fd = open_store_root(path, FIELD, shm=True)
+            if lock_folder(fd, fcntl.LOCK_SH, 10.0) and is_at(fd, real):
+                return real, fd
+            os.close(fd)
+        raise ConfigError(FIELD, f"{path}: the host store kept being dropped while this process opened it")
 
     def _open_catalog(self, busy_timeout_s: float) -> Catalog:
         root_fd, asked = self._root_fd, self._asked
@@ -129,6 +148,7 @@ class HostTier(DiskTier):
         catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make, private_root=True)
         assert isinstance(catalog, HostCatalog)
         self._owner = Owner(self._root_fd, on_fork=self._register_child)
+        fcntl.flock(self._root_fd, fcntl.LOCK_UN)  # a user now: `_open_root`'s shared lock is done
         catalog.owner = self._owner.token
         return catalog
 
@@ -509,6 +529,8 @@ class HostTier(DiskTier):
         pages = getattr(self, "_pages", None)
         if pages is not None:
             pages.close()
+        if self._give_back and give_back(self._name, self._shm):
+            log.info("kvpack: host store %s given back (memory.mode auto, its last user closed)", self._name)
 
 
 _MISS = GetResult(TierStatus.MISS)
