@@ -222,7 +222,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPackConnectorStats(data=dict(data or {}))
 
-    def reset_cache(self) -> bool:
+    def reset_cache(self) -> bool | None:
         """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``): kvpack's
         reset rule (`kvpack.clearing`), applied by the scheduler side (`vllm_plugin.resets`)."""
         return self.scheduler.resets.apply() if self.scheduler is not None else False

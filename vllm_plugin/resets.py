@@ -24,12 +24,14 @@ class PendingReset:
         self.scope: ClearScope | None = None
         """The scope not yet handed to the workers (None: none pending): no hit is planned meanwhile."""
 
-    def apply(self) -> bool:
-        """vLLM's ``reset_cache``: True when every tier in scope removed what it names; False when
-        ``reset.scope`` is off or a tier failed."""
+    def apply(self) -> bool | None:
+        """vLLM's ``reset_cache``: True when every tier in scope removed what it names, False when a
+        tier failed, None when ``reset.scope`` is off: kvpack takes no part in resets, which vLLM
+        counts as done (as for a connector without a cache), so its own cascades (a weight update,
+        ``pause_generation(clear_cache=True)``) go on; False would make them raise."""
         report = self._session.reset("vLLM reset_cache")
         if report is None:
-            return False
+            return None
         self.scope = report.scope
         self._on_reset()
         return report.ok
