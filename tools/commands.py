@@ -34,6 +34,12 @@ def _usage() -> Tool:
     return usage_bench.main
 
 
+def _weights() -> Tool:
+    from .bench import weights_bench
+
+    return weights_bench.main
+
+
 def _copy() -> Tool:
     from .bench import copy_bench
 
@@ -133,6 +139,7 @@ BENCHES: dict[str, Callable[[], Tool]] = {
     "chat": _chat,
     "hostile": _hostile,
     "usage": _usage,
+    "weights": _weights,
 }
 """`kvpack bench NAME`: each benchmark's ``main``, imported when it runs."""
 
