@@ -164,6 +164,9 @@ class WeightsWatch:
             self._depth.n = depth + 1
             try:
                 result = method(*args, **kwargs)
+            except BaseException:
+                self._note(None, outermost=depth == 0)  # some weights may be written: unnamed ones
+                raise
             finally:
                 self._depth.n = depth
             path = checkpoint_of(*args, **kwargs) if checkpoint_of is not None else None

@@ -134,6 +134,15 @@ def test_a_reload_then_a_partial_load_before_the_next_step_is_private(
     assert watch.poll().origin is WeightsOrigin.PRIVATE
 
 
+def test_a_load_that_fails_half_way_leaves_unnamed_weights(
+    engine: tuple[Model, Runner, WeightsWatch, Metrics], tmp_path: Path
+) -> None:
+    model, _, watch, _ = engine
+    with pytest.raises(KeyError):
+        model.load_weights([("a.weight", torch.zeros(4, 4)), ("no.such.weight", torch.zeros(4, 4))])
+    assert watch.poll().origin is WeightsOrigin.PRIVATE
+
+
 def test_a_path_that_is_not_a_local_checkpoint_names_nothing(
     engine: tuple[Model, Runner, WeightsWatch, Metrics],
 ) -> None:
