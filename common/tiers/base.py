@@ -191,16 +191,3 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook: most tiers hold nothing to release)
         """Release resources; later calls answer UNAVAILABLE or MISS."""
-
-
-def check_fits(dst: Payload, header: ObjectHeader) -> GetResult | None:
-    """A REJECTED(LENGTH) result when the payload cannot fill `dst` exactly."""
-    n = payload_nbytes(dst)
-    if n != header.payload_len:
-        return GetResult(
-            TierStatus.REJECTED,
-            header,
-            RejectReason.LENGTH,
-            f"payload {header.payload_len} bytes, destination {n}",
-        )
-    return None

@@ -33,11 +33,6 @@ class CacheGate:
         self._active = 0
         self._unsettled: dict[int, Staged] = {}
 
-    @property
-    def is_open(self) -> bool:
-        with self._cv:
-            return self._open
-
     @contextlib.contextmanager
     def access(self) -> Iterator[bool]:
         """``with gate.access() as allowed:`` launch (and, for loads, wait for) copies of the

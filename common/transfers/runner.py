@@ -136,10 +136,6 @@ class TransferRunner:
         self._metrics.inc("workers_disabled")
         log.error("kvpack: disabled on this worker (every load recomputes, nothing is saved): %s", reason)
 
-    @property
-    def disabled(self) -> bool:
-        return self._disabled
-
     # -- loads --------------------------------------------------------------------
 
     def begin_step(self, has_forward: bool) -> None:

@@ -239,11 +239,6 @@ class DiskTier(Tier):
             self._complete = self._catalog.complete()
         return self._complete
 
-    @property
-    def scans_here(self) -> bool:
-        """Did this process run the folder scan (it held the build lock at open)?"""
-        return self._builder is not None
-
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Block until this process's background build ends (operator tools and benches, never an engine step)."""
         builder = self._builder

@@ -116,11 +116,6 @@ class Gate:
             self._store = store
             return True
 
-    @property
-    def is_open(self) -> bool:
-        with self._cv:
-            return self._store is not None and not self._closed
-
     def enter(self) -> Any:
         with self._cv:
             if self._closed or self._store is None:
