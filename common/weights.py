@@ -247,8 +247,13 @@ class WeightsWatch:
             self._params = list(_parameters(modules))
             self._param_ids = tuple(map(id, self._params))
         self._polls += 1
-        state = tuple((p._version, p.data_ptr()) for p in self._params)  # noqa: SLF001 (torch's counter)
-        return (module_ids, self._param_ids, state)
+        return (module_ids, self._param_ids, parameter_state(self._params))
+
+
+def parameter_state(params: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Per tensor: its version counter (bumped by every in-place write torch counts) and storage
+    address (changed when its storage is swapped, ``.data = ...``). No device sync, no bytes read."""
+    return tuple((p._version, p.data_ptr()) for p in params)  # noqa: SLF001 (torch has no public accessor)
 
 
 def _parameters(modules: Iterable[torch.nn.Module]) -> Iterable[torch.Tensor]:

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
 from kvpack import WeightsWatch
-from kvpack.weights import RELIST_EVERY
+from kvpack.weights import RELIST_EVERY, parameter_state
 
 
 def _model(params: int) -> torch.nn.Module:
     return torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(params))
 
 
-def _best_us(f: object, repeat: int) -> float:
+def _median_us(call: Callable[[], object], repeat: int) -> float:
     """Median of `repeat` timed calls, microseconds."""
-    call = f  # type: ignore[assignment]
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        call()  # type: ignore[operator]
+        call()
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2] * 1e6
@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'params':>7} {'poll us':>9} {'us/param':>9} {'walk us':>9} {'read us':>9} {'poll/walk':>9}")
     for n in args.params:
         model = _model(n)
-        watch = WeightsWatch("bench", "ckpt", lambda m=model: [m])
+        watch = WeightsWatch("bench", "ckpt", lambda: [model])
         params = list(model.parameters())
         t = time.perf_counter()
         for _ in range(args.polls):
             watch.poll()
         poll = (time.perf_counter() - t) / args.polls * 1e6
-        walk = _best_us(lambda m=model: list(m.parameters()), 20)
-        read = _best_us(lambda p=params: [(x._version, x.data_ptr()) for x in p], 20)  # noqa: SLF001
+        walk = _median_us(lambda: list(model.parameters()), 20)
+        read = _median_us(lambda: parameter_state(params), 20)
         print(f"{n:>7} {poll:>9.1f} {poll / n:>9.3f} {walk:>9.1f} {read:>9.1f} {poll / walk:>9.2f}")
     return 0
 
