@@ -3,11 +3,12 @@
     kvpack inspect DIR [--json]
     kvpack config [FILE]        # check FILE as engine start-up does; print the effective config
     kvpack host [drop NAME... | drop --unused]  # this user's host memory stores; give one's memory back
+    kvpack pin [--list | --unpin] [--tenant T] [--disk DIR] [--json]  # pinned prefixes (`kvpack.pin_command`)
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
     kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
 
-``inspect``, ``config`` and ``host`` are the core's own. Every other subcommand is a tool
+``inspect``, ``config``, ``host`` and ``pin`` are the core's own. Every other subcommand is a tool
 (`kvpack.tools`, folder tools/) that registers itself in the ``kvpack.commands``
 entry-point group (pyproject.toml): the core names no tool and never imports one;
 a tool's module is imported only when it runs, so `kvpack inspect` works without
@@ -95,7 +96,7 @@ def _host(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tools = tool_commands()
-    if argv and argv[0] in tools and argv[0] not in ("inspect", "config", "host"):
+    if argv and argv[0] in tools and argv[0] not in ("inspect", "config", "host", "pin"):
         return int(tools[argv[0]].load()(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvpack", description="kvpack: KV-cache reuse for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p_host.add_argument("action", nargs="?", choices=["drop"])
     p_host.add_argument("names", nargs="*", help="stores to drop (the names `kvpack host` lists)")
     p_host.add_argument("--unused", action="store_true", help="drop every store no live process uses")
+    from . import pin_command
+
+    pin_command.add_arguments(sub.add_parser("pin", help="list the pinned prefixes per tenant, or unpin a tenant's"))
     for name in sorted(tools):
         # no arguments of its own here: everything after the name, --help too, goes to the tool
         sub.add_parser(name, help=f"the {name} tool (`kvpack {name} --help` for its arguments)", add_help=False)
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args)
     if args.command == "host":
         return _host(args)
+    if args.command == "pin":
+        return pin_command.run(args)
     parser.print_help()
     return 2
 
