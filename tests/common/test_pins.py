@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from fixtures.builders import GROUP_FP, chunk_id, make_item
-from kvpack import KVPackConfig, KVStore, TierStatus, pin_trusted
+from kvpack import KVPackConfig, KVStore, PinOutcome, TierStatus, pin_trusted
 from kvpack.cli import main
 from kvpack.errors import ConfigError
 from kvpack.keys import StoreKey
+from kvpack.tiers.host import host_root
 
 OBJ = 1024
 """Bytes of every test object (one member per group: a group is one object)."""
@@ -43,8 +47,8 @@ def open_store(tmp_path: Path) -> Iterator[Callable[..., KVStore]]:
         s.close()
 
 
-def put(store: KVStore, tenant: str, chunks: list[str]) -> None:
-    items = [make_item(tenant, c, nbytes=OBJ, seed=i, checksum=False)[0] for i, c in enumerate(chunks)]
+def put(store: KVStore, tenant: str, chunks: list[str], nbytes: int = OBJ) -> None:
+    items = [make_item(tenant, c, nbytes=nbytes, seed=i, checksum=False)[0] for i, c in enumerate(chunks)]
     assert store.store(items) == [TierStatus.OK] * len(items)
 
 
@@ -76,6 +80,33 @@ def test_pinned_prefix_survives_pressure_that_evicts_everything_else(
         old = held(store, tier, "acme", others[:24]) + held(store, tier, "globex", others[:24])
         assert not any(old), f"{tier} kept older unpinned groups"
     assert store.tiers[1].usage().used_bytes <= 8 * OBJ
+
+
+@pytest.fixture
+def host_name() -> Iterator[str]:
+    """A host store's name, its shared memory given back after the test (after its stores closed)."""
+    name = f"test-pins-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    shutil.rmtree(host_root(name), ignore_errors=True)
+
+
+def test_the_host_store_keeps_a_pinned_prefix_too(
+    host_name: str, open_store: Callable[..., KVStore], tmp_path: Path
+) -> None:
+    big = 200 << 10
+    store = open_store(
+        budget=1 << 20,
+        memory={"mode": "host", "host_name": host_name, "capacity": 8 << 20},
+        disk={"path": str(tmp_path / "disk"), "capacity": 64 << 20},
+    )
+    assert store.tiers[0].name == "host"
+    put(store, "acme", PROMPT, big)
+    assert store.pin_prefix("acme", GROUP_FP, PROMPT) == PinOutcome(pinned=3)
+    others = [chunk_id(100 + i) for i in range(80)]  # 16 MiB into 8 MiB (40 such objects)
+    for i in range(0, 80, 4):
+        put(store, "globex", others[i : i + 4], big)
+    assert held(store, "host", "acme", PROMPT) == [True] * 3
+    assert not any(held(store, "host", "globex", others[:40]))
 
 
 def test_pin_past_the_budget_is_refused_with_one_line(
