@@ -180,3 +180,13 @@ def test_pinned_budget_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match=r"eviction\.pinned_bytes_per_tenant"):
         KVPackConfig.from_dict({"eviction": {"pinned_bytes_per_tenant": -1}})
     assert KVPackConfig.from_dict({"eviction": {"pinned_bytes_per_tenant": "64MiB"}}).eviction.pinned_bytes_per_tenant
+
+
+def test_a_tenant_over_a_lowered_budget_keeps_nothing(open_store: Callable[..., KVStore]) -> None:
+    first = open_store(budget=3 * OBJ)
+    put(first, "acme", PROMPT)
+    assert first.pin_prefix("acme", GROUP_FP, PROMPT) == PinOutcome(pinned=3)
+    first.close()
+    store = open_store(budget=2 * OBJ)  # restarted with a smaller budget: acme's 3 KiB of pins are over it
+    pressure(store)
+    assert held(store, "disk", "acme", PROMPT) == [False] * 3
