@@ -65,6 +65,7 @@ from .canonical import (
     vllm_cpu_geometry,
 )
 from .canonical import group_spec as canonical_group_spec
+from .clearing import ClearReport, ClearScope, ClearTier, ResetScope
 from .client_input import MAX_DETAIL_CHARS, Refusals, clip
 from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .engine_counters import EngineCounters
@@ -119,6 +120,10 @@ __all__ = [
     "ChecksumPolicy",
     "ChunkFacts",
     "ChunkHash",
+    "ClearReport",
+    "ClearScope",
+    "ClearTier",
+    "ResetScope",
     "ConfigError",
     "Coverage",
     "DraftPlacement",

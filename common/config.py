@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from .clearing import ResetConfig
 from .config_build import build_dataclass, join_path, to_plain
 from .config_files import parse_json, parse_toml, read_text
 from .errors import ConfigError, shown
@@ -428,6 +429,8 @@ class KVPackConfig:
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    reset: ResetConfig = field(default_factory=ResetConfig)
+    """What the engine's own reset verb removes (`kvpack.clearing`)."""
 
     def validate(self, path: str) -> None:
         from .keys import validate_tenant

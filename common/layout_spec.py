@@ -69,6 +69,19 @@ class KVLayoutSpec:
             }
         )
 
+    def describe(self, model_name: str = "") -> str:
+        """What `group_fingerprint` covers, for people (``kvpack usage``): the engine's name for the
+        model (`model_name`, a path or hub name), its identity, engine, dtype, tokens per chunk and
+        parallel sizes."""
+        base, _, weights = self.model.partition("|weights=")
+        ident = base if len(base) <= 48 else base[:45] + "..."
+        if weights:  # changed in place since start-up (`kvpack.with_weights`)
+            ident += f" weights={weights[:24]}"
+        head = f"{model_name} [{ident}]" if model_name and model_name != self.model else ident
+        return (
+            f"{head} ({self.engine}, {self.dtype}, {self.chunk_tokens} tokens/chunk, tp{self.tp_size} pp{self.pp_size})"
+        )
+
     @property
     def member_fingerprint(self) -> str:
         """32 hex chars; identifies this member's exact layout."""

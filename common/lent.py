@@ -180,7 +180,9 @@ class LentCopies:
         A memory-tier view stays valid while the caller holds it, evicted or not
         (`MemoryTier.lend`; only with `lends_memory`). A host-store view is shared memory
         another process may rewrite (`HostTier.lend`; only without a keyed MAC, which needs
-        the payload first): the caller copies out of every view, then calls the returned
+        the payload first, and only for loads that verify no checksum: a checksum covers the
+        bytes the engine reads, so a verified load copies into the item's `dst` first and
+        checks that copy): the caller copies out of every view, then calls the returned
         ``held()``: per item, False where a host-store view changed meanwhile, so its copy is
         not the object and must be treated as a miss."""
         n = len(items)

@@ -106,6 +106,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
+    MetricSpec("cleared_objects", "Objects removed by a reset or clear (kvpack.clearing)", ("tier",)),
+    MetricSpec(
+        "cleared_bytes", "Bytes removed by a reset or clear (0 where the tier cannot tell: Mooncake)", ("tier",)
+    ),
+    MetricSpec("clear_failures", "Resets or clears a tier could not apply", ("tier",)),
     MetricSpec(
         "tier_events_dropped", "Tier events (stored/removed, for KV-aware routers) dropped undrained, oldest first", ()
     ),

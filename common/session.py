@@ -42,6 +42,7 @@ import numpy as np
 
 from .adapter_events import AdapterEvent, AdapterRefusal
 from .budget import WaitBudget
+from .clearing import ClearReport, ClearScope, engine_scope
 from .client_input import Refusals
 from .config import KVPackConfig
 from .cpu_features import request_amx_permission
@@ -179,8 +180,28 @@ class Session:
         processes that load (as `prepare_load` hints)."""
         return cls(KVStore.reader(config, leading), group_fingerprint, LocatedHints(capacity=0))
 
-    def bind_group(self, group_fingerprint: str) -> None:
+    def bind_group(self, group_fingerprint: str, label: str = "") -> None:
+        """Scope every key by `group_fingerprint` from now on; `label` (`KVLayoutSpec.label`) names it
+        in the shared indexes for ``kvpack usage``."""
         self.group_fingerprint = group_fingerprint
+        if label:
+            self.store.name_group(group_fingerprint, label)
+
+    def reset(self, who: str) -> ClearReport | None:
+        """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): the config's ``reset``
+        rule over the fingerprints bound *now* (`kvpack.clearing.engine_scope`), logged in one
+        line; None (logged) when ``reset.scope`` is off."""
+        scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
+        if scope is None:
+            log.info("kvpack: %s: reset.scope is off; nothing removed", who)
+            return None
+        return self.clear(scope, who=who)
+
+    def clear(self, scope: ClearScope, dry_run: bool = False, who: str = "clear") -> ClearReport:
+        """Remove what `scope` names from this process's tiers (`KVStore.clear`), logged in one line."""
+        report = self.store.clear(scope, dry_run)
+        log.log(logging.INFO if report.ok else logging.WARNING, "kvpack: %s", report.line(who))
+        return report
 
     @staticmethod
     def flush_at_exit(owner: Flushable, timeout_s: float) -> None:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from .budget import WaitBudget
+from .clearing import ClearReport, ClearScope, clear_tiers
 from .config import KVPackConfig
 from .exit_flush import flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec, resolve_lookup
@@ -498,6 +499,28 @@ class KVStore(LentCopies, StoreWrites):
                 self.events.removed(tier.name, groups)
             removed += n
         return removed
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> ClearReport:
+        """Remove what `scope` names from every tier it covers (`kvpack.clearing`), after the stores
+        already accepted reached every tier (bounded by ``io_timeout_ms``: a store still queued
+        then may land after the clear); counted as ``cleared_objects`` / ``cleared_bytes`` by tier."""
+        if not dry_run and self._writeback:
+            self.flush(self.config.io_timeout_ms / 1000.0)
+        report = clear_tiers(self.tiers, scope, dry_run)
+        if not dry_run:
+            for name, cleared in report.removed.items():
+                if self.events is not None and cleared.groups:  # routers hear of the memory tier's groups gone
+                    self.events.removed(name, [GroupKey.parse(g) for g in cleared.groups])
+                self.metrics.inc("cleared_objects", cleared.objects, tier=name)
+                self.metrics.inc("cleared_bytes", cleared.nbytes or 0, tier=name)
+            for name in report.failed:
+                self.metrics.inc("clear_failures", tier=name)
+        return report
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        """Record what `fingerprint` is in the tiers an operator reads (`Tier.name_group`)."""
+        for tier in self.tiers:
+            tier.name_group(fingerprint, label)
 
     def tier_events(self, capacity: int = DEFAULT_EVENTS) -> TierEventFeed:
         """Start reporting what the tiers take and let go into a bounded feed (idempotent: the

@@ -226,6 +226,8 @@ class ParallelInfo:
     is_storage_writer: bool
     kv_heads: int = 0
     """The model's KV heads over all TP ranks (`checkpoint_kv_heads`; 0: unknown)."""
+    model_name: str = ""
+    """SGLang's name for the model (its path or hub name): names the fingerprint for operators."""
 
 
 class PoolBinding:

@@ -47,12 +47,13 @@ class PoolRegistry:
         self.mem_pool_host = mem_pool_host
         self._layout_name = str(getattr(mem_pool_host, "layout", "unknown"))
         self.page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
-        self.session.bind_group(self._group_fingerprint())
+        self._bind_group()
         if getattr(mem_pool_host, "kv_buffer", None) is not None:
             self._bind("kv", mem_pool_host)
 
-    def _group_fingerprint(self) -> str:
-        """The anchor pool's group: canonical (shared with vLLM) where kvpack stores the KV
+    def _bind_group(self) -> None:
+        """Scope every key by the anchor pool's group, named in the store's index (`kvpack usage`):
+        canonical (shared with vLLM) where kvpack stores the KV
         canonically, else SGLang's own layout, model identity, dtype, page size, TP/PP sizes."""
         pool = self.mem_pool_host
         has_kv = getattr(pool, "kv_buffer", None) is not None
@@ -65,7 +66,7 @@ class PoolRegistry:
             tp_size=self.par.tp_size,
             pp_size=self.par.pp_size,
         )
-        return group.group_fingerprint
+        self.session.bind_group(group.group_fingerprint, group.describe(self.par.model_name))
 
     def rescope(self, model: str) -> None:
         """Bind every registered pool again for the model identity `model` (the engine's weights
@@ -84,10 +85,9 @@ class PoolRegistry:
             binding = self._make_binding(name, pool, errors)
             if binding is not None:
                 bindings[name] = binding
-        group = self._group_fingerprint()
         with self._lock:
             self.bindings, self.errors = bindings, errors
-        self.session.bind_group(group)
+        self._bind_group()
 
     def register(self, host_pool: Any, host_pool_name: Any) -> None:
         """A pool of SGLang's v2 registration (the KV pool here, when no anchor came first)."""

@@ -89,24 +89,30 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
 log = logging.getLogger("kvpack.sglang")
 
 
+def parallel_info(storage_config: HiCacheStorageConfig, model_id: str) -> ParallelInfo:
+    """SGLang's storage config as kvpack's `ParallelInfo` (model identity, ranks, MLA, writer)."""
+    return ParallelInfo(
+        model=sglang_model_identity(storage_config.model_name, model_id),
+        tp_rank=int(storage_config.tp_rank),
+        tp_size=int(storage_config.tp_size),
+        pp_rank=int(storage_config.pp_rank),
+        pp_size=int(storage_config.pp_size),
+        dcp_rank=int(getattr(storage_config, "dcp_rank", 0) or 0),
+        dcp_size=int(getattr(storage_config, "dcp_size", 1) or 1),
+        is_mla_model=bool(storage_config.is_mla_model),
+        is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
+        kv_heads=checkpoint_kv_heads(storage_config.model_name),
+        model_name=str(storage_config.model_name or ""),
+    )
+
+
 class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     """See the module docstring."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.config, self.engine_config = split_extra_config(getattr(storage_config, "extra_config", None))
         self.storage_config = storage_config
-        par = ParallelInfo(
-            model=sglang_model_identity(storage_config.model_name, self.config.model_id),
-            tp_rank=int(storage_config.tp_rank),
-            tp_size=int(storage_config.tp_size),
-            pp_rank=int(storage_config.pp_rank),
-            pp_size=int(storage_config.pp_size),
-            dcp_rank=int(getattr(storage_config, "dcp_rank", 0) or 0),
-            dcp_size=int(getattr(storage_config, "dcp_size", 1) or 1),
-            is_mla_model=bool(storage_config.is_mla_model),
-            is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
-            kv_heads=checkpoint_kv_heads(storage_config.model_name),
-        )
+        par = parallel_info(storage_config, self.config.model_id)
         self.tenant = self.config.tenant
         self.zero_copy = bool(self.engine_config.get("interface_v1", 0))
         """Whether SGLang reads and writes KV pages through `batch_get_v1`/`batch_set_v1` (its
@@ -324,9 +330,10 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return self.session.flush(timeout_s)
 
     def clear(self) -> None:
-        """Not supported: kvpack's tiers are shared by instances and tenants, so one
-        SGLang instance may not wipe them. Use kvpack's own tools."""
-        log.warning("kvpack: clear() ignored: the kvpack store is shared across instances and tenants")
+        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.clearing`):
+        by default this instance's model's objects, every tenant, every tier it reaches; the
+        config's ``reset`` section narrows, widens or turns it off. Logged in one line."""
+        self.session.reset("SGLang storage clear")
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's own storage metrics (``--enable-metrics``): pages and GiB/s of each get

@@ -28,6 +28,18 @@ def _evict() -> Tool:
     return evict_bench.main
 
 
+def _usage() -> Tool:
+    from .bench import usage_bench
+
+    return usage_bench.main
+
+
+def _weights() -> Tool:
+    from .bench import weights_bench
+
+    return weights_bench.main
+
+
 def _copy() -> Tool:
     from .bench import copy_bench
 
@@ -126,6 +138,8 @@ BENCHES: dict[str, Callable[[], Tool]] = {
     "scale": _scale,
     "chat": _chat,
     "hostile": _hostile,
+    "usage": _usage,
+    "weights": _weights,
 }
 """`kvpack bench NAME`: each benchmark's ``main``, imported when it runs."""
 

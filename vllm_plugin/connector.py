@@ -109,6 +109,10 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_load_max_blocks=_sync_load_max_blocks(kv_cache_config),
             )
             _warn_if_killed_before_flush(vllm_config, self.kvpack_config.shutdown_flush_s)
+            # names the fingerprint in the shared indexes (`kvpack usage`)
+            self.scheduler.session.bind_group(
+                self.scope.fingerprint, self.scope.spec.describe(vllm_config.model_config.model)
+            )
         else:
             self.worker = WorkerSide(vllm_config, self.kvpack_config, self.scope)
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
@@ -217,6 +221,11 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPackConnectorStats(data=dict(data or {}))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``): kvpack's
+        reset rule (`kvpack.clearing`), applied by the scheduler side (`vllm_plugin.resets`)."""
+        return self.scheduler.resets.apply() if self.scheduler is not None else False
 
     @classmethod
     def build_prom_metrics(

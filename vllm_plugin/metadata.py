@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpack import HitPlan, ReportedObject, RouterFacts, WeightsState
+from kvpack import ClearScope, HitPlan, ReportedObject, RouterFacts, WeightsState
 
 NO_BLOCK = -1
 """`BlockRef.block_ids` entry of a KV cache group with nothing to copy for the chunk."""
@@ -95,6 +95,8 @@ class TransferJob:
 class KVPackConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     saves: list[TransferJob] = field(default_factory=list)
+    clear: ClearScope | None = None
+    """A reset the scheduler applied: each worker applies it to its own tiers before this step's loads."""
 
 
 StoredObject = ReportedObject

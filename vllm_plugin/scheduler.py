@@ -97,6 +97,7 @@ from .metadata import (
     hit_refs,
 )
 from .request_scopes import RequestScopes
+from .resets import PendingReset
 from .scopes import Scope
 from .state_tails import PartialTail, partial_tails, state_tail_ref
 from .workers_memory import WorkersMemory
@@ -144,6 +145,7 @@ class SchedulerSide:
         self._captures = CaptureTracker(scope.block_size, tails)
         """Every cacheable request, saved in the steps that compute it (`captures`)."""
         self._partial_tails: dict[str, list[PartialTail]] = {}
+        self.resets = PendingReset(self.session, self._plans.clear)
         self._budget = WaitBudget(config.io_timeout_ms / 1000.0)
         """What this scheduler step's lookups and save planning may wait on remote tiers
         in all (renewed when `build_connector_meta` ends, once per step: vLLM asks for
@@ -159,7 +161,7 @@ class SchedulerSide:
         if cached is not None and cached.num_tokens == n:
             return cached
         rs = self._scope_of(request)
-        if rs is None or request.request_id in self._failed:  # a load failed once: recompute, never retry
+        if rs is None or request.request_id in self._failed or self.resets.scope is not None:  # no retry, no mid-reset
             plan = HitPlan.miss(n, rs)
         else:
             query = self.scope.hit_query(rs, request.all_token_ids[:n])
@@ -243,9 +245,8 @@ class SchedulerSide:
                 self._pending_saves.append(job)
                 self.memory.expect(job, self.session.key)
                 self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
-        meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves)
-        self._pending_loads = {}
-        self._pending_saves = []
+        meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves, self.resets.take())
+        self._pending_loads, self._pending_saves = {}, []
         self._budget.renew()  # the step ends here: its lookups and save planning shared one budget
         self.memory.step_ended()
         return meta
@@ -337,7 +338,7 @@ class SchedulerSide:
             if self._scopes.adopt(report.weights):  # the workers' weights changed in place: lookups
                 # from here on under their fingerprint; requests scoped before keep their stamp
                 self.scope = self.memory.scope = self.scope.with_weights(self._scopes.weights.identity)
-                self.session.bind_group(self.scope.fingerprint)
+                self.session.bind_group(self.scope.fingerprint, self.scope.spec.describe())
             self.memory.apply(report.stored, report.evicted)
             for req_id in report.failed_loads:
                 self._failed.add(req_id)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpack import (
+    ClearScope,
     KVPackConfig,
     LayoutError,
     LoadChunk,
@@ -147,6 +148,8 @@ class WorkerSide:
         """Hand this step's loads to the runner (called from start_load_kv); a synchronous
         one is loaded here, before the forward."""
         self.runner.begin_step(has_forward)
+        if meta.clear is not None:
+            self._clear(meta.clear)
         if meta.loads or meta.saves:  # a change between steps is seen before any job acts on it
             self.poll_weights()
         for job in meta.loads:  # a disabled runner (refused cache) fails each load: vLLM recomputes it
@@ -156,6 +159,17 @@ class WorkerSide:
                 self.runner.load_now(self._load_job(job))
             else:
                 self.runner.submit_load(self._load_job(job))
+
+    def _clear(self, scope: ClearScope) -> None:
+        """A reset the scheduler applied (`vllm_plugin.resets`), before this step's loads: the saves
+        queued before it reach the store (bounded by ``io_timeout_ms``), then this process's tiers
+        drop what it names (its memory tier; the shared ones again, for stores that landed since),
+        and the scheduler's index of the workers' memory hears of the groups dropped."""
+        self.runner.settle_saves(self.config.io_timeout_ms / 1000.0)
+        report = self.session.clear(scope, who="vLLM reset_cache (worker)")
+        memory = report.removed.get("memory")
+        if memory is not None:
+            self.runner.report_removed(memory.groups)
 
     def queue_saves(self, meta: KVPackConnectorMetadata) -> None:
         """Hand this step's saves to the runner (from wait_for_save: once per step, after
@@ -188,7 +202,7 @@ class WorkerSide:
         # saves gathered earlier carry the old member fingerprints in their objects; the keys
         # and headers of everything gathered from here on name the new weights
         self.scope = self.scope.with_weights(now.identity)
-        self.session.bind_group(self.scope.fingerprint)
+        self.session.bind_group(self.scope.fingerprint, self.scope.spec.describe())
         self._register(self.scope)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:

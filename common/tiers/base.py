@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..clearing import Cleared, ClearScope, ClearUnsupported
 from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_checksums, payload_nbytes
 from ..router_facts import RouterFacts
@@ -152,6 +153,17 @@ class Tier(ABC):
 
     @abstractmethod
     def usage(self) -> TierUsage: ...
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """Remove every object whose tenant and group fingerprint `scope` matches (`kvpack.clearing`),
+        found from the tier's own index; with `dry_run`, only count them. Raises (`ClearUnsupported`,
+        or the tier's error) when it cannot: `clear_tiers` reports the tier failed. A load racing
+        with it is a miss, never a wrong load."""
+        raise ClearUnsupported(f"the {self.name} tier cannot list its objects")
+
+    def name_group(self, fingerprint: str, label: str) -> None:  # noqa: B027 (optional hook)
+        """Record what group fingerprint `fingerprint` is (`label`: model and layout) where the
+        tier keeps an index an operator reads (``kvpack usage``); nothing elsewhere. Never raises."""
 
     @property
     def available(self) -> bool:

@@ -11,6 +11,7 @@ marker written, nothing connected). `build_tiers` runs it first, and
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
 from .parallel import RegionCopier
+
+log = logging.getLogger("kvpack")
 
 
 def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
@@ -46,6 +49,22 @@ def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
         from .mooncake.connection import check_support
 
         check_support(config.mooncake.resolved())
+
+
+_WARNED: set[str] = set()
+
+
+def warn_persistent(name: str, nbytes: int) -> None:
+    """Once per process and store: a host store the operator asked for holds its memory until dropped."""
+    if name not in _WARNED:
+        _WARNED.add(name)
+        log.warning(
+            "kvpack: host store %s holds %d MiB of shared memory until dropped (memory.mode host): "
+            "kvpack usage lists it, kvpack host drop %s gives it back",
+            name,
+            nbytes >> 20,
+            name,
+        )
 
 
 def build_tiers(
@@ -82,17 +101,20 @@ def build_tiers(
 
         mode = memory_mode(config)
     if mode is MemoryMode.HOST:
-        from .host import HostTier, store_name
+        from .host import HostTier, chosen_by_auto, store_name
 
-        tiers.append(
-            HostTier(
-                store_name(config),
-                config.memory.capacity,
-                quotas,
-                io_threads=copy_threads,
-                region_copier=region_copier,
-            )
+        auto = chosen_by_auto(config)
+        host = HostTier(
+            store_name(config),
+            config.memory.capacity,
+            quotas,
+            io_threads=copy_threads,
+            region_copier=region_copier,
+            give_back_unused=auto,
         )
+        if not auto:
+            warn_persistent(store_name(config), host.capacity_bytes)
+        tiers.append(host)
     elif config.memory.enabled and include_memory:
         from .memory import MemoryTier
 

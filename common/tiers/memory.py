@@ -40,6 +40,7 @@ from typing import cast
 
 import numpy as np
 
+from ..clearing import Cleared, ClearScope
 from ..eviction import CapacityManager, EvictionPolicy
 from ..keys import GroupKey, StoreKey
 from ..objects import (
@@ -402,6 +403,18 @@ class MemoryTier(Tier):
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         with self._lock:
             return self._drop_groups_locked([_gid(g) for g in groups])
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """Remove (or count) the groups `scope` matches, found in this tier's map under its lock;
+        a group pinned by a load in progress goes too (the load already holds its slots' views)."""
+        with self._lock:
+            gids = [gid for gid in self._members if scope.matches(*gid.split("/", 2)[:2])]
+            objects = self._objects
+            keys = [k for gid in gids for k in self._members[gid]]
+            nbytes = sum(objects[k].header.payload_len for k in keys if k in objects)
+            if not dry_run:
+                self._drop_groups_locked(gids)
+        return Cleared(len(keys), nbytes, tuple(f"kvpack/{gid}" for gid in gids))
 
     def pin(self, keys: Sequence[StoreKey], until: float) -> list[bool]:
         """Per key: stored here, and its group now pinned until `unpin` or the monotonic

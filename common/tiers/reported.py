@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..clearing import Cleared, ClearScope
 from ..keys import GroupKey, StoreKey
 from ..objects import Expectation, ObjectHeader, Payload
 from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
@@ -112,6 +113,19 @@ class ReportedMemoryIndex(Tier):
                 for key in self._by_group.pop(g, set()):
                     removed += self._headers.pop(key, None) is not None
         return removed
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """Forget (or count) the reported objects `scope` matches (the processes that hold them
+        drop their own copies: vLLM's workers, told in the next step's connector metadata)."""
+        with self._lock:
+            groups = [g for g in self._by_group if scope.matches(g.tenant, g.fingerprint)]
+            keys = [k for g in groups for k in self._by_group[g]]
+            nbytes = sum(self._headers[k].payload_len for k in keys if k in self._headers)
+            if not dry_run:
+                for g in groups:
+                    for key in self._by_group.pop(g, set()):
+                        self._headers.pop(key, None)
+        return Cleared(len(keys), nbytes)
 
     def usage(self) -> TierUsage:
         with self._lock:

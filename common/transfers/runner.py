@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -536,6 +536,22 @@ class TransferRunner:
     def _turned_away(self, direction: str, bound: str, nbytes: int) -> None:
         self._metrics.inc("transfers_turned_away", direction=direction, bound=bound)
         self._metrics.inc("transfer_bytes_turned_away", nbytes, direction=direction, bound=bound)
+
+    def settle_saves(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until every save submitted so far reached the store; False at the bound."""
+        deadline = time.monotonic() + timeout_s
+        with self._saves_cv:
+            while self._saves_done < self._saves_queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._saves_cv.wait(left)
+        return True
+
+    def report_removed(self, groups: Sequence[str]) -> None:
+        """Groups (``GroupKey.as_str()``) this process's memory tier dropped outside eviction (a
+        reset): `take_report` hands them out with the evicted ones."""
+        self._evicted.extend(groups)
 
     def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
         """Wait (bounded) until queued saves reached the store and every tier; what the

@@ -21,7 +21,8 @@ PACKAGE_FOLDERS = ("common", "vllm_plugin", "sglang_plugin", "tools")
 # what the engine-neutral core must never import (docs/ARCHITECTURE.md: adapters import the core, not the reverse;
 # the operator tools in tools/ are reached by the CLI by module name only)
 FORBIDDEN = ("vllm", "sglang", "kvpack.vllm_plugin", "kvpack.sglang_plugin", "kvpack.tools")
-MAX_LINES = 600
+MAX_LINES = 1000
+"""Past this a module is a god file (STYLE.md); well below it, a module is judged by its job."""
 
 
 def _module_of(path: Path, folder: Path, package: str) -> str:
@@ -98,16 +99,16 @@ def test_adapters_import_no_tool() -> None:
     assert not offenders, "an adapter imports an operator tool:\n" + "\n".join(dict.fromkeys(offenders))
 
 
-def test_no_module_over_600_lines() -> None:
-    # one job per module (issue 14); a module that grows past this is split, not excused
+def test_no_god_module() -> None:
+    """A module has one job; its size is not why it is split (a 600-line cap cut the store into
+    mixins). This only keeps out the files that do everything (STYLE.md) and names the largest."""
     sizes = {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for folder in PACKAGE_FOLDERS
         for path in sorted((ROOT / folder).rglob("*.py"))
     }
-    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
-    listing = ", ".join(f"{name} ({n})" for name, n in sorted(over.items()))
-    assert not over, f"modules over {MAX_LINES} lines: {listing}"
+    largest = ", ".join(f"{name} ({n})" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:8])
+    assert max(sizes.values()) <= MAX_LINES, f"a module over {MAX_LINES} lines; the largest: {largest}"
 
 
 def test_test_modules_have_unique_basenames() -> None:

@@ -130,9 +130,13 @@ def test_planned_saves_count_as_held_until_they_must_have_landed_in_the_host_sto
     assert memory.index.contains(wanted) == [mode == "process"]
 
 
-@pytest.mark.parametrize("registered", [True, False], ids=["registered", "refused"])
+@pytest.mark.parametrize(
+    ("registered", "checksum"),
+    [(True, "never"), (False, "never"), (True, "boundary")],
+    ids=["registered", "refused", "verified"],
+)
 def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_registered(
-    tiny_llama: Path, registered: bool
+    tiny_llama: Path, registered: bool, checksum: str
 ) -> None:
     """A vLLM engine on a host store whose worker copies through a GPU's staging (the recording
     device stands in for the GPU: its launches run at their events; the engine's cache stays
@@ -140,8 +144,10 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     worker's registration does. Registered: a repeat of the prompt loads n - 1 tokens copied
     once, from the mapping into device rows on the load lane (every byte the host store loaded
     is counted in ``loaded_in_place_bytes``). Refused, as CUDA may refuse it: the same load
-    goes through pinned staging rows, none counted in place. Both answer as the run that
-    computed the prompt; the engine's close unregisters the mapping."""
+    goes through pinned staging rows, none counted in place. Verified (the default checksum
+    policy): a checksum must cover the bytes the engine reads, so the load copies into pinned
+    rows and checks them there, none in place. All answer as the run that computed the prompt;
+    the engine's close unregisters the mapping."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm_helpers import metric
 
@@ -150,8 +156,13 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     from kvpack.tiers.host import drop
 
     name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    extra = {"disk": {"enabled": False}, "memory": {"mode": "host", "host_name": name, "capacity": "256MiB"}}
+    extra = {
+        "disk": {"enabled": False},
+        "memory": {"mode": "host", "host_name": name, "capacity": "256MiB"},
+        "checksum": checksum,
+    }
     device = RecordingDevice(refuse_registration=not registered)
+    in_place = registered and checksum == "never"
     llm = make_llm(tiny_llama, kv_config(extra))
     try:
         worker = get_kv_transfer_group().worker
@@ -165,9 +176,9 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
         assert same_output(second, first)
         from_host = metric("loaded_bytes", tier="host")
         assert from_host > 0
-        assert metric("loaded_in_place_bytes") == (from_host if registered else 0)
+        assert metric("loaded_in_place_bytes") == (from_host if in_place else 0)
         uploads = [op for op in device.ops if op[0] == "device_rows"]
-        assert bool(uploads) is registered  # the mapping's objects copied to device rows
+        assert bool(uploads) is in_place  # the mapping's objects copied to device rows
         assert device.violations == [] and device.unlaunched() == 0
     finally:
         close_llm(llm)

@@ -166,7 +166,8 @@ def test_a_host_store_hit_whose_pages_another_writer_takes_mid_load_is_recompute
     evicted, its pages rewritten), the blocks are reported failed and vLLM recomputes them:
     the output is the no-cache run's. Here the second writer strikes right after the lend,
     before the conversion; without the check after it the engine would decode from the
-    other writer's bytes."""
+    other writer's bytes. (Only loads that verify no checksum are lent: a verified one copies
+    first and checks its copy, `HostTier.lend`; hence ``checksum: never`` here.)"""
     from kvpack.tiers.host import HostTier
 
     name = f"sync-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -189,7 +190,7 @@ def test_a_host_store_hit_whose_pages_another_writer_takes_mid_load_is_recompute
 
     monkeypatch.setattr(HostTier, "lend", lend_then_strike)
     mem = {"capacity": "256MiB", "mode": "host", "host_name": name}
-    llm = make_llm(tiny_llama, kv_config({"memory": mem, "disk": {"enabled": False}}))
+    llm = make_llm(tiny_llama, kv_config({"memory": mem, "disk": {"enabled": False}, "checksum": "never"}))
     try:
         assert run(llm, P).cached == 0
         second = run(llm, P)

@@ -50,6 +50,7 @@ one transaction at most every `TOUCH_FLUSH_S` (or with the next put), at most
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -64,7 +65,7 @@ from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
-from . import batch_sql
+from . import batch_sql, census, index_files, private
 from .batch_sql import GroupRows, ObjectRows
 from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
@@ -76,6 +77,10 @@ INDEX_FILES = (INDEX_NAME, *(INDEX_NAME + suffix for suffix in ("-wal", "-shm", 
 SCHEMA_VERSION = "2"
 INDEX_BUSY_TIMEOUT_S = 10.0
 """Seconds start-up (and `kvpack config`'s read-only check) waits for another process's index lock."""
+WRITE_LOCK_WAIT_S = 0.1
+"""Seconds a write after start-up waits for another process's index lock (the lock file, then SQLite's):
+less than a step's budget (`io_timeout_ms`). A save that cannot have it in time is dropped and counted
+(``index_busy``: a later miss), so a process stopped inside a transaction never stalls the others."""
 WRITE_GRACE_S = 60.0
 """A row not ready this long after its admission is a crashed writer's (no write takes this long)."""
 TOUCH_FLUSH_S = 1.0
@@ -95,11 +100,17 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tenants(tenant TEXT PRIMARY KEY, used INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS facts(seq INTEGER PRIMARY KEY AUTOINCREMENT, g BLOB NOT NULL UNIQUE,"
     " origin TEXT NOT NULL, identity TEXT NOT NULL, blob BLOB NOT NULL)",
+    census.OWNER_INDEX,
+    census.MODELS_TABLE,
 )
 
 
+class IndexBusy(TimeoutError):
+    """Another process held the index's lock longer than this write waits for it (`WRITE_LOCK_WAIT_S`)."""
+
+
 def _flock(fd: int, timeout_s: float) -> None:
-    """Take the exclusive lock on `fd` within `timeout_s` (TimeoutError), polling every 0.2 ms."""
+    """Take the exclusive lock on `fd` within `timeout_s` (IndexBusy), polling every 0.2 ms."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -107,7 +118,7 @@ def _flock(fd: int, timeout_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise TimeoutError("the disk index is held by another process") from None
+                raise IndexBusy("the disk index is held by another process") from None
             time.sleep(0.0002)
 
 
@@ -119,19 +130,34 @@ class Catalog(ScanReconcile):
     kept: Callable[[], Collection[bytes]] | None = None
     """The group ids pinned by their tenant (`kvpack.pins`): never victims while it answers them."""
 
-    def __init__(self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S) -> None:
+    def __init__(
+        self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, *, private_fd: int | None = None
+    ) -> None:
         """Open (or create) the index at `path`; a file of another schema version is emptied
-        and rebuilt from the folder (it is derived data: the object files are the truth)."""
+        and rebuilt from the folder (it is derived data: the object files are the truth).
+
+        `private_fd`: the fd of the private folder `path` lies in (`kvpack.tiers.disk.private`):
+        the index's files are created there (or opened) and checked through their descriptors
+        first (`private.open_file`), SQLite then opens the same files by path, and the index's
+        inode is checked to be the one checked (NotPrivate otherwise)."""
         self._lock = threading.Lock()
         self._timeout_s = busy_timeout_s
-        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        # Set-up runs under the writer lock: turning a new file to WAL needs it alone (SQLite answers
-        # "database is locked" at once, not after its busy timeout, while another opener reads it).
-        _flock(self._lock_fd, busy_timeout_s)
+        self._path = path
+        self._private_fd = private_fd
+        held = index_files.hold_private(path, private_fd, INDEX_FILES) if private_fd is not None else {}
+        if private_fd is None:
+            self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        else:
+            self._lock_fd = held.pop(INDEX_FILES[3])
         db: sqlite3.Connection | None = None
         try:
+            # Set-up runs under the writer lock: turning a new file to WAL needs it alone (SQLite answers
+            # "database is locked" at once, not after its busy timeout, while another opener reads it).
+            _flock(self._lock_fd, busy_timeout_s)
             db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
             self._db = db
+            if private_fd is not None:
+                index_files.same_inode(private_fd, INDEX_FILES[0], held[INDEX_FILES[0]])
             deadline = time.monotonic() + busy_timeout_s
             while True:
                 try:
@@ -141,12 +167,18 @@ class Catalog(ScanReconcile):
                     if "locked" not in str(exc) or time.monotonic() > deadline:
                         raise
                     time.sleep(0.01)
+            # from now on a write waits for SQLite's own lock no longer than for the lock file (`_Tx`)
+            db.execute(f"PRAGMA busy_timeout={int(WRITE_LOCK_WAIT_S * 1000)}")
         except BaseException:
             if db is not None:
                 db.close()
             os.close(self._lock_fd)  # releases the lock too
             raise
+        finally:
+            for fd in held.values():
+                os.close(fd)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        index_files.FORKED.add(self)
         self._tick = 0
         self._touched: dict[bytes, int] = {}
         self._last_flush = time.monotonic()
@@ -162,7 +194,7 @@ class Catalog(ScanReconcile):
             db.execute(_SCHEMA[0])
             row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
             if row is not None and row[0] != SCHEMA_VERSION:
-                for table in ("groups", "objects", "tenants", "facts", "meta"):
+                for table in ("groups", "objects", "tenants", "facts", "models", "meta"):
                     db.execute(f"DROP TABLE IF EXISTS {table}")  # noqa: S608 - fixed names
             for stmt in _SCHEMA:
                 db.execute(stmt)
@@ -194,6 +226,11 @@ class Catalog(ScanReconcile):
             try:
                 if self._begin:
                     self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:  # SQLite's own lock, held without the lock file
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise IndexBusy(f"the disk index is held by another process ({exc})") from None
+                raise
             except BaseException:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
                 raise
@@ -208,8 +245,11 @@ class Catalog(ScanReconcile):
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _tx(self, begin: bool = True) -> Catalog._Tx:
-        return Catalog._Tx(self._db, self._lock_fd, self._timeout_s, begin)
+    def _tx(self, begin: bool = True, save: bool = False) -> Catalog._Tx:
+        """A write transaction; `save`: one on a save's path, which waits `WRITE_LOCK_WAIT_S` at most
+        for another process's lock (IndexBusy), not the start-up's `busy_timeout_s`."""
+        wait_s = min(self._timeout_s, WRITE_LOCK_WAIT_S) if save else self._timeout_s
+        return Catalog._Tx(self._db, self._lock_fd, wait_s, begin)
 
     # -- state ---------------------------------------------------------------------
 
@@ -288,7 +328,7 @@ class Catalog(ScanReconcile):
     def flush_touches(self) -> None:
         with self._lock:
             if self._touched:
-                with self._tx() as db:
+                with self._tx(save=True) as db:
                     self._flush_locked(db)
             self._last_flush = time.monotonic()
 
@@ -331,7 +371,7 @@ class Catalog(ScanReconcile):
         than it may be evicted for it, so a store that reaches the index after newer ones (the
         write-back's threads) is refused rather than evicting them (the order of the stores
         decides, not the order of their arrival)."""
-        with self._lock, self._tx() as db:
+        with self._lock, self._tx(save=True) as db:
             self._flush_locked(db)
             used = dict(db.execute("SELECT tenant, used FROM tenants"))
             batch = {group_id(r[0].group) for r in requests}
@@ -438,13 +478,61 @@ class Catalog(ScanReconcile):
         todo = [(group_id(g), f) for g, f in rows if len(f.blob) <= MAX_FACTS_BYTES]
         if not todo:
             return 0
-        with self._lock, self._tx() as db:
+        with self._lock, self._tx(save=True) as db:
             return batch_sql.insert_facts(db, [(g, f.origin, f.identity, f.blob) for g, f in todo])
 
-    def remove_groups(self, groups: Sequence[GroupKey]) -> list[Victim]:
-        """Delete the groups' rows; returns those that were indexed."""
-        with self._lock, self._tx() as db:
+    def remove_groups(self, groups: Sequence[GroupKey], save: bool = False) -> list[Victim]:
+        """Delete the groups' rows; returns those that were indexed. `save`: on a save's path (`_tx`)."""
+        if not groups:
+            return []
+        with self._lock, self._tx(save=save) as db:
             return self._delete_groups(db, [group_id(g) for g in groups])
+
+    # -- operators (`kvpack.tiers.disk.census`) -------------------------------------------
+
+    def usage_rows(self) -> list[census.UsageRow]:
+        """Objects and bytes per (tenant, group fingerprint): one grouped read, no write."""
+        with self._lock:
+            return census.usage_rows(self._db)
+
+    def clear_matching(
+        self,
+        tenants: frozenset[str] | None,
+        fingerprints: frozenset[str] | None,
+        drop: Callable[[list[Victim]], int] | None,
+        batch: int = 2_000,
+    ) -> tuple[int, int]:
+        """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
+        could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
+        one batch), each batch handed to `drop` once committed (it removes their files and answers
+        how many objects went); without, only counted (no write)."""
+        if drop is None:
+            with self._lock:
+                return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
+        objects = nbytes = 0
+        while True:
+            with self._lock, self._tx() as db:
+                ids = census.select_groups(db, tenants, fingerprints, self.EVICTABLE, batch)
+                gone = self._delete_groups(db, ids) if ids else []
+            if not ids:
+                return objects, nbytes
+            objects, nbytes = objects + drop(gone), nbytes + sum(v.nbytes for v in gone)
+
+    def name_fingerprint(self, fingerprint: str, label: str) -> None:
+        """Name `fingerprint` in the index (``kvpack usage``); the first name recorded stays. Never
+        raises: a name is for operators, it never fails a store."""
+        with contextlib.suppress(sqlite3.Error, OSError, TimeoutError), self._lock, self._tx(begin=False) as db:
+            census.name_fingerprint(db, fingerprint, label)
+
+    def mark_kept(self) -> None:
+        """Note in the index that a user asked for this store to outlive its processes
+        (``memory.mode: host``): `kvpack.tiers.host.stores.give_back` then leaves it."""
+        with self._lock, self._tx(begin=False) as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES('kept', '1')")
+
+    def fingerprint_names(self) -> dict[str, str]:
+        with self._lock:
+            return census.fingerprint_names(self._db)
 
     def mark_ready(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Mark the rows of `keys` ready (their files are written), atomically (one statement, or a
@@ -454,7 +542,7 @@ class Catalog(ScanReconcile):
             return []
         rows = [(group_id(k.group), k.member) for k in keys]
         # one UPDATE (any batch under ~16k objects) commits by itself; a SELECT after it, if any, only reads
-        with self._lock, self._tx(begin=not batch_sql.mark_ready_changes_one_statement(rows)) as db:
+        with self._lock, self._tx(not batch_sql.mark_ready_changes_one_statement(rows), save=True) as db:
             return batch_sql.mark_ready(db, rows, time.time_ns())
 
     def forget(self, keys: Sequence[StoreKey], stale_before_ns: int) -> None:
@@ -479,11 +567,30 @@ class Catalog(ScanReconcile):
                 db.execute("UPDATE tenants SET used=used-? WHERE tenant=?", (row[0], key.tenant))
                 db.execute("DELETE FROM tenants WHERE tenant=? AND used<=0", (key.tenant,))
 
+    def reopen_lock(self) -> None:
+        """In a forked child: a lock fd of its own at the same number (`index_files._Forked`). Where the
+        lock file cannot be opened the number holds ``/dev/null``: it shares nothing with the parent's
+        lock, and SQLite's own lock still orders the child's writes."""
+        try:
+            if self._private_fd is not None:
+                fd = private.open_file(self._private_fd, INDEX_FILES[3], os.O_RDWR, INDEX_FILES[3], create=False)
+            else:
+                fd = os.open(self._path + ".lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.dup2(fd, self._lock_fd, inheritable=False)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         try:
             self.flush_touches()
         except sqlite3.Error:
             pass
+        index_files.FORKED.discard(self)
         with self._lock:
             self._db.close()
             os.close(self._lock_fd)
@@ -514,17 +621,26 @@ def open_catalog(
     root_fd: int,
     busy_timeout_s: float,
     field: str = "disk.path",
-    kind: Callable[[str, float], Catalog] = Catalog,
+    kind: Callable[[str, float], Catalog] | None = None,
+    private_root: bool = False,
 ) -> Catalog:
-    """The folder's shared index (made by `kind` from its path and busy timeout); ConfigError naming
-    `field` when its files are not regular files (a planted symlink is never opened) or it is not a
-    readable index."""
+    """The folder's shared index (made by `kind` from its path and busy timeout; default: a `Catalog`,
+    its files checked through their descriptors when `private_root`: `kvpack.tiers.disk.private`);
+    ConfigError naming `field` when its files are not regular files (a planted symlink is never
+    opened), not this user's alone in a private folder, or it is not a readable index."""
     too_old = batch_sql.sqlite_too_old()
     if too_old is not None:
         raise ConfigError(field, too_old)
     present_index_files(root, lambda name: os.stat(name, dir_fd=root_fd, follow_symlinks=False), field)
+    if kind is None:
+
+        def kind(path: str, timeout_s: float) -> Catalog:
+            return Catalog(path, timeout_s, private_fd=root_fd if private_root else None)
+
     try:
         return kind(f"{root}/{INDEX_NAME}", busy_timeout_s)
+    except private.NotPrivate as exc:
+        raise ConfigError(field, f"{exc.problem}; {private.REFUSED}") from None
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(
             field,

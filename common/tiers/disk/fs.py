@@ -8,6 +8,10 @@ delete anything kvpack did not put in its own store folder.
   without the marker, or with another format, is refused. Errors are
   `ConfigError`s naming ``disk.path``. `check_store_root` applies the same
   rules and changes nothing (no folder, no marker): the start-up check.
+- A folder in a folder others may write into (``/tmp``; the host store's, right
+  in `SHM`) is private (`kvpack.tiers.disk.private`): its own name is never
+  resolved (a symlink there is refused), it is created 0700 or must be this
+  user's alone (checked on its descriptor), and so must its marker.
 - Everything inside is reached from the root's directory fd: `open_beneath`
   uses ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has
   it, else a walk of ``openat(O_NOFOLLOW)`` one component at a time, so a
@@ -42,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import ConfigError
+from . import private as private_mod
 
 MARKER = ".kvpack-store"
 STORE_FORMAT = 1
@@ -94,18 +99,31 @@ def _check_resolved(real: str, shm: bool = False) -> None:
             raise ValueError(f"resolves to {real!r}, under {top}")
 
 
-def _resolve_root(path: str, field: str, shm: bool = False) -> str:
-    """The store folder `path` resolves to, if it is one kvpack may use as a folder (ConfigError naming `field`)."""
+def _resolve_root(path: str, field: str, shm: bool = False) -> tuple[str, bool]:
+    """The store folder `path` resolves to, if it is one kvpack may use as a folder (ConfigError naming
+    `field`), and whether it must be private (`private`: in a folder others may write into, or `shm`).
+
+    A private folder's own name is never resolved: a symlink there is refused, not followed."""
     try:
         check_store_path_text(path)
-        real = os.path.realpath(os.path.expanduser(path))
+        expanded = os.path.abspath(os.path.expanduser(path))
+        parent = os.path.realpath(os.path.dirname(expanded))
+        try:
+            private = shm or private_mod.shared_parent(os.stat(parent))
+        except OSError:
+            private = False
+        real = os.path.join(parent, os.path.basename(expanded)) if private else os.path.realpath(expanded)
         check_store_path_text(real)
         _check_resolved(real, shm)
     except ValueError as exc:
         raise ConfigError(field, f"{path[:200]!r} {exc}") from None
-    if os.path.lexists(real) and not os.path.isdir(real):
+    if private:
+        problem = private_mod.path_problem(real)
+        if problem is not None:
+            raise ConfigError(field, f"{problem}; {private_mod.REFUSED}")
+    elif os.path.lexists(real) and not os.path.isdir(real):
         raise ConfigError(field, f"{real!r} exists and is not a folder")
-    return real
+    return real, private
 
 
 def check_store_root(path: str, field: str = "disk.path", shm: bool = False) -> str:
@@ -116,7 +134,7 @@ def check_store_root(path: str, field: str = "disk.path", shm: bool = False) -> 
     above it, which `open_store_root` would create it in (it must be a folder
     this process may write into). Raises ConfigError naming `field`. `shm`: a folder
     directly in `SHM` is allowed (the host memory tier's)."""
-    real = _resolve_root(path, field, shm)
+    real, private = _resolve_root(path, field, shm)
     try:
         if not os.path.isdir(real):
             parent = os.path.dirname(real)
@@ -129,7 +147,7 @@ def check_store_root(path: str, field: str = "disk.path", shm: bool = False) -> 
             return real
         fd = os.open(real, _DIR_FLAGS)
         try:
-            _marker_state(fd, real, field)
+            _marker_state(fd, real, field, private)
         finally:
             os.close(fd)
     except ConfigError:
@@ -143,35 +161,36 @@ def open_store_root(path: str, field: str = "disk.path", shm: bool = False) -> t
     """Check, create or adopt the store folder; returns (resolved path, directory fd).
 
     Raises ConfigError naming `field` for any folder kvpack must not use (the rules
-    `check_store_root` checks without creating anything)."""
-    real = _resolve_root(path, field, shm)
+    `check_store_root` checks without creating anything). A private folder (`_resolve_root`)
+    is created 0700 and checked through its descriptor (`private.open_folder`)."""
+    real, private = _resolve_root(path, field, shm)
     try:
-        os.makedirs(real, mode=0o700, exist_ok=True)
-        fd = os.open(real, _DIR_FLAGS)
-    except ConfigError:
-        raise
+        if private:
+            parent_fd = os.open(os.path.dirname(real), _DIR_FLAGS)
+            try:
+                fd = private_mod.open_folder(parent_fd, os.path.basename(real), real)
+            finally:
+                os.close(parent_fd)
+        else:
+            os.makedirs(real, mode=0o700, exist_ok=True)
+            fd = os.open(real, _DIR_FLAGS)
+    except private_mod.NotPrivate as exc:
+        raise ConfigError(field, f"{exc.problem}; {private_mod.REFUSED}") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(field, f"cannot use {path[:200]!r} as the store folder: {exc}") from None
     try:
-        _adopt(fd, real, field)
+        if not _marker_state(fd, real, field, private):
+            _write_marker(fd, private)
     except BaseException:
         os.close(fd)
         raise
     return real, fd
 
 
-def _adopt(fd: int, real: str, field: str) -> None:
-    """Mark an empty folder; accept a marked one of this format; refuse anything else.
-
-    Several processes may start on one new folder at once: writing the marker is
-    idempotent (temporary + rename)."""
-    if not _marker_state(fd, real, field):
-        _write_marker(fd)
-
-
-def _marker_state(fd: int, real: str, field: str) -> bool:
+def _marker_state(fd: int, real: str, field: str, private: bool = False) -> bool:
     """Whether the folder `fd` holds this format's marker (True) or is empty (False: kvpack
-    may mark it); ConfigError naming `field` for anything else. Reads only.
+    may mark it); ConfigError naming `field` for anything else (in a `private` folder, a marker
+    that is not this user's alone too). Reads only.
 
     A marker another process is writing (its temporary, or the marker appearing
     meanwhile) is not "other content"."""
@@ -197,8 +216,12 @@ def _marker_state(fd: int, real: str, field: str) -> bool:
     else:  # pragma: no cover - the marker came and went three times
         raise ConfigError(field, f"{real}/{MARKER} keeps changing")
     try:
-        if not stat.S_ISREG(os.fstat(mfd).st_mode):
+        st = os.fstat(mfd)
+        if not stat.S_ISREG(st.st_mode):
             raise ConfigError(field, f"{real}/{MARKER} is not a regular file")
+        problem = private_mod.fd_problem(st, f"{real}/{MARKER}", folder=False) if private else None
+        if problem is not None:
+            raise ConfigError(field, f"{problem}; {private_mod.REFUSED}")
         text = os.read(mfd, 4096).decode(errors="replace")
     finally:
         os.close(mfd)
@@ -211,14 +234,24 @@ def _marker_state(fd: int, real: str, field: str) -> bool:
     return True
 
 
-def _write_marker(fd: int) -> None:
+def _write_marker(fd: int, private: bool = False) -> None:
     tmp = f"{MARKER}.{secrets.token_hex(8)}.tmp"
-    mfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+    mode = private_mod.FILE_MODE if private else 0o644
+    mfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
     try:
         os.write(mfd, MARKER_TEXT.encode())
     finally:
         os.close(mfd)
     os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
+
+
+def is_private(real: str) -> bool:
+    """Does the store folder `real` (resolved) lie in a folder other users may write into
+    (`private.shared_parent`: its files are then checked as this user's alone)?"""
+    try:
+        return private_mod.shared_parent(os.stat(os.path.dirname(real)))
+    except OSError:
+        return False
 
 
 def root_removed(fd: int) -> bool:

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...clearing import Cleared, ClearScope, ClearUnsupported
 from ...keys import GroupKey, StoreKey
 from ...objects import (
     Expectation,
@@ -75,7 +76,7 @@ from ...router_facts import FactsRow, RouterFacts
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
-from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, open_catalog
+from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, IndexBusy, open_catalog
 from .files import read_header_fd, read_verified
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file
@@ -106,7 +107,9 @@ class DiskCounters:
     removed: dict[str, int] = field(default_factory=dict)
     """Files removed, by reason: evicted, removed (`remove_groups`: damaged or dropped by the
     store), failed_write (the rest of a group one of whose members could not be written),
-    own_temp (this writer's temporary after a failed write), evicted_while_written, stale_temp."""
+    own_temp (this writer's temporary after a failed write), evicted_while_written, stale_temp;
+    index_busy: objects of saves dropped because another process held the index past
+    `catalog.WRITE_LOCK_WAIT_S` (never written; a later miss)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count_removed(self, reason: str, n: int = 1) -> None:
@@ -187,8 +190,9 @@ class DiskTier(Tier):
         return fs.open_store_root(path)
 
     def _open_catalog(self, busy_timeout_s: float) -> Catalog:
-        """The folder's shared index (`catalog.open_catalog`)."""
-        return open_catalog(self._root_str, self._root_fd, busy_timeout_s)
+        """The folder's shared index (`catalog.open_catalog`; its files checked as this user's alone
+        when the folder lies in one others may write into: `kvpack.tiers.disk.private`)."""
+        return open_catalog(self._root_str, self._root_fd, busy_timeout_s, private_root=fs.is_private(self._root_str))
 
     @property
     def startup_rejected(self) -> int:
@@ -464,6 +468,9 @@ class DiskTier(Tier):
                 for i, ok in zip(idx, admitted):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
+        except IndexBusy:  # another process holds the index: dropped (a later miss), never a stall
+            self.counters.count_removed("index_busy", sum(s is TierStatus.OK for s in statuses))
+            return [TierStatus.TIMEOUT if s is TierStatus.OK else s for s in statuses]
         except Exception:  # noqa: BLE001 - an index that cannot be written: nothing is stored
             return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
         self._drop_victims(victims, "evicted")
@@ -477,7 +484,7 @@ class DiskTier(Tier):
             statuses[i] = status
         failed = [items[i].key.group for i in todo if statuses[i] is not TierStatus.OK]
         if failed:
-            self._drop_victims(self._catalog.remove_groups(failed), "failed_write")
+            self._drop_victims(self._catalog.remove_groups(failed, save=True), "failed_write")
         written = [i for i in todo if statuses[i] is TierStatus.OK]
         try:  # one short transaction: from now on the written objects are found (`contains`)
             still = self._catalog.mark_ready([items[i].key for i in written])
@@ -549,6 +556,16 @@ class DiskTier(Tier):
         except Exception:  # noqa: BLE001
             return 0
         return self._drop_victims(victims, "removed")
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """From the shared index (`Catalog.clear_matching`), then the files: a racing load misses."""
+        if not self.index_complete():
+            raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
+        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
+        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        self._catalog.name_fingerprint(fingerprint, label)
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""

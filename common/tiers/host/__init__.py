@@ -7,16 +7,18 @@ and who is writing what, `choice` decides
 ``memory.mode: auto``, `stores` lists this user's stores and drops one (``kvpack host``).
 """
 
-from .choice import memory_mode, resolve_memory
+from .choice import chosen_by_auto, memory_mode, resolve_memory
 from .place import disk_store_name, host_root, shm_problem, store_name
-from .stores import HostStore, drop, host_stores
+from .stores import HostStore, drop, give_back, host_stores
 from .tier import HostTier
 
 __all__ = [
     "HostStore",
     "HostTier",
+    "chosen_by_auto",
     "disk_store_name",
     "drop",
+    "give_back",
     "host_root",
     "host_stores",
     "memory_mode",

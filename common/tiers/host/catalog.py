@@ -44,6 +44,7 @@ from ...errors import ConfigError
 from ...keys import StoreKey
 from ..disk.batch_sql import chunks, flat, marks, values
 from ..disk.catalog import Catalog
+from ..disk.private import fd_problem
 from ..disk.rows import Victim, group_id
 from .pages import ARENA, Geometry, create_arena, new_generations, page_runs
 
@@ -96,7 +97,7 @@ class HostCatalog(Catalog):
         self._admit_lock = threading.Lock()
         self._writer = ""
         self._allocated: dict[tuple[bytes, str], Extent] = {}
-        super().__init__(path, busy_timeout_s)
+        super().__init__(path, busy_timeout_s, private_fd=root_fd)
 
     def _set_up(self, busy_timeout_s: float) -> None:
         """The disk schema, this one's tables, and the arena: made with the geometry when the index
@@ -121,12 +122,14 @@ class HostCatalog(Catalog):
         db.execute("COMMIT")
 
     def _arena_whole(self) -> bool:
-        """Is the store's arena file there, a regular file of its geometry's size?"""
+        """Is the store's arena file there, a regular file of its geometry's size, this user's alone?
+        (Else a new one replaces it; what is mapped is checked again on its own descriptor: `SharedPages`.)"""
         try:
             st = os.stat(ARENA, dir_fd=self._root_fd, follow_symlinks=False)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == self.geometry.file_bytes
+        whole = stat.S_ISREG(st.st_mode) and st.st_size == self.geometry.file_bytes
+        return whole and fd_problem(st, ARENA, folder=False) is None
 
     def _new_arena(self, db: sqlite3.Connection, wipe: bool = False) -> None:
         """A new arena of the wanted geometry, every page free. `wipe`: the index describes an arena
@@ -260,7 +263,7 @@ class HostCatalog(Catalog):
         of `keys`, was it marked ready (False: replaced, evicted or removed while it was written)?
         An object another writer admitted again is never marked ready by this one."""
         mine = "SELECT g, member FROM extents WHERE writer=?"
-        with self._lock, self._tx() as db:
+        with self._lock, self._tx(save=True) as db:
             (listed,) = db.execute(
                 "SELECT json_group_array(json_array(hex(g), member)) FROM extents WHERE writer=?", (writer,)
             ).fetchone()

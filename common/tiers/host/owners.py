@@ -13,6 +13,15 @@ place, so no other process ever sees it unlocked while its owner lives. Names
 starting with the marker's name plus a dot belong to the store (`fs`), so the
 folder never looks like a tenant's. (Stores made before the arena also had a
 ``.kvpack-store.tmp`` folder of per-owner temporary files; nothing reads it now.)
+
+Only this user's own owner files count (`kvpack.tiers.disk.private`: a file or folder not
+this user's alone, or a symlink, is neither a live nor a dead owner), and only in a store
+folder of this user's (`live_users`), so a lock another user holds never makes a store look used.
+
+A registration is not inherited: a ``flock`` belongs to an open file description, which a
+child forked without exec shares, so the child would keep a dead parent counted live.
+In a forked child every inherited registration is dropped (its fd closed; the file stays
+the parent's) and the tier registers the child anew (`Owner.in_child`).
 """
 
 from __future__ import annotations
@@ -20,8 +29,11 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from ..disk.private import open_file, open_folder
 
 OWNERS = ".kvpack-store.owners"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -29,40 +41,78 @@ _FILE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _subdir(root_fd: int, name: str) -> int:
-    try:
-        os.mkdir(name, 0o700, dir_fd=root_fd)
-    except FileExistsError:
-        pass
-    return os.open(name, _DIR, dir_fd=root_fd)
+    return open_folder(root_fd, name, name)
 
 
 class Owner:
     """This process's registration in a host store (see the module docstring). Close it once."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, on_fork: Callable[[], None] | None = None) -> None:
+        """Register in the store folder `root_fd`; `on_fork` is called in a forked child after the
+        inherited registration was dropped (the tier registers the child there)."""
         self.token = f"{os.getpid()}-{secrets.token_hex(6)}"
         self._owners_fd = _subdir(root_fd, OWNERS)
         tmp = f".{self.token}.new"
         self._fd = os.open(tmp, _FILE | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._owners_fd)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         os.rename(tmp, self.token, src_dir_fd=self._owners_fd, dst_dir_fd=self._owners_fd)
+        self._on_fork = on_fork
+        _LIVE.add(self)
+
+    def in_child(self) -> None:
+        """In a forked child: drop the inherited registration (close its fds, never unlock or
+        unlink: the lock and the file are the parent's), then `on_fork`."""
+        fds, self._fd, self._owners_fd = (self._fd, self._owners_fd), -1, -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._on_fork is not None:
+            self._on_fork()
 
     def close(self) -> None:
         """Leave the store: this owner's file goes (nothing of it is pending then)."""
+        _LIVE.discard(self)
+        if self._fd < 0:
+            return  # inherited by a fork: the parent's
         try:
             os.unlink(self.token, dir_fd=self._owners_fd)
         except OSError:
             pass
         for fd in (self._fd, self._owners_fd):
             os.close(fd)
+        self._fd = self._owners_fd = -1
+
+
+_LIVE: weakref.WeakSet[Owner] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for owner in list(_LIVE):
+        _LIVE.discard(owner)
+        try:
+            owner.in_child()
+        except Exception:  # noqa: BLE001 - a child that cannot register again uses no store
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _own_file(dir_fd: int, name: str) -> int | None:
+    """An fd of this user's owner file `name` (non-blocking), None when absent or not this user's alone."""
+    try:
+        return open_file(dir_fd, name, os.O_RDWR | os.O_NONBLOCK, name, create=False)
+    except OSError:
+        return None
 
 
 def _lock_now(dir_fd: int, name: str, mode: int) -> int | None:
     """An fd of owner file `name` locked (`mode`) by us now, or None when its lock is held
     elsewhere (its owner lives), or it is gone."""
-    try:
-        fd = os.open(name, _FILE | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
+    fd = _own_file(dir_fd, name)
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -74,11 +124,17 @@ def _lock_now(dir_fd: int, name: str, mode: int) -> int | None:
 
 def live_users(root: str) -> int:
     """How many processes have the store at path `root` open now; 0 when it cannot be opened
-    (absent, a link, not a folder)."""
+    (absent, a link, not a folder) or is not this user's alone (`private.open_folder`)."""
     try:
-        fd = os.open(root, _DIR)
+        parent = os.open(os.path.dirname(root) or ".", _DIR)
     except OSError:
         return 0
+    try:
+        fd = open_folder(parent, os.path.basename(root), root, create=False)
+    except OSError:
+        return 0
+    finally:
+        os.close(parent)
     try:
         return live_owners(fd)
     finally:
@@ -86,9 +142,9 @@ def live_users(root: str) -> int:
 
 
 def live_owners(root_fd: int) -> int:
-    """How many processes have the store open now (their owner file is locked)."""
+    """How many processes have the store open now (this user's owner files, locked)."""
     try:
-        dfd = os.open(OWNERS, _DIR, dir_fd=root_fd)
+        dfd = open_folder(root_fd, OWNERS, OWNERS, create=False)
     except OSError:
         return 0
     try:
@@ -96,9 +152,8 @@ def live_owners(root_fd: int) -> int:
         for name in os.listdir(dfd):
             if name.startswith("."):
                 continue
-            try:
-                fd = os.open(name, _FILE | os.O_NONBLOCK, dir_fd=dfd)
-            except OSError:
+            fd = _own_file(dfd, name)
+            if fd is None:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -116,7 +171,7 @@ def dead_owners(root_fd: int, known: set[str]) -> Iterator[set[str]]:
     """The owners of the store that died, plus those of `known` (owners named by pending writes)
     with no owner file left; their owner files stay locked by us until the block ends, then go."""
     try:
-        dfd = os.open(OWNERS, _DIR, dir_fd=root_fd)
+        dfd = open_folder(root_fd, OWNERS, OWNERS, create=False)
     except OSError:
         yield set(known)
         return

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..disk.private import open_file
+
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 """Do this CPU's stores become visible in program order (x86-64's TSO)? See the module docstring."""
 ARENA = ".kvpack-store.arena"
@@ -187,12 +189,13 @@ class SharedPages:
 
     def __init__(self, root_fd: int, geometry: Geometry) -> None:
         """Map the arena file of the store folder `root_fd`; OSError when it is missing, not a
-        regular file, or not `geometry`'s size."""
+        regular file of this user's alone (checked on the descriptor mapped: `private.open_file`),
+        or not `geometry`'s size."""
         self.geometry = geometry
-        fd = os.open(ARENA, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        fd = open_file(root_fd, ARENA, os.O_RDWR, ARENA, create=False)  # this user's alone (NotPrivate)
         try:
             st = os.fstat(fd)
-            if not (st.st_mode & 0o170000 == 0o100000) or st.st_size != geometry.file_bytes:
+            if st.st_size != geometry.file_bytes:
                 raise OSError(f"{ARENA}: not a regular file of {geometry.file_bytes} bytes")
             size = max(geometry.file_bytes, 1)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,7 +1,8 @@
 """Where a host store lives, and whether this host's shared memory can hold it.
 
 A host store is the folder ``<shm>/kvpack-<uid>-<name>`` (`host_root`): per user
-(a folder of another uid is never opened: `fs.open_store_root` creates ours 0700)
+(`fs.open_store_root` creates it 0700; a symlink, or a folder or file there that is not
+this user's alone, is refused on its descriptor: `kvpack.tiers.disk.private`)
 and per store (`store_name`: `memory.host_name`, else the disk store's identity), so
 two unrelated stores never mix. `shm_problem`
 says, in one line, why the folder cannot hold `capacity` bytes: no such folder,

@@ -24,7 +24,9 @@ under one `capacity` (the arena's size: the budget is held from the start, never
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +50,7 @@ from ...objects import (
 )
 from ..base import GetResult, Medium, PutItem, TierStatus, checksummed
 from ..disk import DiskTier
-from ..disk.catalog import Catalog, open_catalog
+from ..disk.catalog import Catalog, IndexBusy, open_catalog
 from ..disk.fs import SHM, open_store_root
 from ..disk.rows import Victim, group_id
 from ..disk.tier import sort_puts
@@ -57,6 +59,7 @@ from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
 from .pages import ORDERED_STORES, Geometry, SharedPages, pair_up, payload_offset
 from .place import host_root
+from .stores import give_back, is_at, lock_folder
 
 log = logging.getLogger("kvpack")
 
@@ -78,12 +81,20 @@ class HostTier(DiskTier):
         shm: str = SHM,
         busy_timeout_s: float = 10.0,
         region_copier: Callable[[], RegionCopier | None] | None = None,
+        give_back_unused: bool = False,
+        asked_for: bool | None = None,
     ) -> None:
         """Open (or create) host store `host_name` in `shm` (`place.host_root`) with an arena of
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
-        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena."""
+        ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
+        `give_back_unused`: the last user to close the store drops it (`stores.give_back`; a
+        store ``memory.mode: auto`` chose). `asked_for` (default: not `give_back_unused`): a user
+        asked for the store (``memory.mode: host``), so it persists; False for a tool's visit."""
         self._owner: Owner | None = None
+        self._unfinished: list[str] = []
+        """Writers whose put's end (`HostCatalog.finish`) failed: ended by a later put."""
+        self._name, self._shm, self._give_back = host_name, shm, give_back_unused
         self._asked = capacity
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
@@ -99,6 +110,8 @@ class HostTier(DiskTier):
             region_copier=region_copier,
         )
         catalog = self._host_catalog
+        if (not give_back_unused) if asked_for is None else asked_for:
+            catalog.mark_kept()  # asked for: no last user of an `auto` process gives it back
         self._capacity_bytes = catalog.geometry.capacity
         if catalog.geometry.capacity != Geometry.for_capacity(capacity).capacity:
             log.warning(
@@ -116,7 +129,15 @@ class HostTier(DiskTier):
     # -- DiskTier's hooks -----------------------------------------------------------
 
     def _open_root(self, path: str) -> tuple[str, int]:
-        return open_store_root(path, FIELD, shm=True)
+        """The store folder, held under its shared ``flock`` until this process's owner file is in
+        place (`_open_catalog`): a last user giving the store back (`stores.give_back`) waits for
+        it, or has renamed the folder aside, and then this opens the path again."""
+        for _ in range(8):
+            real, fd = open_store_root(path, FIELD, shm=True)
+            if lock_folder(fd, fcntl.LOCK_SH, 10.0) and is_at(fd, real):
+                return real, fd
+            os.close(fd)
+        raise ConfigError(FIELD, f"{path}: the host store kept being dropped while this process opened it")
 
     def _open_catalog(self, busy_timeout_s: float) -> Catalog:
         root_fd, asked = self._root_fd, self._asked
@@ -124,11 +145,22 @@ class HostTier(DiskTier):
         def make(path: str, timeout_s: float) -> Catalog:
             return HostCatalog(path, timeout_s, capacity=asked, root_fd=root_fd)
 
-        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make)
+        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make, private_root=True)
         assert isinstance(catalog, HostCatalog)
-        self._owner = Owner(self._root_fd)
+        self._owner = Owner(self._root_fd, on_fork=self._register_child)
+        fcntl.flock(self._root_fd, fcntl.LOCK_UN)  # a user now: `_open_root`'s shared lock is done
         catalog.owner = self._owner.token
         return catalog
+
+    def _register_child(self) -> None:
+        """In a forked child (`owners.Owner.in_child`): register the child as a user of its own, so
+        its writes are its own pending rows and a dead parent is not kept live by it."""
+        catalog = self._host_catalog
+        try:
+            self._owner = Owner(self._root_fd, on_fork=self._register_child)
+        except OSError:
+            self._owner = None
+        catalog.owner = self._owner.token if self._owner is not None else ""
 
     @property
     def _host_catalog(self) -> HostCatalog:
@@ -162,6 +194,9 @@ class HostTier(DiskTier):
     def _put(self, items: Sequence[PutItem]) -> list[TierStatus]:
         catalog = self._host_catalog
         statuses, sizes, by_tenant = sort_puts(items)
+        if not self._finish_abandoned():  # the index is still held: no second wait for it
+            self.counters.count_removed("index_busy", sum(s is TierStatus.OK for s in statuses))
+            return [TierStatus.TIMEOUT if s is TierStatus.OK else s for s in statuses]
         heads = [item.header.encode() for item in items]
         charges = [catalog.geometry.charge(len(h), n) for h, n in zip(heads, sizes)]
         writer = writer_name(catalog.owner)
@@ -176,6 +211,10 @@ class HostTier(DiskTier):
                 for i, ok in zip(idx, admitted):
                     if not ok:
                         statuses[i] = TierStatus.NO_SPACE
+        except IndexBusy:  # another process holds the index: dropped (a later miss), never a stall
+            self.counters.count_removed("index_busy", sum(s is TierStatus.OK for s in statuses))
+            self._abandon(items, extents, writer)
+            return [TierStatus.TIMEOUT if s is TierStatus.OK else s for s in statuses]
         except Exception:  # noqa: BLE001 - an index that cannot be written: nothing is stored
             self._abandon(items, extents, writer)
             return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
@@ -185,8 +224,13 @@ class HostTier(DiskTier):
         self._write(items, heads, placed)
         try:  # one short transaction: from now on the written objects are found (`contains`)
             still = catalog.finish([items[i].key for i in todo], writer)
-        except Exception:  # noqa: BLE001 - left pending: reclaimed as a dead writer's, or forgotten after the grace
-            return [TierStatus.ERROR if s is TierStatus.OK else s for s in statuses]
+        except Exception as exc:  # noqa: BLE001 - left pending: its pages go with the next put's finish
+            self._unfinished.append(writer)
+            busy = isinstance(exc, IndexBusy)
+            if busy:
+                self.counters.count_removed("index_busy", len(todo))
+            failed = TierStatus.TIMEOUT if busy else TierStatus.ERROR
+            return [failed if s is TierStatus.OK else s for s in statuses]
         for i, indexed in zip(todo, still):
             if not indexed:  # evicted while it was written (a later put, another process)
                 statuses[i] = TierStatus.NO_SPACE
@@ -208,12 +252,28 @@ class HostTier(DiskTier):
         self._io.copy(pairs, streaming=True)
         pages.end_writes([extent.runs for _, extent in placed], [extent.gen for _, extent in placed])
 
+    def _finish_abandoned(self) -> bool:
+        """End the earlier puts whose own end could not have the index in time (`HostCatalog.finish`:
+        their objects, written whole, become found; their limbo pages free). False when the index is
+        still held past `WRITE_LOCK_WAIT_S` (the next put tries again)."""
+        while self._unfinished:
+            try:
+                self._host_catalog.finish([], self._unfinished[0])
+            except IndexBusy:
+                return False
+            except Exception:  # noqa: BLE001 - an index that cannot be written: the next put tries again
+                return True
+            self._unfinished.pop(0)
+        return True
+
     def _abandon(self, items: Sequence[PutItem], extents: dict[tuple[bytes, str], Extent], writer: str) -> None:
         """A put that failed after some of its admissions: unindex what it admitted and free its pages."""
+        if not extents:
+            return  # nothing admitted: nothing to undo (no second wait for a busy index)
         admitted = {g for g, _ in extents}
         groups = list({it.key.group: None for it in items if group_id(it.key.group) in admitted})
         try:
-            self._drop_victims(self._catalog.remove_groups(groups), "failed_write")
+            self._drop_victims(self._catalog.remove_groups(groups, save=True), "failed_write")
             self._host_catalog.finish([], writer)
         except Exception:  # noqa: BLE001 - left to reclaim_dead / the grace, as a crash would be
             pass
@@ -273,9 +333,13 @@ class HostTier(DiskTier):
     ) -> tuple[list[tuple[ObjectHeader, memoryview] | None], Callable[[], list[bool]]]:
         """A lent get: per key, the header and a read-only view of the payload in the mapping
         (no copy), when the object is ready and whole (its stamps), its header is the expected
-        one, its payload lies in one run of pages and, if `verify_checksum`, its checksum is
-        right; else None (the caller reads it with `get_into`, which counts why). Hits are
-        touched as `get_into` touches them.
+        one and its payload lies in one run of pages; else None (the caller reads it with
+        `get_into`, which counts why). Hits are touched as `get_into` touches them.
+
+        With `verify_checksum` nothing is lent: a checksum must cover the bytes the engine reads,
+        and a view's bytes can change after any check of them (any process of this user maps them
+        writable), so such loads go through `get_into`, which copies into the caller's buffer
+        first and verifies that copy.
 
         The view is shared memory another process may rewrite at any time (its pages given to
         another object), so the seqlock of `get_into` is closed by the caller: it copies out of
@@ -285,7 +349,7 @@ class HostTier(DiskTier):
         `get_into` checks every checksum after its copy instead)."""
         n = len(keys)
         out: list[tuple[ObjectHeader, memoryview] | None] = [None] * n
-        if not ORDERED_STORES:
+        if not ORDERED_STORES or verify_checksum:
             return out, lambda: [True] * n
         try:
             found = self._host_catalog.ready_extents(keys)
@@ -305,12 +369,6 @@ class HostTier(DiskTier):
             lo = extent.runs[0][0] * page + start
             out[i] = (header, area[lo : lo + header.payload_len].data.toreadonly())
             lent.append((i, extent))
-        if verify_checksum:  # one batch of checksums; a damaged object is not lent (its load reads it and refuses)
-            bad = check_payloads([out[i][0] for i, _ in lent], [out[i][1] for i, _ in lent])  # type: ignore[index]
-            for (i, _), reason in zip(lent, bad):
-                if reason is not None:
-                    out[i] = None
-            lent = [(i, e) for i, e in lent if out[i] is not None]
 
         def stable() -> list[bool]:
             """Per lent object: its pages still its own (those that are not counted in `torn`)."""
@@ -320,7 +378,7 @@ class HostTier(DiskTier):
 
         kept = stable()
         for (i, _), ok in zip(lent, kept):
-            if not ok:  # the header or checksum was read while the pages changed: no verdict
+            if not ok:  # the header was read while the pages changed: no verdict
                 out[i] = None
         lent = [le for le, ok in zip(lent, kept) if ok]
         if lent:
@@ -471,6 +529,8 @@ class HostTier(DiskTier):
         pages = getattr(self, "_pages", None)
         if pages is not None:
             pages.close()
+        if self._give_back and give_back(self._name, self._shm):
+            log.info("kvpack: host store %s given back (memory.mode auto, its last user closed)", self._name)
 
 
 _MISS = GetResult(TierStatus.MISS)

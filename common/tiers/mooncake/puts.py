@@ -37,7 +37,7 @@ from ...canonical.addressed import address_of
 from ...keys import GroupKey, StoreKey
 from ...objects import HeaderFastPath, ObjectHeader, payload_checksum, payload_parts
 from ..base import PutItem, TierStatus
-from .codes import INVALID_PARAMS, NOT_CALLED, code_info
+from .codes import INVALID_PARAMS, NOT_CALLED, code_info, describe
 from .connection import Connection
 from .runner import Job, Slot
 from .staging import SLOTS, STEP_MAX_BYTES, Staging, plan_steps, round_up, slot_buffers
@@ -358,3 +358,25 @@ class Puts:
 
         state, results = conn.run(Job(len(batches), len(batches), step))
         return sum(r for r in results if r)
+
+    def remove_matching(self, pattern: str) -> int:
+        """Remove every object whose key matches the regular expression `pattern` (forced, as
+        `remove_groups`), within the tier's call bound; the count Mooncake removed. Raises
+        RuntimeError (one line) when the tier is down, the call timed out or Mooncake refused."""
+        conn = self._conn
+        refusal = conn.refusal()
+        if refusal is not None:
+            raise RuntimeError(f"Mooncake is {refusal.value}")
+
+        def step(job: Job[int], slot: Slot, s: int) -> None:
+            n = conn.call(lambda st: int(st.remove_by_regex(pattern, True)), default=NOT_CALLED)
+            conn.note_codes([n])
+            job.publish(s, [s], [n])
+
+        state, results = conn.run(Job(1, 1, step))
+        n = results[0] if results else None
+        if not isinstance(n, int):
+            raise RuntimeError(f"Mooncake's remove_by_regex did not answer in time ({state.name.lower()})")
+        if n < 0:
+            raise RuntimeError(f"Mooncake's remove_by_regex failed: {describe(n)}")
+        return n

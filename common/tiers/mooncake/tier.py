@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from ...clearing import Cleared, ClearScope, ClearUnsupported
 from ...config import MooncakeProtocol, MooncakeTierConfig
 from ...keys import GroupKey, StoreKey
 from ...objects import Expectation, ObjectHeader, Payload
@@ -119,6 +120,15 @@ class MooncakeTier(Tier):
 
     def remove_groups(self, groups: Sequence[GroupKey]) -> int:
         return self._puts.remove_groups(groups)
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """One ``remove_by_regex`` over the scope's key prefix (`ClearScope.key_regex`), forced: a
+        reader racing with it gets a miss or bytes its checks refuse, never a wrong load. Mooncake
+        tells how many objects it removed, not their bytes, and cannot count without removing
+        (a dry run raises `ClearUnsupported`)."""
+        if dry_run:
+            raise ClearUnsupported("Mooncake cannot count objects without removing them")
+        return Cleared(self._puts.remove_matching(scope.key_regex()), None)
 
     def usage(self) -> TierUsage:
         """Mooncake's capacity is cluster-wide and owned by the master: this

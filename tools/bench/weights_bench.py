@@ -1,0 +1,60 @@
+"""`kvpack bench weights`: what watching an engine's weights costs per engine step.
+
+`kvpack.WeightsWatch.poll` runs once per vLLM step that has kvpack work (and once per SGLang
+storage call). For models of `--params` parameter tensors (small linear layers: the cost is per
+tensor, not per byte) it times `poll` over `--polls` calls, the modules re-walked every
+`RELIST_EVERY` polls included, and in the same run one walk of the modules for their parameters
+(what a poll would cost if it listed them each time) and one read of every parameter's version
+counter and storage address. Prints microseconds per poll and per parameter, and the ratio of a
+poll to a walk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvpack import WeightsWatch
+from kvpack.weights import RELIST_EVERY
+
+
+def _model(params: int) -> torch.nn.Module:
+    return torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(params))
+
+
+def _best_us(f: object, repeat: int) -> float:
+    """Median of `repeat` timed calls, microseconds."""
+    call = f  # type: ignore[assignment]
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        call()  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2] * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpack bench weights", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, nargs="+", default=[200, 1000, 5000], help="parameter tensors")
+    parser.add_argument("--polls", type=int, default=4 * RELIST_EVERY, help="polls timed per model")
+    args = parser.parse_args(argv)
+    print(f"{'params':>7} {'poll us':>9} {'us/param':>9} {'walk us':>9} {'read us':>9} {'poll/walk':>9}")
+    for n in args.params:
+        model = _model(n)
+        watch = WeightsWatch("bench", "ckpt", lambda m=model: [m])
+        params = list(model.parameters())
+        t = time.perf_counter()
+        for _ in range(args.polls):
+            watch.poll()
+        poll = (time.perf_counter() - t) / args.polls * 1e6
+        walk = _best_us(lambda m=model: list(m.parameters()), 20)
+        read = _best_us(lambda p=params: [(x._version, x.data_ptr()) for x in p], 20)  # noqa: SLF001
+        print(f"{n:>7} {poll:>9.1f} {poll / n:>9.3f} {walk:>9.1f} {read:>9.1f} {poll / walk:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
