@@ -31,7 +31,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .config import KVPackConfig
@@ -168,13 +168,24 @@ class PinBook:
             )
         return PinOutcome(pinned, already, refused, refused_bytes)
 
-    def unpin(self, tenant: str) -> int:
-        """Remove every pin of `tenant`; returns how many there were."""
+    def unpin(self, tenant: str | None, fingerprints: Collection[str] | None = None) -> int:
+        """Remove the pins of `tenant` (None: every tenant's) of `fingerprints` (None: every one);
+        returns how many there were."""
+        conds: list[str] = []
+        args: list[str] = []
+        if tenant is not None:
+            conds.append("tenant=?")
+            args.append(tenant)
+        if fingerprints is not None:
+            fps = list(fingerprints)
+            conds.append(f"fp IN ({','.join('?' * len(fps))})")
+            args += fps
+        where = " WHERE " + " AND ".join(conds) if conds else ""
         with self._lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
-                n = db.execute("DELETE FROM pins WHERE tenant=?", (tenant,)).rowcount
+                n = db.execute(f"DELETE FROM pins{where}", args).rowcount  # noqa: S608 - fixed text
                 db.execute("UPDATE gen SET v=v+1 WHERE k=0")
                 db.execute("COMMIT")
             except BaseException:
@@ -293,3 +304,35 @@ def pin_prefix(
             break
         held.append((group, nbytes))
     return book.pin(tenant, held)
+
+
+def pinned_per_tenant(folder: str) -> dict[str, tuple[int, int]]:
+    """(groups, bytes) pinned per tenant in the store folder `folder`, read-only ({} without a pin
+    list; a pin list that is not a regular file is never opened: ValueError)."""
+    path = os.path.join(folder, PINS_NAME)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return {}
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+    try:
+        rows = db.execute("SELECT tenant, COUNT(*), SUM(nbytes) FROM pins GROUP BY tenant ORDER BY tenant").fetchall()
+    finally:
+        db.close()
+    return {t: (int(n), int(b)) for t, n, b in rows}
+
+
+def drop_pins(folder: str, tenants: Collection[str] | None, fingerprints: Collection[str] | None) -> int:
+    """Remove the pins of `tenants` (None: all) of `fingerprints` (None: all) from the folder's pin
+    list, if it has one (what a clear of those objects leaves no trace of); returns how many."""
+    if not os.path.lexists(os.path.join(folder, PINS_NAME)):
+        return 0
+    book = PinBook(folder, 0)
+    try:
+        if tenants is None:
+            return book.unpin(None, fingerprints)
+        return sum(book.unpin(t, fingerprints) for t in tenants)
+    finally:
+        book.close()

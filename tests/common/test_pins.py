@@ -190,3 +190,25 @@ def test_a_tenant_over_a_lowered_budget_keeps_nothing(open_store: Callable[..., 
     store = open_store(budget=2 * OBJ)  # restarted with a smaller budget: acme's 3 KiB of pins are over it
     pressure(store)
     assert held(store, "disk", "acme", PROMPT) == [False] * 3
+
+
+def test_usage_shows_pins_and_clear_drops_the_tenants(
+    open_store: Callable[..., KVStore], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = open_store()
+    put(store, "acme", PROMPT)
+    put(store, "globex", PROMPT)
+    store.pin_prefix("acme", GROUP_FP, PROMPT)
+    store.pin_prefix("globex", GROUP_FP, PROMPT[:1])
+    store.close()
+    folder = str(tmp_path / "disk")
+    capsys.readouterr()
+    assert main(["usage", "--disk", folder, "--json"]) == 0
+    disk = next(s for s in json.loads(capsys.readouterr().out)["stores"] if s["tier"] == "disk")
+    assert disk["pinned"] == {"acme": {"groups": 3, "bytes": 3 * OBJ}, "globex": {"groups": 1, "bytes": OBJ}}
+    assert main(["usage", "--disk", folder]) == 0
+    assert f"pinned in {folder}: tenant acme: 3 groups, 3.0 KiB" in capsys.readouterr().out
+    assert main(["clear", "--tenant", "acme", "--tier", "disk", "--disk", folder]) == 0
+    capsys.readouterr()
+    assert main(["pin", "--json", "--disk", folder]) == 0
+    assert json.loads(capsys.readouterr().out)["tenants"] == {"globex": {"groups": 1, "bytes": OBJ}}
