@@ -83,6 +83,7 @@ from .model_identity import (
 )  # not under its module's name: kvpack.model_identity stays the module
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
 from .page_loads import PagePart
+from .pins import PinOutcome, pin_trusted
 from .router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails, shares_facts
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
@@ -190,6 +191,7 @@ __all__ = [
     "TierEventFeed",
     "TierEventKind",
     "TierStatus",
+    "PinOutcome",
     "WaitBudget",
     "address_of",
     "canonical_group_spec",
@@ -200,6 +202,7 @@ __all__ = [
     "identify_model",
     "adapter_identity",
     "resolve_memory",
+    "pin_trusted",
     "resolve_tenant",
     "shared_tier_sweep",
     "shared_tier_sweeps",

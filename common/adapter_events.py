@@ -17,6 +17,8 @@ class AdapterEvent(enum.Enum):
     """A request named a tenant the config does not trust (ignored; its own scope applies)."""
     BAD_TENANT = "bad_tenants"
     """A trusted tenant name was invalid: the request runs without the cache."""
+    UNTRUSTED_PIN = "untrusted_pins"
+    """A request asked to pin its prompt under a tenant the config does not trust (ignored)."""
     HANDOFF_REFUSED = "handoff_refused"
     """A prefill instance's handoff was refused (by reason: `Refusals`)."""
     HANDOFF_SENT = "handoff_sent"

@@ -5,11 +5,12 @@
     kvpack host [drop NAME... | drop --unused]  # this user's host memory stores; give one's memory back
     kvpack usage [--config FILE] [--disk DIR] [--mooncake-http H:P] [--json]  # per tier, tenant and model
     kvpack clear --tenant T [--model M] [--tier T...] [--dry-run] [--config FILE] [--disk DIR] [--json]
+    kvpack pin [--list | --unpin] [--tenant T] [--disk DIR] [--json]  # pinned prefixes (`kvpack.pin_command`)
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
     kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
 
-``inspect``, ``config``, ``host``, ``usage`` and ``clear`` are the core's own (`kvpack.operating`).
+``inspect``, ``config``, ``host``, ``usage``, ``clear`` (`kvpack.operating`) and ``pin`` are the core's own.
 Every other subcommand is a tool (`kvpack.tools`, folder tools/) that registers itself in the ``kvpack.commands``
 entry-point group (pyproject.toml): the core names no tool and never imports one;
 a tool's module is imported only when it runs, so `kvpack inspect` works without
@@ -184,7 +185,7 @@ TIERS = ("host", "disk", "mooncake")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tools = tool_commands()
-    if argv and argv[0] in tools and argv[0] not in ("inspect", "config", "host", "usage", "clear"):
+    if argv and argv[0] in tools and argv[0] not in ("inspect", "config", "host", "usage", "clear", "pin"):
         return int(tools[argv[0]].load()(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvpack", description="kvpack: KV-cache reuse for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="the engines' kvpack config file (default: the default config)")
         p.add_argument("--disk", help="the disk store folder (default: the config's disk.path)")
         p.add_argument("--json", action="store_true")
+    from . import pin_command
+
+    pin_command.add_arguments(sub.add_parser("pin", help="list the pinned prefixes per tenant, or unpin a tenant's"))
     for name in sorted(tools):
         # no arguments of its own here: everything after the name, --help too, goes to the tool
         sub.add_parser(name, help=f"the {name} tool (`kvpack {name} --help` for its arguments)", add_help=False)
@@ -222,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return _usage(args)
     if args.command == "clear":
         return _clear(args)
+    if args.command == "pin":
+        return pin_command.run(args)
     parser.print_help()
     return 2
 

@@ -361,6 +361,7 @@ class EvictionConfig:
 
     policy: EvictionPolicyName = EvictionPolicyName.LRU
     tenant_quotas: dict[str, int] = field(default_factory=dict, metadata={"size": True})
+    pinned_bytes_per_tenant: int = _size_field(0, "bytes a tenant may pin (`kvpack.pins`); 0: pins off")
 
 
 @dataclass(frozen=True)
@@ -450,6 +451,11 @@ class KVPackConfig:
                 validate_tenant(tenant)
             except ValueError as exc:
                 raise ConfigError(join_path(path, f"eviction.tenant_quotas.{tenant}"), str(exc)) from None
+        if self.eviction.pinned_bytes_per_tenant and not self.disk.enabled:
+            raise ConfigError(
+                join_path(path, "eviction.pinned_bytes_per_tenant"),
+                "pins are kept in the disk store's folder: set disk.path, or 0 to turn pins off",
+            )
         ranges: dict[str, tuple[int | float, int, int]] = {
             "prefix_match_unit": (self.prefix_match_unit, 1, 1 << 20),
             "io_timeout_ms": (self.io_timeout_ms, 1, MAX_WAIT_MS),

@@ -140,6 +140,8 @@ SPECS: tuple[MetricSpec, ...] = (
     # with everything above, as its interval stats: `MetricsInterval`)
     MetricSpec("untrusted_tenants", "Requests whose client-chosen tenant was ignored (not trusted)", ()),
     MetricSpec("bad_tenants", "Requests run without the cache: a trusted tenant name was invalid", ()),
+    MetricSpec("untrusted_pins", "Requests whose kvpack_pin was ignored (their tenant is not trusted)", ()),
+    MetricSpec("pins_refused", "Groups a pin asked for past the tenant's pinned budget (not pinned)", ("tenant",)),
     MetricSpec(
         "workers_disabled",
         "Workers running without kvpack: their KV cache was refused at registration (loads recompute, no saves)",

@@ -32,6 +32,7 @@ from typing import Any
 from .clearing import Cleared, ClearScope, ClearUnsupported
 from .config import KVPackConfig
 from .errors import ConfigError
+from .pins import drop_pins, pinned_per_tenant
 from .tiers.disk import DiskTier, census
 from .tiers.disk.catalog import INDEX_NAME
 from .tiers.host import HostTier
@@ -60,6 +61,8 @@ class StoreUsage:
     """A host store's live users now."""
     held_bytes: int | None = None
     """A host store's memory held (its whole arena, from its making until dropped)."""
+    pinned: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """A disk folder's pinned prefixes: tenant -> (groups, bytes) (`kvpack.pins`)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -78,6 +81,8 @@ class StoreUsage:
         }
         if self.note:
             out["note"] = self.note
+        if self.pinned:
+            out["pinned"] = {t: {"groups": g, "bytes": b} for t, (g, b) in self.pinned.items()}
         if self.users is not None:
             out["users"] = self.users
             out["held_bytes"] = self.held_bytes
@@ -163,6 +168,8 @@ def usage(config: KVPackConfig, mooncake_http: str = "") -> tuple[list[StoreUsag
         out.append(u)
     if config.disk.enabled:
         out.append(_store_usage("disk", config.disk.path, config.disk.path))
+        with contextlib.suppress(OSError, ValueError, sqlite3.Error):  # the objects' usage is shown regardless
+            out[-1].pinned = pinned_per_tenant(config.disk.path)
     hidden = {"memory": MEMORY_NOT_VISIBLE}
     if mooncake_http:
         out.append(mooncake_usage(mooncake_http))
@@ -237,7 +244,13 @@ def _clear_disk(path: str, scope: ClearScope, dry_run: bool) -> StoreCleared:
         return result
     try:
         tier.wait_indexed(60.0)  # an index still being built: it raises in `clear`, one line
-        return _run(result, scope, dry_run, tier)
+        _run(result, scope, dry_run, tier)
+        if not dry_run and not result.failed:
+            try:
+                drop_pins(path, scope.tenants, scope.fingerprints)  # the pin list keeps no trace of them
+            except (ConfigError, sqlite3.Error) as exc:
+                result.failed = f"objects removed, pins not: {str(exc).splitlines()[0][:160]}"
+        return result
     finally:
         tier.close()
 
@@ -284,6 +297,7 @@ def format_usage(stores: list[StoreUsage], hidden: dict[str, str]) -> str:
             nbytes = size(r.nbytes if r.nbytes >= 0 else None)
             lines.append(f"{s.tier:<6} {s.store[-34:]:<34} {r.tenant[:16]:<16} {r.objects:>9} {nbytes:>10}  {model}")
     for s in stores:
+        lines += [f"pinned in {s.store}: tenant {t}: {g} groups, {size(b)}" for t, (g, b) in s.pinned.items()]
         if s.users is not None:
             lines.append(
                 f"host store {s.store}: {size(s.held_bytes)} of shared memory held until dropped, "

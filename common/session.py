@@ -56,6 +56,7 @@ from .located import LocatedHints
 from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
 from .page_loads import PagePart, load_pages, located_splits
+from .pins import PinOutcome
 from .reads import LoadItem, PageReads
 from .router_facts import RouterFacts
 from .store import KVStore
@@ -286,6 +287,11 @@ class Session:
             )
 
         return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
+
+    def pin(self, query: HitQuery) -> PinOutcome | None:
+        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.pins`); None: pins off."""
+        hashes = chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed)
+        return self.store.pin_prefix(query.scope.tenant, self.group_fingerprint, hashes)
 
     def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
         """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,

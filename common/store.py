@@ -49,6 +49,7 @@ from .lent import LentCopies
 from .lifecycle import LoadPlan, PlanBook, count_lookup
 from .metrics import Metrics
 from .objects import ObjectHeader
+from .pins import PinOutcome, open_pins, pin_prefix
 from .reads import LoadItem, TierReads
 from .split_lookup import lookup_sets
 from .store_writes import HOST_QUEUE_BYTES, StoreWrites
@@ -108,6 +109,8 @@ class KVStore(LentCopies, StoreWrites):
         host store), if any; without it (or without `write_back`) a store is written through."""
         self._lower = tuple(t for t in self.tiers if t is not self._memory and t is not self._front)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
+        self.pins = open_pins(config, self.tiers)
+        """The store folder's pinned prefixes (`kvpack.pins`), None when pins are off."""
         if pin_timeout_s is None:
             pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
         self._plans = PlanBook(pin_timeout_s)
@@ -193,6 +196,15 @@ class KVStore(LentCopies, StoreWrites):
         if self._memory is None:
             return [False] * len(keys)
         return self._memory.contains(keys)
+
+    def pin_prefix(self, tenant: str, fingerprint: str, chunks: Sequence[str]) -> PinOutcome | None:
+        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.pins.pin_prefix`);
+        None when pins are off. Groups refused past the budget are counted (``pins_refused``)."""
+        if self.pins is None:
+            return None
+        done = pin_prefix(self.pins, self.tiers, tenant, fingerprint, chunks)
+        self.metrics.inc("pins_refused", done.refused, tenant=tenant)
+        return done
 
     def add_evict_listener(self, listener: Callable[[str, GroupKey, int], None]) -> None:
         """Call `listener(tier_name, group, nbytes)` for every group a bounded tier
@@ -530,6 +542,8 @@ class KVStore(LentCopies, StoreWrites):
         self._closed = True
         self._writeback.close()
         self.metrics.stop_serving()
+        if self.pins is not None:
+            self.pins.close()
         for tier in self.tiers:
             try:
                 tier.close()

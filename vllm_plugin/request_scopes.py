@@ -29,6 +29,7 @@ from kvpack import (
     WeightsState,
     adapter_identity,
     clip,
+    pin_trusted,
     resolve_tenant,
 )
 
@@ -89,6 +90,7 @@ class RequestScopes:
         self.session = session
         self._untrusted_warned = threading.Event()
         self._bad_tenant_logged = threading.Event()
+        self._untrusted_pin_logged = threading.Event()
         self.weights = WeightsState()
         """The engine's weights as the workers last reported them: every request scoped from now on
         carries their identity (its transfers are refused under other weights)."""
@@ -100,6 +102,22 @@ class RequestScopes:
             return False
         self.weights = weights
         return True
+
+    def pins(self, request: Request) -> bool:
+        """Does `request` ask to pin its prompt (``kv_transfer_params["kvpack_pin"]``) under a tenant the
+        config trusts (`kvpack.pin_trusted`)? An untrusted ask is ignored, counted (``kvpack_untrusted_pins``)
+        and logged once per scheduler."""
+        asked = pin_trusted(self.config, getattr(request, "kv_transfer_params", None))
+        if asked is False:
+            self.session.record(AdapterEvent.UNTRUSTED_PIN)
+            if not self._untrusted_pin_logged.is_set():
+                self._untrusted_pin_logged.set()
+                log.warning(
+                    "kvpack: ignoring kv_transfer_params['kvpack_pin'] of request %s (and of any later one): only a "
+                    "request whose kvpack_tenant the config trusts may pin",
+                    clip(request.request_id),
+                )
+        return bool(asked)
 
     def of(self, request: Request) -> RequestScope | None:
         if not cacheable(request):

@@ -167,6 +167,8 @@ class SchedulerSide:
             query = self.scope.hit_query(rs, request.all_token_ids[:n])
             claim = self._handoff_of(request, rs)
             plan = self.session.plan_handoff(query, claim) if claim else self.session.plan_hit(query, self._budget)
+            if self._scopes.pins(request):
+                self.session.pin(query)
         self._plans[request.request_id] = plan
         return plan
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .base import EvictionPolicy
@@ -70,6 +70,8 @@ class CapacityManager:
         self._tenant_used: dict[str, int] = {}
         self._pins: dict[Hashable, list[float]] = {}  # group -> [count, latest deadline (monotonic)]
         self.used = 0
+        self.kept: Callable[[], Collection[Hashable]] | None = None
+        """The groups pinned by their tenant (`kvpack.pins`): never candidates while it answers them."""
 
     # -- queries -------------------------------------------------------------
 
@@ -167,9 +169,10 @@ class CapacityManager:
         """Resident groups in the policy's victim order (of `tenant` only, when given), pinned ones left out."""
         groups, pins = self._groups, self._pins
         now = time.monotonic() if pins else 0.0
+        kept = self.kept() if self.kept is not None else ()
         for group in self._policy.victims():
             usage = groups.get(group)
-            if usage is None or (tenant is not None and usage.tenant != tenant):
+            if usage is None or (tenant is not None and usage.tenant != tenant) or group in kept:
                 continue
             if pins and group in pins and pins[group][1] > now:
                 continue  # pinned by a load in progress

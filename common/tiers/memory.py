@@ -104,6 +104,11 @@ class MemoryTier(Tier):
         self.on_evict: Callable[[GroupKey, int], None] | None = None
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
 
+    def keep(self, kept: Callable[[], frozenset[str]]) -> None:
+        """Never evict the groups `kept()` names (``tenant/fingerprint/chunk``: `kvpack.pins`)."""
+        with self._lock:
+            self._capacity.kept = kept
+
     # -- reads ---------------------------------------------------------------
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:

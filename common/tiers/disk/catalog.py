@@ -57,7 +57,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -127,6 +127,8 @@ class Catalog(ScanReconcile):
 
     EVICTABLE = ""
     """A condition on ``groups`` rows that eviction may take ("": any; the host store's: none being written)."""
+    kept: Callable[[], Collection[bytes]] | None = None
+    """The group ids pinned by their tenant (`kvpack.pins`): never victims while it answers them."""
 
     def __init__(
         self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, *, private_fd: int | None = None
@@ -419,8 +421,10 @@ class Catalog(ScanReconcile):
             texts = [c for c, _ in conds] + ([self.EVICTABLE] if self.EVICTABLE else [])
             where = " WHERE " + " AND ".join(texts) if texts else ""
             sql = f"SELECT g, tenant, nbytes FROM groups{where} ORDER BY tick"  # noqa: S608 - fixed text
+            kept = self.kept() if self.kept is not None else ()
             for g, who, size in db.execute(sql, [v for _, v in conds]):
-                yield Candidate(g, who, size)
+                if g not in kept:
+                    yield Candidate(g, who, size)
 
         delta = batch_sql.bytes_delta(db, self._objects(requests))
         victims = choose_victims(tenant, delta, sum(used.values()), capacity, used, quotas, candidates, batch)

@@ -318,6 +318,10 @@ class DiskTier(Tier):
         """The bytes every process on the folder shares (`capacity`)."""
         return self._capacity_bytes
 
+    def keep(self, kept: Callable[[], frozenset[bytes]]) -> None:
+        """Never evict the groups whose ids `kept()` holds (`kvpack.pins`), from any process's store."""
+        self._catalog.kept = kept
+
     def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:
         """Per group: the bytes of its ready objects the index holds, None when none. One indexed
         read per batch, no file touched: the answer is the folder's only while `index_complete`."""
