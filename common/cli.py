@@ -154,7 +154,7 @@ def _clear(args: argparse.Namespace) -> int:
     quiet, level = logging.getLogger("kvpack"), logging.getLogger("kvpack").level
     quiet.setLevel(logging.ERROR)  # the tiers' start-up notes are not this command's
     try:
-        results = clear(cfg, scope, args.dry_run)
+        results = clear(cfg, scope, args.dry_run, hosts=args.host)
     finally:
         quiet.setLevel(level)
     if args.json:
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p_clear.add_argument("--model", help="a part of a model's name as kvpack usage shows it, or its fingerprint")
     p_clear.add_argument("--tier", action="append", choices=TIERS, help="only this tier (repeat for several)")
     p_clear.add_argument("--dry-run", action="store_true", help="count what would go, remove nothing")
+    p_clear.add_argument(
+        "--host", action="append", metavar="NAME", help="only this host store (repeat; default: every one of yours)"
+    )
     p_usage.add_argument("--mooncake-http", help="a Mooncake master's HTTP address (its --metrics_port): list its keys")
     for p in (p_usage, p_clear):
         p.add_argument("--config", help="the engines' kvpack config file (default: the default config)")

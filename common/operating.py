@@ -25,7 +25,7 @@ import contextlib
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -199,11 +199,25 @@ class StoreCleared:
     failed: str = ""
 
 
-def clear(config: KVPackConfig, scope: ClearScope, dry_run: bool, mooncake_wait_s: float = 10.0) -> list[StoreCleared]:
-    """Apply `scope` to every store of `config` it covers (see the module docstring)."""
+def clear(
+    config: KVPackConfig,
+    scope: ClearScope,
+    dry_run: bool,
+    mooncake_wait_s: float = 10.0,
+    hosts: Sequence[str] | None = None,
+) -> list[StoreCleared]:
+    """Apply `scope` to every store of `config` it covers (see the module docstring); `hosts`:
+    only the host stores of these names (None: every host store of this user)."""
     out: list[StoreCleared] = []
     if scope.covers_tier("host"):
-        out += [_clear_host(h, scope, dry_run) for h in host_stores()]
+        stores = [h for h in host_stores() if hosts is None or h.name in hosts]
+        out += [_clear_host(h, scope, dry_run) for h in stores]
+        found = {h.name for h in stores}
+        out += [
+            StoreCleared("host", n, failed="no host store of this user by that name")
+            for n in hosts or ()
+            if n not in found
+        ]
     if scope.covers_tier("disk") and config.disk.enabled:
         out.append(_clear_disk(config.disk.path, scope, dry_run))
     if scope.covers_tier("mooncake") and config.mooncake.enabled:

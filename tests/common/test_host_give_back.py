@@ -124,7 +124,7 @@ def test_kvpack_clear_visiting_an_auto_store_leaves_it_auto(name: str) -> None:
     HostTier(name, 16 << 20, give_back_unused=True, asked_for=False).close()  # made and given back
     user = _start("auto", name)
     try:
-        assert main(["clear", "--tenant", "nobody", "--tier", "host"]) == 0  # opens every host store
+        assert main(["clear", "--tenant", "nobody", "--tier", "host", "--host", name]) == 0  # opens the store
     finally:
         _end(user)
     assert _users(name) is None, "a visit by kvpack clear made an auto store persist"

@@ -144,7 +144,19 @@ def test_kvpack_clear_while_the_engine_loads_the_tenants_prefixes(
     extra = {"disk": {"path": str(store)}, "memory": {"enabled": False}, "trusted_tenants": ["*"]}
     prompts = [prompt(600 + i, 260) for i in range(6)]
     llm = make_llm(tiny_llama, kv_config(extra), block_size=BS)
-    clear_cmd = [sys.executable, "-m", "kvpack.cli", "clear", "--tenant", "leaver", "--disk", str(store)]
+    # the engine's only store is this disk folder (memory off): other host stores of this user are not this test's
+    clear_cmd = [
+        sys.executable,
+        "-m",
+        "kvpack.cli",
+        "clear",
+        "--tenant",
+        "leaver",
+        "--disk",
+        str(store),
+        "--tier",
+        "disk",
+    ]
     try:
         first = [run(llm, ids, tenant="leaver") for ids in prompts]  # computed: the no-cache reference
         assert run(llm, prompts[0], tenant="leaver").cached > 0, "no hit to race with"
