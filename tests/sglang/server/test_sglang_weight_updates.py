@@ -13,7 +13,9 @@ as its HiCache L3:
    weight updates, it loaded A's KV here and answered neither A's nor B's answer;
 5. once B's pages of P are stored, P after ``/flush_cache`` is served from them: B's answer;
 6. ``/update_weights_from_disk`` back to A, then P: served from A's objects of step 1, A's answer
-   (a reload of the start-up checkpoint is the start-up weights; nothing of B is taken for A's).
+   (a reload of the start-up checkpoint is the start-up weights; nothing of B is taken for A's);
+7. ``POST /hicache/storage-backend/clear`` (SGLang's own control), ``/flush_cache``, then P: nothing
+   served from kvpack (the reset rule removed this engine's current weights' objects), A's answer.
 
 About 2 minutes on 2 cores. Deselect with ``-m "not slow"``.
 """
@@ -98,6 +100,12 @@ def test_update_weights_from_disk_never_loads_the_old_weights_kv(tiny_llama: Pat
 
             update_weights(server, tiny_llama, "update_weights_from_disk back to A")
             a_again = generate(server, "A again")
+            # SGLang's own clear of the L3 backend: kvpack's reset rule (this engine's current weights)
+            status, text = server.post("storage clear", "/hicache/storage-backend/clear", {}, server.limits.generate_s)
+            if status != 200:
+                raise server.error("storage clear", f"/hicache/storage-backend/clear answered {status}: {text[:300]}")
+            server.flush_cache()
+            a_cleared = generate(server, "A after the storage clear")
             tail = server.log_tail()
     except ServerError as exc:
         pytest.fail(str(exc), pytrace=False)
@@ -108,3 +116,5 @@ def test_update_weights_from_disk_never_loads_the_old_weights_kv(tiny_llama: Pat
     assert storage_tokens(b_served) > 0 and same_answer(b_served, b_reference), b_served["meta_info"]
     assert storage_tokens(a_again) > 0 and same_answer(a_again, a_first), a_again["meta_info"]
     assert "this engine's weights changed in place" in tail, tail
+    assert storage_tokens(a_cleared) == 0 and same_answer(a_cleared, a_first), a_cleared["meta_info"]
+    assert "SGLang storage clear" in tail, tail
