@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpack import Metrics, WeightsState, WeightsWatch
+from kvpack import KVPackConfig, Metrics, WeightsState, WeightsWatch
+
+from .scopes import target_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,9 +102,10 @@ class EngineWeights:
         return self.watch.poll()
 
 
-def watch_weights(vllm_config: VllmConfig, checkpoint: str, metrics: Metrics) -> EngineWeights | None:
-    """The watch of this worker's weights, or None (logged once) when its runner cannot be found:
-    then an in-place weight update goes unnoticed, as the warning says."""
+def watch_weights(vllm_config: VllmConfig, config: KVPackConfig, metrics: Metrics) -> EngineWeights | None:
+    """The watch of this worker's weights (the start-up checkpoint named by `scopes.target_identity`),
+    or None (logged once) when its runner cannot be found: then an in-place weight update goes
+    unnoticed, as the warning says."""
     runner = find_model_runner()
     if runner is None:
         log.warning(
@@ -110,4 +113,4 @@ def watch_weights(vllm_config: VllmConfig, checkpoint: str, metrics: Metrics) ->
             "in-place weight update (reload_weights, update_weights) will not be noticed by kvpack"
         )
         return None
-    return EngineWeights(vllm_config, checkpoint, runner, metrics)
+    return EngineWeights(vllm_config, target_identity(vllm_config, config), runner, metrics)

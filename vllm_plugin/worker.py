@@ -48,7 +48,7 @@ from .loads import BlockLoads, refused_plan, tokens_used
 from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
 from .registration import RankPosition, WorkerLayout, register_layout
 from .saves import gather_members, save_bytes
-from .scopes import Scope, target_identity
+from .scopes import Scope
 from .weights import EngineWeights, watch_weights
 
 if TYPE_CHECKING:
@@ -124,8 +124,7 @@ class WorkerSide:
         # before the first forward: AMX permission (a 1-token step over a restored prefix may
         # be this process's first AMX use) and the copy kernels, not in the first load's bound
         start_engine_process()
-        checkpoint = target_identity(self.vllm_config, self.config)
-        self.weights = watch_weights(self.vllm_config, checkpoint, self.session.metrics)
+        self.weights = watch_weights(self.vllm_config, self.config, self.session.metrics)
         self._caches = (kv_caches, num_blocks)
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
