@@ -291,7 +291,9 @@ class Tmpfs:
         if os.geteuid() != 0:
             return False
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+            # mode 0700: a tmpfs root is otherwise 1777, a folder others may write into, where kvpack
+            # takes only a store folder it made itself (0700)
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=0700", "tmpfs", str(self.path)],
             capture_output=True,
             timeout=10,
         )

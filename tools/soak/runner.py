@@ -341,7 +341,7 @@ class Soak:
         ref_proc: subprocess.Popen[bytes] | None = None
         try:
             self._tmpfs_was_mounted = self.tmpfs.mount()
-            self.disk_root.mkdir(parents=True, exist_ok=True)
+            self.disk_root.mkdir(mode=0o700, parents=True, exist_ok=True)
             if cfg.kvpack and cfg.mooncake and mooncake_binaries() is not None:
                 self.mooncake = MooncakeProcs(self.work / "mooncake").start()
             ref_proc = self._start_reference()
