@@ -106,6 +106,28 @@ def test_a_second_process_loads_what_the_first_stored(name: str) -> None:
     assert reader.wait() == 0
 
 
+def test_a_long_lived_process_sees_what_later_processes_store_and_evict(name: str) -> None:
+    """This process keeps the store open (as an engine does) while two others write in turn; its
+    lookups see the second's pages and the first's evicted ones. Regression: the index's own file
+    checks closed descriptors of files SQLite held, which drops every POSIX lock the process holds on
+    them (SQLite's WAL read marks), and this process kept reading the index as it was."""
+    import host_child
+
+    capacity = 40 * PAGE  # the second writer's 32 pages push out some of the first's 32
+    session = Session.start(host_child.config(name, capacity), GROUP_FP)
+    try:
+        first = child("store", name, capacity, 0, 32)
+        assert line(first, "STORED") == [32] and first.wait() == 0
+        assert host_child.load(session, 0, 32, PAGE) == (32, 0, 0)
+        second = child("store", name, capacity, 100, 32)
+        assert line(second, "STORED") == [32] and second.wait() == 0
+        assert host_child.load(session, 100, 32, PAGE) == (32, 0, 0)  # the later process's pages
+        hits, wrong, misses = host_child.load(session, 0, 32, PAGE)
+        assert wrong == 0 and misses > 0, (hits, misses)  # and the first's it evicted are gone here too
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("writers", [1, 2, 4])
 def test_one_budget_for_every_process_of_the_host(name: str, writers: int) -> None:
     budget = 64 << 20

@@ -173,10 +173,13 @@ class Catalog(ScanReconcile):
             if db is not None:
                 db.close()
             os.close(self._lock_fd)  # releases the lock too
-            raise
-        finally:
             for fd in held.values():
                 os.close(fd)
+            raise
+        # Kept open until the connection is closed: closing any descriptor of a file drops every POSIX
+        # lock this process holds on it, SQLite's included (its WAL read marks on -shm), and a reader
+        # without them keeps reading an old snapshot while other processes write and checkpoint.
+        self._held_fds = list(held.values())
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         index_files.FORKED.add(self)
         self._tick = 0
@@ -594,6 +597,9 @@ class Catalog(ScanReconcile):
         with self._lock:
             self._db.close()
             os.close(self._lock_fd)
+            for fd in self._held_fds:  # only now: see `__init__`
+                os.close(fd)
+            self._held_fds = []
 
 
 def present_index_files(root: str, lstat: Callable[[str], os.stat_result], field: str) -> list[str]:
