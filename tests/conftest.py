@@ -19,6 +19,14 @@ import kvpack_checkout
 
 kvpack_checkout.map_checkout()
 
+# Every engine the tests start runs eager (``enforce_eager``, ``--enforce-eager``): what
+# torch.compile would still trace is a few small helpers of the engines' samplers (vLLM's
+# logprob rank count), traced again in every new engine process, where it cost more than
+# the engine's own start. Eager, they return the same integers; no test is about the
+# compiler. Set before any test imports torch, inherited by every engine process a test
+# starts. A caller who wants the compiler sets TORCHDYNAMO_DISABLE=0.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 pytest_plugins = [
     name
     for name in ("fixtures.common", "fixtures.mooncake", "fixtures.tiny_model")
