@@ -18,7 +18,7 @@ import enum
 import logging
 import threading
 
-from .metrics import Metrics
+from .observe.metrics import Metrics
 
 CLIP_CHARS = 48
 """The most characters of one client value a log line or an error message quotes."""
@@ -50,7 +50,7 @@ def clip(value: object, limit: int = CLIP_CHARS) -> str:
 class Refusals:
     """Refused client input of one kind: counted by reason, logged once per reason.
 
-    `metric` is a counter of `kvpack.metrics.SPECS` with a ``reason`` label; a reason is
+    `metric` is a counter of `kvpack.observe.metrics.SPECS` with a ``reason`` label; a reason is
     a member of an enum whose values are the label values. Thread-safe."""
 
     def __init__(self, metrics: Metrics, metric: str, what: str, logger: logging.Logger) -> None:

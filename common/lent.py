@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .config import ChecksumPolicy, KVPackConfig
-from .integrity import IntegrityKey
-from .keys import StoreKey
+from .config.schema import ChecksumPolicy, KVPackConfig
+from .identity.integrity import IntegrityKey
+from .identity.keys import StoreKey
+from .identity.objects import ObjectHeader
 from .lifecycle import LoadPlan, PlanBook
-from .metrics import Metrics
-from .objects import ObjectHeader
+from .observe.metrics import Metrics
 from .reads import LoadItem, PageReads, TierReads
 from .tiers.base import GetResult, PutItem, Tier, TierStatus, checksummed
 from .tiers.memory import MemoryTier

@@ -38,10 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import DraftPolicy
-from .groups import GroupLookup
-from .keys import StoreKey
-from .metrics import Metrics, Tally
+from .config.schema import DraftPolicy
+from .identity.keys import StoreKey
+from .observe.metrics import Metrics, Tally
+from .policy.groups import GroupLookup
 from .tiers.base import GetResult
 
 log = logging.getLogger("kvpack")

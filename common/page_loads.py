@@ -3,7 +3,7 @@ found each page under, and one load of all of a batch's objects where a page cou
 restored only when every object of it loaded.
 
 An engine's host page may be restored from more than one object: a pool's own member,
-or (canonical KV stored at another TP size, `kvpack.heads`) one object per stored head
+or (canonical KV stored at another TP size, `kvpack.identity.heads`) one object per stored head
 range. The adapter builds one `PagePart` per such object set (`PageReads`: the batch's
 keys, buffers and one expectation, no per-page objects); `load_pages` reads them all in
 one plan (`KVStore.prepare_load`, then `complete_load`, or `complete_load_pages_lent`)
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .adapter_events import AdapterEvent
+from .observe.adapter_events import AdapterEvent
 from .reads import PageReads
 
 if TYPE_CHECKING:

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .config import ChecksumPolicy
-from .integrity import IntegrityKey, check_loaded
-from .keys import GroupKey, StoreKey
+from .config.schema import ChecksumPolicy
+from .identity.integrity import IntegrityKey, check_loaded
+from .identity.keys import GroupKey, StoreKey
+from .identity.objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
 from .lifecycle import count_gone
-from .metrics import Metrics
-from .objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
+from .observe.metrics import Metrics
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")

@@ -19,7 +19,7 @@ Two shapes of call, one behaviour:
   partial block's token count, a tail's token ids), vLLM's blocks and tails.
 
 Hits are planned here too (`plan_hit`, `plan_handoff`, `lookups_held`; the rules live in
-`kvpack.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
+`kvpack.policy.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
 
 Loads are two-phase, as the store's are: `prepare_load` pins what is in this
 process's memory and fixes the tier to read each object from (the hints given, else
@@ -40,29 +40,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .adapter_events import AdapterEvent, AdapterRefusal
-from .budget import WaitBudget
-from .clearing import ClearReport, ClearScope, engine_scope
 from .client_input import Refusals
-from .config import KVPackConfig
+from .config.schema import KVPackConfig
 from .cpu_features import request_amx_permission
 from .exit_flush import Flushable, flush_on_exit, forget
-from .groups import GroupLookup, MemberSpec
-from .hit_sources import HitSources, hit_sources
-from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
-from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
+from .identity.keys import StoreKey, chunk_hashes, validate_chunk_hashes
+from .identity.objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
 from .lifecycle import LoadPlan
 from .located import LocatedHints
-from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
+from .observe.adapter_events import AdapterEvent, AdapterRefusal
+from .observe.hit_sources import HitSources, hit_sources
+from .observe.metrics import Metrics
+from .observe.router_facts import RouterFacts
+from .observe.tier_events import TierEventFeed
+from .operate.clearing import ClearReport, ClearScope, engine_scope
 from .page_loads import PagePart, load_pages, located_splits
-from .pins import PinOutcome
+from .policy.budget import WaitBudget
+from .policy.groups import GroupLookup, MemberSpec
+from .policy.hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
+from .policy.pins import PinOutcome
+from .policy.tails import TailMatch
+from .policy.tenancy import RequestScope
 from .reads import LoadItem, PageReads
-from .router_facts import RouterFacts
 from .store import KVStore
-from .tails import TailMatch
-from .tenancy import RequestScope
-from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
@@ -110,7 +110,7 @@ class ChunkFacts:
     `token_count`: tokens the object holds (a whole chunk, or a partial block's
     computed part). `token_ids`: a tail's ids (stored in its header; a load requires
     the stored ids to start with them); None for a whole chunk. `announce`: on save, what
-    a shared tier records for other instances' routers (`kvpack.router_facts`)."""
+    a shared tier records for other instances' routers (`kvpack.observe.router_facts`)."""
 
     chunk: str
     token_count: int
@@ -189,7 +189,7 @@ class Session:
 
     def reset(self, who: str) -> ClearReport | None:
         """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): the config's ``reset``
-        rule over the fingerprints bound *now* (`kvpack.clearing.engine_scope`), logged in one
+        rule over the fingerprints bound *now* (`kvpack.operate.clearing.engine_scope`), logged in one
         line; None (logged) when ``reset.scope`` is off."""
         scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
         if scope is None:
@@ -271,11 +271,11 @@ class Session:
             return [False] * len(chunks)
         return self.hints.contain(self.keys(tenant, chunks, member))
 
-    # -- hit planning (the rules: `kvpack.hits`) ------------------------------------
+    # -- hit planning (the rules: `kvpack.policy.hits`) ------------------------------------
 
     def plan_hit(self, query: HitQuery, budget: WaitBudget | None = None) -> HitPlan:
         """The hit of `query`: one lookup of its whole chunks (`lookup`), then the stored tail
-        after the last hit chunk, within `budget` for remote tiers (`kvpack.hits`)."""
+        after the last hit chunk, within `budget` for remote tiers (`kvpack.policy.hits`)."""
         hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
         tenant = query.scope.tenant
         result = self.lookup(tenant, hashes, query.members, query.chunk_tokens, budget, query.alternatives)
@@ -289,13 +289,13 @@ class Session:
         return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
 
     def pin(self, query: HitQuery) -> PinOutcome | None:
-        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.pins`); None: pins off."""
+        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.policy.pins`); None: pins off."""
         hashes = chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed)
         return self.store.pin_prefix(query.scope.tenant, self.group_fingerprint, hashes)
 
     def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
         """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,
-        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.hit_sources`)."""
+        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.observe.hit_sources`)."""
         if plan.scope is not None:
             self.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
         sources = hit_sources(plan, external_tokens, chunk_tokens, self.store.tiers)
@@ -339,7 +339,7 @@ class Session:
         return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
 
     def tier_events(self) -> TierEventFeed:
-        """From now on, report what this process's tiers take and let go (`kvpack.tier_events`:
+        """From now on, report what this process's tiers take and let go (`kvpack.observe.tier_events`:
         a bounded feed the adapter drains, e.g. into vLLM's KV events for routers)."""
         return self.store.tier_events()
 

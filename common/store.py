@@ -22,7 +22,7 @@ and owns the policies that must hold on every tier:
   synchronously from the caller's buffers (no copy); the adapters call `store` off the forward path,
   and every tier bounds its own calls. `prepare_store` -> `complete_store`
   de-duplicates (what is stored or being stored is not stored again).
-- tails (`store.tails`, `kvpack.tails.TailSlots`): the computed tail of a
+- tails (`store.tails`, `kvpack.policy.tails.TailSlots`): the computed tail of a
   partial block is stored with its token ids under `tail_chunk(parent)`;
   `tails.find` returns the longest common prefix with a new prompt, rounded
   down to the match unit, `tails.place` where a new tail goes.
@@ -38,24 +38,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from .budget import WaitBudget
-from .clearing import ClearReport, ClearScope, clear_tiers
-from .config import KVPackConfig
+from .config.schema import KVPackConfig
 from .exit_flush import flush_on_exit, forget
-from .groups import GroupLookup, MemberSpec, resolve_lookup
-from .integrity import IntegrityKey
-from .keys import GroupKey, StoreKey
+from .identity.integrity import IntegrityKey
+from .identity.keys import GroupKey, StoreKey
+from .identity.objects import ObjectHeader
 from .lent import LentCopies
 from .lifecycle import LoadPlan, PlanBook, count_lookup
-from .metrics import Metrics
-from .objects import ObjectHeader
-from .pins import PinOutcome, open_pins, pin_prefix
+from .observe.metrics import Metrics
+from .observe.tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
+from .observe.tier_events import TierEventFeed
+from .operate.clearing import ClearReport, ClearScope, clear_tiers
+from .policy.budget import WaitBudget
+from .policy.groups import GroupLookup, MemberSpec, resolve_lookup
+from .policy.pins import PinOutcome, open_pins, pin_prefix
+from .policy.split_lookup import lookup_sets
+from .policy.tails import TailSlots
 from .reads import LoadItem, TierReads
-from .split_lookup import lookup_sets
 from .store_writes import HOST_QUEUE_BYTES, StoreWrites
-from .tails import TailSlots
-from .tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
-from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 from .tiers.disk.reads import ObjectReader
 from .tiers.disk.removes import ObjectRemover
@@ -97,7 +97,7 @@ class KVStore(LentCopies, StoreWrites):
         self.metrics = metrics or Metrics.for_config(config)
         ikey = config.integrity_key_bytes()
         self._integrity = IntegrityKey(ikey) if ikey else None
-        """Opt-in keyed MAC (`kvpack.integrity`): seals every store to a lower tier, checks every load."""
+        """Opt-in keyed MAC (`kvpack.identity.integrity`): seals every store to a lower tier, checks every load."""
         from .tiers.memory import MemoryTier
 
         self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
@@ -110,14 +110,14 @@ class KVStore(LentCopies, StoreWrites):
         self._lower = tuple(t for t in self.tiers if t is not self._memory and t is not self._front)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
         self.pins = open_pins(config, self.tiers)
-        """The store folder's pinned prefixes (`kvpack.pins`), None when pins are off."""
+        """The store folder's pinned prefixes (`kvpack.policy.pins`), None when pins are off."""
         if pin_timeout_s is None:
             pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
         self._plans = PlanBook(pin_timeout_s)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         self._evictions: list[tuple[str, str, int]] = []
         self.events: TierEventFeed | None = None
-        """What the tiers took and let go (`kvpack.tier_events`); None (no cost) until `tier_events`."""
+        """What the tiers took and let go (`kvpack.observe.tier_events`); None (no cost) until `tier_events`."""
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)
@@ -137,7 +137,7 @@ class KVStore(LentCopies, StoreWrites):
         if self._writeback:
             flush_on_exit(self, config.shutdown_flush_s)
         self.tails = TailSlots(config, self.metrics, self.peek_located)
-        from .config import METRICS_PORT_SPAN
+        from .config.schema import METRICS_PORT_SPAN
 
         self.metrics_port = self.metrics.serve_configured(config.metrics_port, METRICS_PORT_SPAN)
 
@@ -198,7 +198,7 @@ class KVStore(LentCopies, StoreWrites):
         return self._memory.contains(keys)
 
     def pin_prefix(self, tenant: str, fingerprint: str, chunks: Sequence[str]) -> PinOutcome | None:
-        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.pins.pin_prefix`);
+        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.policy.pins.pin_prefix`);
         None when pins are off. Groups refused past the budget are counted (``pins_refused``)."""
         if self.pins is None:
             return None
@@ -273,7 +273,7 @@ class KVStore(LentCopies, StoreWrites):
 
     def contains(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[bool]:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.
-        With a `budget`, remote tiers are skipped once it is spent (see `kvpack.budget`)."""
+        With a `budget`, remote tiers are skipped once it is spent (see `kvpack.policy.budget`)."""
         return [t is not None for t in self.locate(keys, budget)]
 
     def locate(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[str | None]:
@@ -333,7 +333,7 @@ class KVStore(LentCopies, StoreWrites):
         """Longest stored prefix of `chunks` (chained hashes) for `tenant`, by group.
 
         `alternatives`: other member sets one chunk may be stored as (canonical objects
-        written at another TP size: `kvpack.heads`). Plain sets mix per chunk
+        written at another TP size: `kvpack.identity.heads`). Plain sets mix per chunk
         (`split_lookup`: `GroupLookup.chunk_sets` says which set each chunk loads); others
         are tried in order when `members` hold no chunk, and `all_members` says which.
         Counts one lookup, its hit tokens, full hits and partial hits by missing member
@@ -501,7 +501,7 @@ class KVStore(LentCopies, StoreWrites):
         return removed
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> ClearReport:
-        """Remove what `scope` names from every tier it covers (`kvpack.clearing`), after the stores
+        """Remove what `scope` names from every tier it covers (`kvpack.operate.clearing`), after the stores
         already accepted reached every tier (bounded by ``io_timeout_ms``: a store still queued
         then may land after the clear); counted as ``cleared_objects`` / ``cleared_bytes`` by tier."""
         if not dry_run and self._writeback:

@@ -21,12 +21,12 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import KVPackConfig
-from .integrity import IntegrityKey, seal_items
-from .metrics import Metrics, Tally
-from .objects import ObjectHeader, copy_parts_into
-from .router_facts import record_stored_facts
-from .tier_events import TierEventFeed
+from .config.schema import KVPackConfig
+from .identity.integrity import IntegrityKey, seal_items
+from .identity.objects import ObjectHeader, copy_parts_into
+from .observe.metrics import Metrics, Tally
+from .observe.router_facts import record_stored_facts
+from .observe.tier_events import TierEventFeed
 from .tiers.base import PutItem, Tier, TierStatus, checksummed
 from .tiers.memory import MemoryTier
 from .writeback import WriteBack

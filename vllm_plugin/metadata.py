@@ -57,10 +57,10 @@ class BlockRef:
     source: int = 0
     """On load of canonical objects: the head split that holds this chunk (index into
     `HeadSplit.partitions()`; 0 is the engine's own). One request's chunks may come from
-    several splits (`kvpack.split_lookup`)."""
+    several splits (`kvpack.policy.split_lookup`)."""
     announce: RouterFacts | None = None
     """On save of a whole chunk, with a tier other processes share: its vLLM facts for the other
-    instances' routers (`kvpack.vllm_plugin.kv_events`), recorded by that tier (`kvpack.router_facts`)."""
+    instances' routers (`kvpack.vllm_plugin.kv_events`), recorded by that tier (`kvpack.observe.router_facts`)."""
 
     @property
     def blocks(self) -> set[int]:

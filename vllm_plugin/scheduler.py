@@ -5,7 +5,7 @@ Lookup (`get_num_new_matched_tokens`): vLLM's request translated into a
 must compute: `scopes.min_prefill_tokens`) and planned by the core
 (`Session.plan_hit`; a handoff: `Session.plan_handoff`). The rules (whole chunks,
 the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
-tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
+tier makes its first connect) are `kvpack.policy.hits`'; the plan's count may end inside
 a block: the partial block is loaded whole and vLLM computes the rest into it.
 A hit whose every object is in the workers' memory (the index says so, or the
 host store holds it) and that is at most `sync_load_max_blocks` blocks is loaded inside the step that

@@ -15,8 +15,8 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..config import KVPackConfig, MemoryMode
-from ..eviction import make_policy
+from ..config.schema import KVPackConfig, MemoryMode
+from ..policy.eviction import make_policy
 from .base import Tier
 from .disk.check import check_index_files
 from .disk.fs import check_store_root

@@ -8,7 +8,7 @@ Guarantees:
 - Saves before loads: a load waits (bounded) for the saves queued before it, because a
   scheduler counts a chunk as stored once it asked for its save, so a request can hit a
   prefix another request computed a step earlier.
-- Device order (`kvpack.staging`): a save's gather is launched on the save side stream
+- Device order (`kvpack.transfers.staging`): a save's gather is launched on the save side stream
   after the compute stream, and the compute stream waits on the gather's event, so no
   later forward rewrites a block the save still reads; a load is reported, done or
   failed, only after its scatter's event completed.
@@ -16,9 +16,9 @@ Guarantees:
   load still reading after it is cancelled and reported failed (the engine recomputes),
   and its blocks are never written by the late thread. A load whose scatter is already
   launched is not cancelled: it is reported once its event completed.
-- Host memory is bounded (`kvpack.config.TransferConfig`): saves queued and loads in
+- Host memory is bounded (`kvpack.config.schema.TransferConfig`): saves queued and loads in
   flight are admitted up to their byte bounds, pinned staging comes from the process's
-  pool (`kvpack.staging_pool`); what a bound turns away is counted
+  pool (`kvpack.transfers.staging_pool`); what a bound turns away is counted
   (``transfers_turned_away``) and never makes the caller wait.
 - Before the process exits, queued saves reach the store and the store its tiers
   (`flush_before_exit`, bounded by ``shutdown_flush_s``).
@@ -34,16 +34,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..config import KVPackConfig
-from ..keys import GroupKey, StoreKey
-from ..metrics import MetricsInterval
+from ..config.schema import KVPackConfig
+from ..identity.keys import GroupKey, StoreKey
+from ..observe.metrics import MetricsInterval
 from ..session import ObjectIO, Session
-from ..staging import CpuDevice, Lane, Staged, Staging
-from ..staging_pool import PinnedPool, StagingFull
 from ..tiers.base import TierStatus
 from ..tiers.reported import ReportedObject
 from .cache_gate import CacheGate
 from .jobs import ByteBound, Finished, Gathered, LoadJob, LoadTask, PlannedLoad, SaveJob
+from .staging import CpuDevice, Lane, Staged, Staging
+from .staging_pool import PinnedPool, StagingFull
 
 log = logging.getLogger("kvpack.transfers")
 

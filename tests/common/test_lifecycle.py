@@ -19,8 +19,8 @@ from prometheus_client import generate_latest
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import CapacityManager, make_policy
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.policy.eviction import CapacityManager, make_policy
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.factory import build_tiers
 

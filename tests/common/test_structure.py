@@ -125,7 +125,7 @@ def test_test_modules_have_unique_basenames() -> None:
 
 TOPS = {"common": "kvpack", "vllm_plugin": "kvpack.vllm_plugin", "sglang_plugin": "kvpack.sglang_plugin"}
 TOPS["tools"] = "kvpack.tools"
-PUBLIC = ("kvpack", "kvpack.ops")
+PUBLIC = ("kvpack", "kvpack.ops", "kvpack.transfers")
 """What an adapter may import from the core: the package's public names and the kernels' entry."""
 
 BUILT_BY_THE_CORE = frozenset({"StoreKey", "GroupKey", "ObjectHeader", "Expectation", "PutItem", "LoadItem"})
@@ -308,9 +308,9 @@ def test_the_build_check_sees_a_hand_built_key() -> None:
 
 def test_public_names_do_not_shadow_a_submodule() -> None:
     # `from .model_identity import model_identity` in kvpack/__init__.py once rebound
-    # `kvpack.model_identity` to the function: `import kvpack.model_identity as mi` broke
+    # `kvpack.identity.model_identity` to the function: `import kvpack.identity.model_identity as mi` broke
     modules = _modules()
-    for package in ("kvpack", "kvpack.ops", "kvpack.canonical"):
+    for package in ("kvpack", "kvpack.ops", "kvpack.transfers", "kvpack.canonical"):
         shadowed = sorted(n for n in _package_names(package, modules) if f"{package}.{n}" in modules)
         assert not shadowed, f"{package} binds names of its own submodules: {shadowed}"
 
@@ -350,8 +350,8 @@ def test_the_store_check_sees_a_store_call() -> None:
 
 
 def _metric_names() -> set[str]:
-    """Every metric name in `kvpack.metrics.SPECS` (the first argument of each ``MetricSpec(...)``)."""
-    tree = ast.parse((CORE / "metrics.py").read_text())
+    """Every metric name in `kvpack.observe.metrics.SPECS` (the first argument of each ``MetricSpec(...)``)."""
+    tree = ast.parse((CORE / "observe" / "metrics.py").read_text())
     return {
         node.args[0].value
         for node in ast.walk(tree)
@@ -417,8 +417,8 @@ def test_the_class_size_check_counts_a_class() -> None:
 
 
 RULE_HOMES = {
-    "quota": ("common/eviction/shares.py",),
-    "checksum": ("common/objects.py", "common/integrity.py"),
+    "quota": ("common/policy/eviction/shares.py",),
+    "checksum": ("common/identity/objects.py", "common/identity/integrity.py"),
 }
 """Rules written once, by the module that may state them: a tenant's guaranteed share read
 (`quotas[t]`, `quotas.get(t)`: the victim rule, used by the memory tier and the disk index),

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ...keys import StoreKey
-from ...objects import (
+from ...identity.keys import StoreKey
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,
