@@ -82,12 +82,12 @@ from .model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.model_identity stays the module
 from .objects import Expectation, ObjectHeader, Payload, RejectReason
-from .page_loads import PagePart
 from .pins import PinOutcome, pin_trusted
 from .router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails, shares_facts
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .store import KVStore, LoadItem
+from .store.page_loads import PagePart
 from .tails import TailMatch, tail_chunk
 from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .tier_events import TierEvent, TierEventFeed, TierEventKind

@@ -51,15 +51,13 @@ from .groups import GroupLookup, MemberSpec
 from .hit_sources import HitSources, hit_sources
 from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
 from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
-from .lifecycle import LoadPlan
-from .located import LocatedHints
 from .metrics import Metrics
 from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
-from .page_loads import PagePart, load_pages, located_splits
 from .pins import PinOutcome
-from .reads import LoadItem, PageReads
 from .router_facts import RouterFacts
-from .store import KVStore
+from .store import KVStore, LentLoad, LoadItem, LoadPlan, PageReads
+from .store.located import LocatedHints
+from .store.page_loads import PagePart, load_pages, located_splits
 from .tails import TailMatch
 from .tenancy import RequestScope
 from .tier_events import TierEventFeed
@@ -391,15 +389,22 @@ class Session:
         return self.store.flush(timeout_s)
 
     def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
-        """Per chunk, which of `members` this session's last lookup found it under (`kvpack.page_loads`)."""
-        return located_splits(self, tenant, chunks, members)
+        """Per chunk, the index into `members` of the first member this session's last lookup found
+        it under (0 also for chunks no lookup found: `kvpack.store.page_loads.located_splits`)."""
+        return located_splits(lambda some, member: self.were_located(tenant, some, member), chunks, members)
 
     def load_pages(
         self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
     ) -> list[bool]:
-        """One load of several objects per page; a page is restored only when all of its
-        objects loaded (`kvpack.page_loads.load_pages`)."""
-        return load_pages(self, parts, pages, lent=lent, tenant=tenant, page_tokens=page_tokens)
+        """One load of several objects per page, each from the tier this session's lookup found it
+        in; a page is restored only when all of its objects loaded (`kvpack.store.page_loads`).
+        Never raises: a miss or a refused object is a page not restored. `page_tokens` tokens per
+        restored page are counted as ``loaded_tokens`` of `tenant` (0: the caller counts them)."""
+        located = self.hints.take([key for part in parts for key in part.reads.keys])
+        ok = load_pages(self.store.reads, located, parts, pages, lent=lent, tenant=tenant)
+        if page_tokens:
+            self.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
+        return ok
 
     @property
     def metrics(self) -> Metrics:
@@ -458,18 +463,15 @@ class Session:
         disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
         return self.store.complete_load(batch.plan, batch.items, local_only)
 
-    def complete_load_lent(
-        self, batch: LoadBatch, local_only: bool = False
-    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
+    def complete_load_lent(self, batch: LoadBatch, local_only: bool = False) -> LentLoad:
         """`complete_load`, except that an object this process's memory tier or the host store
-        holds is not copied into its buffer: ``views[i]`` is its stored payload, read-only;
-        None where the item was read into its buffer as `complete_load` reads it. For a
-        caller that converts the bytes on their way into the engine anyway (the conversion
-        is then the only copy). Once it copied out of the views it calls the third element,
-        ``held()``: per item, False where the copy is not the object (a host-store view
-        rewritten meanwhile: treat it as a miss). `KVStore.complete_load_lent` has the rules;
-        `local_only` as for `complete_load`."""
-        return self.store.complete_load_lent(batch.plan, batch.items, local_only)
+        holds is not copied into its buffer: ``views[i]`` of the `LentLoad` is its stored payload,
+        read-only; None where the item was read into its buffer as `complete_load` reads it. For a
+        caller that converts the bytes on their way into the engine anyway (the conversion is then
+        the only copy). Once it copied out of the views it runs `LentLoad.lost`: the items whose
+        copy is not the object (a host-store view rewritten meanwhile: treat it as a miss).
+        `Reader.complete_load_lent` has the rules; `local_only` as for `complete_load`."""
+        return self.store.reads.complete_load_lent(batch.plan, batch.items, local_only)
 
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)
@@ -503,6 +505,14 @@ class Session:
 
     # -- save -----------------------------------------------------------------------
 
+    def _to_store(self, keys: Sequence[StoreKey]) -> list[int]:
+        """The de-duplication rule, once for every save verb: the indices of `keys` to store now
+        (`KVStore.prepare_store`: on no tier and not being stored by another caller), each claimed
+        until the `complete_store` (or `complete_store_lent`) of the caller that stores it. The
+        others are reported stored."""
+        wanted = set(self.store.prepare_store(keys))
+        return [i for i, key in enumerate(keys) if key in wanted]
+
     def save_pages(
         self,
         tenant: str,
@@ -518,8 +528,7 @@ class Session:
         if n == 0:
             return []
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -557,8 +566,7 @@ class Session:
         if obj.payload_len is None:
             raise ValueError(f"save_pages_lent: member {obj.member} has no payload_len")
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -598,8 +606,7 @@ class Session:
         ]
         statuses = [TierStatus.OK] * len(items)
         if dedupe:
-            wanted = set(self.store.prepare_store([it.key for it in items]))
-            todo = [i for i, it in enumerate(items) if it.key in wanted]
+            todo = self._to_store([it.key for it in items])
             for i, st in zip(todo, self.store.complete_store([items[i] for i in todo])):
                 statuses[i] = st
         else:

@@ -32,7 +32,7 @@ from kvpack import (
     StoreKey,
     TierStatus,
 )
-from kvpack.session import LocatedHints
+from kvpack.store.located import LocatedHints
 from kvpack.tiers.factory import build_tiers
 
 PAGE = 512

@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .config import ChecksumPolicy
-from .integrity import IntegrityKey, check_loaded
-from .keys import GroupKey, StoreKey
+from ..config import ChecksumPolicy
+from ..integrity import IntegrityKey, check_loaded
+from ..keys import GroupKey, StoreKey
+from ..metrics import Metrics
+from ..objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
+from ..tiers.base import GetResult, PutItem, Tier, TierStatus
 from .lifecycle import count_gone
-from .metrics import Metrics
-from .objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
-from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
 
