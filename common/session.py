@@ -13,8 +13,8 @@ headers or expectations themselves (tests/common/test_structure.py holds it).
 Two shapes of call, one behaviour:
 
 - page batches (`save_pages`, `page_reads`): many chunks of one member with one
-  token count and one payload size, built with the batch builders (about 5x cheaper
-  per object than one constructor call each: SGLang sends hundreds of pages a call);
+  token count and one payload size, built with the batch builders (one validation per
+  batch, not one constructor call per object: SGLang sends hundreds of pages a call);
 - objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
   partial block's token count, a tail's token ids), vLLM's blocks and tails.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ from .clearing import ClearReport, ClearScope, engine_scope
 from .client_input import Refusals
 from .config import KVPackConfig
 from .cpu_features import request_amx_permission
-from .exit_flush import Flushable, flush_on_exit, forget
 from .groups import GroupLookup, MemberSpec
 from .hit_sources import HitSources, hit_sources
 from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
@@ -64,11 +62,6 @@ from .tier_events import TierEventFeed
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
-
-POLL_FIRST_S = 0.005
-"""`wait_until_stored`'s first pause between two looks at the store (seconds)."""
-POLL_MAX_S = 0.1
-"""Its longest pause: each pause doubles the last, up to this (seconds)."""
 
 
 def start_engine_process() -> None:
@@ -201,18 +194,6 @@ class Session:
         log.log(logging.INFO if report.ok else logging.WARNING, "kvpack: %s", report.line(who))
         return report
 
-    @staticmethod
-    def flush_at_exit(owner: Flushable, timeout_s: float) -> None:
-        """Have `owner.flush_before_exit` run before the process exits (bounded by
-        `timeout_s`; `kvpack.exit_flush`): an adapter's own queue of saves not yet handed
-        to the store must reach it too. The store registers itself."""
-        flush_on_exit(owner, timeout_s)
-
-    @staticmethod
-    def forget_at_exit(owner: Flushable) -> None:
-        """Undo `flush_at_exit` (the owner closed and flushed already)."""
-        forget(owner)
-
     # -- keys -----------------------------------------------------------------------
 
     def key(self, tenant: str, chunk: str, member: str) -> StoreKey:
@@ -221,8 +202,8 @@ class Session:
     def keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
         """Validated keys of `chunks` for one member (ValueError names a bad field). The
         last batch is kept: a load asks for the same keys twice (where its chunks were
-        found, then what to read), and building them costs ~1 us a key; comparing the
-        chunks (the same strings) a fraction of that. A fresh list every call."""
+        found, then what to read), and comparing the chunks (the same strings) is cheaper
+        than validating and building every key again. A fresh list every call."""
         last, fingerprint = self._last_keys, self.group_fingerprint
         if last is not None and last[:3] == (tenant, fingerprint, member) and last[3] == chunks:
             return list(last[4])
@@ -258,13 +239,9 @@ class Session:
         self.hints.remember(result.located)
         return result
 
-    def was_located(self, tenant: str, chunk: str, member: str) -> bool:
-        """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
-        return self.key(tenant, chunk, member) in self.hints
-
-    def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
-        """`was_located` for many chunks of one member (keys batch-built, one lock; none
-        built while no lookup's hints are kept)."""
+    def _were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
+        """Per chunk: whether a lookup of this session found `member` of it and no load took it
+        yet (keys batch-built, one lock; none built while no lookup's hints are kept)."""
         if not self.hints:
             return [False] * len(chunks)
         return self.hints.contain(self.keys(tenant, chunks, member))
@@ -391,7 +368,7 @@ class Session:
     def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
         """Per chunk, the index into `members` of the first member this session's last lookup found
         it under (0 also for chunks no lookup found: `kvpack.store.page_loads.located_splits`)."""
-        return located_splits(lambda some, member: self.were_located(tenant, some, member), chunks, members)
+        return located_splits(lambda some, member: self._were_located(tenant, some, member), chunks, members)
 
     def load_pages(
         self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
@@ -475,29 +452,6 @@ class Session:
 
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)
-
-    def wait_until_stored(
-        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[StoreKey]:
-        """Look for `keys` on every tier until all are there, `stop()` is true, or
-        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
-
-        For objects another process is still storing (a prefill instance's handoff). The
-        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
-        seen within milliseconds, and a long wait costs little CPU on a machine the storing
-        process shares (32 keys looked up in Mooncake every 5 ms took 0.09 of a core,
-        client and master, on a 2-core EPYC; every 100 ms, 0.01)."""
-        missing = list(keys)
-        pause = POLL_FIRST_S
-        while missing and not stop():
-            found = self.store.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            left = deadline - time.monotonic()
-            if not missing or left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_MAX_S)
-        return missing
 
     def load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> list[GetResult]:
         """`prepare_load` then `complete_load`, nothing to wait for in between."""

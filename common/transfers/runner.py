@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..config import KVPackConfig
+from ..exit_flush import flush_on_exit, forget
 from ..keys import GroupKey, StoreKey
 from ..metrics import MetricsInterval
 from ..session import ObjectIO, Session
@@ -104,7 +105,7 @@ class TransferRunner:
 
         session.store.add_evict_listener(on_evict)
         # saves queued here (not yet handed to the store) must reach it before exit too
-        session.flush_at_exit(self, config.shutdown_flush_s)
+        flush_on_exit(self, config.shutdown_flush_s)
 
     def use_device_of(self, tensor: torch.Tensor) -> None:
         """Stage through `tensor`'s device. Call on the thread whose current stream is the
@@ -376,10 +377,10 @@ class TransferRunner:
                 self._saves_cv.wait(left)
 
     def _wait_for_handoff(self, task: LoadTask, keys: list[StoreKey]) -> None:
-        """Another instance's objects may still be landing: wait (`Session.wait_until_stored`)
+        """Another instance's objects may still be landing: wait (`KVStore.wait_until_stored`)
         until every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
         job = task.job
-        missing = self.session.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
+        missing = self.session.store.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
         self._metrics.observe("handoff_wait_seconds", time.monotonic() - task.started, tenant=job.tenant)
         self._metrics.inc("handoff_loads", tenant=job.tenant)
         if missing:
@@ -572,7 +573,7 @@ class TransferRunner:
         self._save_q.put(None)  # after every queued save: the save thread stores them first
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.session.forget_at_exit(self)
+        forget(self)
         self.staging.device.unregister_host()  # before the store unmaps what it registered
         self.session.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
