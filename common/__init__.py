@@ -83,7 +83,6 @@ from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, 
 from .observe.shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .observe.tier_events import TierEvent, TierEventFeed, TierEventKind
 from .operate.clearing import ClearReport, ClearScope, ClearTier, ResetScope
-from .page_loads import PagePart
 from .policy.budget import WaitBudget
 from .policy.groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .policy.hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
@@ -92,6 +91,7 @@ from .policy.tails import TailMatch, tail_chunk
 from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .store import KVStore, LoadItem
+from .store.page_loads import PagePart
 from .tiers.base import GetResult, Medium, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads

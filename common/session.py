@@ -13,8 +13,8 @@ headers or expectations themselves (tests/common/test_structure.py holds it).
 Two shapes of call, one behaviour:
 
 - page batches (`save_pages`, `page_reads`): many chunks of one member with one
-  token count and one payload size, built with the batch builders (about 5x cheaper
-  per object than one constructor call each: SGLang sends hundreds of pages a call);
+  token count and one payload size, built with the batch builders (one validation per
+  batch, not one constructor call per object: SGLang sends hundreds of pages a call);
 - objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
   partial block's token count, a tail's token ids), vLLM's blocks and tails.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,34 +42,26 @@ import numpy as np
 from .client_input import Refusals
 from .config.schema import KVPackConfig
 from .cpu_features import request_amx_permission
-from .exit_flush import Flushable, flush_on_exit, forget
 from .identity.keys import StoreKey, chunk_hashes, validate_chunk_hashes
 from .identity.objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
-from .lifecycle import LoadPlan
-from .located import LocatedHints
 from .observe.adapter_events import AdapterEvent, AdapterRefusal
 from .observe.hit_sources import HitSources, hit_sources
 from .observe.metrics import Metrics
 from .observe.router_facts import RouterFacts
 from .observe.tier_events import TierEventFeed
 from .operate.clearing import ClearReport, ClearScope, engine_scope
-from .page_loads import PagePart, load_pages, located_splits
 from .policy.budget import WaitBudget
 from .policy.groups import GroupLookup, MemberSpec
 from .policy.hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
 from .policy.pins import PinOutcome
 from .policy.tails import TailMatch
 from .policy.tenancy import RequestScope
-from .reads import LoadItem, PageReads
-from .store import KVStore
+from .store import KVStore, LentLoad, LoadItem, LoadPlan, PageReads
+from .store.located import LocatedHints
+from .store.page_loads import PagePart, load_pages, located_splits
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
-
-POLL_FIRST_S = 0.005
-"""`wait_until_stored`'s first pause between two looks at the store (seconds)."""
-POLL_MAX_S = 0.1
-"""Its longest pause: each pause doubles the last, up to this (seconds)."""
 
 
 def start_engine_process() -> None:
@@ -203,18 +194,6 @@ class Session:
         log.log(logging.INFO if report.ok else logging.WARNING, "kvpack: %s", report.line(who))
         return report
 
-    @staticmethod
-    def flush_at_exit(owner: Flushable, timeout_s: float) -> None:
-        """Have `owner.flush_before_exit` run before the process exits (bounded by
-        `timeout_s`; `kvpack.exit_flush`): an adapter's own queue of saves not yet handed
-        to the store must reach it too. The store registers itself."""
-        flush_on_exit(owner, timeout_s)
-
-    @staticmethod
-    def forget_at_exit(owner: Flushable) -> None:
-        """Undo `flush_at_exit` (the owner closed and flushed already)."""
-        forget(owner)
-
     # -- keys -----------------------------------------------------------------------
 
     def key(self, tenant: str, chunk: str, member: str) -> StoreKey:
@@ -223,8 +202,8 @@ class Session:
     def keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
         """Validated keys of `chunks` for one member (ValueError names a bad field). The
         last batch is kept: a load asks for the same keys twice (where its chunks were
-        found, then what to read), and building them costs ~1 us a key; comparing the
-        chunks (the same strings) a fraction of that. A fresh list every call."""
+        found, then what to read), and comparing the chunks (the same strings) is cheaper
+        than validating and building every key again. A fresh list every call."""
         last, fingerprint = self._last_keys, self.group_fingerprint
         if last is not None and last[:3] == (tenant, fingerprint, member) and last[3] == chunks:
             return list(last[4])
@@ -260,13 +239,9 @@ class Session:
         self.hints.remember(result.located)
         return result
 
-    def was_located(self, tenant: str, chunk: str, member: str) -> bool:
-        """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
-        return self.key(tenant, chunk, member) in self.hints
-
-    def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
-        """`was_located` for many chunks of one member (keys batch-built, one lock; none
-        built while no lookup's hints are kept)."""
+    def _were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
+        """Per chunk: whether a lookup of this session found `member` of it and no load took it
+        yet (keys batch-built, one lock; none built while no lookup's hints are kept)."""
         if not self.hints:
             return [False] * len(chunks)
         return self.hints.contain(self.keys(tenant, chunks, member))
@@ -391,15 +366,22 @@ class Session:
         return self.store.flush(timeout_s)
 
     def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
-        """Per chunk, which of `members` this session's last lookup found it under (`kvpack.page_loads`)."""
-        return located_splits(self, tenant, chunks, members)
+        """Per chunk, the index into `members` of the first member this session's last lookup found
+        it under (0 also for chunks no lookup found: `kvpack.store.page_loads.located_splits`)."""
+        return located_splits(lambda some, member: self._were_located(tenant, some, member), chunks, members)
 
     def load_pages(
         self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
     ) -> list[bool]:
-        """One load of several objects per page; a page is restored only when all of its
-        objects loaded (`kvpack.page_loads.load_pages`)."""
-        return load_pages(self, parts, pages, lent=lent, tenant=tenant, page_tokens=page_tokens)
+        """One load of several objects per page, each from the tier this session's lookup found it
+        in; a page is restored only when all of its objects loaded (`kvpack.store.page_loads`).
+        Never raises: a miss or a refused object is a page not restored. `page_tokens` tokens per
+        restored page are counted as ``loaded_tokens`` of `tenant` (0: the caller counts them)."""
+        located = self.hints.take([key for part in parts for key in part.reads.keys])
+        ok = load_pages(self.store.reads, located, parts, pages, lent=lent, tenant=tenant)
+        if page_tokens:
+            self.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
+        return ok
 
     @property
     def metrics(self) -> Metrics:
@@ -458,50 +440,32 @@ class Session:
         disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
         return self.store.complete_load(batch.plan, batch.items, local_only)
 
-    def complete_load_lent(
-        self, batch: LoadBatch, local_only: bool = False
-    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
+    def complete_load_lent(self, batch: LoadBatch, local_only: bool = False) -> LentLoad:
         """`complete_load`, except that an object this process's memory tier or the host store
-        holds is not copied into its buffer: ``views[i]`` is its stored payload, read-only;
-        None where the item was read into its buffer as `complete_load` reads it. For a
-        caller that converts the bytes on their way into the engine anyway (the conversion
-        is then the only copy). Once it copied out of the views it calls the third element,
-        ``held()``: per item, False where the copy is not the object (a host-store view
-        rewritten meanwhile: treat it as a miss). `KVStore.complete_load_lent` has the rules;
-        `local_only` as for `complete_load`."""
-        return self.store.complete_load_lent(batch.plan, batch.items, local_only)
+        holds is not copied into its buffer: ``views[i]`` of the `LentLoad` is its stored payload,
+        read-only; None where the item was read into its buffer as `complete_load` reads it. For a
+        caller that converts the bytes on their way into the engine anyway (the conversion is then
+        the only copy). Once it copied out of the views it runs `LentLoad.lost`: the items whose
+        copy is not the object (a host-store view rewritten meanwhile: treat it as a miss).
+        `Reader.complete_load_lent` has the rules; `local_only` as for `complete_load`."""
+        return self.store.reads.complete_load_lent(batch.plan, batch.items, local_only)
 
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)
-
-    def wait_until_stored(
-        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[StoreKey]:
-        """Look for `keys` on every tier until all are there, `stop()` is true, or
-        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
-
-        For objects another process is still storing (a prefill instance's handoff). The
-        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
-        seen within milliseconds, and a long wait costs little CPU on a machine the storing
-        process shares (32 keys looked up in Mooncake every 5 ms took 0.09 of a core,
-        client and master, on a 2-core EPYC; every 100 ms, 0.01)."""
-        missing = list(keys)
-        pause = POLL_FIRST_S
-        while missing and not stop():
-            found = self.store.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            left = deadline - time.monotonic()
-            if not missing or left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_MAX_S)
-        return missing
 
     def load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> list[GetResult]:
         """`prepare_load` then `complete_load`, nothing to wait for in between."""
         return self.complete_load(self.prepare_load(items, hints))
 
     # -- save -----------------------------------------------------------------------
+
+    def _to_store(self, keys: Sequence[StoreKey]) -> list[int]:
+        """The de-duplication rule, once for every save verb: the indices of `keys` to store now
+        (`KVStore.prepare_store`: on no tier and not being stored by another caller), each claimed
+        until the `complete_store` (or `complete_store_lent`) of the caller that stores it. The
+        others are reported stored."""
+        wanted = set(self.store.prepare_store(keys))
+        return [i for i, key in enumerate(keys) if key in wanted]
 
     def save_pages(
         self,
@@ -518,8 +482,7 @@ class Session:
         if n == 0:
             return []
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -557,8 +520,7 @@ class Session:
         if obj.payload_len is None:
             raise ValueError(f"save_pages_lent: member {obj.member} has no payload_len")
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -598,8 +560,7 @@ class Session:
         ]
         statuses = [TierStatus.OK] * len(items)
         if dedupe:
-            wanted = set(self.store.prepare_store([it.key for it in items]))
-            todo = [i for i, it in enumerate(items) if it.key in wanted]
+            todo = self._to_store([it.key for it in items])
             for i, st in zip(todo, self.store.complete_store([items[i] for i in todo])):
                 statuses[i] = st
         else:

@@ -53,7 +53,7 @@ class BlockRef:
     tiers: tuple[tuple[str, str], ...] = ()
     """On load: (member, tier name) where the scheduler's lookup found each member of the
     chunk. The worker loads from that tier first and counts an object gone from it as
-    ``evicted_before_load`` (`kvpack.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
+    ``evicted_before_load`` (`kvpack.store.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
     source: int = 0
     """On load of canonical objects: the head split that holds this chunk (index into
     `HeadSplit.partitions()`; 0 is the engine's own). One request's chunks may come from

@@ -16,7 +16,7 @@ request waits in WAITING_FOR_REMOTE_KVS while a worker thread restores it).
 Hybrid models and handoffs always load asynchronously. Each hit block's load names the tier the lookup
 found each member in (`BlockRef.tiers`): this side cannot pin the workers'
 memory, so a worker that lost an object since counts it
-(``evicted_before_load``, `kvpack.lifecycle`) and reads it from another tier.
+(``evicted_before_load``, `kvpack.store.lifecycle`) and reads it from another tier.
 
 Save (`build_connector_meta`, every step; see `captures`): the chunks the
 step computes, the prompt's partial tail in the step that finishes the

@@ -16,7 +16,7 @@ makes every object visible: concurrent puts and gets of different objects
 proceed in parallel, and an object is visible only once fully copied.
 
 `pin` keeps the groups of objects about to be loaded from eviction until
-`unpin` or a deadline (`kvpack.lifecycle`: prepare_load -> complete_load);
+`unpin` or a deadline (`kvpack.store.lifecycle`: prepare_load -> complete_load);
 a store that would need a pinned group's room is dropped (NO_SPACE) instead.
 
 Payload memory comes from a `SlabArena` (large pre-faulted slabs, one

@@ -269,7 +269,7 @@ def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key()
     transaction per tier); of two stores of one key in that batch only the newer is written."""
     from dataclasses import replace
 
-    from kvpack.writeback import WriteBack
+    from kvpack.store.writeback import WriteBack
 
     started, held = threading.Event(), threading.Event()
     calls: list[list[tuple[str, int | None]]] = []
@@ -297,9 +297,9 @@ def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key()
 def test_a_write_back_batch_stays_within_its_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch is cut at `MAX_BATCH_BYTES` (a remote put has one deadline per call): five queued
     objects of 1 KiB under a 2 KiB bound arrive as 2 + 2 + 1, in order."""
-    from kvpack.writeback import WriteBack
+    from kvpack.store.writeback import WriteBack
 
-    monkeypatch.setattr("kvpack.writeback.MAX_BATCH_BYTES", 2048)
+    monkeypatch.setattr("kvpack.store.writeback.MAX_BATCH_BYTES", 2048)
     started, held = threading.Event(), threading.Event()
     calls: list[list[str]] = []
 

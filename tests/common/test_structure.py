@@ -239,7 +239,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
     # the check itself: base's lazy import of lru (the old eviction circle) closes a loop
-    pkg = tmp_path / "common" / "eviction"
+    pkg = tmp_path / "common" / "cycle"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "base.py").write_text("def make():\n    from .lru import LRU\n    return LRU()\n")
@@ -247,7 +247,7 @@ def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
     (pkg / "arc.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .base import make\n")
     modules = _modules(tmp_path, {"common": "kvpack"})
     graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
-    assert _circles(graph) == [["kvpack.eviction.base", "kvpack.eviction.lru"]]
+    assert _circles(graph) == [["kvpack.cycle.base", "kvpack.cycle.lru"]]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 

@@ -167,7 +167,7 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     try:
         worker = get_kv_transfer_group().worker
         worker.staging = Staging(device)
-        mapping = worker.runner.session.store.lent_host_mapping()
+        mapping = worker.runner.session.store.reads.lent_host_mapping()
         assert mapping is not None and device.registered.covers(*mapping) is registered
         first = run(llm, P)
         assert first.cached == 0

@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from .identity.keys import StoreKey
+from ..identity.keys import StoreKey
 
 MAX_LOCATED = 1 << 16
 """Object locations a session remembers between a lookup and its load (key + tier name each)."""

@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .config.schema import ChecksumPolicy
-from .identity.integrity import IntegrityKey, check_loaded
-from .identity.keys import GroupKey, StoreKey
-from .identity.objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
+from ..config.schema import ChecksumPolicy
+from ..identity.integrity import IntegrityKey, check_loaded
+from ..identity.keys import GroupKey, StoreKey
+from ..identity.objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
+from ..observe.metrics import Metrics
+from ..tiers.base import GetResult, PutItem, Tier, TierStatus
 from .lifecycle import count_gone
-from .observe.metrics import Metrics
-from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
 

@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .background import lower_current_thread_priority
-from .tiers.base import PutItem
+from ..background import lower_current_thread_priority
+from ..tiers.base import PutItem
 
 MAX_BATCH = 64
 """Objects a write-back thread writes in one call at most."""

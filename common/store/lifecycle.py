@@ -1,7 +1,8 @@
 """The transfer lifecycle: lookup -> prepare_load -> complete_load; prepare_store -> complete_store.
 
-The verbs live on `KVStore` (in the spirit of vLLM's ``kv_offload`` manager);
-this module holds their types and bookkeeping:
+The verbs live on `KVStore` (in the spirit of vLLM's ``kv_offload`` manager; the loads'
+half is its `kvpack.store.reader.Reader`); this module holds their types and bookkeeping
+(`PlanBook`, held by the store and its reader):
 
 - `KVStore.lookup` answers a prefix hit and, per key of the hit, the name of
   the tier that holds it (`GroupLookup.located`).
@@ -38,11 +39,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config.schema import DraftPolicy
-from .identity.keys import StoreKey
-from .observe.metrics import Metrics, Tally
-from .policy.groups import GroupLookup
-from .tiers.base import GetResult
+from ..config.schema import DraftPolicy
+from ..identity.keys import StoreKey
+from ..observe.metrics import Metrics, Tally
+from ..policy.groups import GroupLookup
+from ..tiers.base import GetResult
 
 log = logging.getLogger("kvpack")
 

@@ -1,18 +1,18 @@
-"""KVStore: the engine-neutral facade the adapters talk to.
+"""KVStore: the engine-neutral store the session talks to.
 
-It composes the configured tiers (memory -> disk -> mooncake, fastest first)
+It owns the configured tiers (memory -> disk -> mooncake, fastest first)
 and owns the policies that must hold on every tier:
 
 - lookup: one batched `contains` per tier for every (chunk, member) of a
   request; the answer is a `GroupLookup` (full / partial by member, and the
   tier holding each key of the hit), counted.
-- load: `prepare_load` -> `complete_load` (`kvpack.lifecycle`, `kvpack.reads`): each object
+- load (its `Reader`): `prepare_load` -> `complete_load` (`lifecycle`, `reads`): each object
   from the tier the lookup found it in (pinned there when that is this
   process's memory), else read-through; `load` is read-through alone. Each
   object comes from the fastest tier that has it and passes every check; a
   lower-tier hit is promoted into memory. Anything else is a miss with a
   counted reason, never an exception.
-- store: the memory tier takes a copy synchronously (a memcpy); every lower
+- store (its `Writer`): the memory tier takes a copy synchronously (a memcpy); every lower
   tier gets the object from a bounded write-back queue served by background
   threads. When the queue is full the store is dropped and counted rather
   than blocking the engine (back-pressure). Each queued object carries when
@@ -33,42 +33,53 @@ Thread-safe. Construct with `KVStore.from_config`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from .config.schema import KVPackConfig
-from .exit_flush import flush_on_exit, forget
-from .identity.integrity import IntegrityKey
-from .identity.keys import GroupKey, StoreKey
-from .identity.objects import ObjectHeader
-from .lent import LentCopies
+import numpy as np
+
+from ..config.schema import METRICS_PORT_SPAN, ChecksumPolicy, KVPackConfig
+from ..exit_flush import flush_on_exit, forget
+from ..identity.integrity import IntegrityKey
+from ..identity.keys import GroupKey, StoreKey
+from ..identity.objects import ObjectHeader
+from ..observe.metrics import Metrics
+from ..observe.tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
+from ..observe.tier_events import TierEventFeed
+from ..operate.clearing import ClearReport, ClearScope, clear_tiers
+from ..policy.budget import WaitBudget
+from ..policy.groups import GroupLookup, MemberSpec, resolve_lookup
+from ..policy.pins import PinOutcome, open_pins, pin_prefix
+from ..policy.split_lookup import lookup_sets
+from ..policy.tails import TailSlots
+from ..tiers.base import GetResult, PutItem, Tier, TierStatus
+from ..tiers.disk.reads import ObjectReader
+from ..tiers.disk.removes import ObjectRemover
+from ..tiers.disk.writes import ObjectWriter
+from ..tiers.factory import build_tiers
+from ..tiers.host import HostTier
+from ..tiers.memory import MemoryTier
+from ..tiers.parallel import RegionCopier
 from .lifecycle import LoadPlan, PlanBook, count_lookup
-from .observe.metrics import Metrics
-from .observe.tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
-from .observe.tier_events import TierEventFeed
-from .operate.clearing import ClearReport, ClearScope, clear_tiers
-from .policy.budget import WaitBudget
-from .policy.groups import GroupLookup, MemberSpec, resolve_lookup
-from .policy.pins import PinOutcome, open_pins, pin_prefix
-from .policy.split_lookup import lookup_sets
-from .policy.tails import TailSlots
+from .reader import Reader
 from .reads import LoadItem, TierReads
-from .store_writes import HOST_QUEUE_BYTES, StoreWrites
-from .tiers.base import GetResult, PutItem, Tier, TierStatus
-from .tiers.disk.reads import ObjectReader
-from .tiers.disk.removes import ObjectRemover
-from .tiers.disk.writes import ObjectWriter
-from .tiers.factory import build_tiers
-from .tiers.parallel import RegionCopier
-from .writeback import WriteBack
+from .writer import Writer
 
 log = logging.getLogger("kvpack")
 
+POLL_FIRST_S = 0.005
+"""`KVStore.wait_until_stored`'s first pause between two looks at the tiers (seconds)."""
+POLL_MAX_S = 0.1
+"""Its longest pause: each pause doubles the last, up to this (seconds)."""
 
-class KVStore(LentCopies, StoreWrites):
-    """See the module docstring; the lent verbs (`store_lent`, `complete_load_lent`): `kvpack.lent`."""
+
+class KVStore:
+    """See the module docstring. Composed of parts with one job each, held, never inherited:
+    `writes` (`Writer`: store, write-through, write-back, the count of what is stored),
+    `reads` (`Reader`: load plans, read-through, lending), `plans` (`PlanBook`: open load plans
+    and prepared stores), `tails` (`TailSlots`). The store itself owns the tiers: lookups,
+    evictions, clears, start and close."""
 
     def __init__(
         self,
@@ -96,50 +107,60 @@ class KVStore(LentCopies, StoreWrites):
         self.tiers = tuple(tiers)
         self.metrics = metrics or Metrics.for_config(config)
         ikey = config.integrity_key_bytes()
-        self._integrity = IntegrityKey(ikey) if ikey else None
+        integrity = IntegrityKey(ikey) if ikey else None
         """Opt-in keyed MAC (`kvpack.identity.integrity`): seals every store to a lower tier, checks every load."""
-        from .tiers.memory import MemoryTier
-
-        self._memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
-        self._reads = TierReads(
-            self.tiers, self._memory, self.metrics, config.checksum, self._integrity, self._count_evictions
-        )
-        self._front = self.tiers[0] if self.tiers[0].front else None
+        memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
+        self._memory = memory
+        front = self.tiers[0] if self.tiers[0].front else None
         """The tier in host memory a store reaches first (`Tier.front`: the memory tier, or the
         host store), if any; without it (or without `write_back`) a store is written through."""
-        self._lower = tuple(t for t in self.tiers if t is not self._memory and t is not self._front)
+        self._front = front
+        lower = tuple(t for t in self.tiers if t is not memory and t is not front)
         self._by_name = {t.name: t for t in reversed(self.tiers)}  # the fastest of a name
+        self.lends_memory = (
+            memory is not None and not read_only and integrity is None and config.checksum is not ChecksumPolicy.ALWAYS
+        )
+        """Whether the lent verbs hand out the memory tier's slots: the store has one and
+        stores, no keyed MAC (a sealed header needs its payload first), and its loads from
+        memory are not checksummed (``checksum`` is not ``always``). Else they copy."""
         self.pins = open_pins(config, self.tiers)
         """The store folder's pinned prefixes (`kvpack.policy.pins`), None when pins are off."""
         if pin_timeout_s is None:
             pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
-        self._plans = PlanBook(pin_timeout_s)
+        self.plans = PlanBook(pin_timeout_s)
         self._evict_listeners: list[Callable[[str, GroupKey, int], None]] = []
         self._evictions: list[tuple[str, str, int]] = []
-        self.events: TierEventFeed | None = None
-        """What the tiers took and let go (`kvpack.observe.tier_events`); None (no cost) until `tier_events`."""
+        self.writes = Writer(
+            config,
+            self.metrics,
+            self.tiers,
+            memory=memory,
+            front=front,
+            lower=lower,
+            integrity=integrity,
+            write_back=self.write_back,
+            read_only=read_only,
+            lends_memory=self.lends_memory,
+            after_batch=self._count_evictions,
+        )
+        tier_reads = TierReads(self.tiers, memory, self.metrics, config.checksum, integrity, self._count_evictions)
+        host = front if isinstance(front, HostTier) and integrity is None else None  # read in place: no MAC
+        self.reads = Reader(
+            self.tiers, tier_reads, self.plans, self.metrics, memory=memory, host=host, lends_memory=self.lends_memory
+        )
         for tier in self.tiers:
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._evict_counter(tier.name)
-        threads = config.io_threads if self._lower and self._front is not None and self.write_back else 0
-        # Items queued behind the host store were sealed and checksummed before it took them,
-        # and are copies: bounded in bytes (`HOST_QUEUE_BYTES`).
-        host_front = self._front is not None and self._memory is None
-        self._writeback = WriteBack(
-            threads,
-            config.write_queue_depth,
-            lambda items: self._write_through(items, self._lower, sealed=host_front),
-            max_bytes=HOST_QUEUE_BYTES if host_front else None,
-        )
-        self._stamp_lock = threading.Lock()
-        self._last_stamp = 0
         self._closed = False
-        if self._writeback:
+        if self.writes.queues:
             flush_on_exit(self, config.shutdown_flush_s)
         self.tails = TailSlots(config, self.metrics, self.peek_located)
-        from .config.schema import METRICS_PORT_SPAN
-
         self.metrics_port = self.metrics.serve_configured(config.metrics_port, METRICS_PORT_SPAN)
+
+    @property
+    def events(self) -> TierEventFeed | None:
+        """What the tiers took and let go (`kvpack.observe.tier_events`); None (no cost) until `tier_events`."""
+        return self.writes.events
 
     # -- construction -------------------------------------------------------------
 
@@ -276,6 +297,28 @@ class KVStore(LentCopies, StoreWrites):
         With a `budget`, remote tiers are skipped once it is spent (see `kvpack.policy.budget`)."""
         return [t is not None for t in self.locate(keys, budget)]
 
+    def wait_until_stored(
+        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
+    ) -> list[StoreKey]:
+        """Look for `keys` on every tier until all are there, `stop()` is true, or
+        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
+
+        For objects another process is still storing (a prefill instance's handoff). The
+        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
+        seen within milliseconds, and a long wait spends little CPU on a machine the storing
+        process shares (each look is a batched lookup on every tier, a remote one included)."""
+        missing = list(keys)
+        pause = POLL_FIRST_S
+        while missing and not stop():
+            found = self.contains(missing)
+            missing = [k for k, ok in zip(missing, found) if not ok]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                break
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, POLL_MAX_S)
+        return missing
+
     def locate(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[str | None]:
         """Per key: the name of the fastest tier holding it (None: none does). As `contains`."""
         found: list[str | None] = [None] * len(keys)
@@ -404,72 +447,70 @@ class KVStore(LentCopies, StoreWrites):
                 where[i] = tier.name if header is not None else None
         return out, where
 
-    # -- load ---------------------------------------------------------------------
+    # -- load (the reader's) ---------------------------------------------------------
 
     def prepare_load(
         self, what: Sequence[StoreKey] | Mapping[StoreKey, str] | GroupLookup, budget: WaitBudget | None = None
     ) -> LoadPlan:
-        """Where each object to load is, its memory-tier copies pinned (`kvpack.lifecycle`).
+        """Where each object to load is, its memory-tier copies pinned (`Reader.prepare_load`).
 
         `what`: keys (located now, one batched `contains` per tier), a lookup's
         `GroupLookup.located` or the lookup itself, or key -> tier names another
         process's lookup found (vLLM's scheduler). Pair with `complete_load` or `release`."""
-        for stale in self._plans.sweep():
-            self._unpin(stale)
         if isinstance(what, GroupLookup):
             what = what.located
         if isinstance(what, Mapping):
-            located = {k: t for k, t in what.items() if t in self._by_name}
-        else:
-            keys = list(what)
-            located = {k: t for k, t in zip(keys, self.locate(keys, budget)) if t is not None}
-        return self._plans.open(located, self._memory)
+            return self.reads.prepare_load(what)
+        keys = list(what)
+        return self.reads.prepare_load({k: t for k, t in zip(keys, self.locate(keys, budget)) if t is not None})
 
     def complete_load(
         self, plan: LoadPlan, items: Sequence[LoadItem], local_only: bool = False, promote: bool = True
     ) -> list[GetResult]:
-        """Restore each item, from the tier `plan` names first (read-through when it names
-        none or that tier lost it), then release the plan's pins. Never raises.
-        `local_only`: no `Tier.remote` tier is asked (a load on an engine's step must not wait
-        on the network; what only a remote tier holds is a miss). `promote`: a lower tier's
-        hit is also put into this process's memory tier (False where the destination is a
-        cache the engine keeps in host memory itself: it holds the object now)."""
-        try:
-            first = [self._by_name.get(plan.located.get(it.key, "")) for it in items]
-            return self._reads.load(items, first, local_only, promote)
-        finally:
-            self.release(plan)
+        """Restore each item, from the tier `plan` names first, then release the plan's pins
+        (`Reader.complete_load`). Never raises."""
+        return self.reads.complete_load(plan, items, local_only, promote)
 
     def release(self, plan: LoadPlan) -> None:
         """Release `plan`'s pins now (idempotent; `complete_load` calls it)."""
-        if self._plans.close(plan):
-            self._unpin(plan)
-
-    def _unpin(self, plan: LoadPlan) -> None:
-        if plan.pinned and self._memory is not None:
-            self._memory.unpin(plan.pinned)
+        self.reads.release(plan)
 
     def load(self, items: Sequence[LoadItem]) -> list[GetResult]:
         """Restore each item into its `dst`, fastest tier first (read-through). Never raises."""
-        return self._reads.load(items, [None] * len(items))
+        return self.reads.load(items)
 
-    # -- store --------------------------------------------------------------------
+    # -- store (the writer's) -----------------------------------------------------------
+
+    def store(self, items: Sequence[PutItem]) -> list[TierStatus]:
+        """Accept objects for storage (`Writer.store`); per item OK when accepted. Never raises."""
+        return self.writes.store(items)
 
     def prepare_store(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[StoreKey]:
         """The keys still to store: on no tier, and not prepared by another caller that
-        has not completed yet (`kvpack.lifecycle`). Pair with `complete_store`."""
-        return self._plans.claim_stores(keys, self.contains(keys, budget))
+        has not completed yet (`kvpack.store.lifecycle`): the one place saves are
+        de-duplicated. Pair with `complete_store` or `complete_store_lent`."""
+        return self.plans.claim_stores(keys, self.contains(keys, budget))
 
     def complete_store(self, items: Sequence[PutItem]) -> list[TierStatus]:
         """`store` the prepared items and end their preparation."""
         try:
-            return self.store(items)
+            return self.writes.store(items)
         finally:
-            self._plans.end_stores([it.key for it in items])
+            self.plans.end_stores([it.key for it in items])
+
+    def complete_store_lent(
+        self, keys: Sequence[StoreKey], headers: Sequence[ObjectHeader], fill: Callable[[list[np.ndarray]], None]
+    ) -> list[TierStatus]:
+        """`Writer.store_lent` the items `prepare_store` gave (the caller writes each payload in
+        place), and end their preparation (as `complete_store` does for `store`)."""
+        try:
+            return self.writes.store_lent(keys, headers, fill)
+        finally:
+            self.plans.end_stores(keys)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (bounded) until every queued store reached its tiers. True if drained."""
-        return self._writeback.flush(timeout_s)
+        return self.writes.flush(timeout_s)
 
     def flush_before_exit(self, timeout_s: float, reason: str) -> bool:
         """The exit flush (`kvpack.exit_flush`): `flush` within `timeout_s`; what is
@@ -477,13 +518,11 @@ class KVStore(LentCopies, StoreWrites):
         tier) and logged. True when everything reached its tiers."""
         if self.flush(timeout_s):
             return True
-        left = self._writeback.pending
-        for tier in self._lower:
-            self.metrics.inc("store_dropped", left, tier=tier.name, reason="shutdown")
+        left = self.writes.count_cut_off()
         log.warning(
             "kvpack: %d stores had not reached %s after shutdown_flush_s=%.1f (%s); they are lost",
             left,
-            [t.name for t in self._lower],
+            self.writes.lower_names,
             timeout_s,
             reason,
         )
@@ -504,7 +543,7 @@ class KVStore(LentCopies, StoreWrites):
         """Remove what `scope` names from every tier it covers (`kvpack.operate.clearing`), after the stores
         already accepted reached every tier (bounded by ``io_timeout_ms``: a store still queued
         then may land after the clear); counted as ``cleared_objects`` / ``cleared_bytes`` by tier."""
-        if not dry_run and self._writeback:
+        if not dry_run and self.writes.queues:
             self.flush(self.config.io_timeout_ms / 1000.0)
         report = clear_tiers(self.tiers, scope, dry_run)
         if not dry_run:
@@ -525,9 +564,9 @@ class KVStore(LentCopies, StoreWrites):
     def tier_events(self, capacity: int = DEFAULT_EVENTS) -> TierEventFeed:
         """Start reporting what the tiers take and let go into a bounded feed (idempotent: the
         same feed after the first call); drops are counted as ``tier_events_dropped``."""
-        if self.events is None:
-            self.events = TierEventFeed(capacity, lambda n: self.metrics.inc("tier_events_dropped", n))
-        return self.events
+        if self.writes.events is None:
+            self.writes.events = TierEventFeed(capacity, lambda n: self.metrics.inc("tier_events_dropped", n))
+        return self.writes.events
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Drain the write-back queue (bounded by `flush_timeout_s`, default the config's
@@ -536,11 +575,11 @@ class KVStore(LentCopies, StoreWrites):
             flush_timeout_s = self.config.shutdown_flush_s
         if self._closed:
             return
-        if self._writeback:
+        if self.writes.queues:
             self.flush_before_exit(flush_timeout_s, "close")
         forget(self)
         self._closed = True
-        self._writeback.close()
+        self.writes.close()
         self.metrics.stop_serving()
         if self.pins is not None:
             self.pins.close()
