@@ -63,6 +63,7 @@ from .canonical import (
 )
 from .canonical import group_spec as canonical_group_spec
 from .client_input import MAX_DETAIL_CHARS, Refusals, clip
+from .config.reset import ClearTier, ResetScope
 from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .errors import ConfigError, KVPackError, LayoutError
 from .identity.heads import HeadRange, HeadSplit
@@ -73,25 +74,25 @@ from .identity.model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.identity.model_identity stays the module
 from .identity.objects import Expectation, ObjectHeader, Payload, RejectReason
-from .identity.weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 from .observe.adapter_events import AdapterEvent, AdapterRefusal
 from .observe.batch_log import BatchFigures, BatchLog, Direction
 from .observe.engine_counters import EngineCounters
-from .observe.hit_sources import UNKNOWN_TIER, HitSources
 from .observe.metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
-from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails, shares_facts
+from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails
 from .observe.shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .observe.tier_events import TierEvent, TierEventFeed, TierEventKind
-from .operate.clearing import ClearReport, ClearScope, ClearTier, ResetScope
+from .observe.weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 from .policy.budget import WaitBudget
+from .policy.clearing import ClearReport, ClearScope
 from .policy.groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
 from .policy.hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
-from .policy.pins import PinOutcome, pin_trusted
 from .policy.tails import TailMatch, tail_chunk
-from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
+from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant, shares_facts
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
 from .store import KVStore, LoadItem
+from .store.hit_sources import UNKNOWN_TIER, HitSources
 from .store.page_loads import PagePart
+from .store.pins import PinOutcome, pin_trusted
 from .tiers.base import GetResult, Medium, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads

@@ -45,20 +45,21 @@ from .cpu_features import request_amx_permission
 from .identity.keys import StoreKey, chunk_hashes, validate_chunk_hashes
 from .identity.objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
 from .observe.adapter_events import AdapterEvent, AdapterRefusal
-from .observe.hit_sources import HitSources, hit_sources
 from .observe.metrics import Metrics
 from .observe.router_facts import RouterFacts
 from .observe.tier_events import TierEventFeed
-from .operate.clearing import ClearReport, ClearScope, engine_scope
+from .ops import load_extension, object_reader, object_remover, object_writer, region_copier
 from .policy.budget import WaitBudget
+from .policy.clearing import ClearReport, ClearScope, engine_scope
 from .policy.groups import GroupLookup, MemberSpec
 from .policy.hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
-from .policy.pins import PinOutcome
 from .policy.tails import TailMatch
 from .policy.tenancy import RequestScope
 from .store import KVStore, LentLoad, LoadItem, LoadPlan, PageReads
+from .store.hit_sources import HitSources, hit_sources
 from .store.located import LocatedHints
 from .store.page_loads import PagePart, load_pages, located_splits
+from .store.pins import PinOutcome
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
@@ -73,7 +74,6 @@ def start_engine_process() -> None:
     the first load's time bound (`kvpack.ops.load_extension`: cached per machine,
     never raises; without it the torch fallback copies). Imports torch: `import
     kvpack` itself stays light for the operator tools."""
-    from .ops import load_extension
 
     request_amx_permission()
     load_extension()
@@ -148,7 +148,6 @@ class Session:
         """An engine process's session: `start_engine_process`, then the store the config
         enables, whose memory-tier copies use the native region copy and whose host and disk
         tiers the native batch file write, read and removal, once the kernels loaded."""
-        from .ops import object_reader, object_remover, object_writer, region_copier
 
         start_engine_process()
         store = KVStore.from_config(
@@ -180,7 +179,7 @@ class Session:
 
     def reset(self, who: str) -> ClearReport | None:
         """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): the config's ``reset``
-        rule over the fingerprints bound *now* (`kvpack.operate.clearing.engine_scope`), logged in one
+        rule over the fingerprints bound *now* (`kvpack.policy.clearing.engine_scope`), logged in one
         line; None (logged) when ``reset.scope`` is off."""
         scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
         if scope is None:
@@ -264,13 +263,13 @@ class Session:
         return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
 
     def pin(self, query: HitQuery) -> PinOutcome | None:
-        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.policy.pins`); None: pins off."""
+        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.store.pins`); None: pins off."""
         hashes = chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed)
         return self.store.pin_prefix(query.scope.tenant, self.group_fingerprint, hashes)
 
     def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
         """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,
-        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.observe.hit_sources`)."""
+        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.store.hit_sources`)."""
         if plan.scope is not None:
             self.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
         sources = hit_sources(plan, external_tokens, chunk_tokens, self.store.tiers)

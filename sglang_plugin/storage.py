@@ -330,7 +330,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return self.session.flush(timeout_s)
 
     def clear(self) -> None:
-        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.operate.clearing`):
+        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.policy.clearing`):
         by default this instance's model's objects, every tenant, every tier it reaches; the
         config's ``reset`` section narrows, widens or turns it off. Logged in one line."""
         self.session.reset("SGLang storage clear")

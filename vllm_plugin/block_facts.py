@@ -58,7 +58,7 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
 _DECODER = msgspec.msgpack.Decoder(_Wire)
 FACTS_RULE = "unsalted-only"
 """Part of `hash_identity`: the rows of a writer that records only unsalted requests' blocks
-(`kvpack.observe.router_facts.shares_facts`). Rows of a writer without this rule (which may hold a salted
+(`kvpack.policy.tenancy.shares_facts`). Rows of a writer without this rule (which may hold a salted
 tenant's token ids) are of another identity: a reader announces none of them."""
 
 

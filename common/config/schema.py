@@ -20,16 +20,20 @@ import enum
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ..errors import ConfigError, shown
-from ..operate.clearing import ResetConfig
+from ..identity.keys import validate_tenant
+from ..identity.model_identity import validate_model_id
 from .build import build_dataclass, join_path, to_plain
 from .files import parse_json, parse_toml, read_text
+from .reset import ResetConfig
 from .sizes import MAX_SIZE, parse_mooncake_size, parse_size
+from .store_path import check_store_path_text
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +149,6 @@ class MemoryTierConfig:
     host_name: str = ""
 
     def validate(self, path: str) -> None:
-        import re
 
         if self.host_name and not re.fullmatch(HOST_NAME_RE, self.host_name):
             raise ConfigError(join_path(path, "host_name"), f"{shown(self.host_name, 80)} must match {HOST_NAME_RE}")
@@ -194,8 +197,6 @@ class DiskTierConfig:
         if self.enabled and not self.path:
             raise ConfigError(join_path(path, "path"), "must be a directory path when the disk tier is enabled")
         if self.enabled:
-            from ..tiers.disk.fs import check_store_path_text
-
             try:
                 check_store_path_text(self.path)
             except ValueError as exc:
@@ -361,7 +362,7 @@ class EvictionConfig:
 
     policy: EvictionPolicyName = EvictionPolicyName.LRU
     tenant_quotas: dict[str, int] = field(default_factory=dict, metadata={"size": True})
-    pinned_bytes_per_tenant: int = _size_field(0, "bytes a tenant may pin (`kvpack.policy.pins`); 0: pins off")
+    pinned_bytes_per_tenant: int = _size_field(0, "bytes a tenant may pin (`kvpack.store.pins`); 0: pins off")
 
 
 @dataclass(frozen=True)
@@ -430,18 +431,15 @@ class KVPackConfig:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     reset: ResetConfig = field(default_factory=ResetConfig)
-    """What the engine's own reset verb removes (`kvpack.operate.clearing`)."""
+    """What the engine's own reset verb removes (`kvpack.policy.clearing`)."""
 
     def validate(self, path: str) -> None:
-        from ..identity.keys import validate_tenant
 
         try:
             validate_tenant(self.tenant)
         except ValueError as exc:
             raise ConfigError(join_path(path, "tenant"), str(exc)) from None
         if self.model_id:
-            from ..identity.model_identity import validate_model_id
-
             try:
                 validate_model_id(self.model_id)
             except ValueError as exc:

@@ -106,7 +106,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("budget_skips", "Remote tier calls skipped: the engine step's wait budget was spent", ("tier",)),
     MetricSpec("evictions", "Groups evicted", ("tier", "tenant")),
     MetricSpec("evicted_bytes", "Bytes evicted", ("tier", "tenant")),
-    MetricSpec("cleared_objects", "Objects removed by a reset or clear (kvpack.operate.clearing)", ("tier",)),
+    MetricSpec("cleared_objects", "Objects removed by a reset or clear (kvpack.policy.clearing)", ("tier",)),
     MetricSpec(
         "cleared_bytes", "Bytes removed by a reset or clear (0 where the tier cannot tell: Mooncake)", ("tier",)
     ),

@@ -36,16 +36,27 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from ..identity.keys import GroupKey
 from .metrics import Metrics
 from .shared_sweep import SWEPT_TIERS
 
-if TYPE_CHECKING:
-    from ..policy.tenancy import RequestScope
-    from ..session import Session
-    from ..tiers.base import PutItem
+
+class FactsHolder(Protocol):
+    """What `shared_fact_tails` reads of a session: its metrics and its store's tiers."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def store(self) -> TiersHolder: ...
+
+
+class TiersHolder(Protocol):
+    @property
+    def tiers(self) -> Sequence[Any]: ...
+
 
 log = logging.getLogger("kvpack")
 
@@ -53,12 +64,6 @@ MAX_FACTS_BYTES = 1 << 16
 """A facts row's blob at most (a block's token ids and hashes take a few KiB); larger ones are not recorded."""
 PER_STEP = 64
 """Rows a reader takes per engine step at most (one indexed read)."""
-
-
-def shares_facts(scope: RequestScope) -> bool:
-    """Whether the blocks of a request of `scope` get a facts row on a shared tier (module
-    docstring): not for a salted request."""
-    return not scope.salted
 
 
 def new_origin() -> str:
@@ -94,27 +99,6 @@ class FactsIndex(Protocol):
     name: str
 
     def facts_after(self, seq: int, limit: int) -> list[FactsRow]: ...
-
-
-def record_stored_facts(tier: object, items: Sequence[PutItem], stored: Sequence[bool], metrics: Metrics) -> None:
-    """The save path's part (`KVStore`, right after ``tier.put_from(items)``): record the facts
-    (`PutItem.announce`) of the items `tier` stored (`stored[i]`), on a tier that keeps them
-    (``record_facts``: the host store, the disk tier; elsewhere nothing). Counted as
-    ``kvpack_shared_facts{outcome="recorded"}`` (or ``"not_recorded"`` on an index error). Never raises."""
-    record = getattr(tier, "record_facts", None)
-    if record is None:
-        return
-    rows = {it.key.group: it.announce for it, ok in zip(items, stored) if ok and it.announce is not None}
-    if not rows:
-        return
-    name = str(getattr(tier, "name", "tier"))
-    try:
-        n = int(record(list(rows.items())))
-    except Exception as exc:  # noqa: BLE001 - a busy index: the objects are stored, only unannounced elsewhere
-        log.debug("kvpack: facts not recorded on %s: %s", name, exc)
-        metrics.inc("shared_facts", len(rows), tier=name, outcome="not_recorded")
-        return
-    metrics.inc("shared_facts", n, tier=name, outcome="recorded")
 
 
 class FactsTail:
@@ -155,7 +139,7 @@ class FactsTail:
             self._metrics.inc("shared_facts", n, tier=self.tier.name, outcome=outcome)
 
 
-def shared_fact_tails(session: Session, origin: str, tiers: Sequence[str] = SWEPT_TIERS) -> list[FactsTail]:
+def shared_fact_tails(session: FactsHolder, origin: str, tiers: Sequence[str] = SWEPT_TIERS) -> list[FactsTail]:
     """A tail of each of `session`'s tiers named in `tiers` that keeps facts rows (in the store's
     tier order; empty: none here), counted in the session's metrics."""
     return [

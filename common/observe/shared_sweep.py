@@ -34,14 +34,27 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from ..identity.keys import GroupKey
 from .metrics import Metrics
 from .tier_events import TierEvent, TierEventKind
 
-if TYPE_CHECKING:
-    from ..session import Session
+
+class SweptSession(Protocol):
+    """What `shared_tier_sweeps` reads of a session: its metrics and its store's tiers."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def store(self) -> SweptStore: ...
+
+
+class SweptStore(Protocol):
+    @property
+    def tiers(self) -> Sequence[Any]: ...
+
 
 log = logging.getLogger("kvpack")
 
@@ -142,16 +155,16 @@ class SharedSweep:
         return [TierEvent(TierEventKind.REMOVED, self.tier.name, g.as_str()) for g in groups]
 
 
-def shared_tier_sweeps(session: Session) -> list[SharedSweep]:
+def shared_tier_sweeps(session: SweptSession) -> list[SharedSweep]:
     """A sweep of each of `session`'s tiers named in `SWEPT_TIERS`, counted in its metrics (in
     the store's tier order; empty: no shared tier here)."""
     return [
-        SharedSweep(tier, session.metrics)  # type: ignore[arg-type]  # a DiskTier by its methods
+        SharedSweep(tier, session.metrics)  # a DiskTier by its methods
         for tier in session.store.tiers
         if tier.name in SWEPT_TIERS and hasattr(tier, "groups_present")
     ]
 
 
-def shared_tier_sweep(session: Session, tier: str | None = None) -> SharedSweep | None:
+def shared_tier_sweep(session: SweptSession, tier: str | None = None) -> SharedSweep | None:
     """The sweep of `session`'s first shared tier (named `tier` if given; None: no such tier here)."""
     return next((s for s in shared_tier_sweeps(session) if tier is None or s.tier.name == tier), None)

@@ -1,5 +1,5 @@
 """``kvpack usage`` and ``kvpack clear``: what the stores of a config hold per tenant and model,
-and removing one tenant's objects (of one model) from every tier, by the rule of `kvpack.operate.clearing`.
+and removing one tenant's objects (of one model) from every tier, by the rule of `kvpack.policy.clearing`.
 
 Which stores: the disk folder of the config (``disk.path``), every host store of this user
 (`kvpack.tiers.host.stores`: a tenant's objects may sit in any of them), and the config's Mooncake
@@ -22,21 +22,25 @@ indexes when an engine first stored under it) or by its group fingerprint.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import stat
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config.schema import KVPackConfig
 from ..errors import ConfigError
-from ..policy.pins import drop_pins, pinned_per_tenant
+from ..policy.clearing import Cleared, ClearScope, ClearUnsupported
+from ..store.pins import drop_pins, pinned_per_tenant
 from ..tiers.disk import DiskTier, census
 from ..tiers.disk.catalog import INDEX_NAME
 from ..tiers.host import HostTier
 from ..tiers.host.stores import HostStore, host_stores
-from .clearing import Cleared, ClearScope, ClearUnsupported
+from ..tiers.mooncake import MooncakeTier  # Mooncake is optional: imported only when configured
 
 MOONCAKE_NOT_LISTABLE = "its client API lists no keys: pass --mooncake-http HOST:PORT (the master's --metrics_port)"
 MAX_LISTED_KEYS = 10_000_000
@@ -62,7 +66,7 @@ class StoreUsage:
     held_bytes: int | None = None
     """A host store's memory held (its whole arena, from its making until dropped)."""
     pinned: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """A disk folder's pinned prefixes: tenant -> (groups, bytes) (`kvpack.policy.pins`)."""
+    """A disk folder's pinned prefixes: tenant -> (groups, bytes) (`kvpack.store.pins`)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -123,9 +127,6 @@ def mooncake_usage(http: str, sized: int = 100_000, timeout_s: float = 30.0) -> 
     """Objects (and bytes, for the first `sized` keys) per tenant and fingerprint in a Mooncake
     cluster, from its master's HTTP listing (``/get_all_keys``, ``/batch_query_keys``: the
     master's ``--metrics_port``); kvpack's keys only. Bytes are None past `sized` keys."""
-    import json
-    import urllib.parse
-    import urllib.request
 
     out = StoreUsage("mooncake", http)
     base = http if http.startswith("http://") else f"http://{http}"
@@ -270,7 +271,6 @@ def _clear_disk(path: str, scope: ClearScope, dry_run: bool) -> StoreCleared:
 
 
 def _clear_mooncake(config: KVPackConfig, scope: ClearScope, dry_run: bool, wait_s: float) -> StoreCleared:
-    from ..tiers.mooncake import MooncakeTier  # Mooncake is optional: imported only when configured
 
     result = StoreCleared("mooncake", config.mooncake.master_server_address)
     if dry_run:

@@ -4,7 +4,7 @@
     kvpack pin --unpin --tenant T [--disk DIR | --config FILE]
 
 Pins are made by requests (``kv_transfer_params["kvpack_pin"]`` from a trusted front end:
-`kvpack.policy.pins`); this command reads the folder's pin list (``.kvpack-store.pins``) and nothing
+`kvpack.store.pins`); this command reads the folder's pin list (``.kvpack-store.pins``) and nothing
 else, and never creates one. Exit 2 with one line on bad input.
 """
 
@@ -15,7 +15,10 @@ import json
 import os
 import sys
 
-from ..policy.pins import PINS_NAME, Pin, PinBook
+from ..config.schema import KVPackConfig
+from ..errors import ConfigError
+from ..identity.keys import validate_tenant
+from ..store.pins import PINS_NAME, Pin, PinBook
 
 PROG = "kvpack pin"
 
@@ -31,8 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _folder(args: argparse.Namespace) -> str | None:
     """The store folder the command acts on; None after one line on stderr."""
-    from ..config.schema import KVPackConfig
-    from ..errors import ConfigError
 
     if args.disk:
         return os.path.expanduser(args.disk)
@@ -45,8 +46,6 @@ def _folder(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
-    from ..identity.keys import validate_tenant
 
     if args.unpin and not args.tenant:
         print(f"{PROG}: --unpin needs --tenant T (the tenant whose pins go)", file=sys.stderr)

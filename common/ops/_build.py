@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
+from ._reference import gather_reference
 from .natives import Checksummer, ObjectReader, ObjectRemover, ObjectWriter, RegionCopier
+from .paged import PagedKV
 from .simd import CpuSimd
 
 logger = logging.getLogger("kvpack.ops")
@@ -230,8 +232,6 @@ def clear_stale_lock(build_dir: Path, now: float | None = None, alive: Callable[
 def smoke_launch(device: str = "cuda") -> str | None:
     """One block gathered by the kernel on `device` against the torch reference; the
     failure, or None. (On "cpu" it checks the C++ kernel: what a test can run.)"""
-    from ._reference import gather_reference
-    from .paged import PagedKV
 
     try:
         cache = torch.arange(2 * 3 * 4 * 2 * 8, dtype=torch.float16, device=device).view(2, 3, 4, 2, 8)

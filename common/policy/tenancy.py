@@ -62,7 +62,7 @@ class RequestScope:
     weights: str = ""
     salted: bool = False
     """The request carries a cache salt: its blocks are announced to routers only by the instance
-    that computed them, never through a shared tier's facts (`kvpack.observe.router_facts.shares_facts`)."""
+    that computed them, never through a shared tier's facts (`shares_facts`)."""
 
 
 class BadTenant(ValueError):
@@ -136,3 +136,9 @@ def _valid_tenant(name: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def shares_facts(scope: RequestScope) -> bool:
+    """Whether the blocks of a request of `scope` get a facts row on a shared tier (module
+    docstring): not for a salted request."""
+    return not scope.salted

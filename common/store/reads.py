@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config.schema import ChecksumPolicy
-from ..identity.integrity import IntegrityKey, check_loaded
 from ..identity.keys import GroupKey, StoreKey
 from ..identity.objects import Expectation, PageExpectation, Payload, RejectReason, payload_nbytes
 from ..observe.metrics import Metrics
 from ..tiers.base import GetResult, PutItem, Tier, TierStatus
+from .integrity import IntegrityKey, check_loaded
 from .lifecycle import count_gone
 
 log = logging.getLogger("kvpack")

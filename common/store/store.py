@@ -41,16 +41,14 @@ import numpy as np
 
 from ..config.schema import METRICS_PORT_SPAN, ChecksumPolicy, KVPackConfig
 from ..exit_flush import flush_on_exit, forget
-from ..identity.integrity import IntegrityKey
 from ..identity.keys import GroupKey, StoreKey
 from ..identity.objects import ObjectHeader
 from ..observe.metrics import Metrics
 from ..observe.tier_events import DEFAULT_CAPACITY as DEFAULT_EVENTS
 from ..observe.tier_events import TierEventFeed
-from ..operate.clearing import ClearReport, ClearScope, clear_tiers
 from ..policy.budget import WaitBudget
+from ..policy.clearing import ClearReport, ClearScope, clear_tiers
 from ..policy.groups import GroupLookup, MemberSpec, resolve_lookup
-from ..policy.pins import PinOutcome, open_pins, pin_prefix
 from ..policy.split_lookup import lookup_sets
 from ..policy.tails import TailSlots
 from ..tiers.base import GetResult, PutItem, Tier, TierStatus
@@ -61,7 +59,9 @@ from ..tiers.factory import build_tiers
 from ..tiers.host import HostTier
 from ..tiers.memory import MemoryTier
 from ..tiers.parallel import RegionCopier
+from .integrity import IntegrityKey
 from .lifecycle import LoadPlan, PlanBook, count_lookup
+from .pins import PinOutcome, open_pins, pin_prefix
 from .reader import Reader
 from .reads import LoadItem, TierReads
 from .writer import Writer
@@ -108,7 +108,7 @@ class KVStore:
         self.metrics = metrics or Metrics.for_config(config)
         ikey = config.integrity_key_bytes()
         integrity = IntegrityKey(ikey) if ikey else None
-        """Opt-in keyed MAC (`kvpack.identity.integrity`): seals every store to a lower tier, checks every load."""
+        """Opt-in keyed MAC (`kvpack.store.integrity`): seals every store to a lower tier, checks every load."""
         memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self._memory = memory
         front = self.tiers[0] if self.tiers[0].front else None
@@ -124,7 +124,7 @@ class KVStore:
         stores, no keyed MAC (a sealed header needs its payload first), and its loads from
         memory are not checksummed (``checksum`` is not ``always``). Else they copy."""
         self.pins = open_pins(config, self.tiers)
-        """The store folder's pinned prefixes (`kvpack.policy.pins`), None when pins are off."""
+        """The store folder's pinned prefixes (`kvpack.store.pins`), None when pins are off."""
         if pin_timeout_s is None:
             pin_timeout_s = max(1.0, 2 * (config.io_timeout_ms + config.handoff_wait_ms) / 1000.0)
         self.plans = PlanBook(pin_timeout_s)
@@ -219,7 +219,7 @@ class KVStore:
         return self._memory.contains(keys)
 
     def pin_prefix(self, tenant: str, fingerprint: str, chunks: Sequence[str]) -> PinOutcome | None:
-        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.policy.pins.pin_prefix`);
+        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.store.pins.pin_prefix`);
         None when pins are off. Groups refused past the budget are counted (``pins_refused``)."""
         if self.pins is None:
             return None
@@ -540,7 +540,7 @@ class KVStore:
         return removed
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> ClearReport:
-        """Remove what `scope` names from every tier it covers (`kvpack.operate.clearing`), after the stores
+        """Remove what `scope` names from every tier it covers (`kvpack.policy.clearing`), after the stores
         already accepted reached every tier (bounded by ``io_timeout_ms``: a store still queued
         then may land after the clear); counted as ``cleared_objects`` / ``cleared_bytes`` by tier."""
         if not dry_run and self.writes.queues:

@@ -26,14 +26,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..config.schema import KVPackConfig
-from ..identity.integrity import IntegrityKey, seal_items
 from ..identity.keys import StoreKey
 from ..identity.objects import ObjectHeader, copy_parts_into
 from ..observe.metrics import Metrics, Tally
-from ..observe.router_facts import record_stored_facts
 from ..observe.tier_events import TierEventFeed
 from ..tiers.base import PutItem, Tier, TierStatus, checksummed
 from ..tiers.memory import MemoryTier
+from .integrity import IntegrityKey, seal_items
 from .writeback import WriteBack
 
 HOST_QUEUE_BYTES = 64 << 20
@@ -334,3 +333,24 @@ def _owned_copy(item: PutItem, accepted_ns: int) -> PutItem:
     owned = np.empty(item.nbytes, dtype=np.uint8)
     copy_parts_into(owned, item.payload)
     return PutItem(item.key, item.header, owned.data, accepted_ns, item.announce)
+
+
+def record_stored_facts(tier: object, items: Sequence[PutItem], stored: Sequence[bool], metrics: Metrics) -> None:
+    """The save path's part (`KVStore`, right after ``tier.put_from(items)``): record the facts
+    (`PutItem.announce`) of the items `tier` stored (`stored[i]`), on a tier that keeps them
+    (``record_facts``: the host store, the disk tier; elsewhere nothing). Counted as
+    ``kvpack_shared_facts{outcome="recorded"}`` (or ``"not_recorded"`` on an index error). Never raises."""
+    record = getattr(tier, "record_facts", None)
+    if record is None:
+        return
+    rows = {it.key.group: it.announce for it, ok in zip(items, stored) if ok and it.announce is not None}
+    if not rows:
+        return
+    name = str(getattr(tier, "name", "tier"))
+    try:
+        n = int(record(list(rows.items())))
+    except Exception as exc:  # noqa: BLE001 - a busy index: the objects are stored, only unannounced elsewhere
+        log.debug("kvpack: facts not recorded on %s: %s", name, exc)
+        metrics.inc("shared_facts", len(rows), tier=name, outcome="not_recorded")
+        return
+    metrics.inc("shared_facts", n, tier=name, outcome="recorded")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from ..identity.keys import GroupKey, StoreKey
 from ..identity.objects import Expectation, ObjectHeader, Payload, RejectReason, payload_checksums, payload_nbytes
 from ..observe.router_facts import RouterFacts
-from ..operate.clearing import Cleared, ClearScope, ClearUnsupported
+from ..policy.clearing import Cleared, ClearScope, ClearUnsupported
 
 
 class TierStatus(enum.Enum):
@@ -113,7 +113,7 @@ class Tier(ABC):
 
     name: str = "tier"
     medium: Medium = Medium.REMOTE
-    """Where its bytes are (`kvpack.observe.hit_sources` splits a hit's tokens by it)."""
+    """Where its bytes are (`kvpack.store.hit_sources` splits a hit's tokens by it)."""
     remote: bool = False
     """Calls leave this process and may each wait up to the tier's own bound (Mooncake):
     `KVStore` skips such a tier once an engine step's `WaitBudget` is spent."""
@@ -155,7 +155,7 @@ class Tier(ABC):
     def usage(self) -> TierUsage: ...
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """Remove every object whose tenant and group fingerprint `scope` matches (`kvpack.operate.clearing`),
+        """Remove every object whose tenant and group fingerprint `scope` matches (`kvpack.policy.clearing`),
         found from the tier's own index; with `dry_run`, only count them. Raises (`ClearUnsupported`,
         or the tier's error) when it cannot: `clear_tiers` reports the tier failed. A load racing
         with it is a miss, never a wrong load."""

@@ -51,7 +51,7 @@ from ..identity.objects import (
     check_payloads,
     payload_parts,
 )
-from ..operate.clearing import Cleared, ClearScope
+from ..policy.clearing import Cleared, ClearScope
 from ..policy.eviction import CapacityManager, EvictionPolicy
 from .arena import SlabArena, slab_for_capacity
 from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
@@ -105,7 +105,7 @@ class MemoryTier(Tier):
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
 
     def keep(self, kept: Callable[[], frozenset[str]]) -> None:
-        """Never evict the groups `kept()` names (``tenant/fingerprint/chunk``: `kvpack.policy.pins`)."""
+        """Never evict the groups `kept()` names (``tenant/fingerprint/chunk``: `kvpack.store.pins`)."""
         with self._lock:
             self._capacity.kept = kept
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..identity.keys import GroupKey, StoreKey
 from ..identity.objects import Expectation, ObjectHeader, Payload
-from ..operate.clearing import Cleared, ClearScope
+from ..policy.clearing import Cleared, ClearScope
 from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 
 

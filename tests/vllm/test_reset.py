@@ -1,4 +1,4 @@
-"""vLLM's own reset of external caches reaches kvpack (`KVPackConnector.reset_cache`, `kvpack.operate.clearing`).
+"""vLLM's own reset of external caches reaches kvpack (`KVPackConnector.reset_cache`, `kvpack.policy.clearing`).
 
 - Offline, in vLLM's in-process and multi-process modes: a prompt is a kvpack hit; after
   ``LLM.reset_prefix_cache(reset_connector=True)`` the same prompt is recomputed (no cached token)

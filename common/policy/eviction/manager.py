@@ -71,7 +71,7 @@ class CapacityManager:
         self._pins: dict[Hashable, list[float]] = {}  # group -> [count, latest deadline (monotonic)]
         self.used = 0
         self.kept: Callable[[], Collection[Hashable]] | None = None
-        """The groups pinned by their tenant (`kvpack.policy.pins`): never candidates while it answers them."""
+        """The groups pinned by their tenant (`kvpack.store.pins`): never candidates while it answers them."""
 
     # -- queries -------------------------------------------------------------
 

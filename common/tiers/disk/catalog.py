@@ -128,7 +128,7 @@ class Catalog(ScanReconcile):
     EVICTABLE = ""
     """A condition on ``groups`` rows that eviction may take ("": any; the host store's: none being written)."""
     kept: Callable[[], Collection[bytes]] | None = None
-    """The group ids pinned by their tenant (`kvpack.policy.pins`): never victims while it answers them."""
+    """The group ids pinned by their tenant (`kvpack.store.pins`): never victims while it answers them."""
 
     def __init__(
         self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, *, private_fd: int | None = None

@@ -72,7 +72,7 @@ from ...identity.objects import (
     payload_parts,
 )
 from ...observe.router_facts import FactsRow, RouterFacts
-from ...operate.clearing import Cleared, ClearScope, ClearUnsupported
+from ...policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
@@ -319,7 +319,7 @@ class DiskTier(Tier):
         return self._capacity_bytes
 
     def keep(self, kept: Callable[[], frozenset[bytes]]) -> None:
-        """Never evict the groups whose ids `kept()` holds (`kvpack.policy.pins`), from any process's store."""
+        """Never evict the groups whose ids `kept()` holds (`kvpack.store.pins`), from any process's store."""
         self._catalog.kept = kept
 
     def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from ...config.schema import MooncakeProtocol, MooncakeTierConfig
 from ...identity.keys import GroupKey, StoreKey
 from ...identity.objects import Expectation, ObjectHeader, Payload
-from ...operate.clearing import Cleared, ClearScope, ClearUnsupported
+from ...policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 from . import connection
 from .connection import CircuitBreaker, Connection, TierEvents, TierState

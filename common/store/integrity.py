@@ -29,8 +29,8 @@ import hmac
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ..identity.objects import ObjectHeader, Payload, RejectReason, payload_parts
 from ..tiers.base import GetResult, PutItem, TierStatus
-from .objects import ObjectHeader, Payload, RejectReason, payload_parts
 
 CONTEXT = b"kvpack-object-mac-1\x00"
 DIGEST_BYTES = 8

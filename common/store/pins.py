@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from ..config.schema import KVPackConfig
 from ..errors import ConfigError
 from ..identity.keys import GroupKey
+from ..policy.tenancy import tenant_trusted
+from ..tiers.disk import DiskTier
 from ..tiers.disk.rows import group_id
-from .tenancy import tenant_trusted
+from ..tiers.memory import MemoryTier
 
-log = logging.getLogger("kvpack.policy.pins")
+log = logging.getLogger("kvpack.store.pins")
 
 PINS_NAME = ".kvpack-store.pins"
 """The pin list's file in the disk store's folder (a name the folder scan leaves alone)."""
@@ -274,9 +276,6 @@ def open_pins(config: KVPackConfig, tiers: Sequence[object]) -> PinBook | None:
     budget = config.eviction.pinned_bytes_per_tenant
     if budget <= 0 or not config.disk.enabled:
         return None
-    from ..tiers.disk import DiskTier
-    from ..tiers.memory import MemoryTier
-
     book = PinBook(config.disk.path, budget)
     for tier in tiers:
         if isinstance(tier, MemoryTier):
@@ -292,8 +291,6 @@ def pin_prefix(
     """Pin `tenant`'s prefix `chunks` (first chunk first) as far as the disk folder holds it: the
     groups of its chunks up to the first one the folder does not hold, each with the bytes it holds
     there (one indexed read); the rest is pinned by a later request with the same prefix."""
-    from ..tiers.disk import DiskTier
-
     disk = next((t for t in tiers if isinstance(t, DiskTier) and t.name == "disk"), None)
     if disk is None or not chunks:
         return PinOutcome()

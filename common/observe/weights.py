@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from ..observe.metrics import Metrics
-from .model_identity import IdentitySource, model_identity
+from ..identity.model_identity import IdentitySource, model_identity
+from .metrics import Metrics
 
-log = logging.getLogger("kvpack.identity.weights")
+log = logging.getLogger("kvpack.observe.weights")
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]
 """(ids of the watched modules, ids of their parameter objects, per parameter its version
