@@ -66,7 +66,15 @@ from .client_input import MAX_DETAIL_CHARS, Refusals, clip
 from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .errors import ConfigError, KVPackError, LayoutError
 from .identity.heads import HeadRange, HeadSplit
-from .identity.keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
+from .identity.keys import (
+    ChunkHash,
+    GroupKey,
+    StoreKey,
+    chain_hash,
+    chunk_hashes,
+    validate_chunk_hashes,
+    validate_member,
+)
 from .identity.layout_spec import KVLayoutSpec
 from .identity.model_identity import ModelIdentity, adapter_identity
 from .identity.model_identity import (
@@ -211,6 +219,7 @@ __all__ = [
     "tail_chunk",
     "tail_usable",
     "upload_runs",
+    "validate_chunk_hashes",
     "validate_member",
     "WeightsOrigin",
     "WeightsState",

@@ -114,11 +114,11 @@ class WorkersMemory:
     def holds(self, plan: HitPlan, tail_members: Sequence[MemberSpec], session: Session) -> bool:
         """Whether every object `plan` loads (its chunks, then its tail read as `tail_members`)
         is in the workers' memory: as far as their reports say, or, with a host memory tier,
-        in the host store now (`session.front_tier`)."""
+        in the host store now (`session.tiers.front`)."""
         if self.reported:
             memory, contains = self.index.name, self.index.contains
-        elif session.front_tier is not None:
-            memory, contains = session.front_tier, session.in_front
+        elif session.tiers.front is not None:
+            memory, contains = session.tiers.front, session.tiers.in_front
         else:
             return False
         if plan.scope is None or len(plan.tiers) < plan.hit_chunks:

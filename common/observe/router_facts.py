@@ -159,7 +159,7 @@ def shared_fact_tails(session: Session, origin: str, tiers: Sequence[str] = SWEP
     """A tail of each of `session`'s tiers named in `tiers` that keeps facts rows (in the store's
     tier order; empty: none here), counted in the session's metrics."""
     return [
-        FactsTail(tier, origin, session.metrics)  # a DiskTier by its methods
+        FactsTail(tier, origin, session.report.metrics)  # a DiskTier by its methods
         for tier in session.store.tiers
         if tier.name in tiers and hasattr(tier, "facts_after")
     ]

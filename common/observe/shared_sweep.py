@@ -146,7 +146,7 @@ def shared_tier_sweeps(session: Session) -> list[SharedSweep]:
     """A sweep of each of `session`'s tiers named in `SWEPT_TIERS`, counted in its metrics (in
     the store's tier order; empty: no shared tier here)."""
     return [
-        SharedSweep(tier, session.metrics)  # type: ignore[arg-type]  # a DiskTier by its methods
+        SharedSweep(tier, session.report.metrics)  # type: ignore[arg-type]  # a DiskTier by its methods
         for tier in session.store.tiers
         if tier.name in SWEPT_TIERS and hasattr(tier, "groups_present")
     ]
