@@ -35,7 +35,7 @@ from .registry import PoolRegistry
 log = logging.getLogger("kvpack.sglang")
 
 ENGINE = "sglang"
-"""The `tier` label under which the adapter's own refusals are counted (`Session.refused`)."""
+"""The `tier` label under which the adapter's own refusals are counted (`Session.report.refused`)."""
 
 
 class PageCopies:

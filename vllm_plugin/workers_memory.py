@@ -12,7 +12,7 @@ evicted since the last report.
 A host memory tier (``memory.mode: host``) is every process's: this side reads it
 directly, so the workers report nothing; a hit whose every object is there loads inside
 the step as one from the workers' own memory does (`holds`, through the store's
-`front_tier`). What this side planned to save is not there until a worker wrote it, so
+`tiers.front`). What this side planned to save is not there until a worker wrote it, so
 the index, behind the host store (`kvpack.KVStore.reader`), holds only those planned
 saves, each for as long as a load may wait for it (``io_timeout_ms`` from the end of the
 step that planned it: the save runs after that step's forward; `step_ended`): a request with
