@@ -67,7 +67,15 @@ from .config.reset import ClearTier, ResetScope
 from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .errors import ConfigError, KVPackError, LayoutError
 from .identity.heads import HeadRange, HeadSplit
-from .identity.keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
+from .identity.keys import (
+    ChunkHash,
+    GroupKey,
+    StoreKey,
+    chain_hash,
+    chunk_hashes,
+    validate_chunk_hashes,
+    validate_member,
+)
 from .identity.layout_spec import KVLayoutSpec
 from .identity.model_identity import ModelIdentity, adapter_identity
 from .identity.model_identity import (
@@ -212,6 +220,7 @@ __all__ = [
     "tail_chunk",
     "tail_usable",
     "upload_runs",
+    "validate_chunk_hashes",
     "validate_member",
     "WeightsOrigin",
     "WeightsState",

@@ -342,7 +342,7 @@ class PoolBinding:
 
     def fill_objects(self, host_indices: torch.Tensor, n_pages: int, dsts: Sequence[np.ndarray]) -> None:
         """Canonical pools: page j's object gathered straight into ``dsts[j]`` (a tier's slot
-        lent by `kvpack.Session.save_pages_lent`): the conversion is the only copy."""
+        lent by `kvpack.Session.save_pages` with ``fill``): the conversion is the only copy."""
         geo = self.canonical
         assert geo is not None, "fill_objects is for canonical pools"
         if len(dsts) != n_pages or any(d.nbytes != self.page_bytes for d in dsts):
@@ -358,7 +358,7 @@ class PoolBinding:
         self, host_indices: torch.Tensor, n_pages: int
     ) -> tuple[list[Payload], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]:
         """Where each page's object is read to, and what to call with the per-page results
-        and lent views (`kvpack.Session.complete_load_lent`: a page's object read in place
+        and lent views (`kvpack.Session.complete_load` with ``lend``: a page's object read in place
         from a tier, not copied into its row): in place (nothing to do after), or each
         loaded page's object, from its view or its staging row, scattered into the page."""
         if self.canonical is None:

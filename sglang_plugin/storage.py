@@ -125,14 +125,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self.pools = PoolRegistry(self.session, par, self.config.io_threads)
         self.pages = PageCopies(self.session, self.tenant, self.pools)
         self.weights = WeightUpdates.find(
-            lambda state: self.pools.rescope(with_weights(par.model, state.identity)), self.session.metrics
+            lambda state: self.pools.rescope(with_weights(par.model, state.identity)), self.session.report.metrics
         )
         """In-place weight updates (`kvpack.sglang_plugin.weights`): a change rescopes every key and
         member fingerprint from the start-up model identity; None outside a scheduler."""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, %s, tp %d/%d pp %d/%d mla=%s writer=%s",
             self.tenant,
-            self.session.tier_names,
+            self.session.tiers.names,
             "zero-copy pages (interface_v1)"
             if self.zero_copy
             else "pages copied by SGLang's generic path (no interface_v1: not shared with vLLM or zero-copy servers)",
@@ -234,7 +234,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         (`Coverage.TRAILING`); the core applies the windows and the draft policy."""
         if not keys or not self._valid_chunks(keys):
             return PoolTransferResult(0, {}, [])
-        self.session.wait_warm()  # at once unless a tier makes its first connect; HiCache's prefetch thread
+        self.session.wait_ready()  # at once unless a tier makes its first connect; HiCache's prefetch thread
         pools: dict[str, tuple[PoolBinding | FlatMember, MemberSpec]] = {}
         for b in all_pages:
             pools.setdefault(b.member, (b, b.spec))
@@ -309,7 +309,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         """`fallback` (a miss) for a call that raised, counted and logged: SGLang's controller
         threads die on an exception or a None."""
-        self.session.refused(ENGINE, AdapterRefusal.EXCEPTION)
+        self.session.report.refused(ENGINE, AdapterRefusal.EXCEPTION)
         log.warning(
             "kvpack: %s failed, answering a miss: %s: %s",
             op,
@@ -349,7 +349,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         )
 
     def metrics_snapshot(self) -> dict[str, dict[str, float]]:
-        return self.session.metrics_snapshot()
+        return self.session.report.snapshot()
 
     def close(self) -> None:
         self.session.close()

@@ -415,4 +415,4 @@ def router_events(
 
 def tier_feed(vllm_config: VllmConfig, session: Session) -> TierEventFeed | None:
     """A worker's feed of its tiers' events, or None when vLLM publishes no KV events (no cost)."""
-    return session.tier_events() if events_enabled(vllm_config) else None
+    return session.report.tier_events() if events_enabled(vllm_config) else None

@@ -109,7 +109,7 @@ class RequestScopes:
         and logged once per scheduler."""
         asked = pin_trusted(self.config, getattr(request, "kv_transfer_params", None))
         if asked is False:
-            self.session.record(AdapterEvent.UNTRUSTED_PIN)
+            self.session.report.record(AdapterEvent.UNTRUSTED_PIN)
             if not self._untrusted_pin_logged.is_set():
                 self._untrusted_pin_logged.set()
                 log.warning(
@@ -126,7 +126,7 @@ class RequestScopes:
             rs = request_scope(
                 request,
                 self.config,
-                lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
+                lambda _asked: self.session.report.record(AdapterEvent.UNTRUSTED_TENANT),
                 self._untrusted_warned,
             )
         except BadTenant as exc:
@@ -137,6 +137,6 @@ class RequestScopes:
                     clip(request.request_id),
                     clip(str(exc), MAX_DETAIL_CHARS),
                 )
-            self.session.record(AdapterEvent.BAD_TENANT)
+            self.session.report.record(AdapterEvent.BAD_TENANT)
             return None
         return replace(rs, weights=self.weights.identity) if self.weights.identity else rs

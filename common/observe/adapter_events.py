@@ -1,6 +1,6 @@
 """What an engine adapter tells the core happened, each counted under one metric.
 
-An adapter reports engine facts as events (`Session.record`); the core owns the metric
+An adapter reports engine facts as events (`Session.report.record`); the core owns the metric
 each event is counted as (the member's value, a name in `kvpack.observe.metrics.SPECS`), so no
 adapter names a metric (tests/common/test_structure.py holds it for every adapter module).
 """

@@ -36,27 +36,11 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..identity.keys import GroupKey
 from .metrics import Metrics
-from .shared_sweep import SWEPT_TIERS
-
-
-class FactsHolder(Protocol):
-    """What `shared_fact_tails` reads of a session: its metrics and its store's tiers."""
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def store(self) -> TiersHolder: ...
-
-
-class TiersHolder(Protocol):
-    @property
-    def tiers(self) -> Sequence[Any]: ...
-
+from .shared_sweep import SWEPT_TIERS, SharedTiersOwner
 
 log = logging.getLogger("kvpack")
 
@@ -139,11 +123,11 @@ class FactsTail:
             self._metrics.inc("shared_facts", n, tier=self.tier.name, outcome=outcome)
 
 
-def shared_fact_tails(session: FactsHolder, origin: str, tiers: Sequence[str] = SWEPT_TIERS) -> list[FactsTail]:
+def shared_fact_tails(session: SharedTiersOwner, origin: str, tiers: Sequence[str] = SWEPT_TIERS) -> list[FactsTail]:
     """A tail of each of `session`'s tiers named in `tiers` that keeps facts rows (in the store's
     tier order; empty: none here), counted in the session's metrics."""
     return [
-        FactsTail(tier, origin, session.metrics)  # a DiskTier by its methods
+        FactsTail(tier, origin, session.report.metrics)  # a DiskTier by its methods
         for tier in session.store.tiers
         if tier.name in tiers and hasattr(tier, "facts_after")
     ]

@@ -41,19 +41,25 @@ from .metrics import Metrics
 from .tier_events import TierEvent, TierEventKind
 
 
-class SweptSession(Protocol):
-    """What `shared_tier_sweeps` reads of a session: its metrics and its store's tiers."""
-
+class Reports(Protocol):
     @property
     def metrics(self) -> Metrics: ...
 
-    @property
-    def store(self) -> SweptStore: ...
 
-
-class SweptStore(Protocol):
+class HoldsTiers(Protocol):
     @property
     def tiers(self) -> Sequence[Any]: ...
+
+
+class SharedTiersOwner(Protocol):
+    """What the sweeps and the facts tails read of a session (`kvpack.Session`): where it counts
+    and its store's tiers."""
+
+    @property
+    def report(self) -> Reports: ...
+
+    @property
+    def store(self) -> HoldsTiers: ...
 
 
 log = logging.getLogger("kvpack")
@@ -155,16 +161,16 @@ class SharedSweep:
         return [TierEvent(TierEventKind.REMOVED, self.tier.name, g.as_str()) for g in groups]
 
 
-def shared_tier_sweeps(session: SweptSession) -> list[SharedSweep]:
+def shared_tier_sweeps(session: SharedTiersOwner) -> list[SharedSweep]:
     """A sweep of each of `session`'s tiers named in `SWEPT_TIERS`, counted in its metrics (in
     the store's tier order; empty: no shared tier here)."""
     return [
-        SharedSweep(tier, session.metrics)  # a DiskTier by its methods
+        SharedSweep(tier, session.report.metrics)  # a DiskTier by its methods
         for tier in session.store.tiers
         if tier.name in SWEPT_TIERS and hasattr(tier, "groups_present")
     ]
 
 
-def shared_tier_sweep(session: SweptSession, tier: str | None = None) -> SharedSweep | None:
+def shared_tier_sweep(session: SharedTiersOwner, tier: str | None = None) -> SharedSweep | None:
     """The sweep of `session`'s first shared tier (named `tier` if given; None: no such tier here)."""
     return next((s for s in shared_tier_sweeps(session) if tier is None or s.tier.name == tier), None)

@@ -3,7 +3,7 @@
 An adapter states a request's facts (`HitQuery`: tenant and chain seed, token ids,
 tokens per chunk, the members each chunk needs, how many tokens the engine must
 compute itself) and reads back a `HitPlan`; `Session.plan_hit` and
-`Session.plan_handoff` run the rules below with the session's store.
+`Session.plan_hit` with a handoff claim run the rules below with the session's store.
 
 - Whole chunks: one batched lookup over the chained hashes of every whole chunk
   (`KVStore.lookup`): the leading chunks whose every required member is stored.

@@ -337,10 +337,7 @@ class TransferRunner:
         except BaseException:
             self.session.release(batch)
             raise
-        if plan.lends:  # counts loaded_bytes and load_seconds per tier, as complete_load does
-            load = self.session.complete_load_lent(batch, local_only)
-        else:
-            load = LentLoad.copied(self.session.complete_load(batch, local_only))
+        load = self.session.complete_load(batch, local_only, lend=plan.lends)
         good = [True] * len(job.chunks)
         for r, chunk in zip(load.results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
             good[chunk] = good[chunk] and r.ok

@@ -164,7 +164,7 @@ def test_session_reset_takes_the_fingerprint_bound_now(tmp_path: Path) -> None:
         assert report.removed["disk"].objects == 2 * PER
         left = session.store.contains([it.key for it in _items("acme", FP_A)])
         assert all(left), "another fingerprint's objects were removed"
-        snap = session.metrics_snapshot()
+        snap = session.report.snapshot()
         assert snap["cleared_objects"]["tier=disk"] == 2 * PER
         assert snap["cleared_bytes"]["tier=memory"] == 2 * PER * NBYTES
     finally:

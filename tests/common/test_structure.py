@@ -471,12 +471,12 @@ def _counted(source: str, names: set[str]) -> list[tuple[int, str]]:
 
 
 def test_adapters_count_no_metric_by_name() -> None:
-    # they report events (kvpack.AdapterEvent, Session.record / refused); the core names the metric
+    # they report events (kvpack.AdapterEvent, Session.report.record / refused); the core names the metric
     names = _metric_names()
     assert "handoff_refused" in names and "loaded_tokens" in names and "workers_disabled" in names
     found = {str(p.relative_to(ROOT)): _counted(p.read_text(), names) for p in _adapter_modules()}
     found = {path: what for path, what in found.items() if what}
-    assert not found, f"metrics counted by name in an adapter (use Session.record): {found}"
+    assert not found, f"metrics counted by name in an adapter (use Session.report.record): {found}"
 
 
 def test_the_metric_check_sees_a_count_by_name() -> None:

@@ -99,6 +99,6 @@ def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_p
         scope = side._scope_of(_request("bob"))  # noqa: SLF001
         assert scope is not None and scope.tenant == "default"
         assert side.take_stats().get("untrusted_tenants") == 1  # the connector stats are the metrics' increases
-        assert side.session.metrics.value("untrusted_tenants") == 1
+        assert side.session.report.metrics.value("untrusted_tenants") == 1
     finally:
         side.close()

@@ -202,7 +202,7 @@ def metrics(role: str = "WORKER") -> dict[str, float]:
     for conn in live_connectors():
         if conn.role.name != role:
             continue
-        for name, series in conn.session.metrics_snapshot().items():
+        for name, series in conn.session.report.snapshot().items():
             for labels, value in series.items():
                 key = f"{name}{{{labels}}}"
                 out[key] = out.get(key, 0.0) + value
