@@ -1,31 +1,37 @@
-"""Session: the one door an engine adapter uses into the core.
+"""Session: the adapters' contract, the one door an engine adapter uses into the core.
 
 An adapter hands a session engine facts only: which tenant, which chunks (SGLang's
 page hashes, vLLM's chained block hashes), which member object it registered once
 (`MemberObject`: member name, member fingerprint, tokens and bytes per chunk), and the
 buffers to copy from or into. The session builds every `StoreKey`, `ObjectHeader`,
 `Expectation`, `PutItem` and `LoadItem`; remembers where a lookup found each object
-(`LocatedHints`, bounded) for the load that follows in the same process;
-de-duplicates saves through `KVStore.prepare_store` -> `complete_store`; and runs an
-engine process's start-up steps (`start_engine_process`). Adapters never build keys,
-headers or expectations themselves (tests/common/test_structure.py holds it).
+(`LocatedHints`, bounded) for the load that follows in the same process; and
+de-duplicates saves. Adapters never build keys, headers or expectations themselves
+(tests/common/test_structure.py holds it).
 
-Two shapes of call, one behaviour:
+Failure, for every verb unless its docstring says otherwise: a broken, slow or full tier
+is a miss (a lookup finds less, a load restores less and the engine recomputes, a save
+reports False), counted in the metrics; the engine is never handed an exception. What
+raises is the caller's own mistake (a bad chunk hash, a buffer of the wrong size):
+ValueError naming the field.
 
-- page batches (`save_pages`, `page_reads`): many chunks of one member with one
-  token count and one payload size, built with the batch builders (about 5x cheaper
-  per object than one constructor call each: SGLang sends hundreds of pages a call);
-- objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
-  partial block's token count, a tail's token ids), vLLM's blocks and tails.
+The verbs, grouped:
 
-Hits are planned here too (`plan_hit`, `plan_handoff`, `lookups_held`; the rules live in
-`kvpack.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
-
-Loads are two-phase, as the store's are: `prepare_load` pins what is in this
-process's memory and fixes the tier to read each object from (the hints given, else
-the ones this session's own lookups remembered); `complete_load` reads and releases.
-An adapter may wait between the two (vLLM waits for earlier saves and for a
-prefill instance's handoff); `release` gives the pins back without reading.
+- lifecycle: `start`, `reader` (constructors), `bind_group`, `reset`, `wait_ready`,
+  `flush`, `close`;
+- lookup and hits: `key`, `lookup`, `contains_members`, `plan_hit` (a handoff and a
+  pin included), `accept_hit`, `lookups_held`, `place_tail` (the rules live in
+  `kvpack.policy.hits`);
+- load: `reads` (objects with their own token facts: vLLM's blocks and tails),
+  `page_reads` (whole pages of one member: SGLang), `prepare_load` -> `complete_load`
+  (or `release`), `located_splits` and `load_pages` (SGLang's pages, several objects a
+  page). Loads are two-phase, as the store's are: `prepare_load` pins what is in this
+  process's memory and fixes the tier to read each object from; an adapter may wait
+  between the two (vLLM waits for earlier saves and for a prefill instance's handoff);
+- save: `save` (objects), `save_pages` (whole pages, copied or filled in place);
+- reporting: `report` (`kvpack.observe.reporting.Reporting`: counting, refusals, the
+  metrics and their snapshot, tier events) and `tiers` (`kvpack.store.tier_view.TierView`:
+  the tiers' names, the front tier, whether slots are lent).
 
 Thread-safe: the hints are behind a lock; everything else is the store's.
 """
@@ -34,43 +40,34 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
-from .adapter_events import AdapterEvent, AdapterRefusal
-from .budget import WaitBudget
-from .clearing import ClearReport, ClearScope, engine_scope
-from .client_input import Refusals
-from .config import KVPackConfig
+from .config.schema import KVPackConfig
 from .cpu_features import request_amx_permission
-from .exit_flush import Flushable, flush_on_exit, forget
-from .groups import GroupLookup, MemberSpec
-from .hit_sources import HitSources, hit_sources
-from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
-from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
-from .lifecycle import LoadPlan
-from .located import LocatedHints
-from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
-from .page_loads import PagePart, load_pages, located_splits
-from .pins import PinOutcome
-from .reads import LoadItem, PageReads
-from .router_facts import RouterFacts
-from .store import KVStore
-from .tails import TailMatch
-from .tenancy import RequestScope
-from .tier_events import TierEventFeed
-from .tiers.base import GetResult, PutItem, Tier, TierStatus
+from .identity.keys import StoreKey, chunk_hashes
+from .identity.objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
+from .observe.adapter_events import AdapterEvent
+from .observe.reporting import Reporting
+from .observe.router_facts import RouterFacts
+from .ops import load_extension, object_reader, object_remover, object_writer, region_copier
+from .policy.budget import WaitBudget
+from .policy.clearing import ClearReport, ClearScope, engine_scope
+from .policy.groups import GroupLookup, MemberSpec
+from .policy.hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
+from .policy.tails import TailMatch
+from .policy.tenancy import RequestScope
+from .store import KVStore, LentLoad, LoadItem, LoadPlan, PageReads
+from .store.hit_sources import HitSources, hit_sources
+from .store.located import LocatedHints
+from .store.page_loads import PagePart, load_pages, located_splits
+from .store.tier_view import TierView
+from .tiers.base import PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
-
-POLL_FIRST_S = 0.005
-"""`wait_until_stored`'s first pause between two looks at the store (seconds)."""
-POLL_MAX_S = 0.1
-"""Its longest pause: each pause doubles the last, up to this (seconds)."""
 
 
 def start_engine_process() -> None:
@@ -82,7 +79,6 @@ def start_engine_process() -> None:
     the first load's time bound (`kvpack.ops.load_extension`: cached per machine,
     never raises; without it the torch fallback copies). Imports torch: `import
     kvpack` itself stays light for the operator tools."""
-    from .ops import load_extension
 
     request_amx_permission()
     load_extension()
@@ -110,7 +106,7 @@ class ChunkFacts:
     `token_count`: tokens the object holds (a whole chunk, or a partial block's
     computed part). `token_ids`: a tail's ids (stored in its header; a load requires
     the stored ids to start with them); None for a whole chunk. `announce`: on save, what
-    a shared tier records for other instances' routers (`kvpack.router_facts`)."""
+    a shared tier records for other instances' routers (`kvpack.observe.router_facts`)."""
 
     chunk: str
     token_count: int
@@ -146,6 +142,10 @@ class Session:
         self.store = store
         self.group_fingerprint = group_fingerprint
         self.hints = hints if hints is not None else LocatedHints()
+        self.report = Reporting(store.metrics, store.tier_events)
+        """What the adapter counts and reads back (`Reporting`)."""
+        self.tiers = TierView(store)
+        """The store's tiers as an adapter may know them (`TierView`)."""
         self._held_logged = threading.Event()
         self._last_keys: tuple[str, str, str, list[str], list[StoreKey]] | None = None
         """(tenant, fingerprint, member, chunks, keys) of the last `keys` batch (`keys`)."""
@@ -157,7 +157,6 @@ class Session:
         """An engine process's session: `start_engine_process`, then the store the config
         enables, whose memory-tier copies use the native region copy and whose host and disk
         tiers the native batch file write, read and removal, once the kernels loaded."""
-        from .ops import object_reader, object_remover, object_writer, region_copier
 
         start_engine_process()
         store = KVStore.from_config(
@@ -181,50 +180,48 @@ class Session:
         return cls(KVStore.reader(config, leading), group_fingerprint, LocatedHints(capacity=0))
 
     def bind_group(self, group_fingerprint: str, label: str = "") -> None:
-        """Scope every key by `group_fingerprint` from now on; `label` (`KVLayoutSpec.label`) names it
-        in the shared indexes for ``kvpack usage``."""
+        """Scope every key by `group_fingerprint` from now on (call before the first lookup or
+        save); `label` (`KVLayoutSpec.label`) names it in the shared indexes for ``kvpack usage``
+        (a tier that cannot record the name logs it and goes on)."""
         self.group_fingerprint = group_fingerprint
         if label:
             self.store.name_group(group_fingerprint, label)
 
-    def reset(self, who: str) -> ClearReport | None:
-        """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): the config's ``reset``
-        rule over the fingerprints bound *now* (`kvpack.clearing.engine_scope`), logged in one
-        line; None (logged) when ``reset.scope`` is off."""
-        scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
-        if scope is None:
-            log.info("kvpack: %s: reset.scope is off; nothing removed", who)
-            return None
-        return self.clear(scope, who=who)
+    @overload
+    def reset(self, who: str) -> ClearReport | None: ...
 
-    def clear(self, scope: ClearScope, dry_run: bool = False, who: str = "clear") -> ClearReport:
-        """Remove what `scope` names from this process's tiers (`KVStore.clear`), logged in one line."""
-        report = self.store.clear(scope, dry_run)
+    @overload
+    def reset(self, who: str, scope: ClearScope) -> ClearReport: ...
+
+    def reset(self, who: str, scope: ClearScope | None = None) -> ClearReport | None:
+        """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): remove what `scope`
+        names from this process's tiers (`KVStore.clear`), logged in one line under `who`.
+        Without a `scope`, the config's ``reset`` rule over the fingerprints bound *now*
+        (`kvpack.policy.clearing.engine_scope`); None (logged) when ``reset.scope`` is off.
+        A tier that fails to clear is named in the report (`ClearReport.ok` False, logged as a
+        warning), never raised."""
+        if scope is None:
+            scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
+            if scope is None:
+                log.info("kvpack: %s: reset.scope is off; nothing removed", who)
+                return None
+        report = self.store.clear(scope, False)
         log.log(logging.INFO if report.ok else logging.WARNING, "kvpack: %s", report.line(who))
         return report
-
-    @staticmethod
-    def flush_at_exit(owner: Flushable, timeout_s: float) -> None:
-        """Have `owner.flush_before_exit` run before the process exits (bounded by
-        `timeout_s`; `kvpack.exit_flush`): an adapter's own queue of saves not yet handed
-        to the store must reach it too. The store registers itself."""
-        flush_on_exit(owner, timeout_s)
-
-    @staticmethod
-    def forget_at_exit(owner: Flushable) -> None:
-        """Undo `flush_at_exit` (the owner closed and flushed already)."""
-        forget(owner)
 
     # -- keys -----------------------------------------------------------------------
 
     def key(self, tenant: str, chunk: str, member: str) -> StoreKey:
+        """The store key of `member`'s object of `chunk` for `tenant`, in this session's group
+        (what a scheduler-side view of another process's memory is asked about). ValueError
+        names a bad field."""
         return StoreKey(tenant, self.group_fingerprint, chunk, member)
 
-    def keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
+    def _keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
         """Validated keys of `chunks` for one member (ValueError names a bad field). The
         last batch is kept: a load asks for the same keys twice (where its chunks were
-        found, then what to read), and building them costs ~1 us a key; comparing the
-        chunks (the same strings) a fraction of that. A fresh list every call."""
+        found, then what to read), and comparing the chunks (the same strings) is cheaper
+        than validating and building every key again. A fresh list every call."""
         last, fingerprint = self._last_keys, self.group_fingerprint
         if last is not None and last[:3] == (tenant, fingerprint, member) and last[3] == chunks:
             return list(last[4])
@@ -232,15 +229,11 @@ class Session:
         self._last_keys = (tenant, fingerprint, member, list(chunks), keys)  # one assignment: thread-safe
         return list(keys)
 
-    @staticmethod
-    def check_chunks(chunks: Sequence[str]) -> None:
-        """Raise ValueError (naming it) for a chunk that is not a valid chunk hash."""
-        validate_chunk_hashes(chunks)
-
     # -- lookup ---------------------------------------------------------------------
 
     def contains_members(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
-        """Per chunk, per member: stored on any tier (`KVStore.contains_members`)."""
+        """Per chunk, per member: stored on any tier (`KVStore.contains_members`; not verified:
+        a load may still miss). A tier that fails answers not stored."""
         return self.store.contains_members(tenant, self.group_fingerprint, chunks, members)
 
     def lookup(
@@ -252,62 +245,68 @@ class Session:
         budget: WaitBudget | None = None,
         alternatives: Sequence[Sequence[MemberSpec]] = (),
     ) -> GroupLookup:
-        """`KVStore.lookup` in this session's group; remembers where each key of the hit
-        was found, for a `prepare_load` in this process without hints of its own."""
+        """`KVStore.lookup` in this session's group: the hit of `chunks` (each of `chunk_tokens`
+        tokens) that every one of `members` (or of one of `alternatives`) holds, remote tiers
+        asked within `budget`. Remembers where each key of the hit was found, for a
+        `prepare_load` or `load_pages` in this process without hints of its own. A tier that
+        fails or runs out of budget is a shorter hit, counted."""
         result = self.store.lookup(
             tenant, self.group_fingerprint, chunks, members, chunk_tokens, budget, alternatives=alternatives
         )
         self.hints.remember(result.located)
         return result
 
-    def was_located(self, tenant: str, chunk: str, member: str) -> bool:
-        """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
-        return self.key(tenant, chunk, member) in self.hints
-
-    def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
-        """`was_located` for many chunks of one member (keys batch-built, one lock; none
-        built while no lookup's hints are kept)."""
+    def _were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
+        """Per chunk: whether a lookup of this session found `member` of it and no load took it
+        yet (keys batch-built, one lock; none built while no lookup's hints are kept)."""
         if not self.hints:
             return [False] * len(chunks)
-        return self.hints.contain(self.keys(tenant, chunks, member))
+        return self.hints.contain(self._keys(tenant, chunks, member))
 
-    # -- hit planning (the rules: `kvpack.hits`) ------------------------------------
+    # -- hit planning (the rules: `kvpack.policy.hits`) ------------------------------------
 
-    def plan_hit(self, query: HitQuery, budget: WaitBudget | None = None) -> HitPlan:
-        """The hit of `query`: one lookup of its whole chunks (`lookup`), then the stored tail
-        after the last hit chunk, within `budget` for remote tiers (`kvpack.hits`)."""
+    def plan_hit(
+        self,
+        query: HitQuery,
+        budget: WaitBudget | None = None,
+        *,
+        claim: HandoffClaim | None = None,
+        pin: bool = False,
+    ) -> HitPlan:
+        """The hit of `query` (`kvpack.policy.hits`): one lookup of its whole chunks (`lookup`),
+        then the stored tail after the last hit chunk, within `budget` for remote tiers. With a
+        `claim` (another instance computed and stored the request: a prefill instance's
+        handoff), the claimed hit without a lookup: its loads wait for objects still landing.
+        `pin`: also pin the whole chunks of the prompt the store holds (`kvpack.store.pins`;
+        nothing when pins are off). A failing tier is a shorter hit (a miss at worst)."""
         hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
         tenant = query.scope.tenant
-        result = self.lookup(tenant, hashes, query.members, query.chunk_tokens, budget, query.alternatives)
         config = self.store.config
+        if claim is not None:
+            plan = plan_handoff(query, hashes, claim, config, self.store.metrics)
+        else:
+            result = self.lookup(tenant, hashes, query.members, query.chunk_tokens, budget, query.alternatives)
 
-        def find_tail(parent: str | None, tokens: Sequence[int], members: Sequence[MemberSpec]) -> TailMatch | None:
-            return self.store.tails.find(
-                tenant, self.group_fingerprint, parent, tokens, members, config.prefix_match_unit, budget
-            )
+            def find_tail(parent: str | None, tokens: Sequence[int], members: Sequence[MemberSpec]) -> TailMatch | None:
+                return self.store.tails.find(
+                    tenant, self.group_fingerprint, parent, tokens, members, config.prefix_match_unit, budget
+                )
 
-        return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
-
-    def pin(self, query: HitQuery) -> PinOutcome | None:
-        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.pins`); None: pins off."""
-        hashes = chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed)
-        return self.store.pin_prefix(query.scope.tenant, self.group_fingerprint, hashes)
+            plan = plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
+        if pin:
+            self.store.pin_prefix(tenant, self.group_fingerprint, hashes)
+        return plan
 
     def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
         """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,
-        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.hit_sources`)."""
+        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier
+        (`kvpack.store.hit_sources`). Only counts; never fails."""
         if plan.scope is not None:
-            self.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
+            self.report.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
         sources = hit_sources(plan, external_tokens, chunk_tokens, self.store.tiers)
         for tier, n in sources.by_tier.items():
             self.store.metrics.inc("hit_tier_tokens", n, tier=tier)
         return sources
-
-    def plan_handoff(self, query: HitQuery, claim: HandoffClaim) -> HitPlan:
-        """The hit of a request another instance computed and stored (`HandoffClaim`), without
-        a lookup: the loads wait for objects still landing (`wait_until_stored`)."""
-        hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
-        return plan_handoff(query, hashes, claim, self.store.config, self.store.metrics)
 
     def lookups_held(self, scope_of: Callable[[], RequestScope | None]) -> bool:
         """True when a request is to be held: a tier makes its first connect
@@ -335,99 +334,65 @@ class Session:
         budget: WaitBudget | None = None,
     ) -> tuple[str, bool]:
         """Where the tail `token_ids` after chunk `parent` goes, and whether every member of it
-        is stored there already (`TailSlots.place`)."""
+        is stored there already (`TailSlots.place`: a slot id, stable for the same tail). A tier
+        that fails or runs out of `budget` reads as not stored: the tail is saved again."""
         return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
 
-    def tier_events(self) -> TierEventFeed:
-        """From now on, report what this process's tiers take and let go (`kvpack.tier_events`:
-        a bounded feed the adapter drains, e.g. into vLLM's KV events for routers)."""
-        return self.store.tier_events()
-
-    def record(self, event: AdapterEvent, amount: float = 1, tenant: str | None = None) -> None:
-        """Count what an adapter reports (`AdapterEvent`: the core names the metric)."""
-        if tenant is None:
-            self.store.metrics.inc(event.value, amount)
-        else:
-            self.store.metrics.inc(event.value, amount, tenant=tenant)
-
-    def refusals(self, event: AdapterEvent, what: str, logger: logging.Logger) -> Refusals:
-        """A `Refusals` of client input of one kind, counted under `event`'s metric by reason."""
-        return Refusals(self.store.metrics, event.value, what, logger)
-
-    def refused(self, engine: str, why: AdapterRefusal) -> None:
-        """Count an engine call the adapter answered as a miss itself (`AdapterRefusal`): a
-        ``tier_errors`` count with `engine` as the tier and the reason as the status."""
-        self.store.metrics.inc("tier_errors", tier=engine, status=why.value)
-
-    def metrics_snapshot(self) -> dict[str, dict[str, float]]:
-        """Every counter's and gauge's value by label set (`Metrics.snapshot`)."""
-        return self.store.metrics.snapshot()
-
-    @property
-    def tier_names(self) -> list[str]:
-        """The store's tiers by name, fastest first."""
-        return [t.name for t in self.store.tiers]
-
-    @property
-    def front_tier(self) -> str | None:
-        """The tier in host memory the store asks first, None without one (`KVStore.front_tier`)."""
-        return self.store.front_tier
-
-    def in_front(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Per key: held by the `front_tier` now (`KVStore.in_front`)."""
-        return self.store.in_front(keys)
-
-    def wait_warm(self) -> bool:
-        """At once, unless a tier makes its first connect: then until it is up, at most that
-        tier's ``connect_wait_ms`` (a lookup before would miss what the tier holds)."""
-        return self.store.wait_warm()
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Wait at most `timeout_s` seconds until tiers that connect in the background are up."""
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until tiers that connect in the background (Mooncake) are up; True when all
+        are usable, False (never an exception) when one is not by then. `timeout_s` seconds at
+        most, also waiting past a failed first attempt (tests, tools, an operator's start-up
+        check); None: at once unless a tier makes its first connect, then until it is up, at
+        most that tier's own ``connect_wait_ms`` (a lookup before would miss what it holds:
+        SGLang's prefetch thread). Never on an engine's step."""
+        if timeout_s is None:
+            return self.store.wait_warm()
         return self.store.wait_ready(timeout_s)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait at most `timeout_s` seconds until every accepted object reached every tier."""
+        """Wait at most `timeout_s` seconds until every accepted object reached every tier; False
+        when some had not by then (they stay queued; a tier that failed them counted them)."""
         return self.store.flush(timeout_s)
 
     def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
-        """Per chunk, which of `members` this session's last lookup found it under (`kvpack.page_loads`)."""
-        return located_splits(self, tenant, chunks, members)
+        """Per chunk, the index into `members` of the first member this session's last lookup found
+        it under (0 also for chunks no lookup found: `kvpack.store.page_loads.located_splits`).
+        Reads only the remembered hints; never fails."""
+        return located_splits(lambda some, member: self._were_located(tenant, some, member), chunks, members)
 
     def load_pages(
         self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
     ) -> list[bool]:
-        """One load of several objects per page; a page is restored only when all of its
-        objects loaded (`kvpack.page_loads.load_pages`)."""
-        return load_pages(self, parts, pages, lent=lent, tenant=tenant, page_tokens=page_tokens)
-
-    @property
-    def metrics(self) -> Metrics:
-        """The store's counters and histograms (what an adapter counts goes here too)."""
-        return self.store.metrics
+        """One load of several objects per page, each from the tier this session's lookup found it
+        in; a page is restored only when all of its objects loaded (`kvpack.store.page_loads`).
+        Never raises: a miss or a refused object is a page not restored. `page_tokens` tokens per
+        restored page are counted as ``loaded_tokens`` of `tenant` (0: the caller counts them)."""
+        located = self.hints.take([key for part in parts for key in part.reads.keys])
+        ok = load_pages(self.store.reads, located, parts, pages, lent=lent, tenant=tenant)
+        if page_tokens:
+            self.report.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
+        return ok
 
     def close(self, flush_timeout_s: float | None = None) -> None:
-        """Close the store (`KVStore.close`: its write-back drained within `flush_timeout_s`)."""
+        """Close the store (`KVStore.close`: its write-back drained within `flush_timeout_s`
+        seconds, what is left then is dropped and counted). Later calls answer misses."""
         self.store.close(flush_timeout_s=flush_timeout_s)
 
     # -- load -----------------------------------------------------------------------
 
-    def page_reads(
-        self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]
-    ) -> list[LoadItem]:
-        """Load items of whole pages of one member (batch-built), one per chunk and `dsts` entry."""
-        return self.page_batch(tenant, obj, chunks, dsts).items()
-
-    def page_batch(self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]) -> PageReads:
-        """`page_reads` as one batch (`PageReads`: keys, buffers, one expectation), for a
-        `PagePart`: no `LoadItem` per page until one is read the ordinary way."""
-        keys = self.keys(tenant, chunks, obj.member)
+    def page_reads(self, tenant: str, obj: MemberObject, chunks: Sequence[str], dsts: Sequence[Payload]) -> PageReads:
+        """Whole pages of one member to load, one per chunk into the `dsts` entry at its index,
+        as one batch (`PageReads`: keys, buffers, one expectation; batch-built, no `LoadItem`
+        per page until one is read the ordinary way): for a `PagePart` of `load_pages`, or
+        `PageReads.items()` for `prepare_load`. ValueError names a bad chunk hash."""
+        keys = self._keys(tenant, chunks, obj.member)
         size = obj.payload_len if obj.payload_len is not None else (payload_nbytes(dsts[0]) if dsts else 0)
         return PageReads(keys, list(dsts), PageExpectation(obj.fingerprint, tenant, obj.member, obj.chunk_tokens, size))
 
     def reads(self, tenant: str, objects: Sequence[ObjectIO]) -> list[LoadItem]:
         """Load items of objects with their own token facts: a tail requires its stored
-        ids to start with `ChunkFacts.token_ids` (any count), a block its exact count."""
+        ids to start with `ChunkFacts.token_ids` (any count), a block its exact count; for
+        `prepare_load`. ValueError names a bad chunk hash."""
         return [
             LoadItem(
                 self.key(tenant, o.facts.chunk, o.obj.member),
@@ -445,127 +410,99 @@ class Session:
             for o in objects
         ]
 
-    def prepare_load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> LoadBatch:
-        """Pin and place `items` (`KVStore.prepare_load`): each read first from the tier in
-        `hints` (another process's lookup: vLLM's scheduler), else the tier this session's
-        lookup remembered; pair with `complete_load` or `release`."""
+    def prepare_load(
+        self, items: Sequence[LoadItem] | PageReads, hints: Mapping[StoreKey, str] | None = None
+    ) -> LoadBatch:
+        """Pin and place `items` (`reads`, or a `page_reads` batch read item by item:
+        `KVStore.prepare_load`): each read first from the tier in `hints` (another process's
+        lookup: vLLM's scheduler), else the tier this session's lookup remembered; pair with
+        `complete_load` or `release` (else the pins stay until evicted by time). Reads nothing
+        yet; never fails."""
+        items = items.items() if isinstance(items, PageReads) else list(items)
         located = hints if hints is not None else self.hints.take([it.key for it in items])
-        return LoadBatch(list(items), self.store.prepare_load(located))
+        return LoadBatch(items, self.store.prepare_load(located))
 
-    def complete_load(self, batch: LoadBatch, local_only: bool = False) -> list[GetResult]:
-        """Read every item of `batch` into its buffer (a miss or a refused object is a
-        result, never an exception) and release its pins. `local_only`: from host memory and
-        disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
-        return self.store.complete_load(batch.plan, batch.items, local_only)
+    def complete_load(self, batch: LoadBatch, local_only: bool = False, *, lend: bool = False) -> LentLoad:
+        """Read every item of `batch` into its buffer and release its pins. Per item, a
+        `GetResult` (`LentLoad.results`, `LentLoad.ok`): a miss, a refused object (wrong
+        model, tenant, size or tokens) or a failing tier is a result, never an exception; the
+        engine recomputes it. `local_only`: from host memory and disk only, never a remote
+        tier (`KVStore.complete_load`): a load inside an engine step.
 
-    def complete_load_lent(
-        self, batch: LoadBatch, local_only: bool = False
-    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
-        """`complete_load`, except that an object this process's memory tier or the host store
-        holds is not copied into its buffer: ``views[i]`` is its stored payload, read-only;
-        None where the item was read into its buffer as `complete_load` reads it. For a
-        caller that converts the bytes on their way into the engine anyway (the conversion
-        is then the only copy). Once it copied out of the views it calls the third element,
-        ``held()``: per item, False where the copy is not the object (a host-store view
-        rewritten meanwhile: treat it as a miss). `KVStore.complete_load_lent` has the rules;
-        `local_only` as for `complete_load`."""
-        return self.store.complete_load_lent(batch.plan, batch.items, local_only)
+        `lend`: an object this process's memory tier or the host store holds is not copied into
+        its buffer: ``views[i]`` is its stored payload, read-only; None where the item was read
+        into its buffer. For a caller that converts the bytes on their way into the engine anyway
+        (the conversion is then the only copy). Once it copied out of the views it runs
+        `LentLoad.lost`: the items whose copy is not the object (a host-store view rewritten
+        meanwhile: treat it as a miss). `Reader.complete_load_lent` has the rules."""
+        if lend:
+            return self.store.reads.complete_load_lent(batch.plan, batch.items, local_only)
+        return LentLoad.copied(self.store.complete_load(batch.plan, batch.items, local_only))
 
     def release(self, batch: LoadBatch) -> None:
+        """Give `batch`'s pins back without reading (a load given up). Never fails."""
         self.store.release(batch.plan)
 
-    def wait_until_stored(
-        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[StoreKey]:
-        """Look for `keys` on every tier until all are there, `stop()` is true, or
-        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
-
-        For objects another process is still storing (a prefill instance's handoff). The
-        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
-        seen within milliseconds, and a long wait costs little CPU on a machine the storing
-        process shares (32 keys looked up in Mooncake every 5 ms took 0.09 of a core,
-        client and master, on a 2-core EPYC; every 100 ms, 0.01)."""
-        missing = list(keys)
-        pause = POLL_FIRST_S
-        while missing and not stop():
-            found = self.store.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            left = deadline - time.monotonic()
-            if not missing or left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_MAX_S)
-        return missing
-
-    def load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> list[GetResult]:
-        """`prepare_load` then `complete_load`, nothing to wait for in between."""
-        return self.complete_load(self.prepare_load(items, hints))
-
     # -- save -----------------------------------------------------------------------
+
+    def _to_store(self, keys: Sequence[StoreKey]) -> list[int]:
+        """The de-duplication rule, once for every save verb: the indices of `keys` to store now
+        (`KVStore.prepare_store`: on no tier and not being stored by another caller), each claimed
+        until the `complete_store` (or `complete_store_lent`) of the caller that stores it. The
+        others are reported stored."""
+        wanted = set(self.store.prepare_store(keys))
+        return [i for i, key in enumerate(keys) if key in wanted]
 
     def save_pages(
         self,
         tenant: str,
         obj: MemberObject,
         chunks: Sequence[str],
-        payloads_of: Callable[[Sequence[int]], Sequence[Payload]],
+        payloads_of: Callable[[Sequence[int]], Sequence[Payload]] | None = None,
+        *,
+        fill: Callable[[Sequence[int], list[np.ndarray]], None] | None = None,
     ) -> list[bool]:
-        """Store whole pages of one member, de-duplicated: `KVStore.prepare_store` picks the
-        pages on no tier and not being stored by another caller; `payloads_of(indices)`
-        gives just those pages' payloads (in place, e.g. host-pool regions); one
-        `complete_store`. Per page: True when stored now or already stored."""
+        """Store whole pages of one member, de-duplicated: only the pages on no tier and not
+        being stored by another caller (`KVStore.prepare_store`) are asked for, ``todo`` (indices
+        into `chunks`). Exactly one source of their bytes:
+
+        - `payloads_of(todo)` gives those pages' payloads (in place, e.g. host-pool regions),
+          stored by one `complete_store`;
+        - `fill(todo, dsts)` writes page ``todo[j]``'s object (exactly ``obj.payload_len``
+          bytes) into ``dsts[j]``, the memory tier's own slot where it lends one
+          (`KVStore.store_lent`, `TierView.lends_slots`), so a caller that converts the pages
+          anyway makes no copy beside the tier's.
+
+        Per page: True when stored now or already stored, False when no tier took it (counted).
+        Raises ValueError for a bad chunk hash, for both or neither source, and for `fill`
+        without ``obj.payload_len``; an exception from the caller's own `payloads_of` or `fill`
+        is the caller's, raised to it."""
+        if (payloads_of is None) == (fill is None):
+            raise ValueError("save_pages: give exactly one of payloads_of and fill")
         n = len(chunks)
         if n == 0:
             return []
-        keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        if fill is not None and obj.payload_len is None:
+            raise ValueError(f"save_pages: member {obj.member} has no payload_len")
+        keys = self._keys(tenant, chunks, obj.member)
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
-        payloads = payloads_of(todo)
-        size = obj.payload_len if obj.payload_len is not None else payload_nbytes(payloads[0])
-        headers = ObjectHeader.batch(
-            obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, size
-        )
-        items = list(map(PutItem, [keys[i] for i in todo], headers, payloads))
-        for i, st in zip(todo, self.store.complete_store(items)):
-            ok[i] = st is TierStatus.OK
-        return ok
-
-    @property
-    def lends_slots(self) -> bool:
-        """Whether `save_pages_lent` and `complete_load_lent` lend the memory tier's own slots
-        (`KVStore.lends_memory`); when False they copy as `save_pages` and `complete_load` do."""
-        return self.store.lends_memory
-
-    def save_pages_lent(
-        self,
-        tenant: str,
-        obj: MemberObject,
-        chunks: Sequence[str],
-        fill: Callable[[Sequence[int], list[np.ndarray]], None],
-    ) -> list[bool]:
-        """`save_pages` whose payloads are written in place: `fill(todo, dsts)` writes page
-        ``todo[j]``'s object (exactly ``obj.payload_len`` bytes) into ``dsts[j]``, the memory
-        tier's own slot where it lends one (`KVStore.store_lent`), so a caller that converts
-        the pages anyway makes no copy beside the tier's. Raises ValueError without
-        ``obj.payload_len``. Per page: True when stored now or already stored."""
-        n = len(chunks)
-        if n == 0:
-            return []
-        if obj.payload_len is None:
-            raise ValueError(f"save_pages_lent: member {obj.member} has no payload_len")
-        keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
-        ok = [True] * n
-        if not todo:
-            return ok
-        headers = ObjectHeader.batch(
-            obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, obj.payload_len
-        )
-        statuses = self.store.complete_store_lent([keys[i] for i in todo], headers, lambda dsts: fill(todo, dsts))
+        if fill is not None:
+            assert obj.payload_len is not None
+            headers = ObjectHeader.batch(
+                obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, obj.payload_len
+            )
+            statuses = self.store.complete_store_lent([keys[i] for i in todo], headers, lambda dsts: fill(todo, dsts))
+        else:
+            assert payloads_of is not None
+            payloads = payloads_of(todo)
+            size = obj.payload_len if obj.payload_len is not None else payload_nbytes(payloads[0])
+            headers = ObjectHeader.batch(
+                obj.fingerprint, tenant, [chunks[i] for i in todo], obj.member, obj.chunk_tokens, size
+            )
+            statuses = self.store.complete_store(list(map(PutItem, [keys[i] for i in todo], headers, payloads)))
         for i, st in zip(todo, statuses):
             ok[i] = st is TierStatus.OK
         return ok
@@ -577,7 +514,8 @@ class Session:
         stored by another caller, is skipped and reported stored). False stores every
         object as given: a caller that decided itself what to save, or rewrites a tail
         slot in place. `SaveResult.in_memory`: per object, whether this process's
-        memory tier holds it now (what a scheduler-side view is told)."""
+        memory tier holds it now (what a scheduler-side view is told). A tier that fails is
+        that object's status (`SaveResult.statuses`), counted; never an exception."""
         items = [
             PutItem(
                 self.key(tenant, o.facts.chunk, o.obj.member),
@@ -598,8 +536,7 @@ class Session:
         ]
         statuses = [TierStatus.OK] * len(items)
         if dedupe:
-            wanted = set(self.store.prepare_store([it.key for it in items]))
-            todo = [i for i, it in enumerate(items) if it.key in wanted]
+            todo = self._to_store([it.key for it in items])
             for i, st in zip(todo, self.store.complete_store([items[i] for i in todo])):
                 statuses[i] = st
         else:

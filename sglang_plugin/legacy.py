@@ -70,9 +70,10 @@ class LegacyPageInterface:
                         f"legacy get target of {t.numel() * t.element_size()} bytes, page is {flat.page_bytes}"
                     )
                 dsts.append(dst)
-            results = self.session.load(self.session.page_reads(self.tenant, flat.obj, keys, dsts))
+            reads = self.session.page_reads(self.tenant, flat.obj, keys, dsts)
+            results = self.session.complete_load(self.session.prepare_load(reads)).results
             loaded = sum(1 for r in results if r.ok)
-            self.session.record(AdapterEvent.LOADED_TOKENS, loaded * flat.page_size, tenant=self.tenant)
+            self.session.report.record(AdapterEvent.LOADED_TOKENS, loaded * flat.page_size, tenant=self.tenant)
             return [t if r.ok else None for t, r in zip(targets, results)]
         except Exception as exc:
             return self._data_path_error("batch_get", exc, [None] * len(keys))

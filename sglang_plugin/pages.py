@@ -5,7 +5,7 @@ A get is one `Session.load_pages` for the whole batch, straight into the pool's 
 for a canonical KV pool, converted on the way in out of the memory tier's own slots), each
 page from the tier the lookup found it in; a page is restored only when every object of it
 loaded. A set stores only the pages the session's de-duplication says are still to store
-(`Session.save_pages`, `save_pages_lent`), read in place from the pool.
+(`Session.save_pages`, copied or filled in place), read in place from the pool.
 """
 
 from __future__ import annotations
@@ -17,7 +17,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvpack import AdapterRefusal, BatchLog, Direction, MemberObject, PagePart, Payload, Session, clip
+from kvpack import (
+    AdapterRefusal,
+    BatchLog,
+    Direction,
+    MemberObject,
+    PagePart,
+    Payload,
+    Session,
+    clip,
+    validate_chunk_hashes,
+)
 
 from .pools import PoolBinding
 from .registry import PoolRegistry
@@ -25,7 +35,7 @@ from .registry import PoolRegistry
 log = logging.getLogger("kvpack.sglang")
 
 ENGINE = "sglang"
-"""The `tier` label under which the adapter's own refusals are counted (`Session.refused`)."""
+"""The `tier` label under which the adapter's own refusals are counted (`Session.report.refused`)."""
 
 
 class PageCopies:
@@ -42,7 +52,7 @@ class PageCopies:
 
     def _first(self, why: AdapterRefusal) -> bool:
         """Count a refusal; whether it is the first of its reason here (the one to log)."""
-        self.session.refused(ENGINE, why)
+        self.session.report.refused(ENGINE, why)
         if why in self._logged:
             return False
         self._logged.add(why)
@@ -51,7 +61,7 @@ class PageCopies:
     def valid(self, keys: Sequence[str]) -> bool:
         """Whether every page key is a valid chunk hash (a refusal is counted and logged)."""
         try:
-            self.session.check_chunks(keys)
+            validate_chunk_hashes(keys)
         except (ValueError, TypeError) as exc:
             if self._first(AdapterRefusal.BAD_KEY):  # the key is quoted cut (`keys.validate_chunk_hash`)
                 log.warning("kvpack: SGLang page key refused: %s; later ones are only counted", exc)
@@ -97,7 +107,7 @@ class PageCopies:
     def _parts(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[PagePart]:
         """Per object set of the pages: the pool's own member, or, for pages the lookup found
         as another TP size's head ranges (`PoolRegistry.other_splits`), one object per range.
-        Pages of one batch may come from several splits (`kvpack.split_lookup`)."""
+        Pages of one batch may come from several splits (`kvpack.policy.split_lookup`)."""
         n = len(keys)
         if binding.canonical is not None:
             members = [binding.member] + [objects[0].member for objects in binding.sources[1:]]
@@ -111,12 +121,12 @@ class PageCopies:
             names = [keys[i] for i in pages]
             if split == 0:
                 payloads, finish = binding.load_buffers(idx, len(pages))
-                out.append(PagePart(pages, self.session.page_batch(self.tenant, binding.obj, names, payloads), finish))
+                out.append(PagePart(pages, self.session.page_reads(self.tenant, binding.obj, names, payloads), finish))
                 continue
             for obj in binding.sources[split]:
                 payloads, finish = binding.range_load_buffers(idx, len(pages), obj)
                 member = MemberObject(obj.member, obj.fingerprint, binding.page_size)  # bytes: the range's buffers
-                out.append(PagePart(pages, self.session.page_batch(self.tenant, member, names, payloads), finish))
+                out.append(PagePart(pages, self.session.page_reads(self.tenant, member, names, payloads), finish))
         return out
 
     def set(self, binding: PoolBinding | None, name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -142,12 +152,12 @@ class PageCopies:
         def pages(todo: Sequence[int]) -> torch.Tensor:
             return host_indices if len(todo) == n else host_indices.reshape(n, -1)[list(todo)].reshape(-1)
 
-        if binding.canonical is not None and self.session.lends_slots:  # converted straight into the tier's slots
+        if binding.canonical is not None and self.session.tiers.lends_slots:  # converted straight into the tier's slots
 
             def fill(todo: Sequence[int], dsts: list[np.ndarray]) -> None:
                 binding.fill_objects(pages(todo), len(todo), dsts)
 
-            return self.session.save_pages_lent(self.tenant, binding.obj, keys, fill)
+            return self.session.save_pages(self.tenant, binding.obj, keys, fill=fill)
         after: list[Callable[[], None]] = []
 
         def payloads_of(todo: Sequence[int]) -> list[Payload]:

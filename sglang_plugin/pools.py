@@ -145,7 +145,7 @@ def checkpoint_kv_heads(model_name: str | None) -> int:
 
 
 def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
-    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.model_identity`).
+    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.identity.model_identity`).
 
     SGLang gives the served model name (by default the model path), tagged
     ``<name>-<storage_format_tag>`` when the host pool has a page format of its own.
@@ -185,7 +185,7 @@ def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str)
 
 
 def rank_heads(geo: CanonicalGeometry, par: ParallelInfo) -> tuple[HeadSplit, HeadRange] | None:
-    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.heads`),
+    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.identity.heads`),
     or None when they are not known for sure. A rank holding several heads holds
     ``heads / tp_size`` of them (replication gives every rank exactly one); a rank of one
     head needs the checkpoint's count (`ParallelInfo.kv_heads`): the model may have
@@ -342,7 +342,7 @@ class PoolBinding:
 
     def fill_objects(self, host_indices: torch.Tensor, n_pages: int, dsts: Sequence[np.ndarray]) -> None:
         """Canonical pools: page j's object gathered straight into ``dsts[j]`` (a tier's slot
-        lent by `kvpack.Session.save_pages_lent`): the conversion is the only copy."""
+        lent by `kvpack.Session.save_pages` with ``fill``): the conversion is the only copy."""
         geo = self.canonical
         assert geo is not None, "fill_objects is for canonical pools"
         if len(dsts) != n_pages or any(d.nbytes != self.page_bytes for d in dsts):
@@ -358,7 +358,7 @@ class PoolBinding:
         self, host_indices: torch.Tensor, n_pages: int
     ) -> tuple[list[Payload], Callable[[Sequence[bool], Sequence[memoryview | None]], None]]:
         """Where each page's object is read to, and what to call with the per-page results
-        and lent views (`kvpack.Session.complete_load_lent`: a page's object read in place
+        and lent views (`kvpack.Session.complete_load` with ``lend``: a page's object read in place
         from a tier, not copied into its row): in place (nothing to do after), or each
         loaded page's object, from its view or its staging row, scattered into the page."""
         if self.canonical is None:

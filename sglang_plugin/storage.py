@@ -27,7 +27,7 @@ the hit to what the draft pool actually loads). Every pool is a member of the
 page's group (`Coverage.ALL` or `TRAILING`), so the core's lookup decides all of
 this; the adapter only translates its answer.
 
-Lifecycle (`kvpack.lifecycle`): a lookup remembers where it found each page;
+Lifecycle (`kvpack.store.lifecycle`): a lookup remembers where it found each page;
 the get that follows loads each page from that tier first (a page evicted in
 between is counted as ``evicted_before_load``), and a set stores only what
 `KVStore.prepare_store` says is not stored or being stored yet.
@@ -125,14 +125,14 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         self.pools = PoolRegistry(self.session, par, self.config.io_threads)
         self.pages = PageCopies(self.session, self.tenant, self.pools)
         self.weights = WeightUpdates.find(
-            lambda state: self.pools.rescope(with_weights(par.model, state.identity)), self.session.metrics
+            lambda state: self.pools.rescope(with_weights(par.model, state.identity)), self.session.report.metrics
         )
         """In-place weight updates (`kvpack.sglang_plugin.weights`): a change rescopes every key and
         member fingerprint from the start-up model identity; None outside a scheduler."""
         log.info(
             "kvpack: SGLang storage backend for tenant %s, tiers %s, %s, tp %d/%d pp %d/%d mla=%s writer=%s",
             self.tenant,
-            self.session.tier_names,
+            self.session.tiers.names,
             "zero-copy pages (interface_v1)"
             if self.zero_copy
             else "pages copied by SGLang's generic path (no interface_v1: not shared with vLLM or zero-copy servers)",
@@ -234,7 +234,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         (`Coverage.TRAILING`); the core applies the windows and the draft policy."""
         if not keys or not self._valid_chunks(keys):
             return PoolTransferResult(0, {}, [])
-        self.session.wait_warm()  # at once unless a tier makes its first connect; HiCache's prefetch thread
+        self.session.wait_ready()  # at once unless a tier makes its first connect; HiCache's prefetch thread
         pools: dict[str, tuple[PoolBinding | FlatMember, MemberSpec]] = {}
         for b in all_pages:
             pools.setdefault(b.member, (b, b.spec))
@@ -309,7 +309,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
     def _data_path_error(self, op: str, exc: BaseException, fallback: Any) -> Any:
         """`fallback` (a miss) for a call that raised, counted and logged: SGLang's controller
         threads die on an exception or a None."""
-        self.session.refused(ENGINE, AdapterRefusal.EXCEPTION)
+        self.session.report.refused(ENGINE, AdapterRefusal.EXCEPTION)
         log.warning(
             "kvpack: %s failed, answering a miss: %s: %s",
             op,
@@ -330,7 +330,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return self.session.flush(timeout_s)
 
     def clear(self) -> None:
-        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.clearing`):
+        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.policy.clearing`):
         by default this instance's model's objects, every tenant, every tier it reaches; the
         config's ``reset`` section narrows, widens or turns it off. Logged in one line."""
         self.session.reset("SGLang storage clear")
@@ -349,7 +349,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         )
 
     def metrics_snapshot(self) -> dict[str, dict[str, float]]:
-        return self.session.metrics_snapshot()
+        return self.session.report.snapshot()
 
     def close(self) -> None:
         self.session.close()

@@ -1,7 +1,7 @@
 """A vLLM request's tenant and chain seed (`kvpack.RequestScope`), or None for a request that
 does not use the cache.
 
-`request_scope` hands the core's `kvpack.tenancy.resolve_tenant` the request's engine facts
+`request_scope` hands the core's `kvpack.policy.tenancy.resolve_tenant` the request's engine facts
 (``cache_salt``, ``kv_transfer_params["kvpack_tenant"]`` and its signature, the LoRA
 adapter); the core holds the policy (trusted names, signed names, the salt's scope, the
 default). `RequestScopes.of` answers None for a request with images or prompt embeddings
@@ -52,7 +52,7 @@ def request_scope(
 ) -> RequestScope:
     """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
     ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
-    adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which decides.
+    adapter) handed to the core's `kvpack.policy.tenancy.resolve_tenant`, which decides.
     Raises BadTenant for an invalid trusted tenant name."""
     params: dict[str, Any] = getattr(request, "kv_transfer_params", None) or {}
     if not isinstance(params, dict):
@@ -109,7 +109,7 @@ class RequestScopes:
         and logged once per scheduler."""
         asked = pin_trusted(self.config, getattr(request, "kv_transfer_params", None))
         if asked is False:
-            self.session.record(AdapterEvent.UNTRUSTED_PIN)
+            self.session.report.record(AdapterEvent.UNTRUSTED_PIN)
             if not self._untrusted_pin_logged.is_set():
                 self._untrusted_pin_logged.set()
                 log.warning(
@@ -126,7 +126,7 @@ class RequestScopes:
             rs = request_scope(
                 request,
                 self.config,
-                lambda _asked: self.session.record(AdapterEvent.UNTRUSTED_TENANT),
+                lambda _asked: self.session.report.record(AdapterEvent.UNTRUSTED_TENANT),
                 self._untrusted_warned,
             )
         except BadTenant as exc:
@@ -137,6 +137,6 @@ class RequestScopes:
                     clip(request.request_id),
                     clip(str(exc), MAX_DETAIL_CHARS),
                 )
-            self.session.record(AdapterEvent.BAD_TENANT)
+            self.session.report.record(AdapterEvent.BAD_TENANT)
             return None
         return replace(rs, weights=self.weights.identity) if self.weights.identity else rs

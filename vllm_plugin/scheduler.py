@@ -3,9 +3,9 @@
 Lookup (`get_num_new_matched_tokens`): vLLM's request translated into a
 `kvpack.HitQuery` (tenant and seed, tokens, block size, members, the tokens vLLM
 must compute: `scopes.min_prefill_tokens`) and planned by the core
-(`Session.plan_hit`; a handoff: `Session.plan_handoff`). The rules (whole chunks,
+(`Session.plan_hit`, a handoff included). The rules (whole chunks,
 the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
-tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
+tier makes its first connect) are `kvpack.policy.hits`'; the plan's count may end inside
 a block: the partial block is loaded whole and vLLM computes the rest into it.
 A hit whose every object is in the workers' memory (the index says so, or the
 host store holds it) and that is at most `sync_load_max_blocks` blocks is loaded inside the step that
@@ -16,7 +16,7 @@ request waits in WAITING_FOR_REMOTE_KVS while a worker thread restores it).
 Hybrid models and handoffs always load asynchronously. Each hit block's load names the tier the lookup
 found each member in (`BlockRef.tiers`): this side cannot pin the workers'
 memory, so a worker that lost an object since counts it
-(``evicted_before_load``, `kvpack.lifecycle`) and reads it from another tier.
+(``evicted_before_load``, `kvpack.store.lifecycle`) and reads it from another tier.
 
 Save (`build_connector_meta`, every step; see `captures`): the chunks the
 step computes, the prompt's partial tail in the step that finishes the
@@ -132,12 +132,14 @@ class SchedulerSide:
         """Requests whose hit, as last answered to vLLM, loads inside the step."""
         self._pending_loads: dict[str, TransferJob] = {}
         self._pending_saves: list[TransferJob] = []
-        self._interval = MetricsInterval(self.session.metrics, series=True)
+        self._interval = MetricsInterval(self.session.report.metrics, series=True)
         """The connector's per-interval stats: what this side's store counted since the last take."""
         self._scopes = RequestScopes(config, self.session)
         self._scope_of = self._scopes.of
         """A request's tenant and seed, None when it does not use the cache (`request_scopes`)."""
-        self._handoff_refusals = self.session.refusals(AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log)
+        self._handoff_refusals = self.session.report.refusals(
+            AdapterEvent.HANDOFF_REFUSED, "prefill/decode handoff", log
+        )
         """Refused handoffs: counted by `HandoffRefusal`, logged once per reason, nothing kept."""
         self._failed: set[str] = set()
         self._state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
@@ -154,7 +156,7 @@ class SchedulerSide:
     # -- lookup -----------------------------------------------------------------
 
     def plan(self, request: Request) -> HitPlan:
-        """The request's hit, planned by the core (`Session.plan_hit`, or `plan_handoff` for a
+        """The request's hit, planned by the core (`Session.plan_hit`, with the claim of a
         prefill instance's handoff); memoised per token count: vLLM may ask more than once."""
         n = int(request.num_tokens)
         cached = self._plans.get(request.request_id)
@@ -166,9 +168,7 @@ class SchedulerSide:
         else:
             query = self.scope.hit_query(rs, request.all_token_ids[:n])
             claim = self._handoff_of(request, rs)
-            plan = self.session.plan_handoff(query, claim) if claim else self.session.plan_hit(query, self._budget)
-            if self._scopes.pins(request):
-                self.session.pin(query)
+            plan = self.session.plan_hit(query, self._budget, claim=claim, pin=self._scopes.pins(request))
         self._plans[request.request_id] = plan
         return plan
 
@@ -235,8 +235,8 @@ class SchedulerSide:
         )
         self._load_issued.add(request.request_id)
         if sync:
-            self.session.record(AdapterEvent.SYNC_LOAD_REQUESTED)
-        self.session.record(AdapterEvent.LOAD_REQUESTED)
+            self.session.report.record(AdapterEvent.SYNC_LOAD_REQUESTED)
+        self.session.report.record(AdapterEvent.LOAD_REQUESTED)
         return self.session.accept_hit(plan, external, self.scope.block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KVPackConnectorMetadata:
@@ -244,7 +244,7 @@ class SchedulerSide:
             for job in self._captures.step(scheduler_output):  # tail placement: the step's budget
                 self._pending_saves.append(job)
                 self.memory.expect(job, self.session.key)
-                self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
+                self.session.report.record(AdapterEvent.SAVE_BLOCKS_PLANNED, len(job.blocks))
         meta = KVPackConnectorMetadata(list(self._pending_loads.values()), self._pending_saves, self.resets.take())
         self._pending_loads, self._pending_saves = {}, []
         self._budget.renew()  # the step ends here: its lookups and save planning shared one budget
@@ -301,7 +301,7 @@ class SchedulerSide:
             computed = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ranges = len(self.scope.head_splits[0]) if self.scope.head_splits else 0
             handoff = Handoff(self.scope.fingerprint, run.scope.tenant, computed, run.prompt_tail, ranges)
-            self.session.record(AdapterEvent.HANDOFF_SENT)
+            self.session.report.record(AdapterEvent.HANDOFF_SENT)
             return False, handoff.to_params()
         if self.can_save and run is not None and not partial_tails:
             tail = self._captures.finish_tail(run, block_ids)
@@ -311,7 +311,7 @@ class SchedulerSide:
             self._pending_saves.append(job)
             # a follow-up turn in the next step hits it (the load waits for it)
             self.memory.expect(job, self.session.key)
-            self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
+            self.session.report.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
             return True, None
         if not self.can_save or not partial_tails:
             return False, None
@@ -322,7 +322,7 @@ class SchedulerSide:
         if tail is None or rs is None:
             return False, None
         self._pending_saves.append(TransferJob(req_id, rs.tenant, (tail,), weights=rs.weights))
-        self.session.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
+        self.session.report.record(AdapterEvent.SAVE_BLOCKS_PLANNED)
         return True, None
 
     def _place_tail(self, rs: RequestScope, parent: ChunkHash | None, tail_ids: tuple[int, ...]) -> tuple[str, bool]:

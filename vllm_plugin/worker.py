@@ -42,7 +42,7 @@ from kvpack import (
     WeightsState,
     start_engine_process,
 )
-from kvpack.ops import Staging
+from kvpack.transfers import Staging
 
 from .loads import BlockLoads, refused_plan, tokens_used
 from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
@@ -108,7 +108,7 @@ class WorkerSide:
 
     @property
     def staging(self) -> Staging:
-        """Staging rows and copy streams (`kvpack.staging`) for the cache's device, set at registration."""
+        """Staging rows and copy streams (`kvpack.transfers.staging`) for the cache's device, set at registration."""
         return self.runner.staging
 
     @staging.setter
@@ -124,7 +124,7 @@ class WorkerSide:
         # before the first forward: AMX permission (a 1-token step over a restored prefix may
         # be this process's first AMX use) and the copy kernels, not in the first load's bound
         start_engine_process()
-        self.weights = watch_weights(self.vllm_config, self.config, self.session.metrics)
+        self.weights = watch_weights(self.vllm_config, self.config, self.session.report.metrics)
         self._caches = (kv_caches, num_blocks)
         first = next(iter(kv_caches.values()), None)
         if first is not None:  # on the model runner's thread: its current stream is the compute stream
@@ -165,7 +165,7 @@ class WorkerSide:
         drop what it names (its memory tier; the shared ones again, for stores that landed since),
         and the scheduler's index of the workers' memory hears of the groups dropped."""
         self.runner.settle_saves(self.config.io_timeout_ms / 1000.0)
-        report = self.session.clear(scope, who="vLLM reset_cache (worker)")
+        report = self.session.reset("vLLM reset_cache (worker)", scope)
         memory = report.removed.get("memory")
         if memory is not None:
             self.runner.report_removed(memory.groups)

@@ -12,7 +12,7 @@ evicted since the last report.
 A host memory tier (``memory.mode: host``) is every process's: this side reads it
 directly, so the workers report nothing; a hit whose every object is there loads inside
 the step as one from the workers' own memory does (`holds`, through the store's
-`front_tier`). What this side planned to save is not there until a worker wrote it, so
+`tiers.front`). What this side planned to save is not there until a worker wrote it, so
 the index, behind the host store (`kvpack.KVStore.reader`), holds only those planned
 saves, each for as long as a load may wait for it (``io_timeout_ms`` from the end of the
 step that planned it: the save runs after that step's forward; `step_ended`): a request with
@@ -114,11 +114,11 @@ class WorkersMemory:
     def holds(self, plan: HitPlan, tail_members: Sequence[MemberSpec], session: Session) -> bool:
         """Whether every object `plan` loads (its chunks, then its tail read as `tail_members`)
         is in the workers' memory: as far as their reports say, or, with a host memory tier,
-        in the host store now (`session.front_tier`)."""
+        in the host store now (`session.tiers.front`)."""
         if self.reported:
             memory, contains = self.index.name, self.index.contains
-        elif session.front_tier is not None:
-            memory, contains = session.front_tier, session.in_front
+        elif session.tiers.front is not None:
+            memory, contains = session.tiers.front, session.tiers.in_front
         else:
             return False
         if plan.scope is None or len(plan.tiers) < plan.hit_chunks:

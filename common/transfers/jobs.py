@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..session import ChunkFacts, MemberObject, ObjectIO
-from ..staging import Lane, Staged, Staging
+from .staging import Lane, Staged, Staging
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class PlannedLoad:
     staging row, which was left unwritten. It returns the lent bytes it read in place
     (a lent payload it must first copy into its row does not count).
 
-    `lends`: whether the scatter may be given lent payloads (`Session.complete_load_lent`):
+    `lends`: whether the scatter may be given lent payloads (`Session.complete_load` with ``lend``):
     the adapter says so only where a lent payload costs no copy more than a staged one (a
     cache in host memory, which the conversion reads a tier's slots into directly; a GPU
     whose staging device registered the host store's mapping, `StagingDevice.reads_host_in_place`).

@@ -64,7 +64,7 @@ def load(session: Session, first: int, count: int, page: int) -> tuple[int, int,
         "t", [ObjectIO(ChunkFacts(chunk_id(first + k), TOKENS), obj, bufs[k].data) for k in range(count)]
     )
     hits = wrong = misses = 0
-    for k, r in enumerate(session.load(items)):
+    for k, r in enumerate(session.complete_load(session.prepare_load(items)).results):
         if r.status is TierStatus.OK:
             hits += 1
             wrong += int(not np.array_equal(bufs[k], page_bytes(first + k, page)))

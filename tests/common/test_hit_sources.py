@@ -44,8 +44,8 @@ def test_a_hit_is_split_by_the_tier_that_holds_it_and_sums_to_the_accepted_token
     assert plan.matched == 39 and plan.tail is not None  # 2 whole chunks of 16, 7 tail tokens
     near = writer.accept_hit(plan, 39, 16)
     assert near.by_tier == {"memory": 39} and near.by_medium == {Medium.HOST: 39}
-    assert writer.metrics.value("hit_tier_tokens", tier="memory") == 39
-    assert writer.metrics.value("external_hit_tokens", tenant="default") == 39
+    assert writer.report.metrics.value("hit_tier_tokens", tier="memory") == 39
+    assert writer.report.metrics.value("external_hit_tokens", tenant="default") == 39
     assert writer.flush(10.0)
 
     reader = sessions()  # a later engine on the same folder: its memory holds nothing
@@ -53,13 +53,13 @@ def test_a_hit_is_split_by_the_tier_that_holds_it_and_sums_to_the_accepted_token
     assert plan.matched == 39
     far = reader.accept_hit(plan, 39 - 20, 16)  # the engine had the first 20 tokens itself
     assert far.by_tier == {"disk": 19} and far.by_medium == {Medium.DISK: 19} and far.tokens == 19
-    assert reader.metrics.value("hit_tier_tokens", tier="disk") == 19
+    assert reader.report.metrics.value("hit_tier_tokens", tier="disk") == 19
     assert reader.accept_hit(plan, 0, 16).by_tier == {}
 
 
 def test_a_handoff_was_located_by_no_lookup(sessions: Callable[[], Session]) -> None:
     session = sessions()
-    plan = session.plan_handoff(query(), HandoffClaim(tokens=32, tail_chunk=None))
+    plan = session.plan_hit(query(), claim=HandoffClaim(tokens=32, tail_chunk=None))
     assert plan.matched == 32 and plan.scope == SCOPE
     split = session.accept_hit(plan, 32, 16)
     assert split.by_tier == {UNKNOWN_TIER: 32} and split.by_medium == {None: 32}

@@ -1,4 +1,4 @@
-"""`kvpack.hits` through `Session.plan_hit` / `plan_handoff` / `lookups_held`, over real tiers.
+"""`kvpack.policy.hits` through `Session.plan_hit` (a handoff claim included) / `lookups_held`, over real tiers.
 
 The hit rules every adapter relies on, engine-neutral: whole chunks, then the stored
 tail's longest common prefix in units of ``prefix_match_unit``; at most n - 1 tokens
@@ -100,7 +100,7 @@ def test_whole_chunks_then_the_tail_up_to_n_minus_one(make_session: Callable[...
     plan = session.plan_hit(query())
     assert (plan.hit_chunks, plan.matched) == (2, 39)  # vLLM computes the last token
     assert plan.tail is not None and plan.tail.token_ids == tuple(IDS[32:39]) and plan.tail.stored_tokens == 8
-    assert session.metrics.value("tail_hit_tokens", tenant="default") == 7
+    assert session.report.metrics.value("tail_hit_tokens", tenant="default") == 7
     drafter = session.plan_hit(query(min_prefill_tokens=2))
     assert drafter.matched == 38 and drafter.tail is not None and len(drafter.tail.token_ids) == 6
 
@@ -139,10 +139,10 @@ def test_a_handoff_loads_its_tail_only_from_a_tail_slot_of_the_prompt(
     make_session: Callable[..., Session], tail: str, matched: int
 ) -> None:
     session = make_session()
-    plan = session.plan_handoff(query(), HandoffClaim(tokens=40, tail_chunk=tail))
+    plan = session.plan_hit(query(), claim=HandoffClaim(tokens=40, tail_chunk=tail))
     assert plan.handoff and plan.hit_chunks == 2 and plan.matched == matched
     assert (plan.tail is not None) == (matched == 39)
-    assert session.metrics.value("handoff_tails_dropped") == (matched == 32)
+    assert session.report.metrics.value("handoff_tails_dropped") == (matched == 32)
 
 
 class WarmingTier:
@@ -173,7 +173,7 @@ def test_requests_are_held_while_a_tier_makes_its_first_connect(tmp_path: Path) 
 
         assert session.lookups_held(scope_of) and session.lookups_held(scope_of)
         assert not session.lookups_held(lambda: None)  # a request without the cache is never held
-        assert session.metrics.value("lookups_held", tenant="default") == 2
+        assert session.report.metrics.value("lookups_held", tenant="default") == 2
         warming.connected = True
         assert not session.lookups_held(scope_of) and len(asked) == 2  # the scope is asked only while warming
     finally:

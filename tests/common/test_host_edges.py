@@ -108,12 +108,14 @@ def test_a_payload_forged_in_the_mapping_between_the_check_and_the_copy_is_never
                 if good:
                     engine[j][:] = np.frombuffer(view, np.uint8) if view is not None else bufs[j]
 
-        part = PagePart(list(range(4)), session.page_batch("t", kv, chunks, [b.data for b in bufs]), finish)
+        part = PagePart(list(range(4)), session.page_reads("t", kv, chunks, [b.data for b in bufs]), finish)
         ok = session.load_pages([part], 4, lent=True, tenant="t")
         for j, good in enumerate(ok):
             assert not good or np.array_equal(engine[j], pages[j]), f"page {j}: forged bytes loaded as a hit"
         again = [np.zeros(PAGE, np.uint8) for _ in chunks]
-        results = session.load(session.page_reads("t", kv, chunks, [b.data for b in again]))
+        results = session.complete_load(
+            session.prepare_load(session.page_reads("t", kv, chunks, [b.data for b in again]))
+        ).results
         assert [r.ok for r in results] == [True, False, True, True]
         assert session.store.metrics.value("rejected_objects", reason="checksum") == 1
         hostile.close()

@@ -283,7 +283,9 @@ DATA = np.arange(4096, dtype=np.uint8)
 def loaded(s: Session) -> bool:
     """Did `s` load chunk 1 exactly (False: a miss or a refusal: the buffer's bytes are not the object's)?"""
     buf = np.zeros(4096, np.uint8)
-    got = s.load(s.reads("t", [ObjectIO(ChunkFacts(chunk_id(1), TOKENS), OBJ, buf.data)]))
+    got = s.complete_load(
+        s.prepare_load(s.reads("t", [ObjectIO(ChunkFacts(chunk_id(1), TOKENS), OBJ, buf.data)]))
+    ).results
     ok = got[0].status is TierStatus.OK
     assert np.array_equal(buf, DATA) or not ok
     return ok
@@ -358,7 +360,7 @@ def test_past_its_byte_bound_the_host_stores_queue_leaves_the_disk_write_to_the_
     """Behind the host store the write-back queue holds copies, at most `HOST_QUEUE_BYTES`: with
     room for one object and that one's disk write held, a save of four writes the other three to
     disk itself; nothing is dropped and a disk-only reader loads all four."""
-    monkeypatch.setattr("kvpack.store.HOST_QUEUE_BYTES", DATA.nbytes)
+    monkeypatch.setattr("kvpack.store.writer.HOST_QUEUE_BYTES", DATA.nbytes)
     config = KVPackConfig.from_dict(
         {"memory": {"mode": "host", "host_name": name, "capacity": 8 << 20}, "disk": {"path": str(tmp_path / "kv")}}
     )
@@ -390,9 +392,11 @@ def test_past_its_byte_bound_the_host_stores_queue_leaves_the_disk_write_to_the_
     reader = Session(KVStore(disk_only, build_tiers(disk_only)), GROUP_FP)
     try:
         bufs = [np.zeros(4096, np.uint8) for _ in chunks]
-        got = reader.load(
-            reader.reads("t", [ObjectIO(ChunkFacts(c, TOKENS), OBJ, b.data) for c, b in zip(chunks, bufs)])
-        )
+        got = reader.complete_load(
+            reader.prepare_load(
+                reader.reads("t", [ObjectIO(ChunkFacts(c, TOKENS), OBJ, b.data) for c, b in zip(chunks, bufs)])
+            )
+        ).results
         assert [r.status for r in got] == [TierStatus.OK] * 4
         assert all(np.array_equal(b, DATA) for b in bufs)
     finally:

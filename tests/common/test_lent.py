@@ -1,4 +1,4 @@
-"""Lent copies (`kvpack.lent`): saves written straight into the memory tier's slots, loads read
+"""Lent copies (`kvpack.store.reader`, `kvpack.store.writer`): saves written straight into the memory tier's slots, loads read
 straight out of them, over real tiers; what the other tiers get is unchanged.
 
 A lent save must store exactly what `fill` wrote, on every tier, show nothing when `fill`
@@ -62,19 +62,21 @@ def _filler(pages: Sequence[np.ndarray], seen: list[list[int]]) -> Callable[[Seq
 def _read(session: Session, chunks: list[str]) -> tuple[list[bool], list[bytes]]:
     """Ordinary loads into fresh buffers (every tier, read-through)."""
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    res = session.load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
+    res = session.complete_load(
+        session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
+    ).results
     return [r.ok for r in res], [b.tobytes() for b in bufs]
 
 
 @pytest.mark.parametrize("tiers", [dict(memory=True, disk=False), dict(memory=True, disk=True)])
 def test_a_lent_save_stores_what_fill_wrote_and_only_what_is_not_stored(make_session, tiers):
     session = make_session(**tiers)
-    assert session.lends_slots
+    assert session.tiers.lends_slots
     pages = _pages(6, seed=1)
     chunks = [chunk_id(i) for i in range(6)]
     seen: list[list[int]] = []
-    assert session.save_pages_lent("default", KV, chunks[:3], _filler(pages, seen)) == [True] * 3
-    assert session.save_pages_lent("default", KV, chunks, _filler(pages, seen)) == [True] * 6
+    assert session.save_pages("default", KV, chunks[:3], fill=_filler(pages, seen)) == [True] * 3
+    assert session.save_pages("default", KV, chunks, fill=_filler(pages, seen)) == [True] * 6
     assert seen == [[0, 1, 2], [3, 4, 5]]  # the second save filled only what was not stored
     ok, got = _read(session, chunks)
     assert ok == [True] * 6 and got == [p.tobytes() for p in pages]
@@ -93,11 +95,11 @@ def test_a_fill_that_raises_stores_nothing(make_session):
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError, match="conversion failed"):
-        session.save_pages_lent("default", KV, chunks, broken)
+        session.save_pages("default", KV, chunks, fill=broken)
     assert session.contains_members("default", chunks, ["kv"]) == [{"kv": False}] * 3
     # and the pages may be stored later (their preparation ended)
     pages = _pages(3, seed=2)
-    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True] * 3
+    assert session.save_pages("default", KV, chunks, fill=_filler(pages, [])) == [True] * 3
 
 
 def test_an_object_memory_refuses_still_reaches_the_disk(make_session):
@@ -105,22 +107,23 @@ def test_an_object_memory_refuses_still_reaches_the_disk(make_session):
     session = make_session(capacity=PAGE // 2)
     pages = _pages(2, seed=3)
     chunks = [chunk_id(i) for i in range(2)]
-    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
-    assert session.store.in_memory(session.keys("default", chunks, "kv")) == [False, False]
+    assert session.save_pages("default", KV, chunks, fill=_filler(pages, [])) == [True, True]
+    assert session.store.in_memory(session._keys("default", chunks, "kv")) == [False, False]
     ok, got = _read(make_session(memory=False), chunks)
     assert ok == [True, True] and got == [p.tobytes() for p in pages]
 
 
 def test_without_lending_the_verbs_copy(make_session):
     session = make_session(memory=False)  # no memory tier: nothing to lend
-    assert not session.lends_slots
+    assert not session.tiers.lends_slots
     pages = _pages(2, seed=4)
     chunks = [chunk_id(i) for i in range(2)]
-    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
+    assert session.save_pages("default", KV, chunks, fill=_filler(pages, [])) == [True, True]
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views, _ = session.complete_load_lent(
-        session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
+    load = session.complete_load(
+        session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs])), lend=True
     )
+    results, views = load.results, load.views
     assert [r.ok for r in results] == [True, True] and views == [None, None]
     assert [b.tobytes() for b in bufs] == [p.tobytes() for p in pages]
 
@@ -129,17 +132,19 @@ def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
     session = make_session(disk=True)
     pages = _pages(4, seed=5)
     chunks = [chunk_id(i) for i in range(4)]
-    assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True] * 4
-    keys = session.keys("default", chunks, "kv")
+    assert session.save_pages("default", KV, chunks, fill=_filler(pages, [])) == [True] * 4
+    keys = session._keys("default", chunks, "kv")
     session.store.tiers[0].remove_groups([keys[1].group, keys[3].group])  # only the disk holds pages 1 and 3
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views, _ = session.complete_load_lent(
+    load = session.complete_load(
         session.prepare_load(
             session.page_reads(
                 "default", KV, chunks + [chunk_id(9)], [b.data for b in bufs] + [np.zeros(PAGE, dtype=np.uint8).data]
             )
-        )
+        ),
+        lend=True,
     )
+    results, views = load.results, load.views
     assert [r.ok for r in results] == [True, True, True, True, False]
     assert [v is not None for v in views] == [True, False, True, False, False]
     for i in (0, 2):
@@ -151,13 +156,13 @@ def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
     held = bytes(views[0])  # type: ignore[arg-type]
     session.store.tiers[0].remove_groups([keys[0].group])
     more = _pages(8, seed=6)
-    session.save_pages_lent("default", KV, [chunk_id(20 + i) for i in range(8)], _filler(more, []))
+    session.save_pages("default", KV, [chunk_id(20 + i) for i in range(8)], fill=_filler(more, []))
     assert bytes(views[0]) == held  # type: ignore[arg-type]
 
 
 def test_checksum_always_turns_lending_off(make_session):
     session = make_session(checksum="always")
-    assert not session.lends_slots
+    assert not session.tiers.lends_slots
 
 
 def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
@@ -168,15 +173,17 @@ def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
     metrics = session.store.metrics
     pages = _pages(3, seed=7)
     for tenant in ("alice", "bob"):
-        assert session.save_pages_lent(tenant, KV, [chunk_id(i) for i in range(3)], _filler(pages, [])) == [True] * 3
+        assert session.save_pages(tenant, KV, [chunk_id(i) for i in range(3)], fill=_filler(pages, [])) == [True] * 3
     assert metrics.value("stored_objects", tenant="alice", tier="memory") == 3
     assert metrics.value("stored_bytes", tenant="alice", tier="memory") == 3 * PAGE
     assert metrics.value("stored_bytes", tenant="bob", tier="memory") == 3 * PAGE
     assert metrics.value("store_dropped", tier="memory") == 0
     chunks = [chunk_id(i) for i in range(3)]
-    results, views, _ = session.complete_load_lent(
-        session.prepare_load(session.page_reads("bob", KV, chunks, [np.zeros(PAGE, np.uint8).data for _ in chunks]))
+    load = session.complete_load(
+        session.prepare_load(session.page_reads("bob", KV, chunks, [np.zeros(PAGE, np.uint8).data for _ in chunks])),
+        lend=True,
     )
+    views = load.views
     lent = sum(v is not None for v in views)
     assert lent >= 1 and metrics.value("loaded_bytes", tenant="bob", tier="memory") == lent * PAGE
     big = MemberObject("kv", MEMBER_FP, TOKENS, 8 * PAGE)  # larger than the whole tier: dropped, counted once each
@@ -185,7 +192,7 @@ def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
         for d in dsts:
             d[:] = 1
 
-    assert session.save_pages_lent("carol", big, [chunk_id(10), chunk_id(11)], fill) == [False, False]
+    assert session.save_pages("carol", big, [chunk_id(10), chunk_id(11)], fill=fill) == [False, False]
     assert metrics.value("store_dropped", tier="memory") == 2
     assert metrics.value("stored_objects", tenant="carol", tier="memory") == 0
 
@@ -201,7 +208,7 @@ def _mixed_batch(session: Session) -> tuple[list[str], list[bytes | None]]:
     chunks = [chunk_id(40 + i) for i in range(11)]
     pages = _pages(11, seed=11)
     good = [0, 2]
-    assert session.save_pages_lent("t", KV, [chunks[i] for i in good], _filler([pages[i] for i in good], [])) == [
+    assert session.save_pages("t", KV, [chunks[i] for i in good], fill=_filler([pages[i] for i in good], [])) == [
         True,
         True,
     ]
@@ -253,21 +260,22 @@ def test_a_batch_of_pages_refuses_exactly_what_the_per_page_load_refuses(tmp_pat
         config = KVPackConfig.from_dict({"memory": {"capacity": 1 << 20}, "disk": {"path": str(tmp_path / name)}})
         sessions.append(Session(KVStore(config, build_tiers(config), write_back=False), GROUP_FP))
     per_page, batched = sessions
-    assert per_page.lends_slots and batched.lends_slots
+    assert per_page.tiers.lends_slots and batched.tiers.lends_slots
     seen: dict[str, tuple[list[bool], list[bool], list[bytes | None], dict[str, float], list[bool]]] = {}
     for name, session in (("per_page", per_page), ("batched", batched)):
         chunks, want = _mixed_batch(session)
         bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
         if name == "per_page":
-            results, views, _ = session.complete_load_lent(
-                session.prepare_load(session.page_reads("t", KV, chunks, [b.data for b in bufs]))
+            load = session.complete_load(
+                session.prepare_load(session.page_reads("t", KV, chunks, [b.data for b in bufs])), lend=True
             )
+            results, views = load.results, load.views
             ok = [r.ok for r in results]
         else:
             got: list[tuple[list[bool], list[memoryview | None]]] = []
             part = PagePart(
                 list(range(len(chunks))),
-                session.page_batch("t", KV, chunks, [b.data for b in bufs]),
+                session.page_reads("t", KV, chunks, [b.data for b in bufs]),
                 lambda o, v: got.append((list(o), list(v))),
             )
             ok = session.load_pages([part], len(chunks), lent=True, tenant="t")
@@ -277,9 +285,9 @@ def test_a_batch_of_pages_refuses_exactly_what_the_per_page_load_refuses(tmp_pat
         assert loaded == want, name
         # what each tier still holds of the refused pages (damaged groups removed from both); of the
         # loaded ones memory differs by design: `load_pages` does not promote a disk hit into it
-        in_memory = session.store.tiers[0].contains(session.keys("t", chunks, "kv"))
+        in_memory = session.store.tiers[0].contains(session._keys("t", chunks, "kv"))
         kept = [held for held, good in zip(in_memory, ok) if not good] + session.store.tiers[1].contains(
-            session.keys("t", chunks, "kv")
+            session._keys("t", chunks, "kv")
         )
         seen[name] = (ok, [v is not None for v in views], loaded, _refusals(session), kept)
     for session in sessions:

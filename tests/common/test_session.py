@@ -31,8 +31,9 @@ from kvpack import (
     Session,
     StoreKey,
     TierStatus,
+    validate_chunk_hashes,
 )
-from kvpack.session import LocatedHints
+from kvpack.store.located import LocatedHints
 from kvpack.tiers.factory import build_tiers
 
 PAGE = 512
@@ -85,19 +86,19 @@ def test_keys_asked_again_are_the_same_keys_and_a_changed_field_rebuilds_them(
     or chunk list gives that field's keys, and a bad chunk is refused as before."""
     session = make_session(disk=False)
     chunks = [chunk_id(i) for i in range(4)]
-    first = session.keys("t", chunks, "kv")
-    again = session.keys("t", list(chunks), "kv")
+    first = session._keys("t", chunks, "kv")
+    again = session._keys("t", list(chunks), "kv")
     assert again == first and again is not first
     again.append(first[0])
-    assert session.keys("t", chunks, "kv") == first
+    assert session._keys("t", chunks, "kv") == first
     # each call changes one field of the call before it
-    assert [k.member for k in session.keys("t", chunks, "draft")] == ["draft"] * 4
+    assert [k.member for k in session._keys("t", chunks, "draft")] == ["draft"] * 4
     session.bind_group("cd" * 16)
-    assert {k.fingerprint for k in session.keys("t", chunks, "draft")} == {"cd" * 16}
-    assert [k.tenant for k in session.keys("u", chunks, "draft")] == ["u"] * 4
-    assert [k.chunk for k in session.keys("u", chunks[::-1], "draft")] == chunks[::-1]
+    assert {k.fingerprint for k in session._keys("t", chunks, "draft")} == {"cd" * 16}
+    assert [k.tenant for k in session._keys("u", chunks, "draft")] == ["u"] * 4
+    assert [k.chunk for k in session._keys("u", chunks[::-1], "draft")] == chunks[::-1]
     with pytest.raises(ValueError):
-        session.keys("t", [*chunks[:3], "not a chunk hash"], "kv")
+        session._keys("t", [*chunks[:3], "not a chunk hash"], "kv")
 
 
 def test_pages_round_trip_and_saves_are_deduplicated(make_session: Callable[..., Session]) -> None:
@@ -109,7 +110,9 @@ def test_pages_round_trip_and_saves_are_deduplicated(make_session: Callable[...,
     ok, asked = save(session, "t", chunks, data)  # two stored already: only the new two are read
     assert ok == [True] * 4 and asked == [2, 3]
     bufs = [np.zeros(PAGE, np.uint8) for _ in chunks]
-    results = session.load(session.page_reads("t", KV, chunks, [memoryview(b) for b in bufs]))
+    results = session.complete_load(
+        session.prepare_load(session.page_reads("t", KV, chunks, [memoryview(b) for b in bufs]))
+    ).results
     assert [r.ok for r in results] == [True] * 4
     for got, want in zip(bufs, data):
         np.testing.assert_array_equal(got, want)
@@ -120,8 +123,12 @@ def test_a_page_of_another_layout_or_tenant_is_a_miss(make_session: Callable[...
     chunks = [chunk_id(i) for i in range(2)]
     save(session, "t", chunks, pages(2))
     buf = np.zeros(PAGE, np.uint8)
-    other_layout = session.load(session.page_reads("t", OTHER_LAYOUT, chunks[:1], [memoryview(buf)]))
-    other_tenant = session.load(session.page_reads("u", KV, chunks[:1], [memoryview(buf)]))
+    other_layout = session.complete_load(
+        session.prepare_load(session.page_reads("t", OTHER_LAYOUT, chunks[:1], [memoryview(buf)]))
+    ).results
+    other_tenant = session.complete_load(
+        session.prepare_load(session.page_reads("u", KV, chunks[:1], [memoryview(buf)]))
+    ).results
     assert not other_layout[0].ok and other_layout[0].reason is RejectReason.FINGERPRINT
     assert other_tenant[0].status is TierStatus.MISS  # another tenant's key: not even found
 
@@ -135,13 +142,13 @@ def test_a_lookup_leaves_where_it_found_each_page_for_the_load(make_session: Cal
     spec = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
     found = session.lookup("t", chunks, [spec], TOKENS)
     assert found.hit_chunks == 3
-    assert all(session.was_located("t", c, "kv") for c in chunks)
-    assert not session.was_located("t", chunk_id(9), "kv")
+    assert all(session.key("t", c, "kv") in session.hints for c in chunks)
+    assert session.key("t", chunk_id(9), "kv") not in session.hints
     bufs = [np.zeros(PAGE, np.uint8) for _ in chunks]
     batch = session.prepare_load(session.page_reads("t", KV, chunks, [memoryview(b) for b in bufs]))
     assert batch.plan.located == {session.key("t", c, "kv"): "memory" for c in chunks}
-    assert not any(session.was_located("t", c, "kv") for c in chunks)  # the load took its hints
-    assert all(r.ok for r in session.complete_load(batch))
+    assert not any(session.key("t", c, "kv") in session.hints for c in chunks)  # the load took its hints
+    assert all(r.ok for r in session.complete_load(batch).results)
     np.testing.assert_array_equal(np.stack(bufs), np.stack(data))
 
 
@@ -155,16 +162,18 @@ def test_objects_carry_their_token_facts(make_session: Callable[..., Session]) -
     assert saved.in_memory == [False, False]  # no memory tier here
     assert [it.header.token_ids for it in saved.items] == [None, tail_ids]
     got_full, got_tail, wrong_tail = (np.zeros(PAGE, np.uint8) for _ in range(3))
-    results = session.load(
-        session.reads(
-            "t",
-            [
-                ObjectIO(facts_full, KV, memoryview(got_full)),
-                ObjectIO(ChunkFacts(chunk_id(1), 3, tail_ids[:3]), KV, memoryview(got_tail)),  # a prefix: loads
-                ObjectIO(ChunkFacts(chunk_id(1), 3, (5, 6, 0)), KV, memoryview(wrong_tail)),  # other ids: refused
-            ],
+    results = session.complete_load(
+        session.prepare_load(
+            session.reads(
+                "t",
+                [
+                    ObjectIO(facts_full, KV, memoryview(got_full)),
+                    ObjectIO(ChunkFacts(chunk_id(1), 3, tail_ids[:3]), KV, memoryview(got_tail)),  # a prefix: loads
+                    ObjectIO(ChunkFacts(chunk_id(1), 3, (5, 6, 0)), KV, memoryview(wrong_tail)),  # other ids: refused
+                ],
+            )
         )
-    )
+    ).results
     assert [r.ok for r in results] == [True, True, False]
     assert results[2].reason is RejectReason.TOKENS
     np.testing.assert_array_equal(got_full, full)
@@ -179,10 +188,10 @@ def test_save_without_dedupe_rewrites_and_reports_memory(make_session: Callable[
     skipped = session.save("t", [ObjectIO(facts, KV, memoryview(second))])  # stored already: not rewritten
     assert skipped.statuses == [TierStatus.OK]
     buf = np.zeros(PAGE, np.uint8)
-    session.load(session.reads("t", [ObjectIO(facts, KV, memoryview(buf))]))
+    session.complete_load(session.prepare_load(session.reads("t", [ObjectIO(facts, KV, memoryview(buf))]))).results
     np.testing.assert_array_equal(buf, first)
     session.save("t", [ObjectIO(facts, KV, memoryview(second))], dedupe=False)  # a tail slot rewritten in place
-    session.load(session.reads("t", [ObjectIO(facts, KV, memoryview(buf))]))
+    session.complete_load(session.prepare_load(session.reads("t", [ObjectIO(facts, KV, memoryview(buf))]))).results
     np.testing.assert_array_equal(buf, second)
 
 
@@ -212,12 +221,12 @@ def test_waiting_for_objects_another_process_stores_ends_when_they_land(
     store on the same folder) is still writing, and goes on as soon as they are there."""
     reader, writer = make_session(memory=False), make_session(memory=False)
     chunks = [chunk_id(i) for i in range(3)]
-    keys = reader.keys("t", chunks, "kv")
+    keys = reader._keys("t", chunks, "kv")
     later = threading.Timer(0.3, lambda: save(writer, "t", chunks, pages(3)))
     start = time.monotonic()
     later.start()
     try:
-        missing = reader.wait_until_stored(keys, start + 30.0)
+        missing = reader.store.wait_until_stored(keys, start + 30.0)
     finally:
         later.join()
     assert missing == [] and 0.3 <= time.monotonic() - start < 5.0
@@ -228,12 +237,12 @@ def test_waiting_for_objects_is_bounded_by_the_deadline_and_the_stop_flag(
 ) -> None:
     session = make_session()
     save(session, "t", [chunk_id(0)], pages(1))
-    keys = session.keys("t", [chunk_id(i) for i in range(3)], "kv")
+    keys = session._keys("t", [chunk_id(i) for i in range(3)], "kv")
     start = time.monotonic()
-    assert session.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
+    assert session.store.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
     assert 0.3 <= time.monotonic() - start < 2.0
     start = time.monotonic()
-    assert session.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
+    assert session.store.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
     assert time.monotonic() - start < 1.0
 
 
@@ -249,4 +258,4 @@ def test_located_hints_are_bounded_oldest_first() -> None:
 
 def test_bad_page_keys_are_refused_with_the_field() -> None:
     with pytest.raises(ValueError):
-        Session.check_chunks([chunk_id(0), "not-a-hash/.."])
+        validate_chunk_hashes([chunk_id(0), "not-a-hash/.."])

@@ -27,7 +27,7 @@ def write_then_read_elsewhere(
         (tmp_path / "pages.bin").write_bytes(b"".join(page_bytes(pool, src)))
         assert backend.batch_set_v1(keys, src) == [True] * n
         assert backend.flush(20)
-        assert backend.session.metrics.value("store_dropped") == 0
+        assert backend.session.report.metrics.value("store_dropped") == 0
     finally:
         backend.close()
     args = {

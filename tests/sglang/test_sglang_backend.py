@@ -146,7 +146,7 @@ def test_a_second_server_reads_the_host_store_in_place(layout, checksum, store_d
         dst = alloc_pages(reader_pool, n)
         assert reader.batch_get_v1(keys, dst) == [True] * n
         assert page_bytes(reader_pool, dst) == page_bytes(writer_pool, src)
-        metrics = reader.session.metrics
+        metrics = reader.session.report.metrics
         from_host = metrics.value("loaded_bytes", tenant="default", tier="host")
         in_place = metrics.value("loaded_in_place_bytes", tenant="default")
         assert from_host > 0 and in_place == (from_host if checksum == "never" else 0)
@@ -373,7 +373,7 @@ def test_start_up_line_names_the_path_sglang_uses(store_dir, caplog):
 
 
 def _disk_file(backend, key):
-    from kvpack.keys import StoreKey
+    from kvpack.identity.keys import StoreKey
 
     disk = next(t for t in backend.session.store.tiers if t.name == "disk")
     return disk.path_of(StoreKey(backend.tenant, backend.group_fingerprint, key, backend.binding("kv").member))
@@ -405,7 +405,7 @@ def test_corrupt_object_is_a_per_key_miss(where, store_dir):
         # payload can only come back damaged, which is why it must be reported False.
         if where == "payload":
             assert got[2] != want[2]
-        assert backend.session.metrics.value("rejected_objects", tier="disk") >= 1
+        assert backend.session.report.metrics.value("rejected_objects", tier="disk") >= 1
     finally:
         backend.close()
 
@@ -421,7 +421,7 @@ def test_bad_arguments_never_raise(store_dir):
         assert backend.batch_set_v1(["../../etc/passwd", keys[1]], idx) == [False, False]
         assert backend.batch_exists(["not a/hash"]) == 0
         assert backend.batch_get_v1(keys, None) == [False, False]
-        assert backend.session.metrics.value("tier_errors", tier="sglang") >= 3
+        assert backend.session.report.metrics.value("tier_errors", tier="sglang") >= 3
     finally:
         backend.close()
 

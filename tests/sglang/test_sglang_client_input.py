@@ -43,7 +43,7 @@ def test_bad_page_keys_are_counted_and_logged_once_cut(tmp_path: Path) -> None:
             assert backend.batch_exists([f"{i:08d}/" + "k" * KEY_CHARS]) == 0
         assert meter.lines == 1, meter.lines
         assert meter.longest < 1000, meter.longest
-        assert backend.session.metrics.value("tier_errors", tier="sglang", status="bad_key") == CALLS
+        assert backend.session.report.metrics.value("tier_errors", tier="sglang", status="bad_key") == CALLS
     finally:
         logger.removeHandler(meter)
         backend.close()

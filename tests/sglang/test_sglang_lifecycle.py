@@ -1,4 +1,4 @@
-"""The SGLang backend over the core's lifecycle verbs (`kvpack.lifecycle`).
+"""The SGLang backend over the core's lifecycle verbs (`kvpack.store.lifecycle`).
 
 - `batch_exists_v2` answers from the core's `resolve_lookup` (pools as members,
   TRAILING_PAGES as `Coverage.TRAILING`): the answers below are the ones the
@@ -95,7 +95,7 @@ def test_exists_v2_windows_and_draft_policy_unchanged(store_dir, policy: str, po
         )
         assert got == CASES[(policy, pools)]
         assert (
-            backend.session.metrics.value("partial_hits") > 0
+            backend.session.report.metrics.value("partial_hits") > 0
         )  # a draft pool lacked pages the target has: never silent
     finally:
         backend.close()
@@ -118,8 +118,8 @@ def test_page_evicted_between_exists_and_get_is_counted(store_dir, disk: bool) -
         poison(kv)
         dst = alloc_pages(kv, 4)
         assert backend.batch_get_v1(a, dst) == [disk] * 4
-        assert backend.session.metrics.value("evicted_before_load", tier="memory") == 4
-        assert backend.session.metrics.value("load_failures", status="miss") == (0 if disk else 4)
+        assert backend.session.report.metrics.value("evicted_before_load", tier="memory") == 4
+        assert backend.session.report.metrics.value("load_failures", status="miss") == (0 if disk else 4)
         if disk:
             assert page_bytes(kv, dst) == want
     finally:
@@ -134,8 +134,8 @@ def test_set_stores_only_what_prepare_store_says_is_missing(store_dir) -> None:
         keys = page_keys(3, seed=100)
         idx = alloc_pages(kv, 3)
         assert backend.batch_set_v1(keys[:2], idx[: 2 * kv.page_size]) == [True, True]
-        before = backend.session.metrics.value("stored_objects")
+        before = backend.session.report.metrics.value("stored_objects")
         assert backend.batch_set_v1(keys, idx) == [True] * 3
-        assert backend.session.metrics.value("stored_objects") == before + 1  # only the page not stored yet
+        assert backend.session.report.metrics.value("stored_objects") == before + 1  # only the page not stored yet
     finally:
         backend.close()

@@ -18,13 +18,13 @@ def test_v1_loads_count_restored_tokens(store_dir):
         keys = page_keys(4, seed=32)
         assert backend.batch_set_v1(keys, alloc_pages(pool, 4)) == [True] * 4
         assert backend.flush(10)
-        assert backend.session.metrics.value("loaded_tokens", tenant="default") == 0  # a store restores nothing
+        assert backend.session.report.metrics.value("loaded_tokens", tenant="default") == 0  # a store restores nothing
         assert backend.batch_get_v1(keys, alloc_pages(pool, 4)) == [True] * 4
-        assert backend.session.metrics.value("loaded_tokens", tenant="default") == 4 * ps
+        assert backend.session.report.metrics.value("loaded_tokens", tenant="default") == 4 * ps
         missing = page_keys(2, seed=33)  # never stored: nothing restored, nothing counted
         assert backend.batch_get_v1(missing, alloc_pages(pool, 2)) == [False, False]
         assert backend.batch_get_v1(keys[:1] + missing[:1], alloc_pages(pool, 2)) == [True, False]
-        assert backend.session.metrics.value("loaded_tokens", tenant="default") == 5 * ps
+        assert backend.session.report.metrics.value("loaded_tokens", tenant="default") == 5 * ps
     finally:
         backend.close()
 
@@ -41,6 +41,6 @@ def test_legacy_loads_count_restored_tokens(store_dir):
         got = backend.batch_get(keys + page_keys(1, seed=36), [pool.get_dummy_flat_data_page() for _ in range(3)])
         assert [g is not None for g in got] == [True, True, False]
         assert all(isinstance(g, torch.Tensor) for g in got[:2])
-        assert backend.session.metrics.value("loaded_tokens", tenant="default") == 2 * ps
+        assert backend.session.report.metrics.value("loaded_tokens", tenant="default") == 2 * ps
     finally:
         backend.close()

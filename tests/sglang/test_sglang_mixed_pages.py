@@ -157,7 +157,7 @@ def _check_mixed(backend, pool) -> None:
     failures = [f"thread {w.seed}: {f}" for w in workers for f in w.failures]
     assert not failures, "\n".join(failures[:20])
     assert sum(w.get_calls for w in workers) >= THREADS * ROUNDS // 2
-    assert backend.session.metrics.value("tier_errors", tier="sglang", status="exception") == 0
+    assert backend.session.report.metrics.value("tier_errors", tier="sglang", status="exception") == 0
     assert [_page(pool, sources, p) for p in range(n_sources)] == want  # the sources were only read
 
 

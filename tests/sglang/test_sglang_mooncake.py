@@ -59,7 +59,7 @@ def test_draft_sidecar_round_trip_on_mooncake(mooncake_cluster):
         q = lambda keys: [PoolTransfer(name=PoolName.DRAFT, keys=keys, indices_from_pool=PoolName.KV)]  # noqa: E731
         assert backend.batch_exists_v2(a, q(a)).kv_hit_pages == 3
         assert backend.batch_exists_v2(b, q(b)).kv_hit_pages == 0
-        assert backend.session.metrics.value("partial_hits", missing_member="draft") == 3
+        assert backend.session.report.metrics.value("partial_hits", missing_member="draft") == 3
         poison(kv)
         poison(draft)
         dst = alloc_pages(kv, 3)

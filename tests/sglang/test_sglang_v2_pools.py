@@ -58,11 +58,11 @@ def test_draft_sidecar_full_vs_partial_hit(tiers, store_dir):
         assert full.kv_hit_pages == n and full.restorable_prefix_pages == list(range(1, n + 1))
         assert full.extra_pool_hit_pages[PoolName.DRAFT] == n
 
-        partial_before = backend.session.metrics.value("partial_hits", missing_member="draft")
+        partial_before = backend.session.report.metrics.value("partial_hits", missing_member="draft")
         part = backend.batch_exists_v2(b, [_draft_transfer(b)])
         assert part.kv_hit_pages == 0 and part.restorable_prefix_pages == []
         assert PoolName.DRAFT not in part.extra_pool_hit_pages
-        assert backend.session.metrics.value("partial_hits", missing_member="draft") == partial_before + n
+        assert backend.session.report.metrics.value("partial_hits", missing_member="draft") == partial_before + n
         # v1 lookups see the registered draft pool too: a KV-only prefix is not a hit
         assert backend.batch_exists(a) == n and backend.batch_exists(b) == 0
 
@@ -86,7 +86,7 @@ def test_target_only_policy_reports_target_prefix_and_counts_partial(store_dir):
         res = backend.batch_exists_v2(keys, [_draft_transfer(keys)])
         assert res.kv_hit_pages == 3
         assert PoolName.DRAFT not in res.extra_pool_hit_pages  # never reported as restorable for the draft
-        assert backend.session.metrics.value("partial_hits", missing_member="draft") == 3
+        assert backend.session.report.metrics.value("partial_hits", missing_member="draft") == 3
     finally:
         backend.close()
 
@@ -101,7 +101,7 @@ def test_no_draft_pool_means_no_draft_member(store_dir):
         assert backend.batch_set_v1(keys, alloc_pages(kv, 2)) == [True, True]
         assert backend.batch_exists(keys) == 2
         assert backend.session.store.tiers[0].usage().objects == 2
-        assert backend.session.metrics.value("partial_hits") == 0
+        assert backend.session.report.metrics.value("partial_hits") == 0
     finally:
         backend.close()
 
@@ -187,7 +187,7 @@ def test_all_pages_state_pool_shrinks_the_hit(store_dir):
         res = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.INDEXER, keys=keys)])
         assert res.kv_hit_pages == 2
         # a state pool is part of the target: the hit is simply shorter, not a partial (draft) hit
-        assert backend.session.metrics.value("partial_hits") == 0
+        assert backend.session.report.metrics.value("partial_hits") == 0
     finally:
         backend.close()
 

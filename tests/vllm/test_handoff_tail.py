@@ -1,7 +1,7 @@
 """A handoff whose tail is invalid still loads its whole chunks: the vLLM scheduler side.
 
 A decode instance trusts a handoff's ``tail_chunk`` only as far as it can check it: it
-must be one of the tail slots after the prompt's last whole chunk (`kvpack.hits`).
+must be one of the tail slots after the prompt's last whole chunk (`kvpack.policy.hits`).
 Anything else (a path, a long string, a number, another prompt's tail) drops the tail
 alone, counted as ``handoff_tails_dropped``; the whole chunks the prefill instance
 stored still load, and every key the workers will build from the job is valid. The
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage
-from kvpack.keys import chunk_hashes
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.tails import tail_chunk
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import chunk_hashes
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.policy.groups import Coverage
+from kvpack.policy.tails import tail_chunk
 
 pytest.importorskip("vllm")
 
@@ -72,8 +72,8 @@ def test_an_invalid_tail_drops_the_tail_alone(tmp_path: Path, tail: Any) -> None
         matched, blocks = _decode(side, tail)
         assert matched == 2 * BS, "the whole chunks the prefill instance stored still load"
         assert [b.chunk for b in blocks] == HASHES[:2] and [b.block_ids for b in blocks] == [(4,), (5,)]
-        assert side.session.metrics.value("handoff_tails_dropped") == 1
-        assert side.session.metrics.value("handoff_refused") == 0
+        assert side.session.report.metrics.value("handoff_tails_dropped") == 1
+        assert side.session.report.metrics.value("handoff_refused") == 0
     finally:
         side.close()
 
@@ -86,6 +86,6 @@ def test_a_tail_slot_of_the_prompt_loads(tmp_path: Path, slot: int) -> None:
         assert matched == len(IDS) - 1  # vLLM computes the last token
         assert [b.chunk for b in blocks] == [*HASHES[:2], tail_chunk(HASHES[1], slot)]
         assert blocks[-1].token_ids == tuple(IDS[32:39]) and blocks[-1].token_count == 8
-        assert side.session.metrics.value("handoff_tails_dropped") == 0
+        assert side.session.report.metrics.value("handoff_tails_dropped") == 0
     finally:
         side.close()

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.keys import tenant_signature
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import tenant_signature
 
 pytest.importorskip("vllm")
 
@@ -84,8 +84,8 @@ def test_signed_tenants_are_honoured_only_with_the_right_signature() -> None:
 
 
 def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_path: Path) -> None:
-    from kvpack.groups import Coverage
-    from kvpack.layout_spec import KVLayoutSpec
+    from kvpack.identity.layout_spec import KVLayoutSpec
+    from kvpack.policy.groups import Coverage
     from kvpack.vllm_plugin.scheduler import SchedulerSide
     from kvpack.vllm_plugin.scopes import CacheGroup, Scope
 
@@ -99,6 +99,6 @@ def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_p
         scope = side._scope_of(_request("bob"))  # noqa: SLF001
         assert scope is not None and scope.tenant == "default"
         assert side.take_stats().get("untrusted_tenants") == 1  # the connector stats are the metrics' increases
-        assert side.session.metrics.value("untrusted_tenants") == 1
+        assert side.session.report.metrics.value("untrusted_tenants") == 1
     finally:
         side.close()

@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvpack.config import EvictionPolicyName, KVPackConfig
-from kvpack.eviction import make_policy
-from kvpack.groups import Coverage
-from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.objects import ObjectHeader
+from kvpack.config.schema import EvictionPolicyName, KVPackConfig
+from kvpack.identity.keys import StoreKey, chunk_hashes
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.identity.objects import ObjectHeader
+from kvpack.policy.eviction import make_policy
+from kvpack.policy.groups import Coverage
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
@@ -93,7 +93,7 @@ def test_a_steps_remote_waits_share_one_budget(tmp_path: Path) -> None:
     assert matched[0] == 3 * BS, "the remote tier is asked while the step's budget lasts"
     assert matched[1:] == [0] * 7, "once it is spent, the step's other lookups skip the remote tier"
     assert late.lookup_calls == 2  # the first request's chunk lookup and tail lookup
-    assert side.session.metrics.value("budget_skips", tier="late") == 2 * 7
+    assert side.session.report.metrics.value("budget_skips", tier="late") == 2 * 7
     assert took < 1.5, f"eight lookups took {took:.2f}s (unbounded: {8 * 2 * DELAY_S:.1f}s)"
 
     side.build_connector_meta(None)  # the next engine step renews the budget
@@ -126,7 +126,7 @@ def test_a_steps_save_planning_shares_the_budget_its_lookups_spent(tmp_path: Pat
     took = time.monotonic() - start
     assert [len(job.blocks) for job in saves] == [3, 3]  # two chunks and a tail each
     assert late.lookup_calls == 2, "tail placement in the same step skips the remote tier"
-    assert side.session.metrics.value("budget_skips", tier="late") >= 2 + 2
+    assert side.session.report.metrics.value("budget_skips", tier="late") >= 2 + 2
     assert took < DELAY_S, f"the step's save planning waited {took:.2f}s on a spent budget"
 
     next_step = fake_request(list(range(5000, 5040)), "next-step")
@@ -163,6 +163,6 @@ def test_a_request_is_held_not_missed_while_a_tier_makes_its_first_connect(tmp_p
     request = fake_request(ids, "early")
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # the next step, still connecting
-    assert side.session.metrics.value("lookups_held", tenant="default") == 2
+    assert side.session.report.metrics.value("lookups_held", tenant="default") == 2
     remote.connected = True
     assert side.get_num_new_matched_tokens(request, 0) == (3 * BS - 1, True)  # the last token is recomputed
