@@ -33,10 +33,11 @@ from .clearing import Cleared, ClearScope, ClearUnsupported
 from .config import KVPackConfig
 from .errors import ConfigError
 from .pins import drop_pins, pinned_per_tenant
-from .tiers.disk import DiskTier, census
-from .tiers.disk.catalog import INDEX_NAME
+from .tiers.disk import DiskTier
 from .tiers.host import HostTier
 from .tiers.host.stores import HostStore, host_stores
+from .tiers.index import census
+from .tiers.index.catalog import INDEX_NAME
 
 MOONCAKE_NOT_LISTABLE = "its client API lists no keys: pass --mooncake-http HOST:PORT (the master's --metrics_port)"
 MAX_LISTED_KEYS = 10_000_000

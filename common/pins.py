@@ -38,7 +38,7 @@ from .config import KVPackConfig
 from .errors import ConfigError
 from .keys import GroupKey
 from .tenancy import tenant_trusted
-from .tiers.disk.rows import group_id
+from .tiers.index.rows import group_id
 
 log = logging.getLogger("kvpack.pins")
 
@@ -194,7 +194,7 @@ class PinBook:
         return int(n)
 
     def kept(self) -> frozenset[bytes]:
-        """Ids (`kvpack.tiers.disk.rows.group_id`) of the groups no tier may evict now."""
+        """Ids (`kvpack.tiers.index.rows.group_id`) of the groups no tier may evict now."""
         self._refresh()
         return self._kept_ids
 
@@ -275,13 +275,14 @@ def open_pins(config: KVPackConfig, tiers: Sequence[object]) -> PinBook | None:
     if budget <= 0 or not config.disk.enabled:
         return None
     from .tiers.disk import DiskTier
+    from .tiers.host import HostTier
     from .tiers.memory import MemoryTier
 
     book = PinBook(config.disk.path, budget)
     for tier in tiers:
         if isinstance(tier, MemoryTier):
             tier.keep(book.kept_names)
-        elif isinstance(tier, DiskTier):  # the host store too: one of its kind
+        elif isinstance(tier, (DiskTier, HostTier)):  # both hold the shared index (`kvpack.tiers.index`)
             tier.keep(book.kept)
     return book
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from ..config import KVPackConfig, MemoryMode
 from ..eviction import make_policy
 from .base import Tier
-from .disk.check import check_index_files
 from .disk.fs import check_store_root
 from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
+from .index.check import check_index_files
 from .parallel import RegionCopier
 
 log = logging.getLogger("kvpack")

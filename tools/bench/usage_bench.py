@@ -18,7 +18,7 @@ from kvpack.config import KVPackConfig
 from kvpack.keys import StoreKey
 from kvpack.layout_spec import KVLayoutSpec
 from kvpack.operating import usage
-from kvpack.tiers.disk.catalog import INDEX_NAME, Catalog
+from kvpack.tiers.index.catalog import INDEX_NAME, Catalog
 
 BATCH = 20_000
 """Rows per `Catalog.admit` while building."""
