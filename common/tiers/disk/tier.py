@@ -265,6 +265,9 @@ class DiskTier(Tier):
         self._remove_files(keys, [victim.group for victim in victims], reason)
         return len(keys)
 
+    def _drop_removed(self, victims: Sequence[Victim]) -> int:
+        return self._drop_victims(victims, "removed")
+
     def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
         """Unlink `keys`' files and the emptied folders of `groups`, each removed file counted under `reason`."""
         native = self._object_remover() if self._object_remover is not None else None
@@ -539,22 +542,20 @@ class DiskTier(Tier):
             victims = self._catalog.remove_groups(groups)
         except Exception:  # noqa: BLE001
             return 0
-        return self._drop_victims(victims, "removed")
+        return self._drop_removed(victims)
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """From the shared index (`Catalog.clear_matching`), then the files: a racing load misses."""
+        """From the shared index (`Catalog.clear`), then the files: a racing load misses."""
         if not self.index_complete():
             raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
-        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
-        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
+        return self._catalog.clear(scope, None if dry_run else self._drop_removed)
 
     def name_group(self, fingerprint: str, label: str) -> None:
         self._catalog.name_fingerprint(fingerprint, label)
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""
-        used, objects, groups = self._catalog.usage()
-        return TierUsage(used_bytes=used, capacity_bytes=self._capacity_bytes, objects=objects, groups=groups)
+        return self._catalog.usage(self._capacity_bytes)
 
     def tenant_used(self, tenant: str) -> int:
         return self._catalog.tenant_used(tenant)

@@ -203,20 +203,15 @@ class HostTier(Tier):
             victims = self._catalog.remove_groups(groups)
         except Exception:  # noqa: BLE001
             return 0
-        return self._drop_victims(victims, "removed")
+        return self._drop_removed(victims)
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """From the shared index (`Catalog.clear_matching`): the pages go with the rows."""
-        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
-        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
-
-    def name_group(self, fingerprint: str, label: str) -> None:
-        self._catalog.name_fingerprint(fingerprint, label)
+        """From the shared index (`Catalog.clear`): the pages go with the rows."""
+        return self._catalog.clear(scope, None if dry_run else self._drop_removed)
 
     def usage(self) -> TierUsage:
-        """The store's usage (every process's objects): the index is shared."""
-        used, objects, groups = self._catalog.usage()
-        return TierUsage(used_bytes=used, capacity_bytes=self._capacity_bytes, objects=objects, groups=groups)
+        """The store's usage (every process's objects), of its arena's capacity."""
+        return self._catalog.usage(self._capacity_bytes)
 
     def tenant_used(self, tenant: str) -> int:
         return self._catalog.tenant_used(tenant)
@@ -224,6 +219,12 @@ class HostTier(Tier):
     def tenants(self) -> list[str]:
         """Tenants with anything stored (their rows exist only while they store something)."""
         return self._catalog.tenants()
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        self._catalog.name_fingerprint(fingerprint, label)
+
+    def _drop_removed(self, victims: Sequence[Victim]) -> int:
+        return self._drop_victims(victims, "removed")
 
     def _drop_victims(self, victims: Sequence[Victim], reason: str) -> int:
         """Count the objects of groups already unindexed under `reason` (their pages went with their

@@ -66,11 +66,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol, cast
 
+from ...clearing import Cleared, ClearScope
 from ...errors import ConfigError
 from ...eviction.shares import Candidate, choose_victims
 from ...keys import GroupKey, StoreKey
 from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
 from .. import private
+from ..base import TierUsage
 from . import batch_sql, census
 from . import files as index_files
 from .batch_sql import GroupRows, ObjectRows
@@ -390,13 +392,13 @@ class Catalog:
         if ticks:
             batch_sql.set_ticks(db, ticks)
 
-    def usage(self) -> tuple[int, int, int]:
-        """(used bytes, objects, groups) of the whole folder."""
+    def usage(self, capacity: int) -> TierUsage:
+        """The folder's usage (every process's objects) against the tier's `capacity` (bytes)."""
         with self._lock:
             used = self._db.execute("SELECT COALESCE(SUM(used), 0) FROM tenants").fetchone()[0]
             objects = self._db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
             groups = self._db.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
-        return int(used), int(objects), int(groups)
+        return TierUsage(used_bytes=int(used), capacity_bytes=capacity, objects=int(objects), groups=int(groups))
 
     def tenant_used(self, tenant: str) -> int:
         with self._lock:
@@ -557,27 +559,22 @@ class Catalog:
         with self._lock:
             return census.usage_rows(self._db)
 
-    def clear_matching(
-        self,
-        tenants: frozenset[str] | None,
-        fingerprints: frozenset[str] | None,
-        drop: Callable[[list[Victim]], int] | None,
-        batch: int = 2_000,
-    ) -> tuple[int, int]:
-        """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
-        could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
-        one batch), each batch handed to `drop` once committed (it removes their files and answers
-        how many objects went); without, only counted (no write)."""
+    def clear(self, scope: ClearScope, drop: Callable[[list[Victim]], int] | None, batch: int = 2_000) -> Cleared:
+        """The objects and bytes of the groups of `scope` (its tenants and fingerprints, None: any)
+        that eviction could take; with `drop`, deleted `batch` groups per transaction (others' writes
+        wait at most one batch), each batch handed to `drop` once committed (it removes what the tier
+        holds of them and answers how many objects went); without, only counted (no write)."""
+        tenants, fingerprints = scope.tenants, scope.fingerprints
         if drop is None:
             with self._lock:
-                return census.count_groups(self._db, tenants, fingerprints, self._evictable)
+                return Cleared(*census.count_groups(self._db, tenants, fingerprints, self._evictable))
         objects = nbytes = 0
         while True:
             with self._lock, self._tx() as db:
                 ids = census.select_groups(db, tenants, fingerprints, self._evictable, batch)
                 gone = self.delete_groups(db, ids) if ids else []
             if not ids:
-                return objects, nbytes
+                return Cleared(objects, nbytes)
             objects, nbytes = objects + drop(gone), nbytes + sum(v.nbytes for v in gone)
 
     def name_fingerprint(self, fingerprint: str, label: str) -> None:
