@@ -35,7 +35,7 @@ def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
     an existing one may hold, that a missing one can be created). Mooncake: the
     installed package and its tenant support (`connection.check_support`). The
     memory tier has no rule beyond the config's own fields (checked when it was built).
-    For an existing folder, the disk index's files too (`disk.check.check_index_files`), unless
+    For an existing folder, the disk index's files too (`index.check.check_index_files`), unless
     `index_files` is False: `build_tiers`, whose `DiskTier` opens them by the same rules a moment later."""
     if config.disk.enabled:
         root = check_store_root(config.disk.path)

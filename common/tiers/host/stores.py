@@ -193,7 +193,7 @@ def give_back(name: str, shm: str = SHM, wait_s: float = GIVE_BACK_WAIT_S) -> bo
 
     Called by a store's last user as it closes (a store that ``memory.mode: auto`` chose,
     `HostTier`). An opener holds the folder's shared ``flock`` from opening the folder until its
-    owner file is in place (`HostTier._open_root`); this takes the exclusive one, so no opener is
+    owner file is in place (`kvpack.tiers.host.tier._open_root`); this takes the exclusive one, so no opener is
     half-way in while it counts the live owners. One that opened the folder before is counted
     (its owner file is locked); one that comes after finds the folder renamed aside when it gets
     its shared lock and opens the path again (a new, empty store). A store any user opened with
