@@ -17,8 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-
-from .metrics import Metrics
+from typing import Protocol
 
 CLIP_CHARS = 48
 """The most characters of one client value a log line or an error message quotes."""
@@ -47,13 +46,19 @@ def clip(value: object, limit: int = CLIP_CHARS) -> str:
     return f"a {type(value).__name__}"
 
 
+class Counts(Protocol):
+    """Where a refusal is counted: `kvpack.observe.metrics.Metrics` (its ``inc``)."""
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None: ...
+
+
 class Refusals:
     """Refused client input of one kind: counted by reason, logged once per reason.
 
-    `metric` is a counter of `kvpack.metrics.SPECS` with a ``reason`` label; a reason is
+    `metric` is a counter of `kvpack.observe.metrics.SPECS` with a ``reason`` label; a reason is
     a member of an enum whose values are the label values. Thread-safe."""
 
-    def __init__(self, metrics: Metrics, metric: str, what: str, logger: logging.Logger) -> None:
+    def __init__(self, metrics: Counts, metric: str, what: str, logger: logging.Logger) -> None:
         self._metrics = metrics
         self._metric = metric
         self._what = what

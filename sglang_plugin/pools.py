@@ -145,7 +145,7 @@ def checkpoint_kv_heads(model_name: str | None) -> int:
 
 
 def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
-    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.model_identity`).
+    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.identity.model_identity`).
 
     SGLang gives the served model name (by default the model path), tagged
     ``<name>-<storage_format_tag>`` when the host pool has a page format of its own.
@@ -185,7 +185,7 @@ def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str)
 
 
 def rank_heads(geo: CanonicalGeometry, par: ParallelInfo) -> tuple[HeadSplit, HeadRange] | None:
-    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.heads`),
+    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.identity.heads`),
     or None when they are not known for sure. A rank holding several heads holds
     ``heads / tp_size`` of them (replication gives every rank exactly one); a rank of one
     head needs the checkpoint's count (`ParallelInfo.kv_heads`): the model may have

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ...keys import StoreKey
+from ...identity.keys import StoreKey
 from ..index.catalog import Catalog
 from ..index.rows import group_id, pack_name
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ConfigError
-from ...keys import StoreKey
+from ...identity.keys import StoreKey
 from ..index.batch_sql import ObjectRows, chunks, flat, marks, values
 from ..index.catalog import Catalog, open_catalog
 from ..index.rows import Victim, group_id

@@ -3,7 +3,7 @@
 `HostTier` holds the index the disk tier holds too (`kvpack.tiers.index`: the shared SQLite
 index with its one budget, LRU over groups, tenant shares), extended with pages
 (`kvpack.tiers.host.catalog`), and puts the objects, in the object format every tier shares
-(`kvpack.objects`), in one arena file on tmpfs (`kvpack.tiers.host.pages`), allocated whole when
+(`kvpack.identity.objects`), in one arena file on tmpfs (`kvpack.tiers.host.pages`), allocated whole when
 the store is made and mapped once by every process. So every process on the host reads and writes one set of objects
 under one `capacity` (the arena's size: the budget is held from the start, never exceeded), and:
 
@@ -35,10 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...clearing import Cleared, ClearScope
 from ...errors import ConfigError
-from ...keys import GroupKey, StoreKey
-from ...objects import (
+from ...identity.keys import GroupKey, StoreKey
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,
@@ -52,7 +51,8 @@ from ...objects import (
     header_length,
     payload_parts,
 )
-from ...router_facts import FactsRow, RouterFacts
+from ...observe.router_facts import FactsRow, RouterFacts
+from ...policy.clearing import Cleared, ClearScope
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed, sort_puts
 from ..disk.fs import SHM, open_store_root
 from ..index.catalog import IndexBusy
@@ -106,7 +106,7 @@ class HostTier(Tier):
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
         ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
-        `quotas`: the tenants' guaranteed shares (`kvpack.eviction.shares`). `give_back_unused`:
+        `quotas`: the tenants' guaranteed shares (`kvpack.policy.eviction.shares`). `give_back_unused`:
         the last user to close the store drops it (`stores.give_back`; a store ``memory.mode:
         auto`` chose). `asked_for` (default: not `give_back_unused`): a user asked for the store
         (``memory.mode: host``), so it persists; False for a tool's visit. `region_copier` is asked
@@ -183,7 +183,7 @@ class HostTier(Tier):
             return [False] * len(keys)
 
     def keep(self, kept: Callable[[], frozenset[bytes]]) -> None:
-        """Never evict the groups whose ids `kept()` holds (`kvpack.pins`), from any process's store."""
+        """Never evict the groups whose ids `kept()` holds (`kvpack.store.pins`), from any process's store."""
         self._catalog.kept = kept
 
     def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:
@@ -191,7 +191,7 @@ class HostTier(Tier):
         return self._catalog.ready_bytes(groups)
 
     def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
-        """Routers' facts of groups the store holds ready (`Catalog.record_facts`, `kvpack.router_facts`)."""
+        """Routers' facts of groups the store holds ready (`Catalog.record_facts`, `kvpack.observe.router_facts`)."""
         return self._catalog.record_facts(rows)
 
     def facts_after(self, seq: int, limit: int) -> list[FactsRow]:
@@ -574,7 +574,7 @@ class HostTier(Tier):
 
     def mapping(self) -> tuple[int, int]:
         """(address, bytes) of this process's mapping of the arena's pages: what `lend` hands out
-        views of (registered with CUDA on a GPU host: `kvpack.host_registration`)."""
+        views of (registered with CUDA on a GPU host: `kvpack.transfers.host_registration`)."""
         area = self._pages.area
         return int(area.ctypes.data), int(area.nbytes)
 

@@ -23,7 +23,7 @@ a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
 - ``meta``: the schema version and ``complete`` once every file of an older
   store was indexed (`kvpack.tiers.disk.scan` builds it in the background);
 - ``facts(seq, g, origin, identity, blob)``: at most one row per group, what its writer told
-  routers about it (`kvpack.router_facts`): inserted only while the group has a ready object
+  routers about it (`kvpack.observe.router_facts`): inserted only while the group has a ready object
   (`record_facts`), deleted with the group; ``seq`` only grows (AUTOINCREMENT: never reused),
   so a reader tails it with a cursor (`facts_after`).
 
@@ -40,7 +40,7 @@ is never loaded because loads verify the file's own header.
 A group's ``tick`` is when its last store was accepted (`PutItem.accepted_ns`, or the
 admission's own time) or it was last read: a store that arrives after newer ones evicts only
 less recent groups, or is refused. Eviction is LRU over groups (this index selects the candidates in tick order)
-decided by the one victim rule of `kvpack.eviction.shares`, the memory tier's too
+decided by the one victim rule of `kvpack.policy.eviction.shares`, the memory tier's too
 (a tenant over its share evicts its own groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
 would not be shared, and the recency order is what all processes agree on.
@@ -66,11 +66,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol, cast
 
-from ...clearing import Cleared, ClearScope
 from ...errors import ConfigError
-from ...eviction.shares import Candidate, choose_victims
-from ...keys import GroupKey, StoreKey
-from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from ...identity.keys import GroupKey, StoreKey
+from ...observe.router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from ...policy.clearing import Cleared, ClearScope
+from ...policy.eviction.shares import Candidate, choose_victims
 from .. import private
 from ..base import TierUsage
 from . import batch_sql, census
@@ -155,7 +155,7 @@ class Catalog:
     """One process's connection to the folder's index. Thread-safe (one lock per connection)."""
 
     kept: Callable[[], Collection[bytes]] | None = None
-    """The group ids pinned by their tenant (`kvpack.pins`): never victims while it answers them."""
+    """The group ids pinned by their tenant (`kvpack.store.pins`): never victims while it answers them."""
 
     def __init__(
         self,
