@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..identity.objects import HEADER_PREFIX_BYTES, ObjectRejected, decode_header, header_length
 from ..tiers.disk import SUFFIX
-from ..tiers.disk.catalog import INDEX_NAME
+from ..tiers.index.catalog import INDEX_NAME
 
 
 @dataclass

@@ -36,10 +36,11 @@ from ..config.schema import KVPackConfig
 from ..errors import ConfigError
 from ..policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..store.pins import drop_pins, pinned_per_tenant
-from ..tiers.disk import DiskTier, census
-from ..tiers.disk.catalog import INDEX_NAME
+from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.host.stores import HostStore, host_stores
+from ..tiers.index import census
+from ..tiers.index.catalog import INDEX_NAME
 from ..tiers.mooncake import MooncakeTier  # Mooncake is optional: imported only when configured
 
 MOONCAKE_NOT_LISTABLE = "its client API lists no keys: pass --mooncake-http HOST:PORT (the master's --metrics_port)"

@@ -39,7 +39,8 @@ from ..errors import ConfigError
 from ..identity.keys import GroupKey
 from ..policy.tenancy import tenant_trusted
 from ..tiers.disk import DiskTier
-from ..tiers.disk.rows import group_id
+from ..tiers.host import HostTier
+from ..tiers.index.rows import group_id
 from ..tiers.memory import MemoryTier
 
 log = logging.getLogger("kvpack.store.pins")
@@ -196,7 +197,7 @@ class PinBook:
         return int(n)
 
     def kept(self) -> frozenset[bytes]:
-        """Ids (`kvpack.tiers.disk.rows.group_id`) of the groups no tier may evict now."""
+        """Ids (`kvpack.tiers.index.rows.group_id`) of the groups no tier may evict now."""
         self._refresh()
         return self._kept_ids
 
@@ -280,7 +281,7 @@ def open_pins(config: KVPackConfig, tiers: Sequence[object]) -> PinBook | None:
     for tier in tiers:
         if isinstance(tier, MemoryTier):
             tier.keep(book.kept_names)
-        elif isinstance(tier, DiskTier):  # the host store too: one of its kind
+        elif isinstance(tier, (DiskTier, HostTier)):  # both hold the shared index (`kvpack.tiers.index`)
             tier.keep(book.kept)
     return book
 

@@ -89,6 +89,20 @@ def checksummed(items: Sequence[PutItem]) -> list[PutItem]:
     return out
 
 
+def sort_puts(items: Sequence[PutItem]) -> tuple[list[TierStatus], list[int], dict[str, list[int]]]:
+    """A put batch's first pass: (per item OK, or ERROR when its payload is not its header's length;
+    each payload's bytes; the indices of the OK items by tenant, in order)."""
+    statuses = [TierStatus.OK] * len(items)
+    sizes = [payload_nbytes(item.payload) for item in items]
+    by_tenant: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        if sizes[i] != item.header.payload_len:
+            statuses[i] = TierStatus.ERROR
+        else:
+            by_tenant.setdefault(item.key.tenant, []).append(i)
+    return statuses, sizes, by_tenant
+
+
 @dataclass(frozen=True, slots=True)
 class TierUsage:
     used_bytes: int

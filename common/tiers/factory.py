@@ -19,12 +19,12 @@ from ..config.schema import KVPackConfig, MemoryMode
 from ..policy.eviction import make_policy
 from .base import Tier
 from .disk import DiskTier
-from .disk.check import check_index_files
 from .disk.fs import check_store_root
 from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
 from .host import HostTier, chosen_by_auto, memory_mode, store_name
+from .index.check import check_index_files
 from .memory import MemoryTier
 from .mooncake import MooncakeTier
 from .mooncake.connection import check_support
@@ -40,7 +40,7 @@ def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
     an existing one may hold, that a missing one can be created). Mooncake: the
     installed package and its tenant support (`connection.check_support`). The
     memory tier has no rule beyond the config's own fields (checked when it was built).
-    For an existing folder, the disk index's files too (`disk.check.check_index_files`), unless
+    For an existing folder, the disk index's files too (`index.check.check_index_files`), unless
     `index_files` is False: `build_tiers`, whose `DiskTier` opens them by the same rules a moment later."""
     if config.disk.enabled:
         root = check_store_root(config.disk.path)

@@ -23,8 +23,9 @@ from fixtures.builders import chunk_id, make_item
 from kvpack.errors import ConfigError
 from kvpack.observe.router_facts import RouterFacts
 from kvpack.tiers.base import TierStatus
-from kvpack.tiers.disk import DiskTier, batch_sql
+from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.host import HostTier, host_root
+from kvpack.tiers.index import batch_sql
 
 PAGE = 1024
 SIZES = (4, 64)

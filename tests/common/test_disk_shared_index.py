@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from helpers import chunk_id, expect, make_item
 
+from fixtures.scan_pace import pace_scan
 from kvpack.errors import ConfigError
 from kvpack.operate.inspect_store import summarize
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.catalog import INDEX_NAME
 from kvpack.tiers.disk.fs import MARKER
+from kvpack.tiers.index.catalog import INDEX_NAME
 
 KIB = 1024
 TESTS = Path(__file__).resolve().parents[1]
@@ -78,7 +79,9 @@ def test_three_processes_share_one_capacity_and_every_load_is_exact_or_a_miss(tm
     assert 0.5 * capacity / KIB <= hits <= 1.1 * capacity / KIB
 
 
-def test_a_store_without_an_index_answers_before_its_index_is_built(tmp_path: Path) -> None:
+def test_a_store_without_an_index_answers_before_its_index_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     writer = _disk(tmp_path)
     items = [make_item("t", chunk_id(i), seed=i) for i in range(300)]
     assert writer.put_from([it for it, _ in items]) == [TierStatus.OK] * 300
@@ -86,11 +89,12 @@ def test_a_store_without_an_index_answers_before_its_index_is_built(tmp_path: Pa
     _drop_index(tmp_path)
     gate, paced = threading.Event(), threading.Event()
 
-    def pace(found: int) -> None:  # the scan stops after its first leaf folder until the test lets it go
+    def pace() -> None:  # the scan stops after its first leaf folder until the test lets it go
         paced.set()
         gate.wait(30)
 
-    opened = _disk(tmp_path, open_scan_s=0.05, index_pace=pace)
+    pace_scan(monkeypatch, pace)
+    opened = _disk(tmp_path, open_scan_s=0.05)
     try:
         assert paced.wait(10) and not opened.index_complete()
         keys = [it.key for it, _ in items]
@@ -108,14 +112,17 @@ def test_a_store_without_an_index_answers_before_its_index_is_built(tmp_path: Pa
     assert _disk(tmp_path).contains([it.key for it, _ in items]) == [True] * 300
 
 
-def test_a_second_process_waits_for_no_scan_while_another_builds(tmp_path: Path) -> None:
+def test_a_second_process_waits_for_no_scan_while_another_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     writer = _disk(tmp_path)
     items = [make_item("t", chunk_id(i), seed=i)[0] for i in range(50)]
     writer.put_from(items)
     writer.close()
     _drop_index(tmp_path)
     gate = threading.Event()
-    builder = _disk(tmp_path, open_scan_s=0.01, index_pace=lambda n: gate.wait(30))
+    pace_scan(monkeypatch, lambda: gate.wait(30))
+    builder = _disk(tmp_path, open_scan_s=0.01)
     try:
         other = _disk(tmp_path, open_scan_s=5.0)  # the build lock is held: it does not scan, nor wait
         assert not other.index_complete()

@@ -25,10 +25,10 @@ import pytest
 from fixtures.builders import chunk_id, make_item
 from kvpack.identity.objects import Expectation
 from kvpack.tiers.base import PutItem, TierStatus
-from kvpack.tiers.disk.rows import group_id
 from kvpack.tiers.host import HostTier, host_root
 from kvpack.tiers.host.catalog import writer_name
 from kvpack.tiers.host.pages import ARENA, Geometry, page_runs, pair_up, spans
+from kvpack.tiers.index.rows import group_id
 
 CAPACITY = 256 << 10  # 64 pages of 4 KiB
 PAYLOAD = 6000  # a header and this payload take two pages
@@ -112,7 +112,7 @@ def test_pages_of_an_object_removed_mid_write_wait_for_their_writer(name: str) -
         held = {p for f, n in mine[(group_id(item.key.group), item.key.member)].runs for p in range(f, f + n)}
         others = _items(1, 32)  # 64 pages: the whole arena
         assert b.put_from(others).count(TierStatus.OK) == 31  # A's object is not evicted while written
-        assert sum(cat_b.lookup([it.key for it in others])) == 31
+        assert sum(cat_b.index.lookup([it.key for it in others])) == 31
         assert _census_whole(b) == (0, 0, 64)  # A's 2 pages still its own
         assert b.remove_groups([item.key.group]) == 1  # removed while A writes: its pages wait in limbo
         assert _census_whole(b) == (0, 2, 62)

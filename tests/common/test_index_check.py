@@ -23,9 +23,9 @@ from kvpack.cli import main
 from kvpack.config.schema import DiskTierConfig, MemoryTierConfig
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk import fs as disk_fs
-from kvpack.tiers.disk.catalog import INDEX_NAME
-from kvpack.tiers.disk.check import check_index_files
 from kvpack.tiers.factory import check_tiers
+from kvpack.tiers.index.catalog import INDEX_NAME
+from kvpack.tiers.index.check import check_index_files
 
 WAIT_S = 0.2
 """The lock wait of both sides in the held-lock case (start-up's default is 10 s)."""

@@ -25,8 +25,8 @@ from fixtures.builders import header, payload
 from kvpack import KVLayoutSpec, PutItem, StoreKey, TierStatus
 from kvpack.cli import main
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.catalog import INDEX_NAME, Catalog
 from kvpack.tiers.host import HostTier, host_root
+from kvpack.tiers.index.catalog import INDEX_NAME, Catalog
 
 SPECS = [KVLayoutSpec(engine="vllm:cpu", model=m, dtype="bfloat16", chunk_tokens=16) for m in ("llama-x", "qwen-y")]
 FPS = [s.group_fingerprint for s in SPECS]

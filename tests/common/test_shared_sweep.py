@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.builders import GROUP_FP, chunk_id, make_item, two_stores
+from fixtures.scan_pace import pace_scan
 from kvpack import (
     KVPackConfig,
     KVStore,
@@ -26,8 +27,8 @@ from kvpack import (
 from kvpack.identity.keys import GroupKey
 from kvpack.observe.tier_events import TierEvent, TierEventKind
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.catalog import INDEX_NAME
 from kvpack.tiers.host import drop
+from kvpack.tiers.index.catalog import INDEX_NAME
 
 REMOVED = TierEventKind.REMOVED
 
@@ -158,7 +159,9 @@ def test_another_process_evictions_from_a_shared_disk_folder_are_withdrawn_once_
     assert sweep.limit == 4  # the folder holds four groups: the followed set is bounded by it
 
 
-def test_nothing_is_withdrawn_while_the_disk_index_is_built_then_exactly_what_is_gone(tmp_path: Path) -> None:
+def test_nothing_is_withdrawn_while_the_disk_index_is_built_then_exactly_what_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a large existing folder not indexed yet: the index answers "absent" for every group until
     # the scan ends, so a sweep then would withdraw everything; it skips (without waiting) instead
     writer = DiskTier(tmp_path, 1 << 20)
@@ -169,11 +172,12 @@ def test_nothing_is_withdrawn_while_the_disk_index_is_built_then_exactly_what_is
             p.unlink()
     gate, paced = threading.Event(), threading.Event()
 
-    def pace(found: int) -> None:  # the scan holds after its first leaf folder until the test lets it go
+    def pace() -> None:  # the scan holds after its first leaf folder until the test lets it go
         paced.set()
         gate.wait(30)
 
-    mine = DiskTier(tmp_path, 1 << 20, open_scan_s=0.01, index_pace=pace)
+    pace_scan(monkeypatch, pace)
+    mine = DiskTier(tmp_path, 1 << 20, open_scan_s=0.01)
     try:
         assert paced.wait(10) and not mine.index_complete()
         sweep = SharedSweep(mine)

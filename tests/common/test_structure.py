@@ -281,7 +281,7 @@ draws them: a module imports its own layer and those below, never one above (ann
 
 
 def _layer_of(module: str) -> str | None:
-    """`kvpack.tiers.disk.catalog` -> ``tiers``; None outside the core (adapters, tools) or for the package itself."""
+    """`kvpack.tiers.index.catalog` -> ``tiers``; None outside the core (adapters, tools) or for the package itself."""
     parts = module.split(".")
     if parts[0] != "kvpack" or len(parts) < 2 or parts[1] in ("vllm_plugin", "sglang_plugin", "tools", "csrc"):
         return None

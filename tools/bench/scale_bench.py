@@ -49,7 +49,7 @@ from kvpack.identity.objects import Expectation, ObjectHeader, payload_checksum
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.catalog import INDEX_NAME
+from kvpack.tiers.index.catalog import INDEX_NAME
 
 FP_GROUP = "a" * 32
 FP_MEMBER = "b" * 32

@@ -18,7 +18,7 @@ from kvpack.config.schema import KVPackConfig
 from kvpack.identity.keys import StoreKey
 from kvpack.identity.layout_spec import KVLayoutSpec
 from kvpack.operate.operating import usage
-from kvpack.tiers.disk.catalog import INDEX_NAME, Catalog
+from kvpack.tiers.index.catalog import INDEX_NAME, Catalog
 
 BATCH = 20_000
 """Rows per `Catalog.admit` while building."""

@@ -2,7 +2,7 @@
 
 Stated once and used by both accountings of a bounded tier: the in-process one
 (`kvpack.policy.eviction.manager.CapacityManager`, the memory tier, candidates in its policy's
-order) and the shared one (`kvpack.tiers.disk.catalog`, one SQLite index per folder,
+order) and the shared one (`kvpack.tiers.index.catalog`, one SQLite index per folder,
 candidates in its LRU tick order). Each brings its candidates; this module decides.
 
 The rule, for `requester` storing `delta` more bytes into a tier holding `used` of `capacity`:

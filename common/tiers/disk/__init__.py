@@ -6,9 +6,9 @@ Modules, each with one job:
 - `files`: the bytes of one object file (header, padding, payload) and their verified read;
 - `paths`: where an object's file lives, and the emptied folders that go;
 - `fs`: the file-system rules (the store root, opening beneath it without following links);
-- `catalog`: the persistent index every process on the folder shares, and its capacity
-  (`rows`: how it names groups and objects; `reconcile`: the folder scan's side of it);
-- `scan`: the folder scan that builds or reconciles that index.
+- `writes`, `reads`, `removes`: a batch of object files written, read, removed (native or Python);
+- `scan`: the folder scan that builds or reconciles the folder's index (`kvpack.tiers.index`, the
+  one the host store holds too), and `reconcile` its rows (`FolderReconcile`).
 """
 
 from .files import SUFFIX, data_offset

@@ -9,7 +9,7 @@ delete anything kvpack did not put in its own store folder.
   `ConfigError`s naming ``disk.path``. `check_store_root` applies the same
   rules and changes nothing (no folder, no marker): the start-up check.
 - A folder in a folder others may write into (``/tmp``; the host store's, right
-  in `SHM`) is private (`kvpack.tiers.disk.private`): its own name is never
+  in `SHM`) is private (`kvpack.tiers.private`): its own name is never
   resolved (a symlink there is refused), it is created 0700 or must be this
   user's alone (checked on its descriptor), and so must its marker.
 - Everything inside is reached from the root's directory fd: `open_beneath`
@@ -47,7 +47,7 @@ from typing import Any
 
 from ...config.store_path import check_store_path_text
 from ...errors import ConfigError
-from . import private as private_mod
+from .. import private as private_mod
 
 MARKER = ".kvpack-store"
 STORE_FORMAT = 1

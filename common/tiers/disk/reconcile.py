@@ -1,37 +1,33 @@
 """The folder scan's side of the disk index (`kvpack.tiers.disk.scan`): index the files it
 finds, record the ones it sees, and unindex the rows whose file it did not see.
 
-A mixin of `kvpack.tiers.disk.catalog.Catalog`: it uses the catalog's connection, its lock
-and its write transaction, and keeps every invariant of that module's docstring (a row and
-its group's and tenant's bytes change together, in one transaction).
+`FolderReconcile` holds the folder's `kvpack.tiers.index.catalog.Catalog` and writes through its
+transactions (`Catalog.writing`), keeping every invariant of that module's docstring (a row and
+its group's and tenant's bytes change together, in one transaction). Only the disk tier has it:
+the host store's index is the store itself, with no folder of files to scan.
 """
 
 from __future__ import annotations
 
-import sqlite3
-import threading
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 
 from ...identity.keys import StoreKey
-from .rows import group_id, pack_name
+from ..index.catalog import Catalog
+from ..index.rows import group_id, pack_name
 
 
-class ScanReconcile:
-    """The scan's calls on a `Catalog` (see the module docstring)."""
+class FolderReconcile:
+    """The scan's calls on the folder's `Catalog` (see the module docstring)."""
 
-    _lock: threading.Lock
-    _db: sqlite3.Connection
-
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        raise NotImplementedError
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
 
     def add_found(self, found: Sequence[tuple[StoreKey, int, int]], stale_before_ns: int | None = None) -> None:
         """Index files found in the folder (key, bytes, mtime ns), ready, without evicting: the background
         build. A key already indexed (written meanwhile by a put) is left as it is, except a row not
         ready admitted before `stale_before_ns` (its writer crashed after the rename): marked ready."""
-        with self._lock, self._tx() as db:
+        with self.catalog.writing() as db:
             now = time.time_ns()
             for key, n, tick in found:
                 g = group_id(key.group)
@@ -55,17 +51,17 @@ class ScanReconcile:
 
     def begin_scan(self) -> None:
         """Start recording the files a folder scan sees (a temp table of this connection, on disk)."""
-        with self._lock:
-            self._db.execute("DROP TABLE IF EXISTS temp.scan_seen")
-            self._db.execute(
+        with self.catalog.reading() as db:
+            db.execute("DROP TABLE IF EXISTS temp.scan_seen")
+            db.execute(
                 "CREATE TEMP TABLE scan_seen(g BLOB NOT NULL, member TEXT NOT NULL, PRIMARY KEY(g, member))"
                 " WITHOUT ROWID"
             )
 
     def note_seen(self, keys: Sequence[StoreKey]) -> None:
         """Record object files the scan saw (valid or not); writes only this connection's temp table."""
-        with self._lock:
-            self._db.executemany(
+        with self.catalog.reading() as db:
+            db.executemany(
                 "INSERT OR IGNORE INTO temp.scan_seen VALUES(?, ?)", [(group_id(k.group), k.member) for k in keys]
             )
 
@@ -79,22 +75,22 @@ class ScanReconcile:
         and removed, bytes and all, in one write transaction (a row re-admitted or readied
         meanwhile no longer qualifies and stays)."""
         live = "((o.ready=1 AND o.since<?) OR (o.ready=0 AND o.since<?))"
-        with self._lock:
-            self._db.execute("DROP TABLE IF EXISTS temp.scan_unseen")
-            self._db.execute(
+        with self.catalog.reading() as db:
+            db.execute("DROP TABLE IF EXISTS temp.scan_unseen")
+            db.execute(
                 "CREATE TEMP TABLE scan_unseen(g BLOB NOT NULL, member TEXT NOT NULL, PRIMARY KEY(g, member))"
                 " WITHOUT ROWID"
             )
         for b in range(256):
             lo, hi = bytes([b]), bytes([b + 1]) if b < 255 else b"\xff" * 17  # every 16-byte id is below
-            with self._lock:
-                self._db.execute(
+            with self.catalog.reading() as db:
+                db.execute(
                     "INSERT INTO temp.scan_unseen SELECT o.g, o.member FROM main.objects o"
                     f" WHERE o.g>=? AND o.g<? AND {live} AND NOT EXISTS"  # noqa: S608 - fixed text
                     " (SELECT 1 FROM temp.scan_seen s WHERE s.g=o.g AND s.member=o.member)",
                     (lo, hi, scan_began_ns, stale_before_ns),
                 )
-        with self._lock, self._tx() as db:
+        with self.catalog.writing() as db:
             db.execute("DROP TABLE IF EXISTS temp.scan_gone")
             db.execute(
                 "CREATE TEMP TABLE scan_gone(g BLOB NOT NULL, member TEXT NOT NULL, nbytes INTEGER NOT NULL,"

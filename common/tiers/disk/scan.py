@@ -3,12 +3,12 @@
 Run by one process per folder at a time (an ``flock`` on ``.kvpack-store.build``;
 the others skip it), on a background thread (the opener waits for it only a
 short budget, `DiskTier`'s ``open_scan_s``). For a store written before the
-persistent index (`kvpack.tiers.disk.catalog`), or whose index file was
+persistent index (`kvpack.tiers.index.catalog`), or whose index file was
 deleted, it builds the index while lookups are answered from the folder
 itself; for an indexed store it reconciles: files written by a crashed or
 older writer are indexed (a crashed writer's row not marked ready is marked
 so), indexed files damaged since are un-indexed, rows whose file the scan did
-not see are un-indexed (`Catalog.sweep_unseen`: ready before the scan began,
+not see are un-indexed (`FolderReconcile.sweep_unseen`: ready before the scan began,
 so a file deleted while no kvpack process ran is not found by the next one;
 or never marked ready and older than the write grace), and stale temporaries
 are swept. The sweep is skipped when a folder could not be listed (an
@@ -52,9 +52,10 @@ from typing import Protocol
 
 from ...identity.keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
 from ...identity.objects import ObjectRejected, RejectReason
+from ..index.catalog import WRITE_GRACE_S, Catalog
 from . import fs
-from .catalog import WRITE_GRACE_S, Catalog
 from .files import PAGE, SUFFIX, data_offset, read_header_fd
+from .reconcile import FolderReconcile
 
 BUILD_LOCK = ".kvpack-store.build"
 BATCH = 2000
@@ -88,13 +89,11 @@ def build_index(
     counters: Counters,
     stale_temp_s: float,
     refuse: Callable[[StoreKey, os.stat_result | None], None],
-    pace: Callable[[int], None] | None = None,
     write_grace_s: float = WRITE_GRACE_S,
 ) -> int:
     """Index every valid object file of the folder into `catalog`, unindex the rows whose
     file it did not see, then mark it complete; returns the objects found. `refuse` is told of
-    each file left alone; `pace(n)` (a test seam) is called after each leaf folder with the
-    objects found so far. A row not ready is a write in progress for `write_grace_s` after its
+    each file left alone. A row not ready is a write in progress for `write_grace_s` after its
     admission. Never deletes an object."""
     now = time.time()
     began_ns = time.time_ns()
@@ -103,7 +102,8 @@ def build_index(
     rejected: list[StoreKey] = []
     seen: list[StoreKey] = []
     unlisted: list[str] = []
-    catalog.begin_scan()
+    reconcile = FolderReconcile(catalog)
+    reconcile.begin_scan()
 
     def reject(key: StoreKey, st: os.stat_result | None) -> None:
         rejected.append(key)
@@ -136,18 +136,16 @@ def build_index(
                 found.append(entry)
         os.close(dfd)
         if len(found) >= BATCH or len(seen) >= BATCH or rejected:
-            catalog.add_found(found, stale_ns)
+            reconcile.add_found(found, stale_ns)
             catalog.forget(rejected, stale_ns)  # indexed before, damaged since: no longer reported
-            catalog.note_seen(seen)
+            reconcile.note_seen(seen)
             total += len(found)
             found, rejected, seen = [], [], []
-        if pace is not None:
-            pace(total + len(found))
-    catalog.add_found(found, stale_ns)
+    reconcile.add_found(found, stale_ns)
     catalog.forget(rejected, stale_ns)
-    catalog.note_seen(seen)
+    reconcile.note_seen(seen)
     if not unlisted:
-        catalog.sweep_unseen(began_ns, stale_ns)
+        reconcile.sweep_unseen(began_ns, stale_ns)
     catalog.mark_complete()
     _release_heap()
     return total + len(found)

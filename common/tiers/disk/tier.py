@@ -25,7 +25,7 @@ kvpack never touches what is not its own (`kvpack.tiers.disk.fs`):
   removed only when empty (`rmdir`), when the last object indexed in them goes.
 
 The index is persistent and shared by every process on the folder
-(`kvpack.tiers.disk.catalog`: SQLite in the folder, one row per object): open
+(`kvpack.tiers.index.catalog`: SQLite in the folder, one row per object): open
 is O(1), `capacity` bounds the folder as a whole whatever the number of
 processes, and eviction (LRU over whole groups, tenant shares kept) deletes
 the victims' files after the transaction that unindexed them. A store without
@@ -73,19 +73,19 @@ from ...identity.objects import (
 )
 from ...observe.router_facts import FactsRow, RouterFacts
 from ...policy.clearing import Cleared, ClearScope, ClearUnsupported
-from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed
+from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed, sort_puts
+from ..index.catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, IndexBusy, open_catalog
+from ..index.rows import Victim
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
-from .catalog import INDEX_BUSY_TIMEOUT_S, WRITE_GRACE_S, Catalog, IndexBusy, open_catalog
 from .files import read_header_fd, read_verified
 from .fs import UnsafeEntry
 from .paths import file_name, leaf_of, rel_file
 from .reads import ObjectReader, read_batch
 from .removes import ObjectRemover, remove_batch
-from .rows import Victim
 from .writes import ObjectWriter, WriteOutcome, outcome_of, write_batch, write_job
 
-# WRITE_GRACE_S (from `kvpack.tiers.disk.catalog`): a row not ready this long after its admission is a
+# WRITE_GRACE_S (from `kvpack.tiers.index.catalog`): a row not ready this long after its admission is a
 # crashed writer's, dropped by a load miss or the folder scan; a ready row's miss drops it at once.
 STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
@@ -136,7 +136,6 @@ class DiskTier(Tier):
         stale_temp_s: float = STALE_TEMP_S,
         busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S,
         open_scan_s: float = 0.5,
-        index_pace: Callable[[int], None] | None = None,
         object_writer: Callable[[], ObjectWriter | None] | None = None,
         object_remover: Callable[[], ObjectRemover | None] | None = None,
         object_reader: Callable[[], ObjectReader | None] | None = None,
@@ -144,19 +143,18 @@ class DiskTier(Tier):
     ) -> None:
         """Raises ConfigError naming ``disk.path`` for a folder kvpack must not use (`fs.open_store_root`).
 
-        Eviction is LRU over the folder's groups, shared by every process on it (`kvpack.tiers.disk.catalog`;
+        Eviction is LRU over the folder's groups, shared by every process on it (`kvpack.tiers.index.catalog`;
         the configured `eviction.policy` orders the memory tier only). `quotas`: the tenants' guaranteed
         shares (`kvpack.policy.eviction.shares`). `busy_timeout_s` bounds a wait for another process's
         index transaction. `open_scan_s` is how long opening waits for the folder scan
-        (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
-        test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
-        the native batch file write (`kvpack.ops.object_writer`; None: write from Python), `object_remover`
-        at each removal for the native batch removal (`kvpack.ops.object_remover`), `object_reader` at each
-        get for the native batch read (`kvpack.ops.object_reader`), `region_copier` at each
-        memory copy for the native one (`kvpack.ops.region_copier`: the host tier's copies)."""
+        (`kvpack.tiers.disk.scan`) before leaving it to its background thread. Each native part, if
+        given, is asked for at each use (None: from Python): `object_writer` the batch file write
+        (`kvpack.ops.object_writer`), `object_remover` the batch removal (`kvpack.ops.object_remover`),
+        `object_reader` the batch read (`kvpack.ops.object_reader`), `region_copier` the memory copy
+        (`kvpack.ops.region_copier`)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        self._root_str, self._root_fd = self._open_root(os.fspath(root))
+        self._root_str, self._root_fd = fs.open_store_root(os.fspath(root))
         self.root = Path(self._root_str)
         self._old_root_fds: list[int] = []
         self._fsync = fsync
@@ -169,7 +167,10 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._root_lock = threading.Lock()
         self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-disk", region_copier=region_copier)
-        self._catalog = self._open_catalog(busy_timeout_s)
+        # its files checked as this user's alone when the folder lies in one others may write into
+        self._catalog = open_catalog(
+            self._root_str, self._root_fd, busy_timeout_s, private_root=fs.is_private(self._root_str)
+        )
         self._refused: dict[StoreKey, tuple[int, int]] = {}
         """Keys whose file was refused, by the file's (inode, mtime_ns); bounded.
 
@@ -181,18 +182,7 @@ class DiskTier(Tier):
         self._builder: threading.Thread | None = None
         self.scan_seconds: float | None = None
         """How long this process's folder scan took, once it ended (None: not scanned here, or still running)."""
-        self._start_build(index_pace, open_scan_s)
-
-    # -- what a subclass roots elsewhere (the host memory tier: `kvpack.tiers.host`) ----
-
-    def _open_root(self, path: str) -> tuple[str, int]:
-        """Check, create or adopt the store folder (`fs.open_store_root`): (resolved path, fd)."""
-        return fs.open_store_root(path)
-
-    def _open_catalog(self, busy_timeout_s: float) -> Catalog:
-        """The folder's shared index (`catalog.open_catalog`; its files checked as this user's alone
-        when the folder lies in one others may write into: `kvpack.tiers.disk.private`)."""
-        return open_catalog(self._root_str, self._root_fd, busy_timeout_s, private_root=fs.is_private(self._root_str))
+        self._start_build(open_scan_s)
 
     @property
     def startup_rejected(self) -> int:
@@ -200,7 +190,7 @@ class DiskTier(Tier):
 
     # -- the index build ---------------------------------------------------------
 
-    def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
+    def _start_build(self, wait_s: float) -> None:
         """Scan the folder on a thread (`scan.build_index`), waiting for it at most `wait_s`;
         a no-op while another process (or tier) on the folder scans it."""
         try:
@@ -220,7 +210,6 @@ class DiskTier(Tier):
                     self.counters,
                     self._stale_temp_s,
                     self._refuse_stat,
-                    pace,
                     WRITE_GRACE_S,
                 )
                 self._complete = True
@@ -259,7 +248,7 @@ class DiskTier(Tier):
         with self._root_lock:
             if self._root_fd != seen_fd:
                 return
-            _, fd = self._open_root(self._root_str)
+            _, fd = fs.open_store_root(self._root_str)
             self._old_root_fds.append(self._root_fd)
             self._root_fd = fd
 
@@ -275,6 +264,9 @@ class DiskTier(Tier):
             keys += [victim.group.member(member) for member in victim.members]
         self._remove_files(keys, [victim.group for victim in victims], reason)
         return len(keys)
+
+    def _drop_removed(self, victims: Sequence[Victim]) -> int:
+        return self._drop_victims(victims, "removed")
 
     def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
         """Unlink `keys`' files and the emptied folders of `groups`, each removed file counted under `reason`."""
@@ -550,22 +542,20 @@ class DiskTier(Tier):
             victims = self._catalog.remove_groups(groups)
         except Exception:  # noqa: BLE001
             return 0
-        return self._drop_victims(victims, "removed")
+        return self._drop_removed(victims)
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """From the shared index (`Catalog.clear_matching`), then the files: a racing load misses."""
+        """From the shared index (`Catalog.clear`), then the files: a racing load misses."""
         if not self.index_complete():
             raise ClearUnsupported(f"{self._root_str}: its index is still being built; clear again once it is")
-        drop = (lambda victims: self._drop_victims(victims, "removed")) if not dry_run else None
-        return Cleared(*self._catalog.clear_matching(scope.tenants, scope.fingerprints, drop))
+        return self._catalog.clear(scope, None if dry_run else self._drop_removed)
 
     def name_group(self, fingerprint: str, label: str) -> None:
         self._catalog.name_fingerprint(fingerprint, label)
 
     def usage(self) -> TierUsage:
         """The folder's usage (every process's objects): the index is shared."""
-        used, objects, groups = self._catalog.usage()
-        return TierUsage(used_bytes=used, capacity_bytes=self._capacity_bytes, objects=objects, groups=groups)
+        return self._catalog.usage(self._capacity_bytes)
 
     def tenant_used(self, tenant: str) -> int:
         return self._catalog.tenant_used(tenant)
@@ -584,20 +574,6 @@ class DiskTier(Tier):
         self._old_root_fds.clear()
         if self._builder is None or not self._builder.is_alive():
             self._catalog.close()
-
-
-def sort_puts(items: Sequence[PutItem]) -> tuple[list[TierStatus], list[int], dict[str, list[int]]]:
-    """A put batch's first pass: (per item OK, or ERROR when its payload is not its header's length;
-    each payload's bytes; the indices of the OK items by tenant, in order)."""
-    statuses = [TierStatus.OK] * len(items)
-    sizes = [payload_nbytes(item.payload) for item in items]
-    by_tenant: dict[str, list[int]] = {}
-    for i, item in enumerate(items):
-        if sizes[i] != item.header.payload_len:
-            statuses[i] = TierStatus.ERROR
-        else:
-            by_tenant.setdefault(item.key.tenant, []).append(i)
-    return statuses, sizes, by_tenant
 
 
 _MISS = GetResult(TierStatus.MISS)

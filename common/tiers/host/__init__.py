@@ -1,9 +1,9 @@
 """The host memory tier: one store in the host's shared memory for every kvpack process of a user.
 
-`HostTier` (``tier``) is the disk tier's index and policy over one arena file on tmpfs
-(``/dev/shm``) that every process maps once (`pages`). `place` finds and checks the folder,
-`owners` tells live processes from dead ones, `catalog` records which pages hold which object
-and who is writing what, `choice` decides
+`HostTier` (``tier``) holds the shared index the disk tier holds too (`kvpack.tiers.index`), over
+one arena file on tmpfs (``/dev/shm``) that every process maps once (`pages`). `place` finds and
+checks the folder, `owners` tells live processes from dead ones, `catalog` (the index's extension)
+records which pages hold which object and who is writing what, `choice` decides
 ``memory.mode: auto``, `stores` lists this user's stores and drops one (``kvpack host``).
 """
 

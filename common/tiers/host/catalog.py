@@ -1,7 +1,10 @@
-"""The host store's index: the disk tier's shared catalog, plus who writes each object and which
-pages of the arena (`kvpack.tiers.host.pages`) hold it.
+"""The host store's index: the shared catalog (`kvpack.tiers.index.catalog.Catalog`, the disk
+tier's kind of index), plus who writes each object and which pages of the arena
+(`kvpack.tiers.host.pages`) hold it.
 
-`HostCatalog` adds to `kvpack.tiers.disk.catalog.Catalog`:
+`HostCatalog` holds the store's `Catalog` (`index`) and is its `CatalogExtension`: its tables are
+changed inside the catalog's own transactions (admission, deletion), and its own calls (`finish`,
+`reclaim`, the reads) use the catalog's connection (`Catalog.writing`, `Catalog.reading`). It keeps:
 
 - ``pending(g, member, owner)``: a row per object admitted and not yet marked ready, naming the
   owner (`kvpack.tiers.host.owners`) whose process writes it. So when a process dies mid-store,
@@ -21,9 +24,9 @@ every page is in exactly one of ``free``, ``limbo`` and one extents row; an obje
 exists exactly while its objects row does (a trigger moves its pages to ``free``, or to ``limbo``
 while its writer is named, when the objects row is deleted or replaced: SQLite code, no
 statement per row from Python); the bytes an object is charged (`tenants.used`) are its pages';
-`admit` plans with the capacity less the pages that will not be free (``limbo``'s, and those of
-objects being written that the batch replaces) and never evicts a group being written
-(`EVICTABLE`), so an admitted batch always finds its pages free. A pending row names the owner
+`admit_pages` plans with the capacity less the pages that will not be free (``limbo``'s, and those
+of objects being written that the batch replaces) and never evicts a group being written
+(`evictable`), so an admitted batch always finds its pages free. A pending row names the owner
 writing the object; a newer admission of the same object replaces its row, its pages (the older
 writer's wait in limbo) and its pending row. Whoever marks it ready, a load finds its bytes only
 once their stamps carry its generation, which only its own writer sets.
@@ -42,10 +45,10 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...identity.keys import StoreKey
-from ..disk.batch_sql import chunks, flat, marks, values
-from ..disk.catalog import Catalog
-from ..disk.private import fd_problem
-from ..disk.rows import Victim, group_id
+from ..index.batch_sql import ObjectRows, chunks, flat, marks, values
+from ..index.catalog import Catalog, open_catalog
+from ..index.rows import Victim, group_id
+from ..private import fd_problem
 from .pages import ARENA, Geometry, create_arena, new_generations, page_runs
 
 FIELD = "memory.mode"
@@ -79,31 +82,33 @@ class Extent:
     runs: tuple[tuple[int, int], ...]
 
 
-class HostCatalog(Catalog):
-    """The disk catalog with pending writers and arena pages. Set `owner` before the first `admit`."""
+class HostCatalog:
+    """The store's `Catalog` with pending writers and arena pages. Set `owner` before the first
+    `admit_pages`."""
 
     owner = ""
     """This process's owner token (`Owner.token`)."""
-    EVICTABLE = "NOT EXISTS (SELECT 1 FROM pending p WHERE p.g=groups.g)"
+    evictable = "NOT EXISTS (SELECT 1 FROM pending p WHERE p.g=groups.g)"
     """Eviction never takes a group with an object being written: its pages would stay in limbo, not
     free, until its writer ends (a dead writer's are reclaimed first: `HostTier.put_from`)."""
 
-    def __init__(self, path: str, busy_timeout_s: float, *, capacity: int, root_fd: int) -> None:
-        """Open (or create) the index at `path` and, for a new store, its arena of `capacity` bytes
-        in the folder `root_fd` (an existing store keeps its own: `geometry`)."""
+    def __init__(self, root: str, root_fd: int, busy_timeout_s: float, *, capacity: int) -> None:
+        """Open (or create) the index of the private store folder `root` (its fd `root_fd`) and, for
+        a new store, its arena of `capacity` bytes there (an existing store keeps its own: `geometry`).
+        ConfigError naming ``memory.mode`` as `open_catalog` says it."""
         self._want = Geometry.for_capacity(capacity)
         self._root_fd = root_fd
         self.geometry = self._want
         self._admit_lock = threading.Lock()
         self._writer = ""
         self._allocated: dict[tuple[bytes, str], Extent] = {}
-        super().__init__(path, busy_timeout_s, private_fd=root_fd)
+        self.index: Catalog = open_catalog(root, root_fd, busy_timeout_s, FIELD, extension=self, private_root=True)
 
-    def _set_up(self, busy_timeout_s: float) -> None:
-        """The disk schema, this one's tables, and the arena: made with the geometry when the index
-        has none (a new store: every page free), read from it otherwise. Runs under the writer lock."""
-        super()._set_up(busy_timeout_s)
-        db = self._db
+    # -- the catalog's extension (`CatalogExtension`): run inside its transactions -----------
+
+    def set_up(self, db: sqlite3.Connection) -> None:
+        """This one's tables, and the arena: made with the geometry when the index has none (a new
+        store: every page free), read from it otherwise. Runs under the writer lock."""
         db.execute("PRAGMA recursive_triggers=ON")  # a replaced objects row frees its pages too
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -178,24 +183,15 @@ class HostCatalog(Catalog):
         with self._admit_lock:
             self._writer, self._allocated = writer, {}
             try:
-                admitted, victims = self.admit(tenant, requests, self.geometry.capacity, quotas)
+                admitted, victims = self.index.admit(tenant, requests, self.geometry.capacity, quotas)
                 return admitted, victims, self._allocated
             finally:
                 self._writer, self._allocated = "", {}
 
-    def _plan(
-        self,
-        db: sqlite3.Connection,
-        tenant: str,
-        requests: Sequence[tuple[StoreKey, int, int | None]],
-        capacity: int,
-        quotas: dict[str, int],
-        used: dict[str, int],
-        batch: set[bytes],
-    ) -> tuple[list[bytes], int] | None:
-        """`Catalog._plan` with the pages that will not be free off the capacity: those in limbo, and
-        those of objects being written that `requests` replace (they go to limbo, not to ``free``)."""
-        keys = list({(group_id(key.group), key.member) for key, _, _ in requests})
+    def held_bytes(self, db: sqlite3.Connection, objects: ObjectRows) -> int:
+        """The bytes of pages that will not be free for `objects`: those in limbo, and those of
+        objects being written that `objects` replace (they go to limbo, not to ``free``)."""
+        keys = list(objects)
         (held,) = db.execute("SELECT COUNT(*) FROM limbo").fetchone()
         for part in chunks(keys, 2):
             sql = (
@@ -204,22 +200,13 @@ class HostCatalog(Catalog):
                 " WHERE e.writer IS NOT NULL"
             )
             held += db.execute(sql, flat(part)).fetchone()[0]
-        held_bytes = int(held) * self.geometry.page_bytes
-        return super()._plan(db, tenant, requests, capacity - held_bytes, quotas, used, batch)
+        return int(held) * self.geometry.page_bytes
 
-    def _apply(
-        self,
-        db: sqlite3.Connection,
-        tenant: str,
-        requests: Sequence[tuple[StoreKey, int, int | None]],
-        plan: tuple[list[bytes], int],
-        used: dict[str, int],
-    ) -> list[Victim]:
-        """`Catalog._apply` (victims deleted: their pages freed by the trigger), the pending rows,
-        then each new object's pages taken from ``free`` (the lowest first: records stay contiguous
-        while the arena is not fragmented) and its extents row: a constant number of statements."""
-        gone = super()._apply(db, tenant, requests, plan, used)
-        objects = self._objects(requests)
+    def admitted(self, db: sqlite3.Connection, objects: ObjectRows) -> None:
+        """After the catalog indexed `objects` (its victims deleted: their pages freed by the trigger):
+        the pending rows, then each new object's pages taken from ``free`` (the lowest first: records
+        stay contiguous while the arena is not fragmented) and its extents row: a constant number of
+        statements."""
         rows = [(g, m, self.owner) for g, m in objects]
         for part in chunks(rows, 3):
             sql = f"INSERT OR REPLACE INTO pending VALUES {values(len(part), 3)}"  # noqa: S608 - placeholders only
@@ -245,16 +232,14 @@ class HostCatalog(Catalog):
             extents.append((g, m, gen, f"[{listed}]", f"[{spans}]", self._writer))
         for part6 in chunks(extents, 6):
             db.execute(f"INSERT INTO extents VALUES {values(len(part6), 6)}", flat(part6))  # noqa: S608
-        return gone
 
-    def _delete_groups(
-        self, db: sqlite3.Connection, ids: Sequence[bytes], used: dict[str, int] | None = None
-    ) -> list[Victim]:
-        victims = super()._delete_groups(db, ids, used)
+    def deleted(self, db: sqlite3.Connection, ids: Sequence[bytes]) -> None:
+        """The groups of `ids` went: so do their pending rows (their pages went with their objects rows)."""
         unique = list(dict.fromkeys(ids))
         for part in chunks(unique, 1):
             db.execute(f"DELETE FROM pending WHERE g IN ({marks(len(part))})", part)  # noqa: S608 - placeholders only
-        return victims
+
+    # -- admission, and a put's end ----------------------------------------------------------
 
     def finish(self, keys: Sequence[StoreKey], writer: str) -> list[bool]:
         """The end of `writer`'s put, in one transaction of a constant number of statements: the
@@ -263,7 +248,7 @@ class HostCatalog(Catalog):
         of `keys`, was it marked ready (False: replaced, evicted or removed while it was written)?
         An object another writer admitted again is never marked ready by this one."""
         mine = "SELECT g, member FROM extents WHERE writer=?"
-        with self._lock, self._tx(save=True) as db:
+        with self.index.writing(save=True) as db:
             (listed,) = db.execute(
                 "SELECT json_group_array(json_array(hex(g), member)) FROM extents WHERE writer=?", (writer,)
             ).fetchone()
@@ -294,32 +279,32 @@ class HostCatalog(Catalog):
         ids = [group_id(k.group) for k in keys]
         unique = list(dict.fromkeys(ids))
         found: dict[tuple[bytes, str], Extent] = {}
-        with self._lock:
+        with self.index.reading() as db:
             for lo in range(0, len(unique), 500):
                 part = unique[lo : lo + 500]
                 sql = (
                     "SELECT o.g, o.member, e.gen, e.runs FROM objects o JOIN extents e"  # noqa: S608 - placeholders only
                     f" ON e.g=o.g AND e.member=o.member WHERE o.g IN ({marks(len(part))}) AND o.ready=1"
                 )
-                for g, m, gen, runs in self._db.execute(sql, part):
+                for g, m, gen, runs in db.execute(sql, part):
                     found[(g, m)] = Extent(int(gen), tuple(map(tuple, json.loads(runs))))
         return [found.get((g, k.member)) for g, k in zip(ids, keys)]
 
     def page_census(self) -> tuple[int, int, int]:
         """(free, in limbo, held by extents) pages: their sum is the arena's pages (the invariant)."""
-        with self._lock:
-            free = self._db.execute("SELECT COUNT(*) FROM free").fetchone()[0]
-            limbo = self._db.execute("SELECT COUNT(*) FROM limbo").fetchone()[0]
-            held = self._db.execute("SELECT COALESCE(SUM(json_array_length(pages)), 0) FROM extents").fetchone()[0]
+        with self.index.reading() as db:
+            free = db.execute("SELECT COUNT(*) FROM free").fetchone()[0]
+            limbo = db.execute("SELECT COUNT(*) FROM limbo").fetchone()[0]
+            held = db.execute("SELECT COALESCE(SUM(json_array_length(pages)), 0) FROM extents").fetchone()[0]
         return int(free), int(limbo), int(held)
 
     # -- dead writers ----------------------------------------------------------------------
 
     def pending_owners(self) -> set[str]:
         """Owners with a pending row or pages in limbo (read only)."""
-        with self._lock:
-            pending = {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM pending")}
-            held = self._db.execute("SELECT DISTINCT writer FROM limbo").fetchall()
+        with self.index.reading() as db:
+            pending = {r[0] for r in db.execute("SELECT DISTINCT owner FROM pending")}
+            held = db.execute("SELECT DISTINCT writer FROM limbo").fetchall()
         return pending | {w.split("/", 1)[0] for (w,) in held}
 
     def reclaim(self, dead: set[str]) -> list[Victim]:
@@ -330,13 +315,13 @@ class HostCatalog(Catalog):
             return []
         owners = sorted(dead)
         ids = marks(len(owners))
-        with self._lock, self._tx() as db:
+        with self.index.writing() as db:
             sql = (
                 "SELECT DISTINCT p.g FROM pending p JOIN objects o ON o.g=p.g AND o.member=p.member"  # noqa: S608
                 f" WHERE o.ready=0 AND p.owner IN ({ids})"
             )
             groups = [r[0] for r in db.execute(sql, owners)]
-            victims = self._delete_groups(db, groups)
+            victims = self.index.delete_groups(db, groups)
             db.execute(f"DELETE FROM pending WHERE owner IN ({ids})", owners)  # noqa: S608
             self._release(db, f"substr(writer, 1, instr(writer, '/') - 1) IN ({ids})", owners)
             return victims

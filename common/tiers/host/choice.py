@@ -12,7 +12,7 @@
   the store, AUTO falls back to PROCESS with a warning.
 
 A folder at the store's name that is not this user's alone (a symlink, another uid's, group or
-other bits: `kvpack.tiers.disk.private`) is never used: HOST fails start-up with one line naming
+other bits: `kvpack.tiers.private`) is never used: HOST fails start-up with one line naming
 it, AUTO takes PROCESS with one warning; its owner files (another user's locks) count for nothing.
 
 Resolution reads the file system only (the host folder's owner files); it changes nothing.
@@ -26,7 +26,7 @@ from dataclasses import replace
 from ...config.schema import KVPackConfig, MemoryMode
 from ...errors import ConfigError
 from ..disk.fs import SHM
-from ..disk.private import REFUSED, path_problem
+from ..private import REFUSED, path_problem
 from .owners import live_users
 from .place import host_root, shm_problem, store_name
 

@@ -14,7 +14,7 @@ starting with the marker's name plus a dot belong to the store (`fs`), so the
 folder never looks like a tenant's. (Stores made before the arena also had a
 ``.kvpack-store.tmp`` folder of per-owner temporary files; nothing reads it now.)
 
-Only this user's own owner files count (`kvpack.tiers.disk.private`: a file or folder not
+Only this user's own owner files count (`kvpack.tiers.private`: a file or folder not
 this user's alone, or a symlink, is neither a live nor a dead owner), and only in a store
 folder of this user's (`live_users`), so a lock another user holds never makes a store look used.
 
@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..disk.private import open_file, open_folder
+from ..private import open_file, open_folder
 
 OWNERS = ".kvpack-store.owners"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..disk.private import open_file
+from ..private import open_file
 
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 """Do this CPU's stores become visible in program order (x86-64's TSO)? See the module docstring."""

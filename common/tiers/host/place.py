@@ -2,7 +2,7 @@
 
 A host store is the folder ``<shm>/kvpack-<uid>-<name>`` (`host_root`): per user
 (`fs.open_store_root` creates it 0700; a symlink, or a folder or file there that is not
-this user's alone, is refused on its descriptor: `kvpack.tiers.disk.private`)
+this user's alone, is refused on its descriptor: `kvpack.tiers.private`)
 and per store (`store_name`: `memory.host_name`, else the disk store's identity), so
 two unrelated stores never mix. `shm_problem`
 says, in one line, why the folder cannot hold `capacity` bytes: no such folder,

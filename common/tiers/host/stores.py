@@ -11,7 +11,7 @@ before it closed leaves it, until the next user of that name closes or `drop`. A
 arena (the `memory.capacity` it was made with, `pages`) plus its index from the
 moment it is made until it is dropped.
 
-Only folders of this user's alone are stores (`kvpack.tiers.disk.private`): another user's
+Only folders of this user's alone are stores (`kvpack.tiers.private`): another user's
 folder, or a symlink, at a store's name is neither listed, counted nor dropped (`not_stores`
 says so in one line each). `drop` refuses a store with a live user (an owner file locked,
 `owners.live_owners`).
@@ -32,9 +32,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-from ..disk.catalog import INDEX_NAME
 from ..disk.fs import SHM
-from ..disk.private import NotPrivate, open_folder, path_problem
+from ..index.catalog import INDEX_NAME
+from ..private import NotPrivate, open_folder, path_problem
 from .owners import live_owners, live_users
 from .place import host_root
 
@@ -193,7 +193,7 @@ def give_back(name: str, shm: str = SHM, wait_s: float = GIVE_BACK_WAIT_S) -> bo
 
     Called by a store's last user as it closes (a store that ``memory.mode: auto`` chose,
     `HostTier`). An opener holds the folder's shared ``flock`` from opening the folder until its
-    owner file is in place (`HostTier._open_root`); this takes the exclusive one, so no opener is
+    owner file is in place (`kvpack.tiers.host.tier._open_root`); this takes the exclusive one, so no opener is
     half-way in while it counts the live owners. One that opened the folder before is counted
     (its owner file is locked); one that comes after finds the folder renamed aside when it gets
     its shared lock and opens the path again (a new, empty store). A store any user opened with

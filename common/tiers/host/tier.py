@@ -1,9 +1,10 @@
 """The host memory tier: one store in the host's shared memory, shared by every kvpack process.
 
-`HostTier` keeps the disk tier's index and policy (`kvpack.tiers.disk.DiskTier`: the shared
-SQLite index with its one budget, LRU over groups, tenant shares) and puts the objects in one
-arena file on tmpfs (`kvpack.tiers.host.pages`), allocated whole when the store is made and
-mapped once by every process. So every process on the host reads and writes one set of objects
+`HostTier` holds the index the disk tier holds too (`kvpack.tiers.index`: the shared SQLite
+index with its one budget, LRU over groups, tenant shares), extended with pages
+(`kvpack.tiers.host.catalog`), and puts the objects, in the object format every tier shares
+(`kvpack.identity.objects`), in one arena file on tmpfs (`kvpack.tiers.host.pages`), allocated whole when
+the store is made and mapped once by every process. So every process on the host reads and writes one set of objects
 under one `capacity` (the arena's size: the budget is held from the start, never exceeded), and:
 
 - a load is one copy, from the mapping straight into the destination, with no system call per
@@ -27,8 +28,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -48,13 +51,13 @@ from ...identity.objects import (
     header_length,
     payload_parts,
 )
-from ..base import GetResult, Medium, PutItem, TierStatus, checksummed
-from ..disk import DiskTier
-from ..disk.catalog import Catalog, IndexBusy, open_catalog
+from ...observe.router_facts import FactsRow, RouterFacts
+from ...policy.clearing import Cleared, ClearScope
+from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed, sort_puts
 from ..disk.fs import SHM, open_store_root
-from ..disk.rows import Victim, group_id
-from ..disk.tier import sort_puts
-from ..parallel import CopyPair, RegionCopier
+from ..index.catalog import IndexBusy
+from ..index.rows import Victim, group_id
+from ..parallel import CopyPair, IOThreads, RegionCopier
 from .catalog import FIELD, Extent, HostCatalog, writer_name
 from .owners import Owner, dead_owners
 from .pages import ORDERED_STORES, Geometry, SharedPages, pair_up, payload_offset
@@ -66,7 +69,22 @@ log = logging.getLogger("kvpack")
 __all__ = ["FIELD", "HostTier"]
 
 
-class HostTier(DiskTier):
+@dataclass
+class HostCounters:
+    """What the tier removed (plain ints: read them, never reset)."""
+
+    removed: dict[str, int] = field(default_factory=dict)
+    """Objects removed, by reason: evicted, removed (`remove_groups`, a clear), failed_write,
+    evicted_while_written, dead_writer (`reclaim_dead`); index_busy: objects of saves dropped
+    because another process held the index past `WRITE_LOCK_WAIT_S` (a later miss)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_removed(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.removed[reason] = self.removed.get(reason, 0) + n
+
+
+class HostTier(Tier):
     name = "host"
     medium = Medium.HOST
     front = True
@@ -88,94 +106,137 @@ class HostTier(DiskTier):
         `capacity` bytes for every process on it (an existing store keeps the size it was made
         with: `capacity_bytes`); reclaims what dead processes held. ConfigError naming
         ``memory.mode`` when the folder is not one kvpack may use or tmpfs cannot hold the arena.
-        `give_back_unused`: the last user to close the store drops it (`stores.give_back`; a
-        store ``memory.mode: auto`` chose). `asked_for` (default: not `give_back_unused`): a user
-        asked for the store (``memory.mode: host``), so it persists; False for a tool's visit."""
+        `quotas`: the tenants' guaranteed shares (`kvpack.policy.eviction.shares`). `give_back_unused`:
+        the last user to close the store drops it (`stores.give_back`; a store ``memory.mode:
+        auto`` chose). `asked_for` (default: not `give_back_unused`): a user asked for the store
+        (``memory.mode: host``), so it persists; False for a tool's visit. `region_copier` is asked
+        at each copy for the native one (`kvpack.ops.region_copier`)."""
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
         self._owner: Owner | None = None
         self._unfinished: list[str] = []
         """Writers whose put's end (`HostCatalog.finish`) failed: ended by a later put."""
         self._name, self._shm, self._give_back = host_name, shm, give_back_unused
-        self._asked = capacity
+        self._quotas = dict(quotas or {})
         self.reclaimed = 0
         """Groups this process took back from dead writers (`reclaim_dead`)."""
         self.torn = 0
         """Loads that found their object's pages given to another object meanwhile (answered a miss)."""
-        super().__init__(
-            host_root(host_name, shm),
-            capacity,
-            quotas,
-            False,
-            io_threads,
-            busy_timeout_s=busy_timeout_s,
-            region_copier=region_copier,
-        )
-        catalog = self._host_catalog
+        self.counters = HostCounters()
+        self.on_evict: Callable[[GroupKey, int], None] | None = None
+        self._root_str, self._root_fd = _open_root(host_root(host_name, shm))
+        self.root = Path(self._root_str)
+        self._io = IOThreads(io_threads, min_items_per_thread=4, name="kvpack-host", region_copier=region_copier)
+        try:
+            self._host_catalog = HostCatalog(self._root_str, self._root_fd, busy_timeout_s, capacity=capacity)
+        except BaseException:
+            self._io.close()
+            os.close(self._root_fd)  # releases `_open_root`'s shared lock too
+            raise
+        self._catalog = self._host_catalog.index
+        self._owner = Owner(self._root_fd, on_fork=self._register_child)
+        fcntl.flock(self._root_fd, fcntl.LOCK_UN)  # a user now: `_open_root`'s shared lock is done
+        self._host_catalog.owner = self._owner.token
+        self.reclaim_dead()
+        geometry = self._host_catalog.geometry
         if (not give_back_unused) if asked_for is None else asked_for:
-            catalog.mark_kept()  # asked for: no last user of an `auto` process gives it back
-        self._capacity_bytes = catalog.geometry.capacity
-        if catalog.geometry.capacity != Geometry.for_capacity(capacity).capacity:
+            self._catalog.mark_kept()  # asked for: no last user of an `auto` process gives it back
+        self._capacity_bytes = geometry.capacity
+        if geometry.capacity != Geometry.for_capacity(capacity).capacity:
             log.warning(
                 "kvpack: host store %s holds %d MiB (the size it was made with); memory.capacity %d MiB is not used",
                 host_name,
-                catalog.geometry.capacity >> 20,
+                geometry.capacity >> 20,
                 capacity >> 20,
             )
         try:
-            self._pages = SharedPages(self._root_fd, catalog.geometry)
+            self._pages = SharedPages(self._root_fd, geometry)
         except OSError as exc:
             self.close()
             raise ConfigError(FIELD, f"host store {host_name}: {exc} (drop it: kvpack host drop {host_name})") from None
 
-    # -- DiskTier's hooks -----------------------------------------------------------
-
-    def _open_root(self, path: str) -> tuple[str, int]:
-        """The store folder, held under its shared ``flock`` until this process's owner file is in
-        place (`_open_catalog`): a last user giving the store back (`stores.give_back`) waits for
-        it, or has renamed the folder aside, and then this opens the path again."""
-        for _ in range(8):
-            real, fd = open_store_root(path, FIELD, shm=True)
-            if lock_folder(fd, fcntl.LOCK_SH, 10.0) and is_at(fd, real):
-                return real, fd
-            os.close(fd)
-        raise ConfigError(FIELD, f"{path}: the host store kept being dropped while this process opened it")
-
-    def _open_catalog(self, busy_timeout_s: float) -> Catalog:
-        root_fd, asked = self._root_fd, self._asked
-
-        def make(path: str, timeout_s: float) -> Catalog:
-            return HostCatalog(path, timeout_s, capacity=asked, root_fd=root_fd)
-
-        catalog = open_catalog(self._root_str, self._root_fd, busy_timeout_s, FIELD, make, private_root=True)
-        assert isinstance(catalog, HostCatalog)
-        self._owner = Owner(self._root_fd, on_fork=self._register_child)
-        fcntl.flock(self._root_fd, fcntl.LOCK_UN)  # a user now: `_open_root`'s shared lock is done
-        catalog.owner = self._owner.token
-        return catalog
-
     def _register_child(self) -> None:
         """In a forked child (`owners.Owner.in_child`): register the child as a user of its own, so
         its writes are its own pending rows and a dead parent is not kept live by it."""
-        catalog = self._host_catalog
         try:
             self._owner = Owner(self._root_fd, on_fork=self._register_child)
         except OSError:
             self._owner = None
-        catalog.owner = self._owner.token if self._owner is not None else ""
+        self._host_catalog.owner = self._owner.token if self._owner is not None else ""
+
+    # -- the index: what every process on the store shares -------------------------------
 
     @property
-    def _host_catalog(self) -> HostCatalog:
-        catalog = self._catalog
-        assert isinstance(catalog, HostCatalog)
-        return catalog
+    def capacity_bytes(self) -> int:
+        """The bytes every process on the store shares: the arena's, in whole pages."""
+        return self._capacity_bytes
 
-    def _start_build(self, pace: Callable[[int], None] | None, wait_s: float) -> None:
-        """No folder scan: the index is the store (it is made with its arena)."""
-        self.reclaim_dead()
+    def index_complete(self) -> bool:
+        """Always: the index is the store (made with its arena), with no folder to scan."""
+        return True
 
-    def _remove_files(self, keys: Sequence[StoreKey], groups: Sequence[GroupKey], reason: str) -> None:
-        """Nothing to unlink: the index freed the objects' pages when it deleted their rows."""
-        if keys:
-            self.counters.count_removed(reason, len(keys))
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """One indexed lookup per batch: ready objects only (an unreadable index: none)."""
+        try:
+            return self._catalog.lookup(keys)
+        except Exception:  # noqa: BLE001 - an unreadable index holds nothing for now
+            return [False] * len(keys)
+
+    def keep(self, kept: Callable[[], frozenset[bytes]]) -> None:
+        """Never evict the groups whose ids `kept()` holds (`kvpack.store.pins`), from any process's store."""
+        self._catalog.kept = kept
+
+    def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:
+        """Per group: the bytes of its ready objects, None when none (one indexed read per batch)."""
+        return self._catalog.ready_bytes(groups)
+
+    def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
+        """Routers' facts of groups the store holds ready (`Catalog.record_facts`, `kvpack.observe.router_facts`)."""
+        return self._catalog.record_facts(rows)
+
+    def facts_after(self, seq: int, limit: int) -> list[FactsRow]:
+        """The facts rows after `seq`, at most `limit` (`Catalog.facts_after`: one indexed read)."""
+        return self._catalog.facts_after(seq, limit)
+
+    def remove_groups(self, groups: Sequence[GroupKey]) -> int:
+        try:
+            victims = self._catalog.remove_groups(groups)
+        except Exception:  # noqa: BLE001
+            return 0
+        return self._drop_removed(victims)
+
+    def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
+        """From the shared index (`Catalog.clear`): the pages go with the rows."""
+        return self._catalog.clear(scope, None if dry_run else self._drop_removed)
+
+    def usage(self) -> TierUsage:
+        """The store's usage (every process's objects), of its arena's capacity."""
+        return self._catalog.usage(self._capacity_bytes)
+
+    def tenant_used(self, tenant: str) -> int:
+        return self._catalog.tenant_used(tenant)
+
+    def tenants(self) -> list[str]:
+        """Tenants with anything stored (their rows exist only while they store something)."""
+        return self._catalog.tenants()
+
+    def name_group(self, fingerprint: str, label: str) -> None:
+        self._catalog.name_fingerprint(fingerprint, label)
+
+    def _drop_removed(self, victims: Sequence[Victim]) -> int:
+        return self._drop_victims(victims, "removed")
+
+    def _drop_victims(self, victims: Sequence[Victim], reason: str) -> int:
+        """Count the objects of groups already unindexed under `reason` (their pages went with their
+        rows: nothing to unlink); `on_evict` hears of each evicted group. Returns the objects."""
+        objects = 0
+        for victim in victims:
+            if reason == "evicted" and self.on_evict is not None:
+                self.on_evict(victim.group, victim.nbytes)
+            objects += len(victim.members)
+        if objects:
+            self.counters.count_removed(reason, objects)
+        return objects
 
     # -- writes -----------------------------------------------------------------------
 
@@ -522,7 +583,8 @@ class HostTier(DiskTier):
         return self._host_catalog.page_census()
 
     def close(self) -> None:
-        super().close()
+        self._io.close()
+        self._catalog.close()
         if self._owner is not None:
             self._owner.close()
             self._owner = None
@@ -531,6 +593,18 @@ class HostTier(DiskTier):
             pages.close()
         if self._give_back and give_back(self._name, self._shm):
             log.info("kvpack: host store %s given back (memory.mode auto, its last user closed)", self._name)
+
+
+def _open_root(path: str) -> tuple[str, int]:
+    """The store folder (resolved path, fd), held under its shared ``flock`` until the opener's owner
+    file is in place (`HostTier.__init__`): a last user giving the store back (`stores.give_back`)
+    waits for it, or has renamed the folder aside, and then this opens the path again."""
+    for _ in range(8):
+        real, fd = open_store_root(path, FIELD, shm=True)
+        if lock_folder(fd, fcntl.LOCK_SH, 10.0) and is_at(fd, real):
+            return real, fd
+        os.close(fd)
+    raise ConfigError(FIELD, f"{path}: the host store kept being dropped while this process opened it")
 
 
 _MISS = GetResult(TierStatus.MISS)

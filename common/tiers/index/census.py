@@ -2,7 +2,7 @@
 selects, and the names of the group fingerprints (`kvpack.policy.clearing`, ``kvpack usage``).
 
 Every function reads or writes the shared SQLite index only (never a file of the store), in the
-caller's transaction or lock (`kvpack.tiers.disk.catalog.Catalog`):
+caller's transaction or lock (`kvpack.tiers.index.catalog.Catalog`):
 
 - `usage_rows`: objects and bytes per (tenant, fingerprint): one grouped scan of ``objects``
   joined to ``groups`` (rows being written count: they hold their bytes);

@@ -18,7 +18,7 @@ Such a store is therefore private:
 Inside a private folder nobody but this user (and root) can create, rename or remove an entry,
 and in a sticky parent (``/tmp``, ``/dev/shm``) nobody else can rename or remove the folder
 itself, so a path through it names what was checked (what SQLite relies on: it opens its files
-by path, `kvpack.tiers.disk.catalog`).
+by path, `kvpack.tiers.index.catalog`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The disk tier's persistent, host-shared index: one SQLite file in the store folder.
+"""The persistent, host-shared index of a store folder (the disk tier's and the host store's): one
+SQLite file in the folder.
 
 Every process that opens a store folder (a vLLM scheduler and its TP workers,
 several instances) shares this one index and its capacity authority, so
@@ -31,7 +32,7 @@ written holds its bytes), a tenant's ``used`` the sum of its groups'; a row is i
 ready) before its file is written and deleted before its file is unlinked; `lookup` sees only
 ready rows, so no process finds an object whose file is still to come. A ready row's file
 exists unless something outside kvpack removed it: a load miss on it `forget`s it at once, and
-the folder scan at open drops ready rows whose file it did not find (`sweep_unseen`). A row
+the folder scan at open drops ready rows whose file it did not find (`kvpack.tiers.disk.reconcile`). A row
 still not ready `WRITE_GRACE_S` after its admission is a crashed writer's, dropped the same
 ways (or marked ready when the scan finds its file whole). An orphan file of an evicted group
 is never loaded because loads verify the file's own header.
@@ -43,6 +44,10 @@ decided by the one victim rule of `kvpack.policy.eviction.shares`, the memory ti
 (a tenant over its share evicts its own groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
 would not be shared, and the recency order is what all processes agree on.
+A tier that keeps more in the index (the host store: who writes each object, which arena pages hold
+it) hands the catalog a `CatalogExtension`, whose hooks run inside the catalog's own transactions;
+the folder scan's rows (`kvpack.tiers.disk.reconcile`) go through `writing` the same way.
+
 Reads do not write: touched groups are buffered and their ticks written in
 one transaction at most every `TOUCH_FLUSH_S` (or with the next put), at most
 `MAX_TOUCHES` of them (LRU over a sample of the reads beyond that rate).
@@ -59,15 +64,18 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ...errors import ConfigError
 from ...identity.keys import GroupKey, StoreKey
 from ...observe.router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from ...policy.clearing import Cleared, ClearScope
 from ...policy.eviction.shares import Candidate, choose_victims
-from . import batch_sql, census, index_files, private
+from .. import private
+from ..base import TierUsage
+from . import batch_sql, census
+from . import files as index_files
 from .batch_sql import GroupRows, ObjectRows
-from .reconcile import ScanReconcile
 from .rows import Victim, group_id, pack_name, unpack_name
 
 INDEX_NAME = ".kvpack-store.index"
@@ -122,26 +130,53 @@ def _flock(fd: int, timeout_s: float) -> None:
             time.sleep(0.0002)
 
 
-class Catalog(ScanReconcile):
+class CatalogExtension(Protocol):
+    """What a tier keeps in the index beside the shared tables, changed inside the catalog's own
+    transactions (the host store's pending writers and arena pages: `kvpack.tiers.host.catalog`).
+    Each hook runs on the catalog's connection, inside the transaction that calls it."""
+
+    evictable: str
+    """A condition on ``groups`` rows that eviction may take ("": any)."""
+
+    def set_up(self, db: sqlite3.Connection) -> None:
+        """Its tables, once the shared schema is in place; under the writer lock, in a transaction of its own."""
+
+    def held_bytes(self, db: sqlite3.Connection, objects: ObjectRows) -> int:
+        """Bytes of the capacity an admission of `objects` ((group id, member) -> bytes) cannot use now."""
+
+    def admitted(self, db: sqlite3.Connection, objects: ObjectRows) -> None:
+        """`objects` were just indexed, not ready (their victims deleted first)."""
+
+    def deleted(self, db: sqlite3.Connection, ids: Sequence[bytes]) -> None:
+        """The groups of `ids` were just deleted (those indexed)."""
+
+
+class Catalog:
     """One process's connection to the folder's index. Thread-safe (one lock per connection)."""
 
-    EVICTABLE = ""
-    """A condition on ``groups`` rows that eviction may take ("": any; the host store's: none being written)."""
     kept: Callable[[], Collection[bytes]] | None = None
     """The group ids pinned by their tenant (`kvpack.store.pins`): never victims while it answers them."""
 
     def __init__(
-        self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, *, private_fd: int | None = None
+        self,
+        path: str,
+        busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S,
+        *,
+        private_fd: int | None = None,
+        extension: CatalogExtension | None = None,
     ) -> None:
         """Open (or create) the index at `path`; a file of another schema version is emptied
         and rebuilt from the folder (it is derived data: the object files are the truth).
+        `extension`: what the tier keeps beside the shared tables (`CatalogExtension`).
 
-        `private_fd`: the fd of the private folder `path` lies in (`kvpack.tiers.disk.private`):
+        `private_fd`: the fd of the private folder `path` lies in (`kvpack.tiers.private`):
         the index's files are created there (or opened) and checked through their descriptors
         first (`private.open_file`), SQLite then opens the same files by path, and the index's
         inode is checked to be the one checked (NotPrivate otherwise)."""
         self._lock = threading.Lock()
         self._timeout_s = busy_timeout_s
+        self._extension = extension
+        self._evictable = extension.evictable if extension is not None else ""
         self._path = path
         self._private_fd = private_fd
         held = index_files.hold_private(path, private_fd, INDEX_FILES) if private_fd is not None else {}
@@ -207,6 +242,8 @@ class Catalog(ScanReconcile):
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        if self._extension is not None:
+            self._extension.set_up(db)
 
     # -- transactions --------------------------------------------------------------
 
@@ -253,6 +290,21 @@ class Catalog(ScanReconcile):
         for another process's lock (IndexBusy), not the start-up's `busy_timeout_s`."""
         wait_s = min(self._timeout_s, WRITE_LOCK_WAIT_S) if save else self._timeout_s
         return Catalog._Tx(self._db, self._lock_fd, wait_s, begin)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The connection under this process's lock, outside any write transaction: for reads (and
+        this connection's own temp tables), which never wait for another process's writer."""
+        with self._lock:
+            yield self._db
+
+    @contextlib.contextmanager
+    def writing(self, save: bool = False) -> Iterator[sqlite3.Connection]:
+        """The connection in one write transaction (`_tx`) under this process's lock; `save`: on a
+        save's path (IndexBusy after `WRITE_LOCK_WAIT_S`). What a tier or the folder scan changes
+        beside the catalog's own calls goes through here, so every invariant changes in one."""
+        with self._lock, self._tx(save=save) as db:
+            yield db
 
     # -- state ---------------------------------------------------------------------
 
@@ -340,13 +392,13 @@ class Catalog(ScanReconcile):
         if ticks:
             batch_sql.set_ticks(db, ticks)
 
-    def usage(self) -> tuple[int, int, int]:
-        """(used bytes, objects, groups) of the whole folder."""
+    def usage(self, capacity: int) -> TierUsage:
+        """The folder's usage (every process's objects) against the tier's `capacity` (bytes)."""
         with self._lock:
             used = self._db.execute("SELECT COALESCE(SUM(used), 0) FROM tenants").fetchone()[0]
             objects = self._db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
             groups = self._db.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
-        return int(used), int(objects), int(groups)
+        return TierUsage(used_bytes=int(used), capacity_bytes=capacity, objects=int(objects), groups=int(groups))
 
     def tenant_used(self, tenant: str) -> int:
         with self._lock:
@@ -414,6 +466,9 @@ class Catalog(ScanReconcile):
         """(the victims that make room for `requests` (maybe none), the bytes `requests` add), or
         None when they cannot fit. The victims are never of `batch`, so deleting them leaves the
         bytes `requests` add as they are."""
+        objects = self._objects(requests)
+        if self._extension is not None:
+            capacity -= self._extension.held_bytes(db, objects)
         if any(n > capacity for _, n, _ in requests):
             return None
         stamps = [t for _, _, t in requests if t is not None]
@@ -421,7 +476,7 @@ class Catalog(ScanReconcile):
 
         def candidates(owner: str | None) -> Iterator[Candidate]:
             conds = older if owner is None else [("tenant=?", owner), *older]
-            texts = [c for c, _ in conds] + ([self.EVICTABLE] if self.EVICTABLE else [])
+            texts = [c for c, _ in conds] + ([self._evictable] if self._evictable else [])
             where = " WHERE " + " AND ".join(texts) if texts else ""
             sql = f"SELECT g, tenant, nbytes FROM groups{where} ORDER BY tick"  # noqa: S608 - fixed text
             kept = self.kept() if self.kept is not None else ()
@@ -429,7 +484,7 @@ class Catalog(ScanReconcile):
                 if g not in kept:
                     yield Candidate(g, who, size)
 
-        delta = batch_sql.bytes_delta(db, self._objects(requests))
+        delta = batch_sql.bytes_delta(db, objects)
         victims = choose_victims(tenant, delta, sum(used.values()), capacity, used, quotas, candidates, batch)
         return None if victims is None else ([cast(bytes, v.group) for v in victims], delta)
 
@@ -444,7 +499,7 @@ class Catalog(ScanReconcile):
         """Delete `plan`'s victims, then index `requests` not ready: a constant number of statements
         (`batch_sql`), whatever the batch's size; ticks are taken in the requests' order."""
         victims, delta = plan
-        gone = self._delete_groups(db, victims, used)
+        gone = self.delete_groups(db, victims, used)
         groups: GroupRows = {}
         for key, _, accepted in requests:
             tick = self._next_tick() if accepted is None else accepted
@@ -454,16 +509,22 @@ class Catalog(ScanReconcile):
                 groups[g] = (key.tenant, pack_name(key.fingerprint), pack_name(key.chunk), tick)
             elif tick > row[3]:
                 groups[g] = (*row[:3], tick)
-        batch_sql.store_rows(db, self._objects(requests), groups, time.time_ns())
+        objects = self._objects(requests)
+        batch_sql.store_rows(db, objects, groups, time.time_ns())
         used[tenant] = used.get(tenant, 0) + delta
         db.execute("INSERT OR REPLACE INTO tenants VALUES(?, ?)", (tenant, used[tenant]))
+        if self._extension is not None:
+            self._extension.admitted(db, objects)
         return gone
 
-    def _delete_groups(
+    def delete_groups(
         self, db: sqlite3.Connection, ids: Sequence[bytes], used: dict[str, int] | None = None
     ) -> list[Victim]:
-        """Delete the indexed groups of `ids` (`batch_sql.delete_groups`), in `ids`' order; `used` follows."""
+        """Delete the indexed groups of `ids` (`batch_sql.delete_groups`), in `ids`' order, inside a
+        write transaction of this catalog (`writing`); `used` follows. Returns those that were indexed."""
         found = batch_sql.delete_groups(db, ids)
+        if self._extension is not None:
+            self._extension.deleted(db, ids)
         gone: list[Victim] = []
         for g in dict.fromkeys(ids):
             row = found.get(g)
@@ -489,36 +550,31 @@ class Catalog(ScanReconcile):
         if not groups:
             return []
         with self._lock, self._tx(save=save) as db:
-            return self._delete_groups(db, [group_id(g) for g in groups])
+            return self.delete_groups(db, [group_id(g) for g in groups])
 
-    # -- operators (`kvpack.tiers.disk.census`) -------------------------------------------
+    # -- operators (`kvpack.tiers.index.census`) -------------------------------------------
 
     def usage_rows(self) -> list[census.UsageRow]:
         """Objects and bytes per (tenant, group fingerprint): one grouped read, no write."""
         with self._lock:
             return census.usage_rows(self._db)
 
-    def clear_matching(
-        self,
-        tenants: frozenset[str] | None,
-        fingerprints: frozenset[str] | None,
-        drop: Callable[[list[Victim]], int] | None,
-        batch: int = 2_000,
-    ) -> tuple[int, int]:
-        """(objects, bytes) of the groups of `tenants` and `fingerprints` (None: any) that eviction
-        could take; with `drop`, deleted `batch` groups per transaction (others' writes wait at most
-        one batch), each batch handed to `drop` once committed (it removes their files and answers
-        how many objects went); without, only counted (no write)."""
+    def clear(self, scope: ClearScope, drop: Callable[[list[Victim]], int] | None, batch: int = 2_000) -> Cleared:
+        """The objects and bytes of the groups of `scope` (its tenants and fingerprints, None: any)
+        that eviction could take; with `drop`, deleted `batch` groups per transaction (others' writes
+        wait at most one batch), each batch handed to `drop` once committed (it removes what the tier
+        holds of them and answers how many objects went); without, only counted (no write)."""
+        tenants, fingerprints = scope.tenants, scope.fingerprints
         if drop is None:
             with self._lock:
-                return census.count_groups(self._db, tenants, fingerprints, self.EVICTABLE)
+                return Cleared(*census.count_groups(self._db, tenants, fingerprints, self._evictable))
         objects = nbytes = 0
         while True:
             with self._lock, self._tx() as db:
-                ids = census.select_groups(db, tenants, fingerprints, self.EVICTABLE, batch)
-                gone = self._delete_groups(db, ids) if ids else []
+                ids = census.select_groups(db, tenants, fingerprints, self._evictable, batch)
+                gone = self.delete_groups(db, ids) if ids else []
             if not ids:
-                return objects, nbytes
+                return Cleared(objects, nbytes)
             objects, nbytes = objects + drop(gone), nbytes + sum(v.nbytes for v in gone)
 
     def name_fingerprint(self, fingerprint: str, label: str) -> None:
@@ -627,24 +683,21 @@ def open_catalog(
     root_fd: int,
     busy_timeout_s: float,
     field: str = "disk.path",
-    kind: Callable[[str, float], Catalog] | None = None,
+    extension: CatalogExtension | None = None,
     private_root: bool = False,
 ) -> Catalog:
-    """The folder's shared index (made by `kind` from its path and busy timeout; default: a `Catalog`,
-    its files checked through their descriptors when `private_root`: `kvpack.tiers.disk.private`);
+    """The folder's shared index (a `Catalog` with the tier's `extension`, its files checked through
+    their descriptors when `private_root`: `kvpack.tiers.private`);
     ConfigError naming `field` when its files are not regular files (a planted symlink is never
     opened), not this user's alone in a private folder, or it is not a readable index."""
     too_old = batch_sql.sqlite_too_old()
     if too_old is not None:
         raise ConfigError(field, too_old)
     present_index_files(root, lambda name: os.stat(name, dir_fd=root_fd, follow_symlinks=False), field)
-    if kind is None:
-
-        def kind(path: str, timeout_s: float) -> Catalog:
-            return Catalog(path, timeout_s, private_fd=root_fd if private_root else None)
-
     try:
-        return kind(f"{root}/{INDEX_NAME}", busy_timeout_s)
+        return Catalog(
+            f"{root}/{INDEX_NAME}", busy_timeout_s, private_fd=root_fd if private_root else None, extension=extension
+        )
     except private.NotPrivate as exc:
         raise ConfigError(field, f"{exc.problem}; {private.REFUSED}") from None
     except (OSError, sqlite3.Error) as exc:

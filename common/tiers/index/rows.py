@@ -1,5 +1,5 @@
 """How the disk index names a group and an object: row ids and packed names, and the `Victim`
-a removal hands back (`kvpack.tiers.disk.catalog` holds the tables)."""
+a removal hands back (`kvpack.tiers.index.catalog` holds the tables)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The disk index's files where others may write, and across a fork (`kvpack.tiers.disk.catalog`).
+"""The disk index's files where others may write, and across a fork (`kvpack.tiers.index.catalog`).
 
-- In a private store folder (`kvpack.tiers.disk.private`) the index's files are opened (created
+- In a private store folder (`kvpack.tiers.private`) the index's files are opened (created
   0600 where new) and checked through their descriptors before SQLite opens them by path
   (`hold_private`), and the index file is checked to be the same inode after (`same_inode`).
   SQLite offers no way to hand it a descriptor; the path is sound because the folder is this
@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
-from . import private
+from .. import private
 
 
 def hold_private(path: str, dir_fd: int, names: Sequence[str]) -> dict[str, int]:

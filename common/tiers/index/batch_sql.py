@@ -5,7 +5,7 @@ Why: every sqlite3 step gives the GIL up and takes it back; inside a process wit
 thread (SGLang's scheduler) each re-take can wait up to the interpreter's switch interval (5 ms),
 so a put that ran ~4 statements per page waited on the GIL ~4 times per page. Each function runs
 inside the caller's write transaction (`Catalog._tx`) and keeps every invariant of
-`kvpack.tiers.disk.catalog`'s docstring; rows are bound as parameters, never formatted into SQL.
+`kvpack.tiers.index.catalog`'s docstring; rows are bound as parameters, never formatted into SQL.
 
 Row shapes: ``objects`` maps (group id, member) to the object's bytes, one entry per object (a key
 stored twice in a batch counts once, with its last size); ``groups`` maps a group id to
