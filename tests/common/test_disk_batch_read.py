@@ -23,9 +23,9 @@ from helpers import chunk_id, expect, make_item
 from fixtures.os_calls import count_os_calls
 from kvpack.identity.objects import Expectation, RejectReason
 from kvpack.ops import load_extension, object_reader, object_writer
+from kvpack.ops.natives import ObjectReader
 from kvpack.tiers.base import GetResult, PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.reads import ObjectReader
 
 SIZES = (1024, 4096, 5000, (64 << 10) + 3, 300_000)
 DAMAGES = ("payload_flip", "header_flip", "truncate", "magic", "grown", "symlink", "fifo")

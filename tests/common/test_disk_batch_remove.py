@@ -21,9 +21,9 @@ from helpers import make_item
 
 from fixtures.os_calls import count_os_calls
 from kvpack.ops import load_extension, object_remover
+from kvpack.ops.natives import NativeFile, NativeFolder, ObjectRemover
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.removes import NativeFile, NativeFolder, ObjectRemover
 
 REMOVERS = ("native", "python")
 PAGE = 1024

@@ -21,9 +21,9 @@ from helpers import GROUP_FP, chunk_id, expect, make_item
 
 from fixtures.os_calls import count_os_calls
 from kvpack.ops import load_extension, object_writer
+from kvpack.ops.natives import NativeJob, ObjectWriter, WriteResult
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.writes import NativeJob, ObjectWriter, WriteResult
 
 WRITERS = ("native", "python")
 SIZES = (1024, 4096, 5000, (64 << 10) + 3, 300_000)

@@ -31,9 +31,9 @@ import numpy as np
 from kvpack.identity.keys import StoreKey
 from kvpack.identity.layout_spec import KVLayoutSpec
 from kvpack.identity.objects import ObjectHeader, payload_checksum
+from kvpack.ops.natives import ObjectRemover
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier, fs
-from kvpack.tiers.disk.removes import ObjectRemover
 
 from .timing import busy_python_threads, hardware
 

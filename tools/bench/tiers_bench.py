@@ -34,11 +34,11 @@ from kvpack.config.schema import EvictionPolicyName
 from kvpack.identity.keys import StoreKey
 from kvpack.identity.layout_spec import KVLayoutSpec
 from kvpack.identity.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
+from kvpack.ops.natives import ObjectWriter
 from kvpack.policy.eviction import make_policy
 from kvpack.store.integrity import IntegrityKey, check_loaded, seal_items
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
-from kvpack.tiers.disk.writes import ObjectWriter
 from kvpack.tiers.host import HostTier
 from kvpack.tiers.memory import MemoryTier
 
