@@ -67,6 +67,9 @@ from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
 
+_ADAPTER_REFUSALS = "tier_errors"
+"""The counter of engine calls an adapter answered as a miss itself (`AdapterRefusal`)."""
+
 POLL_FIRST_S = 0.005
 """`wait_until_stored`'s first pause between two looks at the store (seconds)."""
 POLL_MAX_S = 0.1
@@ -357,7 +360,20 @@ class Session:
     def refused(self, engine: str, why: AdapterRefusal) -> None:
         """Count an engine call the adapter answered as a miss itself (`AdapterRefusal`): a
         ``tier_errors`` count with `engine` as the tier and the reason as the status."""
-        self.store.metrics.inc("tier_errors", tier=engine, status=why.value)
+        self.store.metrics.inc(_ADAPTER_REFUSALS, tier=engine, status=why.value)
+
+    def engine_refusals(self, engine: str, what: str, logger: logging.Logger) -> Refusals:
+        """A `Refusals` of engine calls the adapter answers as a miss itself (`AdapterRefusal`):
+        each counted as `refused` counts it, the first of each reason logged as a warning."""
+        return Refusals(
+            self.store.metrics,
+            _ADAPTER_REFUSALS,
+            what,
+            logger,
+            label="status",
+            labels={"tier": engine},
+            level=logging.WARNING,
+        )
 
     def metrics_snapshot(self) -> dict[str, dict[str, float]]:
         """Every counter's and gauge's value by label set (`Metrics.snapshot`)."""
