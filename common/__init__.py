@@ -74,10 +74,10 @@ from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpe
 from .heads import HeadRange, HeadSplit
 from .hit_sources import UNKNOWN_TIER, HitSources
 from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
-from .keys import ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, validate_member
+from .keys import ChunkChain, ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, member_name, validate_member
 from .layout_spec import KVLayoutSpec
 from .metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
-from .model_identity import ModelIdentity, adapter_identity
+from .model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
 from .model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.model_identity stays the module
@@ -119,6 +119,7 @@ __all__ = [
     "vllm_cpu_geometry",
     "ChecksumPolicy",
     "ChunkFacts",
+    "ChunkChain",
     "ChunkHash",
     "ClearReport",
     "ClearScope",
@@ -196,7 +197,9 @@ __all__ = [
     "address_of",
     "canonical_group_spec",
     "chain_hash",
+    "checkpoint_kv_heads",
     "chunk_hashes",
+    "member_name",
     "clip",
     "head_range_fingerprint",
     "identify_model",

@@ -28,13 +28,14 @@ from kvpack import (
     MemberObject,
     StoredRange,
     head_range_fingerprint,
+    member_name,
     split_sources,
 )
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
 from .canonical_blocks import CacheKind, CanonicalBlocks, cache_kind, uses_mla, view_content
-from .scopes import DRAFT_MEMBER, Scope, member_name, split_draft_layers
+from .scopes import DRAFT_MEMBER, Scope, split_draft_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,7 +133,7 @@ def register_layout(
     kv_names = target + draft if placement is DraftPlacement.PACKED else target
     kv_layout = layout(kv_names)
     kv = MemberLayout(
-        member_name(position.rank, position.world),
+        member_name("kv", position.rank, position.world),
         native_member_fingerprint(vllm_config, scope, position, kv_caches, kv_names, kv_layout, "kv"),
         kv_layout,
         0,
@@ -141,7 +142,7 @@ def register_layout(
     draft_layout = layout(draft) if draft else None
     draft_member = None
     if draft_layout is not None and placement is DraftPlacement.SIDECAR:
-        draft_member = member_name(position.rank, position.world, DRAFT_MEMBER)
+        draft_member = member_name(DRAFT_MEMBER, position.rank, position.world)
         fingerprint = native_member_fingerprint(
             vllm_config, scope, position, kv_caches, draft, draft_layout, DRAFT_MEMBER
         )
@@ -207,7 +208,7 @@ def _register_groups(
             continue  # this rank holds no layer of the group (pipeline parallel)
         tensors = [t for n in names for t in _layer_tensors(kv_caches[n])]
         layout = BlockLayout.from_tensors(tensors, num_blocks)
-        member = member_name(position.rank, position.world, group.member_base)
+        member = member_name(group.member_base, position.rank, position.world)
         fingerprint = native_member_fingerprint(
             vllm_config, scope, position, kv_caches, names, layout, group.member_base
         )
