@@ -94,9 +94,6 @@ class WorkerLayout:
     """Everything one worker copies, fixed at registration (group 0's ``kv`` member first)."""
 
     members: tuple[MemberLayout, ...]
-    target: BlockLayout | CanonicalBlocks
-    """Group 0's target layers only; its rows are the leading `target.slot_bytes` of a ``kv`` row
-    (PACKED: the draft layers' bytes follow)."""
     draft: BlockLayout | None = None
     """Draft layers only (PACKED: the trailing bytes of a ``kv`` row; SIDECAR: the ``draft`` object)."""
     draft_member: str | None = None
@@ -157,8 +154,7 @@ def register_layout(
         kv.member,
         f" + {draft_member} ({draft_layout.slot_bytes} bytes)" if draft_member and draft_layout else "",
     )
-    target_layout = layout(target) if kv_names != target else kv_layout
-    return WorkerLayout(tuple(members), target_layout, draft_layout, draft_member)
+    return WorkerLayout(tuple(members), draft_layout, draft_member)
 
 
 def _register_canonical(
@@ -193,7 +189,7 @@ def _register_canonical(
         member,
         "" if kv.writes else " (read only: another rank stores these heads)",
     )
-    return WorkerLayout((kv,), blocks)
+    return WorkerLayout((kv,))
 
 
 def _register_groups(
@@ -227,7 +223,7 @@ def _register_groups(
         raise LayoutError(f"kvpack: KV layers {sorted(unknown)} belong to no KV cache group")
     if not members:
         raise LayoutError("kvpack: no registered KV layer belongs to a KV cache group")
-    return WorkerLayout(tuple(members), members[0].layout)
+    return WorkerLayout(tuple(members))
 
 
 def native_member_fingerprint(
