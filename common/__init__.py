@@ -50,9 +50,6 @@ the life of a stored block):
   and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
-from .adapter_events import AdapterEvent, AdapterRefusal
-from .batch_log import BatchFigures, BatchLog, Direction
-from .budget import WaitBudget
 from .canonical import (
     CanonicalGeometry,
     StoredRange,
@@ -65,38 +62,51 @@ from .canonical import (
     vllm_cpu_geometry,
 )
 from .canonical import group_spec as canonical_group_spec
-from .clearing import ClearReport, ClearScope, ClearTier, ResetScope
 from .client_input import MAX_DETAIL_CHARS, Refusals, clip
-from .config import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
-from .engine_counters import EngineCounters
+from .config.reset import ClearTier, ResetScope
+from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
 from .errors import ConfigError, KVPackError, LayoutError
-from .groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
-from .heads import HeadRange, HeadSplit
-from .hit_sources import UNKNOWN_TIER, HitSources
-from .hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
-from .keys import ChunkChain, ChunkHash, GroupKey, StoreKey, chain_hash, chunk_hashes, member_name, validate_member
-from .layout_spec import KVLayoutSpec
-from .metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
-from .model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
-from .model_identity import (
+from .identity.heads import HeadRange, HeadSplit
+from .identity.keys import (
+    ChunkChain,
+    ChunkHash,
+    GroupKey,
+    StoreKey,
+    chain_hash,
+    chunk_hashes,
+    member_name,
+    validate_member,
+)
+from .identity.layout_spec import KVLayoutSpec
+from .identity.model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
+from .identity.model_identity import (
     model_identity as identify_model,
-)  # not under its module's name: kvpack.model_identity stays the module
-from .objects import Expectation, ObjectHeader, Payload, RejectReason
-from .page_loads import PagePart
-from .pins import PinOutcome, pin_trusted
-from .router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails, shares_facts
+)  # not under its module's name: kvpack.identity.model_identity stays the module
+from .identity.objects import Expectation, ObjectHeader, Payload, RejectReason
+from .observe.adapter_events import AdapterEvent, AdapterRefusal
+from .observe.batch_log import BatchFigures, BatchLog, Direction
+from .observe.engine_counters import EngineCounters
+from .observe.metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
+from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails
+from .observe.shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
+from .observe.tier_events import TierEvent, TierEventFeed, TierEventKind
+from .observe.weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
+from .policy.budget import WaitBudget
+from .policy.clearing import ClearReport, ClearScope
+from .policy.groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
+from .policy.hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
+from .policy.tails import TailMatch, tail_chunk
+from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant, shares_facts
 from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
-from .shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
 from .store import KVStore, LoadItem
-from .tails import TailMatch, tail_chunk
-from .tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant
-from .tier_events import TierEvent, TierEventFeed, TierEventKind
+from .store.hit_sources import UNKNOWN_TIER, HitSources
+from .store.page_loads import PagePart
+from .store.pins import PinOutcome, pin_trusted
 from .tiers.base import GetResult, Medium, PutItem, TierStatus
 from .tiers.host import resolve_memory
 from .tiers.parallel import conversion_threads
 from .tiers.reported import ReportedMemoryIndex, ReportedObject
 from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
-from .weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
 
 __version__ = "0.1.0"
 

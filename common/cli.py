@@ -5,12 +5,12 @@
     kvpack host [drop NAME... | drop --unused]  # this user's host memory stores; give one's memory back
     kvpack usage [--config FILE] [--disk DIR] [--mooncake-http H:P] [--json]  # per tier, tenant and model
     kvpack clear --tenant T [--model M] [--tier T...] [--dry-run] [--config FILE] [--disk DIR] [--json]
-    kvpack pin [--list | --unpin] [--tenant T] [--disk DIR] [--json]  # pinned prefixes (`kvpack.pin_command`)
+    kvpack pin [--list | --unpin] [--tenant T] [--disk DIR] [--json]  # pinned prefixes (`kvpack.operate.pin_command`)
     kvpack bench NAME [ARGS...] # the benchmarks (`kvpack bench --help` lists them)
     kvpack demo | soak [ARGS...]
     kvpack proxy --prefill URL --decode URL [--port P]   # prefill/decode pair over one store
 
-``inspect``, ``config``, ``host``, ``usage``, ``clear`` (`kvpack.operating`) and ``pin`` are the core's own.
+``inspect``, ``config``, ``host``, ``usage``, ``clear`` (`kvpack.operate.operating`) and ``pin`` are the core's own.
 Every other subcommand is a tool (`kvpack.tools`, folder tools/) that registers itself in the ``kvpack.commands``
 entry-point group (pyproject.toml): the core names no tool and never imports one;
 a tool's module is imported only when it runs, so `kvpack inspect` works without
@@ -22,13 +22,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
+from dataclasses import replace
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .config.schema import HOST_NAME_RE, KVPackConfig
+from .errors import ConfigError
+from .identity.keys import validate_tenant
+from .operate import pin_command
+from .operate.inspect_store import format_summary, summarize
+from .operate.operating import clear, format_usage, resolve_model, size, usage
+from .policy.clearing import ClearScope
+from .tiers.factory import check_tiers
+from .tiers.host.stores import drop, host_stores, not_stores
+
 if TYPE_CHECKING:
-    from .config import KVPackConfig
+    from .config.schema import KVPackConfig
 
 COMMAND_GROUP = "kvpack.commands"
 """Entry-point group of the tools' subcommands: ``name = "module:function"``, called with the argv after the name."""
@@ -40,7 +53,6 @@ def tool_commands() -> dict[str, EntryPoint]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect_store import format_summary, summarize
 
     root = Path(args.dir).expanduser()
     if not root.is_dir():
@@ -56,9 +68,6 @@ def _config(args: argparse.Namespace) -> int:
 
     Runs every check engine start-up runs (`KVPackConfig.from_file`, then the tiers'
     `check_tiers`), creating nothing."""
-    from .config import KVPackConfig
-    from .errors import ConfigError
-    from .tiers.factory import check_tiers
 
     try:
         cfg = KVPackConfig.from_file(args.file) if args.file else KVPackConfig.from_dict({})
@@ -73,10 +82,6 @@ def _config(args: argparse.Namespace) -> int:
 def _host(args: argparse.Namespace) -> int:
     """List this user's host stores, or drop some (`kvpack.tiers.host.stores`); exit 2 with one
     line per store that could not be dropped (a live user, a bad name)."""
-    import re
-
-    from .config import HOST_NAME_RE
-    from .tiers.host.stores import drop, host_stores, not_stores
 
     stores = host_stores()
     if args.action is None:
@@ -103,10 +108,6 @@ def _host(args: argparse.Namespace) -> int:
 
 def _operator_config(args: argparse.Namespace, prog: str) -> KVPackConfig | None:
     """The config `usage` / `clear` act on (``--config``, ``--disk`` over it); None after one line."""
-    from dataclasses import replace
-
-    from .config import KVPackConfig
-    from .errors import ConfigError
 
     try:
         cfg = KVPackConfig.from_file(args.config) if args.config else KVPackConfig.from_dict({})
@@ -119,7 +120,6 @@ def _operator_config(args: argparse.Namespace, prog: str) -> KVPackConfig | None
 
 
 def _usage(args: argparse.Namespace) -> int:
-    from .operating import format_usage, usage
 
     cfg = _operator_config(args, "usage")
     if cfg is None:
@@ -133,13 +133,8 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    """Remove a tenant's objects (of one model) from every tier the config names (`kvpack.operating`);
+    """Remove a tenant's objects (of one model) from every tier the config names (`kvpack.operate.operating`);
     exit 1 when a tier failed, 2 on bad input (one line)."""
-    import logging
-
-    from .clearing import ClearScope
-    from .keys import validate_tenant
-    from .operating import clear, resolve_model, size, usage
 
     cfg = _operator_config(args, "clear")
     if cfg is None:
@@ -212,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="the engines' kvpack config file (default: the default config)")
         p.add_argument("--disk", help="the disk store folder (default: the config's disk.path)")
         p.add_argument("--json", action="store_true")
-    from . import pin_command
 
     pin_command.add_arguments(sub.add_parser("pin", help="list the pinned prefixes per tenant, or unpin a tenant's"))
     for name in sorted(tools):

@@ -18,8 +18,7 @@ import enum
 import logging
 import threading
 from collections.abc import Mapping
-
-from .metrics import Metrics
+from typing import Protocol
 
 CLIP_CHARS = 48
 """The most characters of one client value a log line or an error message quotes."""
@@ -48,19 +47,25 @@ def clip(value: object, limit: int = CLIP_CHARS) -> str:
     return f"a {type(value).__name__}"
 
 
+class Counts(Protocol):
+    """Where a refusal is counted: `kvpack.observe.metrics.Metrics` (its ``inc``)."""
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None: ...
+
+
 class Refusals:
     """Refused input of one kind: counted by reason, logged once per reason. The one
     log-once rule for what a client or an engine hands kvpack that it refuses.
 
-    `metric` is a counter of `kvpack.metrics.SPECS`; each refusal is counted with its reason's
-    value under the label `label` (``reason`` unless the metric names it otherwise), beside the
-    fixed `labels`. A reason is a member of an enum whose values are label values. The first
-    refusal of each reason is logged at `level`; the set of reasons logged is all that is kept
-    (bounded by the enum). Thread-safe."""
+    `metric` is a counter of `kvpack.observe.metrics.SPECS`; each refusal is counted with its
+    reason's value under the label `label` (``reason`` unless the metric names it otherwise),
+    beside the fixed `labels`. A reason is a member of an enum whose values are label values.
+    The first refusal of each reason is logged at `level`; the set of reasons logged is all
+    that is kept (bounded by the enum). Thread-safe."""
 
     def __init__(
         self,
-        metrics: Metrics,
+        metrics: Counts,
         metric: str,
         what: str,
         logger: logging.Logger,

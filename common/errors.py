@@ -2,7 +2,7 @@
 
 Only configuration and programming errors raise. Storage failures on the data
 path never raise into an engine: they are returned as named outcomes
-(`kvpack.tiers.base.TierStatus`, `kvpack.objects.RejectReason`) and counted.
+(`kvpack.tiers.base.TierStatus`, `kvpack.identity.objects.RejectReason`) and counted.
 """
 
 from __future__ import annotations

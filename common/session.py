@@ -13,13 +13,13 @@ headers or expectations themselves (tests/common/test_structure.py holds it).
 Two shapes of call, one behaviour:
 
 - page batches (`save_pages`, `page_reads`): many chunks of one member with one
-  token count and one payload size, built with the batch builders (about 5x cheaper
-  per object than one constructor call each: SGLang sends hundreds of pages a call);
+  token count and one payload size, built with the batch builders (one validation per
+  batch, not one constructor call per object: SGLang sends hundreds of pages a call);
 - objects (`save`, `reads`): chunks with their own token facts (`ChunkFacts`: a
   partial block's token count, a tail's token ids), vLLM's blocks and tails.
 
 Hits are planned here too (`plan_hit`, `plan_handoff`, `lookups_held`; the rules live in
-`kvpack.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
+`kvpack.policy.hits`): an adapter states a request's facts (`HitQuery`) and reads the `HitPlan`.
 
 Loads are two-phase, as the store's are: `prepare_load` pins what is in this
 process's memory and fixes the tier to read each object from (the hints given, else
@@ -34,46 +34,38 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .adapter_events import AdapterEvent, AdapterRefusal
-from .budget import WaitBudget
-from .clearing import ClearReport, ClearScope, engine_scope
 from .client_input import Refusals
-from .config import KVPackConfig
+from .config.schema import KVPackConfig
 from .cpu_features import request_amx_permission
-from .exit_flush import Flushable, flush_on_exit, forget
-from .groups import GroupLookup, MemberSpec
-from .hit_sources import HitSources, hit_sources
-from .hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
-from .keys import StoreKey, chunk_hashes, validate_chunk_hashes
-from .lifecycle import LoadPlan
-from .located import LocatedHints
-from .metrics import Metrics
-from .objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
-from .page_loads import PagePart, load_pages, located_splits
-from .pins import PinOutcome
-from .reads import LoadItem, PageReads
-from .router_facts import RouterFacts
-from .store import KVStore
-from .tails import TailMatch
-from .tenancy import RequestScope
-from .tier_events import TierEventFeed
+from .identity.keys import StoreKey, chunk_hashes, validate_chunk_hashes
+from .identity.objects import Expectation, ObjectHeader, PageExpectation, Payload, payload_nbytes
+from .observe.adapter_events import AdapterEvent, AdapterRefusal
+from .observe.metrics import Metrics
+from .observe.router_facts import RouterFacts
+from .observe.tier_events import TierEventFeed
+from .ops import load_extension, object_reader, object_remover, object_writer, region_copier
+from .policy.budget import WaitBudget
+from .policy.clearing import ClearReport, ClearScope, engine_scope
+from .policy.groups import GroupLookup, MemberSpec
+from .policy.hits import HandoffClaim, HitPlan, HitQuery, plan_handoff, plan_lookup
+from .policy.tails import TailMatch
+from .policy.tenancy import RequestScope
+from .store import KVStore, LentLoad, LoadItem, LoadPlan, PageReads
+from .store.hit_sources import HitSources, hit_sources
+from .store.located import LocatedHints
+from .store.page_loads import PagePart, load_pages, located_splits
+from .store.pins import PinOutcome
 from .tiers.base import GetResult, PutItem, Tier, TierStatus
 
 log = logging.getLogger("kvpack")
 
 _ADAPTER_REFUSALS = "tier_errors"
 """The counter of engine calls an adapter answered as a miss itself (`AdapterRefusal`)."""
-
-POLL_FIRST_S = 0.005
-"""`wait_until_stored`'s first pause between two looks at the store (seconds)."""
-POLL_MAX_S = 0.1
-"""Its longest pause: each pause doubles the last, up to this (seconds)."""
 
 
 def start_engine_process() -> None:
@@ -85,7 +77,6 @@ def start_engine_process() -> None:
     the first load's time bound (`kvpack.ops.load_extension`: cached per machine,
     never raises; without it the torch fallback copies). Imports torch: `import
     kvpack` itself stays light for the operator tools."""
-    from .ops import load_extension
 
     request_amx_permission()
     load_extension()
@@ -113,7 +104,7 @@ class ChunkFacts:
     `token_count`: tokens the object holds (a whole chunk, or a partial block's
     computed part). `token_ids`: a tail's ids (stored in its header; a load requires
     the stored ids to start with them); None for a whole chunk. `announce`: on save, what
-    a shared tier records for other instances' routers (`kvpack.router_facts`)."""
+    a shared tier records for other instances' routers (`kvpack.observe.router_facts`)."""
 
     chunk: str
     token_count: int
@@ -160,7 +151,6 @@ class Session:
         """An engine process's session: `start_engine_process`, then the store the config
         enables, whose memory-tier copies use the native region copy and whose host and disk
         tiers the native batch file write, read and removal, once the kernels loaded."""
-        from .ops import object_reader, object_remover, object_writer, region_copier
 
         start_engine_process()
         store = KVStore.from_config(
@@ -192,7 +182,7 @@ class Session:
 
     def reset(self, who: str) -> ClearReport | None:
         """The engine's reset verb (vLLM ``reset_cache``, SGLang ``clear``): the config's ``reset``
-        rule over the fingerprints bound *now* (`kvpack.clearing.engine_scope`), logged in one
+        rule over the fingerprints bound *now* (`kvpack.policy.clearing.engine_scope`), logged in one
         line; None (logged) when ``reset.scope`` is off."""
         scope = engine_scope(self.store.config.reset, (self.group_fingerprint,))
         if scope is None:
@@ -206,18 +196,6 @@ class Session:
         log.log(logging.INFO if report.ok else logging.WARNING, "kvpack: %s", report.line(who))
         return report
 
-    @staticmethod
-    def flush_at_exit(owner: Flushable, timeout_s: float) -> None:
-        """Have `owner.flush_before_exit` run before the process exits (bounded by
-        `timeout_s`; `kvpack.exit_flush`): an adapter's own queue of saves not yet handed
-        to the store must reach it too. The store registers itself."""
-        flush_on_exit(owner, timeout_s)
-
-    @staticmethod
-    def forget_at_exit(owner: Flushable) -> None:
-        """Undo `flush_at_exit` (the owner closed and flushed already)."""
-        forget(owner)
-
     # -- keys -----------------------------------------------------------------------
 
     def key(self, tenant: str, chunk: str, member: str) -> StoreKey:
@@ -226,8 +204,8 @@ class Session:
     def keys(self, tenant: str, chunks: Sequence[str], member: str) -> list[StoreKey]:
         """Validated keys of `chunks` for one member (ValueError names a bad field). The
         last batch is kept: a load asks for the same keys twice (where its chunks were
-        found, then what to read), and building them costs ~1 us a key; comparing the
-        chunks (the same strings) a fraction of that. A fresh list every call."""
+        found, then what to read), and comparing the chunks (the same strings) is cheaper
+        than validating and building every key again. A fresh list every call."""
         last, fingerprint = self._last_keys, self.group_fingerprint
         if last is not None and last[:3] == (tenant, fingerprint, member) and last[3] == chunks:
             return list(last[4])
@@ -263,22 +241,18 @@ class Session:
         self.hints.remember(result.located)
         return result
 
-    def was_located(self, tenant: str, chunk: str, member: str) -> bool:
-        """Whether a lookup of this session found `member` of `chunk` (and no load took it yet)."""
-        return self.key(tenant, chunk, member) in self.hints
-
-    def were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
-        """`was_located` for many chunks of one member (keys batch-built, one lock; none
-        built while no lookup's hints are kept)."""
+    def _were_located(self, tenant: str, chunks: Sequence[str], member: str) -> list[bool]:
+        """Per chunk: whether a lookup of this session found `member` of it and no load took it
+        yet (keys batch-built, one lock; none built while no lookup's hints are kept)."""
         if not self.hints:
             return [False] * len(chunks)
         return self.hints.contain(self.keys(tenant, chunks, member))
 
-    # -- hit planning (the rules: `kvpack.hits`) ------------------------------------
+    # -- hit planning (the rules: `kvpack.policy.hits`) ------------------------------------
 
     def plan_hit(self, query: HitQuery, budget: WaitBudget | None = None) -> HitPlan:
         """The hit of `query`: one lookup of its whole chunks (`lookup`), then the stored tail
-        after the last hit chunk, within `budget` for remote tiers (`kvpack.hits`)."""
+        after the last hit chunk, within `budget` for remote tiers (`kvpack.policy.hits`)."""
         hashes = tuple(chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed))
         tenant = query.scope.tenant
         result = self.lookup(tenant, hashes, query.members, query.chunk_tokens, budget, query.alternatives)
@@ -292,13 +266,13 @@ class Session:
         return plan_lookup(query, hashes, result, find_tail, config, self.store.metrics)
 
     def pin(self, query: HitQuery) -> PinOutcome | None:
-        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.pins`); None: pins off."""
+        """Pin the whole chunks of `query`'s prompt that the store holds (`kvpack.store.pins`); None: pins off."""
         hashes = chunk_hashes(query.token_ids, query.chunk_tokens, parent=query.scope.seed)
         return self.store.pin_prefix(query.scope.tenant, self.group_fingerprint, hashes)
 
     def accept_hit(self, plan: HitPlan, external_tokens: int, chunk_tokens: int) -> HitSources:
         """The engine took the last `external_tokens` of `plan`'s hit: counted (per tenant,
-        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.hit_sources`)."""
+        ``external_hit_tokens``; by tier, ``hit_tier_tokens``), and split by tier (`kvpack.store.hit_sources`)."""
         if plan.scope is not None:
             self.record(AdapterEvent.EXTERNAL_HIT_TOKENS, external_tokens, tenant=plan.scope.tenant)
         sources = hit_sources(plan, external_tokens, chunk_tokens, self.store.tiers)
@@ -342,7 +316,7 @@ class Session:
         return self.store.tails.place(tenant, self.group_fingerprint, parent, members, token_ids, budget)
 
     def tier_events(self) -> TierEventFeed:
-        """From now on, report what this process's tiers take and let go (`kvpack.tier_events`:
+        """From now on, report what this process's tiers take and let go (`kvpack.observe.tier_events`:
         a bounded feed the adapter drains, e.g. into vLLM's KV events for routers)."""
         return self.store.tier_events()
 
@@ -407,15 +381,22 @@ class Session:
         return self.store.flush(timeout_s)
 
     def located_splits(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[int]:
-        """Per chunk, which of `members` this session's last lookup found it under (`kvpack.page_loads`)."""
-        return located_splits(self, tenant, chunks, members)
+        """Per chunk, the index into `members` of the first member this session's last lookup found
+        it under (0 also for chunks no lookup found: `kvpack.store.page_loads.located_splits`)."""
+        return located_splits(lambda some, member: self._were_located(tenant, some, member), chunks, members)
 
     def load_pages(
         self, parts: Sequence[PagePart], pages: int, *, lent: bool, tenant: str, page_tokens: int = 0
     ) -> list[bool]:
-        """One load of several objects per page; a page is restored only when all of its
-        objects loaded (`kvpack.page_loads.load_pages`)."""
-        return load_pages(self, parts, pages, lent=lent, tenant=tenant, page_tokens=page_tokens)
+        """One load of several objects per page, each from the tier this session's lookup found it
+        in; a page is restored only when all of its objects loaded (`kvpack.store.page_loads`).
+        Never raises: a miss or a refused object is a page not restored. `page_tokens` tokens per
+        restored page are counted as ``loaded_tokens`` of `tenant` (0: the caller counts them)."""
+        located = self.hints.take([key for part in parts for key in part.reads.keys])
+        ok = load_pages(self.store.reads, located, parts, pages, lent=lent, tenant=tenant)
+        if page_tokens:
+            self.record(AdapterEvent.LOADED_TOKENS, sum(ok) * page_tokens, tenant=tenant)
+        return ok
 
     @property
     def metrics(self) -> Metrics:
@@ -474,50 +455,32 @@ class Session:
         disk only, never a remote tier (`KVStore.complete_load`): a load inside an engine step."""
         return self.store.complete_load(batch.plan, batch.items, local_only)
 
-    def complete_load_lent(
-        self, batch: LoadBatch, local_only: bool = False
-    ) -> tuple[list[GetResult], list[memoryview | None], Callable[[], list[bool]]]:
+    def complete_load_lent(self, batch: LoadBatch, local_only: bool = False) -> LentLoad:
         """`complete_load`, except that an object this process's memory tier or the host store
-        holds is not copied into its buffer: ``views[i]`` is its stored payload, read-only;
-        None where the item was read into its buffer as `complete_load` reads it. For a
-        caller that converts the bytes on their way into the engine anyway (the conversion
-        is then the only copy). Once it copied out of the views it calls the third element,
-        ``held()``: per item, False where the copy is not the object (a host-store view
-        rewritten meanwhile: treat it as a miss). `KVStore.complete_load_lent` has the rules;
-        `local_only` as for `complete_load`."""
-        return self.store.complete_load_lent(batch.plan, batch.items, local_only)
+        holds is not copied into its buffer: ``views[i]`` of the `LentLoad` is its stored payload,
+        read-only; None where the item was read into its buffer as `complete_load` reads it. For a
+        caller that converts the bytes on their way into the engine anyway (the conversion is then
+        the only copy). Once it copied out of the views it runs `LentLoad.lost`: the items whose
+        copy is not the object (a host-store view rewritten meanwhile: treat it as a miss).
+        `Reader.complete_load_lent` has the rules; `local_only` as for `complete_load`."""
+        return self.store.reads.complete_load_lent(batch.plan, batch.items, local_only)
 
     def release(self, batch: LoadBatch) -> None:
         self.store.release(batch.plan)
-
-    def wait_until_stored(
-        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[StoreKey]:
-        """Look for `keys` on every tier until all are there, `stop()` is true, or
-        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
-
-        For objects another process is still storing (a prefill instance's handoff). The
-        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
-        seen within milliseconds, and a long wait costs little CPU on a machine the storing
-        process shares (32 keys looked up in Mooncake every 5 ms took 0.09 of a core,
-        client and master, on a 2-core EPYC; every 100 ms, 0.01)."""
-        missing = list(keys)
-        pause = POLL_FIRST_S
-        while missing and not stop():
-            found = self.store.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            left = deadline - time.monotonic()
-            if not missing or left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_MAX_S)
-        return missing
 
     def load(self, items: Sequence[LoadItem], hints: Mapping[StoreKey, str] | None = None) -> list[GetResult]:
         """`prepare_load` then `complete_load`, nothing to wait for in between."""
         return self.complete_load(self.prepare_load(items, hints))
 
     # -- save -----------------------------------------------------------------------
+
+    def _to_store(self, keys: Sequence[StoreKey]) -> list[int]:
+        """The de-duplication rule, once for every save verb: the indices of `keys` to store now
+        (`KVStore.prepare_store`: on no tier and not being stored by another caller), each claimed
+        until the `complete_store` (or `complete_store_lent`) of the caller that stores it. The
+        others are reported stored."""
+        wanted = set(self.store.prepare_store(keys))
+        return [i for i, key in enumerate(keys) if key in wanted]
 
     def save_pages(
         self,
@@ -534,8 +497,7 @@ class Session:
         if n == 0:
             return []
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -573,8 +535,7 @@ class Session:
         if obj.payload_len is None:
             raise ValueError(f"save_pages_lent: member {obj.member} has no payload_len")
         keys = self.keys(tenant, chunks, obj.member)
-        wanted = set(self.store.prepare_store(keys))
-        todo = [i for i in range(n) if keys[i] in wanted]
+        todo = self._to_store(keys)
         ok = [True] * n
         if not todo:
             return ok
@@ -614,8 +575,7 @@ class Session:
         ]
         statuses = [TierStatus.OK] * len(items)
         if dedupe:
-            wanted = set(self.store.prepare_store([it.key for it in items]))
-            todo = [i for i, it in enumerate(items) if it.key in wanted]
+            todo = self._to_store([it.key for it in items])
             for i, st in zip(todo, self.store.complete_store([items[i] for i in todo])):
                 statuses[i] = st
         else:

@@ -87,7 +87,7 @@ class PageCopies:
     def _parts(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[PagePart]:
         """Per object set of the pages: the pool's own member, or, for pages the lookup found
         as another TP size's head ranges (`PoolRegistry.other_splits`), one object per range.
-        Pages of one batch may come from several splits (`kvpack.split_lookup`)."""
+        Pages of one batch may come from several splits (`kvpack.policy.split_lookup`)."""
         n = len(keys)
         if binding.canonical is not None:
             members = [binding.member] + [objects[0].member for objects in binding.sources[1:]]

@@ -159,7 +159,7 @@ def canonical_kv(name: str, host_pool: Any, par: ParallelInfo, layout_name: str)
 
 
 def rank_heads(geo: CanonicalGeometry, par: ParallelInfo) -> tuple[HeadSplit, HeadRange] | None:
-    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.heads`),
+    """The model's KV heads over SGLang's TP ranks and this rank's range (`kvpack.identity.heads`),
     or None when they are not known for sure. A rank holding several heads holds
     ``heads / tp_size`` of them (replication gives every rank exactly one); a rank of one
     head needs the checkpoint's count (`ParallelInfo.kv_heads`): the model may have

@@ -152,7 +152,7 @@ class PoolRegistry:
 
     def other_splits(self, specs: list[MemberSpec]) -> tuple[list[list[MemberSpec]], dict[str, str]]:
         """Canonical KV pool: `specs` with the KV member replaced by each other head split's
-        members (objects a writer at another TP size stored: `kvpack.heads`), and the pool
+        members (objects a writer at another TP size stored: `kvpack.identity.heads`), and the pool
         each of those members restores."""
         kv = self.kv
         if kv is None or kv.canonical is None:

@@ -27,7 +27,7 @@ the hit to what the draft pool actually loads). Every pool is a member of the
 page's group (`Coverage.ALL` or `TRAILING`), so the core's lookup decides all of
 this; the adapter only translates its answer.
 
-Lifecycle (`kvpack.lifecycle`): a lookup remembers where it found each page;
+Lifecycle (`kvpack.store.lifecycle`): a lookup remembers where it found each page;
 the get that follows loads each page from that tier first (a page evicted in
 between is counted as ``evicted_before_load``), and a set stores only what
 `KVStore.prepare_store` says is not stored or being stored yet.
@@ -330,7 +330,7 @@ class KVPackStorage(LegacyPageInterface, HiCacheStorage):
         return self.session.flush(timeout_s)
 
     def clear(self) -> None:
-        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.clearing`):
+        """SGLang's ``/hicache/storage-backend/clear``: kvpack's reset rule (`kvpack.policy.clearing`):
         by default this instance's model's objects, every tenant, every tier it reaches; the
         config's ``reset`` section narrows, widens or turns it off. Logged in one line."""
         self.session.reset("SGLang storage clear")

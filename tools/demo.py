@@ -178,7 +178,7 @@ def _setting(model: Path) -> str:
 
 
 def _report(runs: list[EngineRun], prompts: list[list[int]], store: Path, tolerance: float, setting: str) -> int:
-    from kvpack.inspect_store import summarize
+    from kvpack.operate.inspect_store import summarize
 
     ref = runs[0]
     labels = [f"document {i + 1} + question" for i in range(len(prompts))] + ["follow-up turn, document 1"]

@@ -1,4 +1,4 @@
-"""A saved block's vLLM facts, and their wire form in a shared tier's facts rows (`kvpack.router_facts`).
+"""A saved block's vLLM facts, and their wire form in a shared tier's facts rows (`kvpack.observe.router_facts`).
 
 A ``BlockStored`` needs facts only the scheduler that planned the save has: the request's block
 hash(es), the parent hash, the token ids, the LoRA adapter (`BlockFacts`). The scheduler keeps them
@@ -58,7 +58,7 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
 _DECODER = msgspec.msgpack.Decoder(_Wire)
 FACTS_RULE = "unsalted-only"
 """Part of `hash_identity`: the rows of a writer that records only unsalted requests' blocks
-(`kvpack.router_facts.shares_facts`). Rows of a writer without this rule (which may hold a salted
+(`kvpack.policy.tenancy.shares_facts`). Rows of a writer without this rule (which may hold a salted
 tenant's token ids) are of another identity: a reader announces none of them."""
 
 

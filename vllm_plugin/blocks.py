@@ -10,7 +10,7 @@ The copies are `kvpack.ops.gather_blocks` / `scatter_blocks` (C++ kernel on
 the CPU, CUDA kernel on a GPU, torch fallback) over `PagedKV` views built once
 at registration; the layout is read from the tensors, never assumed (vLLM CPU
 ``[blocks, heads, block_size, 2*head]``; GPU ``[2, blocks, ...]`` gives two
-segments). Every copy is launched on a `kvpack.staging.Lane` (the side stream of its
+segments). Every copy is launched on a `kvpack.transfers.staging.Lane` (the side stream of its
 direction on a GPU, with pinned host rows and device scratch; inline on the CPU).
 Whole blocks are copied, so the ISA-dependent order inside a CPU
 block never matters. Layers of different shapes (a draft model with other
@@ -26,7 +26,8 @@ from functools import partial
 import torch
 
 from kvpack import LayoutError
-from kvpack.ops import Direction, Lane, PagedKV, gather_blocks, inline_lane, scatter_blocks
+from kvpack.ops import PagedKV, gather_blocks, scatter_blocks
+from kvpack.transfers import Direction, Lane, inline_lane
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class BlockLayout:
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor, lane: Lane | None = None) -> None:
         """Blocks `block_ids` -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8, contiguous),
-        launched on `lane` (`kvpack.staging`: the save side stream on a GPU; inline without one).
+        launched on `lane` (`kvpack.transfers.staging`: the save side stream on a GPU; inline without one).
         Several runs on a GPU gather into device scratch rows (column by column), then one
         contiguous async copy into `out`; all on the lane, so the host never touches `out`
         before the lane's event."""
@@ -100,7 +101,7 @@ class BlockLayout:
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, lane: Lane | None = None) -> None:
         """Rows of `src` (contiguous) -> blocks, launched on `lane` (see `gather`); `src`
-        stays untouched until the lane's event (`kvpack.staging.Staged`)."""
+        stays untouched until the lane's event (`kvpack.transfers.staging.Staged`)."""
         lane = lane if lane is not None else inline_lane(Direction.LOAD, self.runs[0].device)
         ids = list(block_ids)
         if not src.is_contiguous():

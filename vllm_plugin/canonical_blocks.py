@@ -1,4 +1,4 @@
-"""vLLM in kvpack's canonical object layout (`kvpack.canonical`, `kvpack.heads`).
+"""vLLM in kvpack's canonical object layout (`kvpack.canonical`, `kvpack.identity.heads`).
 
 When it applies (`head_split`): one KV cache group of full attention, no draft
 KV of its own (no speculative model, or one without KV layers), one pipeline
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpack import CanonicalGeometry, HeadRange, HeadSplit, LayoutError, upload_runs, vllm_cpu_geometry
-from kvpack.ops import Direction, Lane, inline_lane, load_extension
+from kvpack.ops import load_extension
+from kvpack.transfers import Direction, Lane, inline_lane
 
 from .byte_facts import UNKNOWN, BlockByteFacts
 from .packing import find_packing
@@ -136,7 +137,7 @@ class CanonicalBlocks:
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor, lane: Lane | None = None) -> None:
         """Blocks -> rows of `out` (``[len(block_ids), slot_bytes]`` uint8): objects of `own`,
-        launched on `lane` (`kvpack.staging`; inline without one)."""
+        launched on `lane` (`kvpack.transfers.staging`; inline without one)."""
         lane = lane if lane is not None else inline_lane(Direction.SAVE, self.geometry.tensors[0].device)
         ids, flat = list(block_ids), out.view(-1)
         lane.launch(lambda: self.geometry.copy(ids, flat, gather=True, obj_heads=self.own.size, stream=lane.stream))

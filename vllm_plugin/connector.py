@@ -215,7 +215,7 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``): kvpack's
-        reset rule (`kvpack.clearing`), applied by the scheduler side (`vllm_plugin.resets`)."""
+        reset rule (`kvpack.policy.clearing`), applied by the scheduler side (`vllm_plugin.resets`)."""
         return self.scheduler.resets.apply() if self.scheduler is not None else False
 
     @classmethod

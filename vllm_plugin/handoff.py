@@ -67,11 +67,11 @@ class Handoff:
     tail_chunk: str | None
     """Chunk id of the saved partial-block tail (None: the prompt ends on a block boundary;
     ``""``: the prefill instance sent something that is not a string). The decode side loads
-    it only if it is a tail slot after the prompt's last whole chunk (`kvpack.hits`); any
+    it only if it is a tail slot after the prompt's last whole chunk (`kvpack.policy.hits`); any
     other value drops the tail alone, never the handoff's whole chunks."""
     head_ranges: int = 0
     """Canonical objects: how many KV-head ranges the prefill instance stores each chunk
-    as (its head split, `kvpack.heads`: 2 for a TP=2 engine of a model with 2 or more KV
+    as (its head split, `kvpack.identity.heads`: 2 for a TP=2 engine of a model with 2 or more KV
     heads), so a decode instance at another TP size reads the objects the prefill
     instance wrote. 0: native objects, or a prefill instance that did not say (the decode
     instance's own split)."""

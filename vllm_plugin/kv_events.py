@@ -35,9 +35,9 @@ workers' own removals, so a block is withdrawn once whichever comes first.
 
 Blocks other instances stored on a shared tier (this instance can load them): with such a tier,
 `note_saves` hands each saved chunk's facts (not those of a salted request's chunk, which only
-this instance announces: `kvpack.router_facts.shares_facts`) to its save (`BlockRef.announce`,
+this instance announces: `kvpack.policy.tenancy.shares_facts`) to its save (`BlockRef.announce`,
 encoded by `kvpack.vllm_plugin.block_facts`), which the tier records beside the group once the object is
-ready (`kvpack.router_facts`). Each step `take` reads at most 64 rows other instances wrote
+ready (`kvpack.observe.router_facts`). Each step `take` reads at most 64 rows other instances wrote
 (`kvpack.FactsTail`: one indexed read) and announces those of its own hash identity and model
 layout as ``BlockStored`` on that tier (the writer's hashes), once; the tier's sweep then follows
 them like its own, so they are withdrawn when evicted.
@@ -156,7 +156,7 @@ class _Followed:
     chain: ChunkChain
     """Its chunk hashes (kvpack's chain from its scope's seed), extended as its blocks are hashed."""
     shares: bool
-    """Its blocks' facts may go to a shared tier (`kvpack.router_facts.shares_facts`: unsalted)."""
+    """Its blocks' facts may go to a shared tier (`kvpack.policy.tenancy.shares_facts`: unsalted)."""
     index: dict[str, int] = field(default_factory=dict)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvpack import ChunkFacts, HeadRange, LayoutError, MemberObject, ObjectIO, PlannedLoad, address_of
-from kvpack.ops import Lane, Staging
+from kvpack.transfers import Lane, Staging
 
 from .canonical_blocks import CanonicalBlocks
 from .metadata import NO_BLOCK, BlockRef, TransferJob

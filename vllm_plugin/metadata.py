@@ -53,14 +53,14 @@ class BlockRef:
     tiers: tuple[tuple[str, str], ...] = ()
     """On load: (member, tier name) where the scheduler's lookup found each member of the
     chunk. The worker loads from that tier first and counts an object gone from it as
-    ``evicted_before_load`` (`kvpack.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
+    ``evicted_before_load`` (`kvpack.store.lifecycle`); empty: no lookup found it (a tail, a handoff)."""
     source: int = 0
     """On load of canonical objects: the head split that holds this chunk (index into
     `HeadSplit.partitions()`; 0 is the engine's own). One request's chunks may come from
-    several splits (`kvpack.split_lookup`)."""
+    several splits (`kvpack.policy.split_lookup`)."""
     announce: RouterFacts | None = None
     """On save of a whole chunk, with a tier other processes share: its vLLM facts for the other
-    instances' routers (`kvpack.vllm_plugin.kv_events`), recorded by that tier (`kvpack.router_facts`)."""
+    instances' routers (`kvpack.vllm_plugin.kv_events`), recorded by that tier (`kvpack.observe.router_facts`)."""
 
     @property
     def blocks(self) -> set[int]:

@@ -1,7 +1,7 @@
 """A vLLM request's tenant and chain seed (`kvpack.RequestScope`), or None for a request that
 does not use the cache.
 
-`request_scope` hands the core's `kvpack.tenancy.resolve_tenant` the request's engine facts
+`request_scope` hands the core's `kvpack.policy.tenancy.resolve_tenant` the request's engine facts
 (``cache_salt``, ``kv_transfer_params["kvpack_tenant"]`` and its signature, the LoRA
 adapter); the core holds the policy (trusted names, signed names, the salt's scope, the
 default). `RequestScopes.of` answers None for a request with images or prompt embeddings
@@ -52,7 +52,7 @@ def request_scope(
 ) -> RequestScope:
     """Tenant and chain seed of `request`: its engine facts (``cache_salt``,
     ``kv_transfer_params["kvpack_tenant"]`` and ``["kvpack_tenant_sig"]``, the LoRA
-    adapter) handed to the core's `kvpack.tenancy.resolve_tenant`, which decides.
+    adapter) handed to the core's `kvpack.policy.tenancy.resolve_tenant`, which decides.
     Raises BadTenant for an invalid trusted tenant name."""
     params: dict[str, Any] = getattr(request, "kv_transfer_params", None) or {}
     if not isinstance(params, dict):

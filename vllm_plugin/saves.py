@@ -1,5 +1,5 @@
 """A save's copies: blocks of each member gathered into staging rows on the save lane
-(`kvpack.ops.Staging`), as the transfer runner's `kvpack.Gathered` (it reads them as the
+(`kvpack.transfers.Staging`), as the transfer runner's `kvpack.Gathered` (it reads them as the
 session's objects on its save thread, after the gather's event: the core builds their
 keys and headers).
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from kvpack import ChunkFacts, Gathered
-from kvpack.ops import Staging
+from kvpack.transfers import Staging
 
 from .metadata import NO_BLOCK, TransferJob
 from .registration import MemberLayout

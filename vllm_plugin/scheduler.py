@@ -5,7 +5,7 @@ Lookup (`get_num_new_matched_tokens`): vLLM's request translated into a
 must compute: `scopes.min_prefill_tokens`) and planned by the core
 (`Session.plan_hit`; a handoff: `Session.plan_handoff`). The rules (whole chunks,
 the stored tail's longest common prefix, n - 1 / n - 2, drafts, the hold while a
-tier makes its first connect) are `kvpack.hits`'; the plan's count may end inside
+tier makes its first connect) are `kvpack.policy.hits`'; the plan's count may end inside
 a block: the partial block is loaded whole and vLLM computes the rest into it.
 A hit whose every object is in the workers' memory (the index says so, or the
 host store holds it) and that is at most `sync_load_max_blocks` blocks is loaded inside the step that
@@ -16,7 +16,7 @@ request waits in WAITING_FOR_REMOTE_KVS while a worker thread restores it).
 Hybrid models and handoffs always load asynchronously. Each hit block's load names the tier the lookup
 found each member in (`BlockRef.tiers`): this side cannot pin the workers'
 memory, so a worker that lost an object since counts it
-(``evicted_before_load``, `kvpack.lifecycle`) and reads it from another tier.
+(``evicted_before_load``, `kvpack.store.lifecycle`) and reads it from another tier.
 
 Save (`build_connector_meta`, every step; see `captures`): the chunks the
 step computes, the prompt's partial tail in the step that finishes the

@@ -9,7 +9,7 @@ fingerprints and member names independently.
 - config: ``kv_connector_extra_config`` -> `KVPackConfig` (strict; a bad key
   fails engine start-up naming the field).
 - scope: the group fingerprint (engine, model identity + draft model identity
-  and its placement (`kvpack.model_identity`: what the checkpoint is, not its path),
+  and its placement (`kvpack.identity.model_identity`: what the checkpoint is, not its path),
   dtype, block size, TP/PP sizes, KV cache groups) and the member names
   (``kv``, or ``kv@<rank>of<world>``; plus ``draft``/``draft@<rank>of<world>``
   when the draft KV is a sidecar).
@@ -220,7 +220,7 @@ class Scope:
 
     @cached_property
     def head_splits(self) -> list[list[MemberSpec]]:
-        """Canonical objects: each head split's members, the engine's own first (`kvpack.heads`);
+        """Canonical objects: each head split's members, the engine's own first (`kvpack.identity.heads`);
         empty for engine-native objects."""
         return [self.member_specs(p) for p in self.heads.partitions()] if self.heads is not None else []
 
@@ -230,7 +230,7 @@ class Scope:
 
     def hit_query(self, rs: RequestScope, token_ids: Sequence[int]) -> HitQuery:
         """A request's facts for the core's planner: its tokens, this engine's members and, for
-        canonical objects, the other head splits' (`kvpack.heads`; the engine's own first)."""
+        canonical objects, the other head splits' (`kvpack.identity.heads`; the engine's own first)."""
         splits = self.head_splits
         return HitQuery(
             scope=rs,

@@ -42,7 +42,7 @@ from kvpack import (
     WeightsState,
     start_engine_process,
 )
-from kvpack.ops import Staging
+from kvpack.transfers import Staging
 
 from .loads import BlockLoads, refused_plan, tokens_used
 from .metadata import KVPackConnectorMetadata, KVPackWorkerMetadata, TransferJob
@@ -87,7 +87,7 @@ class WorkerSide:
 
     @property
     def staging(self) -> Staging:
-        """Staging rows and copy streams (`kvpack.staging`) for the cache's device, set at registration."""
+        """Staging rows and copy streams (`kvpack.transfers.staging`) for the cache's device, set at registration."""
         return self.runner.staging
 
     @staging.setter

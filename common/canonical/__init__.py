@@ -7,7 +7,7 @@ server write and read alike. One package for the core's part of it:
   and CUDA kernels in csrc/canonical_copy*, a torch path everywhere else).
 - `kvpack.canonical.identity`: the fingerprints. A canonical group names the model
   identity, KV dtype, chunk tokens and `CANONICAL_FORMAT`, never the writer; a member
-  adds its head range (`kvpack.heads`: how TP ranks split the KV heads).
+  adds its head range (`kvpack.identity.heads`: how TP ranks split the KV heads).
 
 What stays in an adapter is only the engine's own facts: whether an engine's set-up
 qualifies and which packing its CPU attention uses (vllm_plugin/canonical_blocks.py and

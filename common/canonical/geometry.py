@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LayoutError
-from ..heads import HeadRange
+from ..identity.heads import HeadRange
 from ..ops import load_extension
-from ..ops.layout import vector_alignment
+from ..ops.layout import KVLayoutKind, vector_alignment
+from ..ops.paged import PagedKV
 from ..ops.scratch import on_cache_device
 from ..ops.simd import CpuSimd
 from .addressed import address_runs, bytes_at
@@ -431,14 +432,10 @@ def vllm_cpu_geometry(tensors: Sequence[torch.Tensor], k: TilePacking, v: TilePa
     return CanonicalGeometry(tuple(tensors), bases, nb, heads * 2 * tile, 2 * tile, heads, tokens, d, e, (k, v))
 
 
-def paged_geometry(paged: object) -> CanonicalGeometry:
+def paged_geometry(paged: PagedKV) -> CanonicalGeometry:
     """A token-addressable `PagedKV` (vLLM's 5-D NHD/HND layouts, SGLang host pools, MLA): row-major
     tiles. vLLM 0.32+'s 4-D block views need the cache spec to tell K from V inside a cell:
     `CanonicalGeometry.from_block_views`."""
-    from ..ops.layout import KVLayoutKind
-    from ..ops.paged import PagedKV
-
-    assert isinstance(paged, PagedKV)
     lay = paged.layout
     if lay.token_dim is None or lay.kind is KVLayoutKind.VLLM_BLOCK_VIEW:
         raise LayoutError(

@@ -1,9 +1,9 @@
 """What a canonical object is, for every engine: its group and member fingerprints.
 
-Canonical objects (`kvpack.canonical.geometry` for the bytes, `kvpack.heads` for the head
+Canonical objects (`kvpack.canonical.geometry` for the bytes, `kvpack.identity.heads` for the head
 ranges) are what a vLLM engine at any TP size, on any CPU type, and an SGLang server
 write and read alike. Their fingerprints therefore say what the bytes are and nothing
-about the writer: the group covers the model's identity (`kvpack.model_identity`: a
+about the writer: the group covers the model's identity (`kvpack.identity.model_identity`: a
 digest of the checkpoint, or the user's ``model_id``), the KV dtype, the tokens per
 chunk and the format version; a member adds its head range, the layer count and the
 head geometry. Engine, TP size, CPU attention ISA and attention backend are absent on
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..heads import HeadRange, HeadSplit, sources
-from ..layout_spec import KVLayoutSpec
+from ..identity.heads import HeadRange, HeadSplit, sources
+from ..identity.layout_spec import KVLayoutSpec
 from .geometry import CANONICAL_FORMAT
 
 ENGINE = f"canonical{CANONICAL_FORMAT}"

@@ -9,14 +9,13 @@ contiguous staging buffers, all layers in one call.
 
 Staging layout (uint8): ``[block_i][layer][segment][outer][inner][row_bytes]``;
 see ``kvpack.ops.layout``. For a cache on a GPU, adapters stage through
-``kvpack.staging`` (pinned rows, a side stream per direction, an event per batch)
+`kvpack.transfers` (`Staging`: pinned rows, a side stream per direction, an event per batch)
 and pass its lane's stream as ``stream=``; `upload_ids` puts a batch's ids on the
 device once. Backends: CUDA kernel, C++ kernel, pure torch; the
 kernels are JIT-built on first use (``kvpack.ops._build``). Importing this module
 builds nothing and needs no CUDA.
 """
 
-from ..staging import CpuDevice, CudaDevice, Direction, Lane, Staged, Staging, StagingDevice, inline_lane
 from ._build import ExtensionStatus, load_extension, object_reader, object_remover, object_writer, region_copier
 from .copy import (
     Backend,
@@ -32,14 +31,6 @@ from .paged import PagedKV
 
 __all__ = [
     "Backend",
-    "CpuDevice",
-    "CudaDevice",
-    "Direction",
-    "Lane",
-    "Staged",
-    "Staging",
-    "StagingDevice",
-    "inline_lane",
     "ExtensionStatus",
     "KVLayout",
     "KVLayoutKind",

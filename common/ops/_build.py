@@ -30,26 +30,20 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ._reference import gather_reference
+from .natives import Checksummer, ObjectReader, ObjectRemover, ObjectWriter, RegionCopier
+from .paged import PagedKV
 from .simd import CpuSimd
-
-if TYPE_CHECKING:
-    from ..tiers.disk.reads import ObjectReader
-    from ..tiers.disk.removes import ObjectRemover
-    from ..tiers.disk.writes import ObjectWriter
-    from ..tiers.parallel import RegionCopier
 
 logger = logging.getLogger("kvpack.ops")
 
-Checksummer = Callable[[Sequence[Sequence[Any]]], list[int]]
-"""Native ``checksums(payloads)``: xxh3_64 of each payload's parts (buffers: memoryviews, arrays,
-bytes) in order, one int per payload."""
 
 _SOURCES_CPU = (
     "bindings.cpp",
@@ -238,8 +232,6 @@ def clear_stale_lock(build_dir: Path, now: float | None = None, alive: Callable[
 def smoke_launch(device: str = "cuda") -> str | None:
     """One block gathered by the kernel on `device` against the torch reference; the
     failure, or None. (On "cpu" it checks the C++ kernel: what a test can run.)"""
-    from ._reference import gather_reference
-    from .paged import PagedKV
 
     try:
         cache = torch.arange(2 * 3 * 4 * 2 * 8, dtype=torch.float16, device=device).view(2, 3, 4, 2, 8)
@@ -384,7 +376,7 @@ def object_writer() -> ObjectWriter | None:
 
 
 def checksummer() -> Checksummer | None:
-    """The native batch checksum (`kvpack.objects.payload_checksums`: xxh3_64 of each payload's parts,
+    """The native batch checksum (`kvpack.identity.objects.payload_checksums`: xxh3_64 of each payload's parts,
     the GIL released once for the batch) if the extension is loaded now, else None. Never waits."""
     module = _module
     return None if module is None else module.checksums

@@ -18,7 +18,7 @@ Invariants:
   head sub-range, other bytes left as they are) also copies the staging in first.
 - The scratch is allocated on the current stream and only used on it, so torch's
   caching allocator does not hand it out again before that stream's copies ran; the
-  staging's own lifetime is the caller's (`kvpack.staging` releases after the event).
+  staging's own lifetime is the caller's (`kvpack.transfers.staging` releases after the event).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 SLAB_BYTES = 64 << 20
 MIN_SLAB_BYTES = 4096
@@ -74,8 +75,6 @@ def slab_for_capacity(capacity: int) -> tuple[int, int]:
 
 def _system_slab(nbytes: int, pin: bool) -> np.ndarray:
     if pin:
-        import torch
-
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):

@@ -14,7 +14,7 @@ Zero-copy contract:
 
 Buffers are C-contiguous `memoryview`s of bytes, e.g.
 ``memoryview(tensor.view(torch.uint8).numpy())`` for a CPU tensor, or a tuple
-of them (`kvpack.objects.Payload`): a payload made of several regions (the K
+of them (`kvpack.identity.objects.Payload`): a payload made of several regions (the K
 and V halves of a page, one run per layer) is stored and restored region by
 region, in place, without a gather copy.
 """
@@ -26,10 +26,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..clearing import Cleared, ClearScope, ClearUnsupported
-from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, Payload, RejectReason, payload_checksums, payload_nbytes
-from ..router_facts import RouterFacts
+from ..identity.keys import GroupKey, StoreKey
+from ..identity.objects import Expectation, ObjectHeader, Payload, RejectReason, payload_checksums, payload_nbytes
+from ..observe.router_facts import RouterFacts
+from ..policy.clearing import Cleared, ClearScope, ClearUnsupported
 
 
 class TierStatus(enum.Enum):
@@ -73,7 +73,7 @@ class PutItem:
     a store that arrives late never displaces a newer one. None: accepted now, by this put."""
     announce: RouterFacts | None = None
     """What the writer tells other instances' routers about the object's group: recorded by a
-    shared tier once it stored the object (`kvpack.router_facts`); None: nothing."""
+    shared tier once it stored the object (`kvpack.observe.router_facts`); None: nothing."""
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +113,7 @@ class Tier(ABC):
 
     name: str = "tier"
     medium: Medium = Medium.REMOTE
-    """Where its bytes are (`kvpack.hit_sources` splits a hit's tokens by it)."""
+    """Where its bytes are (`kvpack.store.hit_sources` splits a hit's tokens by it)."""
     remote: bool = False
     """Calls leave this process and may each wait up to the tier's own bound (Mooncake):
     `KVStore` skips such a tier once an engine step's `WaitBudget` is spent."""
@@ -155,7 +155,7 @@ class Tier(ABC):
     def usage(self) -> TierUsage: ...
 
     def clear(self, scope: ClearScope, dry_run: bool = False) -> Cleared:
-        """Remove every object whose tenant and group fingerprint `scope` matches (`kvpack.clearing`),
+        """Remove every object whose tenant and group fingerprint `scope` matches (`kvpack.policy.clearing`),
         found from the tier's own index; with `dry_run`, only count them. Raises (`ClearUnsupported`,
         or the tier's error) when it cannot: `clear_tiers` reports the tier failed. A load racing
         with it is a miss, never a wrong load."""

@@ -15,14 +15,19 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..config import KVPackConfig, MemoryMode
-from ..eviction import make_policy
+from ..config.schema import KVPackConfig, MemoryMode
+from ..policy.eviction import make_policy
 from .base import Tier
+from .disk import DiskTier
 from .disk.check import check_index_files
 from .disk.fs import check_store_root
 from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
+from .host import HostTier, chosen_by_auto, memory_mode, store_name
+from .memory import MemoryTier
+from .mooncake import MooncakeTier
+from .mooncake.connection import check_support
 from .parallel import RegionCopier
 
 log = logging.getLogger("kvpack")
@@ -42,12 +47,8 @@ def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
         if index_files and os.path.isdir(root):
             check_index_files(root)
     if config.memory.enabled and config.memory.mode is not MemoryMode.PROCESS:
-        from .host import memory_mode
-
         memory_mode(config)  # HOST: the host's shared memory must hold memory.capacity
     if config.mooncake.enabled:
-        from .mooncake.connection import check_support
-
         check_support(config.mooncake.resolved())
 
 
@@ -97,12 +98,8 @@ def build_tiers(
     quotas = config.eviction.tenant_quotas
     mode = MemoryMode.PROCESS
     if config.memory.enabled:
-        from .host import memory_mode
-
         mode = memory_mode(config)
     if mode is MemoryMode.HOST:
-        from .host import HostTier, chosen_by_auto, store_name
-
         auto = chosen_by_auto(config)
         host = HostTier(
             store_name(config),
@@ -116,8 +113,6 @@ def build_tiers(
             warn_persistent(store_name(config), host.capacity_bytes)
         tiers.append(host)
     elif config.memory.enabled and include_memory:
-        from .memory import MemoryTier
-
         tiers.append(
             MemoryTier(
                 config.memory.capacity,
@@ -128,8 +123,6 @@ def build_tiers(
             )
         )
     if config.disk.enabled:
-        from .disk import DiskTier
-
         tiers.append(
             DiskTier(
                 config.disk.path,
@@ -143,7 +136,5 @@ def build_tiers(
             )
         )
     if config.mooncake.enabled:
-        from .mooncake import MooncakeTier
-
         tiers.append(MooncakeTier(config.mooncake))
     return tiers

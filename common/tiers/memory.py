@@ -16,7 +16,7 @@ makes every object visible: concurrent puts and gets of different objects
 proceed in parallel, and an object is visible only once fully copied.
 
 `pin` keeps the groups of objects about to be loaded from eviction until
-`unpin` or a deadline (`kvpack.lifecycle`: prepare_load -> complete_load);
+`unpin` or a deadline (`kvpack.store.lifecycle`: prepare_load -> complete_load);
 a store that would need a pinned group's room is dropped (NO_SPACE) instead.
 
 Payload memory comes from a `SlabArena` (large pre-faulted slabs, one
@@ -40,10 +40,8 @@ from typing import cast
 
 import numpy as np
 
-from ..clearing import Cleared, ClearScope
-from ..eviction import CapacityManager, EvictionPolicy
-from ..keys import GroupKey, StoreKey
-from ..objects import (
+from ..identity.keys import GroupKey, StoreKey
+from ..identity.objects import (
     Expectation,
     ObjectHeader,
     PageExpectation,
@@ -53,6 +51,8 @@ from ..objects import (
     check_payloads,
     payload_parts,
 )
+from ..policy.clearing import Cleared, ClearScope
+from ..policy.eviction import CapacityManager, EvictionPolicy
 from .arena import SlabArena, slab_for_capacity
 from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 from .parallel import CopyPair, IOThreads, RegionCopier
@@ -105,7 +105,7 @@ class MemoryTier(Tier):
         """Called under the tier lock for each evicted group with its bytes; must be cheap."""
 
     def keep(self, kept: Callable[[], frozenset[str]]) -> None:
-        """Never evict the groups `kept()` names (``tenant/fingerprint/chunk``: `kvpack.pins`)."""
+        """Never evict the groups `kept()` names (``tenant/fingerprint/chunk``: `kvpack.store.pins`)."""
         with self._lock:
             self._capacity.kept = kept
 

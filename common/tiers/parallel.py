@@ -27,14 +27,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from ..ops.natives import CopyPair, RegionCopier
+
 T = TypeVar("T")
 
-CopyPair = tuple[np.ndarray, np.ndarray]
-"""(destination, source): 1-D uint8 arrays of equal length."""
-
-RegionCopier = Callable[[Sequence[CopyPair], bool], None]
-"""Native ``copy_regions(pairs, streaming)`` (`kvpack.ops.region_copier`): copies every
-pair with the GIL released; `streaming` writes long regions with non-temporal stores."""
 
 MIN_BYTES_PER_THREAD = 4 << 20
 MIN_ITEMS_PER_THREAD = 8

@@ -22,9 +22,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..clearing import Cleared, ClearScope
-from ..keys import GroupKey, StoreKey
-from ..objects import Expectation, ObjectHeader, Payload
+from ..identity.keys import GroupKey, StoreKey
+from ..identity.objects import Expectation, ObjectHeader, Payload
+from ..policy.clearing import Cleared, ClearScope
 from .base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from ..staging import Staged
+from .staging import Staged
 
 
 class CacheGate:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..session import ChunkFacts, MemberObject, ObjectIO
-from ..staging import Lane, Staged, Staging
+from .staging import Lane, Staged, Staging
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Guarantees:
 - Saves before loads: a load waits (bounded) for the saves queued before it, because a
   scheduler counts a chunk as stored once it asked for its save, so a request can hit a
   prefix another request computed a step earlier.
-- Device order (`kvpack.staging`): a save's gather is launched on the save side stream
+- Device order (`kvpack.transfers.staging`): a save's gather is launched on the save side stream
   after the compute stream, and the compute stream waits on the gather's event, so no
   later forward rewrites a block the save still reads; a load is reported, done or
   failed, only after its scatter's event completed.
@@ -16,9 +16,9 @@ Guarantees:
   load still reading after it is cancelled and reported failed (the engine recomputes),
   and its blocks are never written by the late thread. A load whose scatter is already
   launched is not cancelled: it is reported once its event completed.
-- Host memory is bounded (`kvpack.config.TransferConfig`): saves queued and loads in
+- Host memory is bounded (`kvpack.config.schema.TransferConfig`): saves queued and loads in
   flight are admitted up to their byte bounds, pinned staging comes from the process's
-  pool (`kvpack.staging_pool`); what a bound turns away is counted
+  pool (`kvpack.transfers.staging_pool`); what a bound turns away is counted
   (``transfers_turned_away``) and never makes the caller wait.
 - Before the process exits, queued saves reach the store and the store its tiers
   (`flush_before_exit`, bounded by ``shutdown_flush_s``).
@@ -34,16 +34,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..config import KVPackConfig
-from ..keys import GroupKey, StoreKey
-from ..metrics import MetricsInterval
+from ..config.schema import KVPackConfig
+from ..exit_flush import flush_on_exit, forget
+from ..identity.keys import GroupKey, StoreKey
+from ..observe.metrics import MetricsInterval
 from ..session import ObjectIO, Session
-from ..staging import CpuDevice, Lane, Staged, Staging
-from ..staging_pool import PinnedPool, StagingFull
+from ..store import LentLoad
 from ..tiers.base import TierStatus
 from ..tiers.reported import ReportedObject
 from .cache_gate import CacheGate
 from .jobs import ByteBound, Finished, Gathered, LoadJob, LoadTask, PlannedLoad, SaveJob
+from .staging import CpuDevice, Lane, Staged, Staging
+from .staging_pool import PinnedPool, StagingFull
 
 log = logging.getLogger("kvpack.transfers")
 
@@ -103,7 +105,7 @@ class TransferRunner:
 
         session.store.add_evict_listener(on_evict)
         # saves queued here (not yet handed to the store) must reach it before exit too
-        session.flush_at_exit(self, config.shutdown_flush_s)
+        flush_on_exit(self, config.shutdown_flush_s)
 
     def use_device_of(self, tensor: torch.Tensor) -> None:
         """Stage through `tensor`'s device. Call on the thread whose current stream is the
@@ -115,7 +117,7 @@ class TransferRunner:
         in place (`StagingDevice.register_host`: on a GPU, registered with CUDA once per
         process; its bytes are gauged as ``host_registered_bytes``)."""
         self.staging = staging
-        mapping = self.session.store.lent_host_mapping()
+        mapping = self.session.store.reads.lent_host_mapping()
         if mapping is None:
             return
         started = time.monotonic()
@@ -272,7 +274,8 @@ class TransferRunner:
         launched = False  # from the scatter on, its rows go back through its Staged only
         try:
             wait_s = self.config.io_timeout_ms / 1000.0 if save_wait_s is None else save_wait_s
-            good, lent, held = self._read(task, plan, wait_s, local_only)
+            good, load = self._read(task, plan, wait_s, local_only)
+            lent = load.views
             in_place: list[int] = []
             ok = [i for i, g in enumerate(good) if g]
             failed = {b for c, g in zip(job.chunks, good) if not g for b in c.blocks}
@@ -291,7 +294,7 @@ class TransferRunner:
                     task.failed_blocks = failed
                 if staged is not None:
                     staged.release()  # the scatter completed: only now may the load be reported done
-                    ok, failed = self._still_held(task, plan, held, ok, failed)
+                    ok, failed = self._still_held(task, plan, load, ok, failed)
         finally:
             if not launched:
                 self.staging.give_back(plan.rows)
@@ -300,13 +303,13 @@ class TransferRunner:
         self._count_load(job, ok, failed)
 
     def _still_held(
-        self, task: LoadTask, plan: PlannedLoad, held: Callable[[], list[bool]], ok: list[int], failed: set[int]
+        self, task: LoadTask, plan: PlannedLoad, load: LentLoad, ok: list[int], failed: set[int]
     ) -> tuple[list[int], set[int]]:
-        """After the scatter: the chunks read from a lent view that changed during it (a
-        host-store object whose pages another process took, `KVStore.complete_load_lent`)
-        join the failed ones, so the engine recomputes their blocks (the scatter wrote them
-        with bytes that are not the object). Returns the chunks restored and the blocks failed."""
-        lost = [i for i, kept in enumerate(held()) if not kept]
+        """After the scatter: the chunks read from a lent view that changed during it
+        (`LentLoad.lost`: a host-store object whose pages another process took) join the failed
+        ones, so the engine recomputes their blocks (the scatter wrote them with bytes that are
+        not the object). Returns the chunks restored and the blocks failed."""
+        lost = load.lost()
         if not lost:
             return ok, failed
         changed = {plan.chunk_of[i] for i in lost}
@@ -319,10 +322,10 @@ class TransferRunner:
 
     def _read(
         self, task: LoadTask, plan: PlannedLoad, save_wait_s: float, local_only: bool
-    ) -> tuple[list[bool], list[memoryview | None], Callable[[], list[bool]]]:
+    ) -> tuple[list[bool], LentLoad]:
         """Per chunk of the job: did every one of its objects load (into its staging row, or
-        lent where it lies: `PlannedLoad.lends`)? Per read, its lent payload or None; and the
-        check to run once the lent payloads were copied (`KVStore.complete_load_lent`)."""
+        lent where it lies: `PlannedLoad.lends`)? And the load: per read, its lent payload or
+        None, and the re-check to run once the lent payloads were copied (`LentLoad.lost`)."""
         job = task.job
         items = self.session.reads(job.tenant, plan.reads)
         hints = {self.session.key(job.tenant, chunk, member): tier for chunk, member, tier in job.hints}
@@ -334,20 +337,17 @@ class TransferRunner:
         except BaseException:
             self.session.release(batch)
             raise
-        lent: list[memoryview | None]
-        held: Callable[[], list[bool]]
         if plan.lends:  # counts loaded_bytes and load_seconds per tier, as complete_load does
-            results, lent, held = self.session.complete_load_lent(batch, local_only)
+            load = self.session.complete_load_lent(batch, local_only)
         else:
-            results, lent = self.session.complete_load(batch, local_only), [None] * len(items)
-            held = lambda: [True] * len(items)  # noqa: E731
+            load = LentLoad.copied(self.session.complete_load(batch, local_only))
         good = [True] * len(job.chunks)
-        for r, chunk in zip(results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
+        for r, chunk in zip(load.results, plan.chunk_of):  # a chunk is a hit only when all its objects loaded
             good[chunk] = good[chunk] and r.ok
-        gone = sum(1 for r in results if r.status is TierStatus.MISS)
+        gone = sum(1 for r in load.results if r.status is TierStatus.MISS)
         if gone:  # the scheduler's lookup found these: evicted (or never landed) before the load
             self._metrics.inc("missing_at_load", gone)
-        return good, lent, held
+        return good, load
 
     def _count_load(self, job: LoadJob, ok: list[int], failed: set[int]) -> None:
         self._metrics.inc("loaded_tokens", sum(job.chunks[i].tokens for i in ok), tenant=job.tenant)
@@ -377,10 +377,10 @@ class TransferRunner:
                 self._saves_cv.wait(left)
 
     def _wait_for_handoff(self, task: LoadTask, keys: list[StoreKey]) -> None:
-        """Another instance's objects may still be landing: wait (`Session.wait_until_stored`)
+        """Another instance's objects may still be landing: wait (`KVStore.wait_until_stored`)
         until every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
         job = task.job
-        missing = self.session.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
+        missing = self.session.store.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
         self._metrics.observe("handoff_wait_seconds", time.monotonic() - task.started, tenant=job.tenant)
         self._metrics.inc("handoff_loads", tenant=job.tenant)
         if missing:
@@ -573,7 +573,7 @@ class TransferRunner:
         self._save_q.put(None)  # after every queued save: the save thread stores them first
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.session.forget_at_exit(self)
+        forget(self)
         self.staging.device.unregister_host()  # before the store unmaps what it registered
         self.session.store.close(flush_timeout_s=max(0.0, deadline - time.monotonic()))
 

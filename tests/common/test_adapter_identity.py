@@ -11,7 +11,7 @@ import pytest
 
 from fixtures.lora_adapter import write_adapter
 from kvpack import KVPackConfig, TenantSource, adapter_identity, resolve_tenant
-from kvpack.model_identity import clear_cache
+from kvpack.identity.model_identity import clear_cache
 
 
 def seed_of(adapter: str) -> object:
@@ -53,7 +53,7 @@ def test_a_file_rewritten_in_place_with_the_same_size_is_seen(tmp_path: Path) ->
 
 
 def test_an_adapter_not_on_this_machine_is_its_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="kvpack.model_identity"):
+    with caplog.at_level("INFO", logger="kvpack.identity.model_identity"):
         assert adapter_identity("org/some-hub-adapter", "hub:2") == "name:hub:2"
         assert adapter_identity(tmp_path / "missing", "hub:2") == "name:hub:2"
         assert adapter_identity(None, "x:3") == "name:x:3"

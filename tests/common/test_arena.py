@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from fixtures.builders import chunk_id, expect, make_item
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.policy.eviction import make_policy
 from kvpack.tiers import arena as arena_module
 from kvpack.tiers.arena import SlabArena
 from kvpack.tiers.base import TierStatus

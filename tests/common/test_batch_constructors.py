@@ -3,8 +3,8 @@ their constructors, and the same validation as `StoreKey`'s."""
 
 import pytest
 
-from kvpack.keys import GroupKey, StoreKey
-from kvpack.objects import Expectation, ObjectHeader, decode_header
+from kvpack.identity.keys import GroupKey, StoreKey
+from kvpack.identity.objects import Expectation, ObjectHeader, decode_header
 
 CHUNKS = ["a" * 64, "b1", "c_d-e"]
 FP = "0123456789abcdef" * 2

@@ -2,7 +2,7 @@
 
 Python's xxhash gives the GIL up for every payload; with another thread running Python
 in the process (an engine's scheduler), each re-take can wait a 5 ms switch interval.
-`kvpack.objects.payload_checksums` hashes a whole batch natively: its digests must be
+`kvpack.identity.objects.payload_checksums` hashes a whole batch natively: its digests must be
 Python xxhash's for every kind of payload, and a batch must make no Python-level
 xxhash call once the extension is loaded.
 """
@@ -14,8 +14,8 @@ import pytest
 import xxhash
 from helpers import chunk_id, make_item
 
-import kvpack.objects as objects
-from kvpack.objects import RejectReason, check_payloads, payload_checksum, payload_checksums
+import kvpack.identity.objects as objects
+from kvpack.identity.objects import RejectReason, check_payloads, payload_checksum, payload_checksums
 from kvpack.ops import load_extension
 from kvpack.tiers.base import checksummed
 

@@ -1,4 +1,4 @@
-"""The one rule for resets and clears (`kvpack.clearing`) on the real memory, host and disk tiers.
+"""The one rule for resets and clears (`kvpack.policy.clearing`) on the real memory, host and disk tiers.
 
 Each tier holds the objects of two tenants under two group fingerprints (two models sharing a
 folder); a clear of one (tenant, fingerprint) removes exactly those, counted in objects and bytes,
@@ -31,9 +31,10 @@ from kvpack import (
     StoreKey,
     TierStatus,
 )
-from kvpack.clearing import ResetConfig, ResetScope, engine_scope
-from kvpack.eviction import make_policy
-from kvpack.tier_events import TierEventKind
+from kvpack.config.reset import ResetConfig, ResetScope
+from kvpack.observe.tier_events import TierEventKind
+from kvpack.policy.clearing import engine_scope
+from kvpack.policy.eviction import make_policy
 from kvpack.tiers.base import Tier
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.host import HostTier, host_root

@@ -11,7 +11,7 @@ import pytest
 
 from fixtures.builders import chunk_id, make_item
 from kvpack.cli import main, tool_commands
-from kvpack.tails import tail_chunk
+from kvpack.policy.tails import tail_chunk
 from kvpack.tiers.disk import DiskTier
 from kvpack.tools.commands import BENCHES, RUNNERS
 

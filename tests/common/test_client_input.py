@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvpack.client_input import CLIP_CHARS, Refusals, clip
-from kvpack.metrics import Metrics
+from kvpack.observe.metrics import Metrics
 
 
 @pytest.mark.parametrize(

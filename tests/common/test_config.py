@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpack import ConfigError, DraftPolicy, KVPackConfig
-from kvpack.config import ChecksumPolicy, EvictionPolicyName
-from kvpack.sizes import parse_size
+from kvpack.config.schema import ChecksumPolicy, EvictionPolicyName
+from kvpack.config.sizes import parse_size
 
 
 def test_defaults_are_memory_plus_disk() -> None:
@@ -106,7 +106,7 @@ def test_parse_size_rejects(text: object) -> None:
 
 def test_a_renamed_key_is_read_with_a_warning_and_not_beside_its_new_name(caplog: pytest.LogCaptureFixture) -> None:
     # pd_wait_ms became handoff_wait_ms (one name per idea: the metrics are kvpack_handoff_*)
-    with caplog.at_level("WARNING", logger="kvpack.config"):
+    with caplog.at_level("WARNING", logger="kvpack.config.schema"):
         cfg = KVPackConfig.from_json(json.dumps({"pd_wait_ms": 750}))
     assert cfg.handoff_wait_ms == 750
     assert "'pd_wait_ms' is now called 'handoff_wait_ms'" in caplog.text

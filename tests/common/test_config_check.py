@@ -23,7 +23,7 @@ import pytest
 
 from kvpack import ConfigError, KVPackConfig
 from kvpack.cli import main
-from kvpack.config import DiskTierConfig, MemoryTierConfig
+from kvpack.config.schema import DiskTierConfig, MemoryTierConfig
 from kvpack.store import KVStore
 from kvpack.tiers.disk import fs as disk_fs
 from kvpack.tiers.factory import check_tiers

@@ -1,4 +1,4 @@
-"""examples/grafana/kvpack-dashboard.json names only metrics (and labels) that kvpack.metrics exports."""
+"""examples/grafana/kvpack-dashboard.json names only metrics (and labels) that kvpack.observe.metrics exports."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from kvpack.metrics import SPECS, Kind
+from kvpack.observe.metrics import SPECS, Kind
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvpack-dashboard.json"
 _NAME = re.compile(r"\bkvpack_[a-z_]+")

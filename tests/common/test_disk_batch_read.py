@@ -21,7 +21,7 @@ import xxhash
 from helpers import chunk_id, expect, make_item
 
 from fixtures.os_calls import count_os_calls
-from kvpack.objects import Expectation, RejectReason
+from kvpack.identity.objects import Expectation, RejectReason
 from kvpack.ops import load_extension, object_reader, object_writer
 from kvpack.tiers.base import GetResult, PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier

@@ -21,7 +21,7 @@ import pytest
 
 from fixtures.builders import chunk_id, make_item
 from kvpack.errors import ConfigError
-from kvpack.router_facts import RouterFacts
+from kvpack.observe.router_facts import RouterFacts
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier, batch_sql
 from kvpack.tiers.host import HostTier, host_root

@@ -15,7 +15,7 @@ import pytest
 from helpers import chunk_id, expect, make_item
 
 from kvpack.errors import ConfigError
-from kvpack.inspect_store import summarize
+from kvpack.operate.inspect_store import summarize
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.catalog import INDEX_NAME
@@ -28,8 +28,8 @@ _WRITER = """
 import sys
 sys.path.insert(0, {tests!r})
 from fixtures.builders import chunk_id, make_item
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.policy.eviction import make_policy
 from kvpack.tiers.disk import DiskTier
 root, capacity, proc, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 tier = DiskTier(root, capacity, io_threads=2)

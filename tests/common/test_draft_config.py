@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpack import ConfigError, KVPackConfig
-from kvpack.config import DraftPlacementMode
+from kvpack.config.schema import DraftPlacementMode
 
 
 def test_draft_placement_defaults_to_auto() -> None:

@@ -11,11 +11,11 @@ from helpers import chunk_id, make_item
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import CapacityManager, make_policy
-from kvpack.eviction.arc import ARCPolicy
-from kvpack.eviction.manager import Admission
-from kvpack.eviction.shares import Candidate, choose_victims
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.policy.eviction import CapacityManager, make_policy
+from kvpack.policy.eviction.arc import ARCPolicy
+from kvpack.policy.eviction.manager import Admission
+from kvpack.policy.eviction.shares import Candidate, choose_victims
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.memory import MemoryTier
 
@@ -273,7 +273,7 @@ def test_the_victim_rule(requester: str, delta: int, quotas: dict[str, int], wan
 
 
 def test_the_memory_tier_and_the_disk_index_evict_the_same_groups(tmp_path: Path) -> None:
-    # One rule (`kvpack.eviction.shares`) for both accountings: the same stores, one at a time,
+    # One rule (`kvpack.policy.eviction.shares`) for both accountings: the same stores, one at a time,
     # leave the same groups resident in the in-process one and in the shared SQLite one.
     quotas = {"a": 2048, "b": 1024}
     memory = MemoryTier(4096, make_policy(EvictionPolicyName.LRU), quotas, pin=False)
@@ -299,4 +299,4 @@ def test_the_quota_rule_is_written_once() -> None:
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Compare) and "quota" in ast.unparse(node)
     }
-    assert found == {"eviction/shares.py"}
+    assert found == {"policy/eviction/shares.py"}

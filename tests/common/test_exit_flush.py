@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.keys import StoreKey
-from kvpack.objects import Expectation
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.objects import Expectation
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.host import drop
 
@@ -37,9 +37,9 @@ CHILD = (
         """
     import os, signal, sys, time
     import numpy as np
-    from kvpack.config import KVPackConfig
-    from kvpack.keys import StoreKey
-    from kvpack.objects import ObjectHeader
+    from kvpack.config.schema import KVPackConfig
+    from kvpack.identity.keys import StoreKey
+    from kvpack.identity.objects import ObjectHeader
     from kvpack.store import KVStore
     from kvpack.tiers.base import PutItem
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpack.config import DraftPolicy
-from kvpack.groups import Coverage, MemberRole, MemberSpec, resolve_lookup, tail_usable
+from kvpack.config.schema import DraftPolicy
+from kvpack.policy.groups import Coverage, MemberRole, MemberSpec, resolve_lookup, tail_usable
 
 KV = MemberSpec("kv", "f")
 SWA = MemberSpec("kv_g1", "f", coverage=Coverage.TRAILING, window_chunks=2)
@@ -118,8 +118,8 @@ def test_matches_brute_force(bits: list[tuple[bool, bool]], window: int) -> None
 def test_a_group_cut_short_by_one_of_its_parts_names_the_missing_part() -> None:
     """Two every-chunk target members (TP shards, KV-head ranges): a chunk holding one of
     them ends the hit and names the other; a chunk holding neither is a plain end."""
-    from kvpack.config import DraftPolicy
-    from kvpack.groups import MemberSpec, resolve_lookup
+    from kvpack.config.schema import DraftPolicy
+    from kvpack.policy.groups import MemberSpec, resolve_lookup
 
     members = [MemberSpec("kv_h0_1", "f"), MemberSpec("kv_h1_2", "f")]
     both, first_only, none = {"kv_h0_1": True, "kv_h1_2": True}, {"kv_h0_1": True}, {}

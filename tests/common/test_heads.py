@@ -1,4 +1,4 @@
-"""KV-head ranges over TP ranks (`kvpack.heads`): who stores which heads, what a reader loads.
+"""KV-head ranges over TP ranks (`kvpack.identity.heads`): who stores which heads, what a reader loads.
 
 Every split a writer at any TP size can store must be among the splits a reader tries, every
 rank's heads must be covered by the stored ranges it loads (and by nothing else), and a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpack.heads import HeadRange, HeadSplit, partitions, rank_range, sources, split, writes
+from kvpack.identity.heads import HeadRange, HeadSplit, partitions, rank_range, sources, split, writes
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4, 8])

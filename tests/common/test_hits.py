@@ -1,4 +1,4 @@
-"""`kvpack.hits` through `Session.plan_hit` / `plan_handoff` / `lookups_held`, over real tiers.
+"""`kvpack.policy.hits` through `Session.plan_hit` / `plan_handoff` / `lookups_held`, over real tiers.
 
 The hit rules every adapter relies on, engine-neutral: whole chunks, then the stored
 tail's longest common prefix in units of ``prefix_match_unit``; at most n - 1 tokens

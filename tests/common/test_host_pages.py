@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from fixtures.builders import chunk_id, make_item
-from kvpack.objects import Expectation
+from kvpack.identity.objects import Expectation
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk.rows import group_id
 from kvpack.tiers.host import HostTier, host_root

@@ -1,4 +1,4 @@
-"""Host memory a GPU reads in place (`kvpack.host_registration`) and the per-run uploads
+"""Host memory a GPU reads in place (`kvpack.transfers.host_registration`) and the per-run uploads
 (`kvpack.upload_runs`) a GPU load makes from it.
 
 CUDA is not on this machine: the registration calls go through a stand-in of torch's runtime
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvpack import address_of, upload_runs
-from kvpack.host_registration import (
+from kvpack.transfers.host_registration import (
     CUDA_ERROR_ALREADY_REGISTERED,
     CUDA_HOST_REGISTER_PORTABLE,
     RegisteredRanges,

@@ -358,7 +358,7 @@ def test_past_its_byte_bound_the_host_stores_queue_leaves_the_disk_write_to_the_
     """Behind the host store the write-back queue holds copies, at most `HOST_QUEUE_BYTES`: with
     room for one object and that one's disk write held, a save of four writes the other three to
     disk itself; nothing is dropped and a disk-only reader loads all four."""
-    monkeypatch.setattr("kvpack.store.HOST_QUEUE_BYTES", DATA.nbytes)
+    monkeypatch.setattr("kvpack.store.writer.HOST_QUEUE_BYTES", DATA.nbytes)
     config = KVPackConfig.from_dict(
         {"memory": {"mode": "host", "host_name": name, "capacity": 8 << 20}, "disk": {"path": str(tmp_path / "kv")}}
     )

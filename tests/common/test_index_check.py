@@ -20,7 +20,7 @@ import pytest
 
 from kvpack import ConfigError, KVPackConfig
 from kvpack.cli import main
-from kvpack.config import DiskTierConfig, MemoryTierConfig
+from kvpack.config.schema import DiskTierConfig, MemoryTierConfig
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk import fs as disk_fs
 from kvpack.tiers.disk.catalog import INDEX_NAME

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpack.keys import (
+from kvpack.identity.keys import (
     ChunkChain,
     GroupKey,
     StoreKey,
@@ -56,7 +56,7 @@ def test_chain_matches_independent_reference(pages: list[list[int]]) -> None:
 
 
 def test_chain_is_deterministic_across_processes() -> None:
-    code = "from kvpack.keys import chunk_hashes; print(','.join(chunk_hashes(list(range(100)), 16)))"
+    code = "from kvpack.identity.keys import chunk_hashes; print(','.join(chunk_hashes(list(range(100)), 16)))"
     out = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         for _ in range(2)
@@ -114,7 +114,7 @@ def test_token_ids_must_fit_u32() -> None:
 
 
 def test_group_key_parse_is_the_inverse_of_as_str_and_refuses_anything_else() -> None:
-    from kvpack.keys import GroupKey, StoreKey
+    from kvpack.identity.keys import GroupKey, StoreKey
 
     group = StoreKey("alice", "f" * 32, "c" * 64, "kv").group
     assert GroupKey.parse(group.as_str()) == group
@@ -168,7 +168,7 @@ def test_a_keys_hash_is_its_fields_and_survives_a_trip_to_another_process() -> N
     assert hash(built[0]) != hash(one) and built[0] != one
     code = (
         "import pickle, sys\n"
-        "from kvpack.keys import StoreKey\n"
+        "from kvpack.identity.keys import StoreKey\n"
         "key = pickle.loads(sys.stdin.buffer.read())\n"
         "print({StoreKey(key.tenant, key.fingerprint, key.chunk, key.member): 1}.get(key, 0))\n"
     )

@@ -1,4 +1,4 @@
-"""Lent copies (`kvpack.lent`): saves written straight into the memory tier's slots, loads read
+"""Lent copies (`kvpack.store.reader`, `kvpack.store.writer`): saves written straight into the memory tier's slots, loads read
 straight out of them, over real tiers; what the other tiers get is unchanged.
 
 A lent save must store exactly what `fill` wrote, on every tier, show nothing when `fill`
@@ -118,9 +118,10 @@ def test_without_lending_the_verbs_copy(make_session):
     chunks = [chunk_id(i) for i in range(2)]
     assert session.save_pages_lent("default", KV, chunks, _filler(pages, [])) == [True, True]
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views, _ = session.complete_load_lent(
+    load = session.complete_load_lent(
         session.prepare_load(session.page_reads("default", KV, chunks, [b.data for b in bufs]))
     )
+    results, views = load.results, load.views
     assert [r.ok for r in results] == [True, True] and views == [None, None]
     assert [b.tobytes() for b in bufs] == [p.tobytes() for p in pages]
 
@@ -133,13 +134,14 @@ def test_a_lent_load_hands_out_memory_copies_and_reads_the_rest(make_session):
     keys = session.keys("default", chunks, "kv")
     session.store.tiers[0].remove_groups([keys[1].group, keys[3].group])  # only the disk holds pages 1 and 3
     bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
-    results, views, _ = session.complete_load_lent(
+    load = session.complete_load_lent(
         session.prepare_load(
             session.page_reads(
                 "default", KV, chunks + [chunk_id(9)], [b.data for b in bufs] + [np.zeros(PAGE, dtype=np.uint8).data]
             )
         )
     )
+    results, views = load.results, load.views
     assert [r.ok for r in results] == [True, True, True, True, False]
     assert [v is not None for v in views] == [True, False, True, False, False]
     for i in (0, 2):
@@ -174,9 +176,10 @@ def test_lent_verbs_count_bytes_and_objects_per_tenant(make_session):
     assert metrics.value("stored_bytes", tenant="bob", tier="memory") == 3 * PAGE
     assert metrics.value("store_dropped", tier="memory") == 0
     chunks = [chunk_id(i) for i in range(3)]
-    results, views, _ = session.complete_load_lent(
+    load = session.complete_load_lent(
         session.prepare_load(session.page_reads("bob", KV, chunks, [np.zeros(PAGE, np.uint8).data for _ in chunks]))
     )
+    views = load.views
     lent = sum(v is not None for v in views)
     assert lent >= 1 and metrics.value("loaded_bytes", tenant="bob", tier="memory") == lent * PAGE
     big = MemberObject("kv", MEMBER_FP, TOKENS, 8 * PAGE)  # larger than the whole tier: dropped, counted once each
@@ -259,9 +262,10 @@ def test_a_batch_of_pages_refuses_exactly_what_the_per_page_load_refuses(tmp_pat
         chunks, want = _mixed_batch(session)
         bufs = [np.zeros(PAGE, dtype=np.uint8) for _ in chunks]
         if name == "per_page":
-            results, views, _ = session.complete_load_lent(
+            load = session.complete_load_lent(
                 session.prepare_load(session.page_reads("t", KV, chunks, [b.data for b in bufs]))
             )
+            results, views = load.results, load.views
             ok = [r.ok for r in results]
         else:
             got: list[tuple[list[bool], list[memoryview | None]]] = []

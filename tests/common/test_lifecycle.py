@@ -1,4 +1,4 @@
-"""The transfer lifecycle (`kvpack.lifecycle`) over real tiers: pins, evictions between lookup and load, store de-duplication.
+"""The transfer lifecycle (`kvpack.store.lifecycle`) over real tiers: pins, evictions between lookup and load, store de-duplication.
 
 A small memory tier (4 objects of 1 KiB) is put under pressure by further
 stores between `prepare_load` and `complete_load`: a pinned object must
@@ -19,8 +19,8 @@ from prometheus_client import generate_latest
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import CapacityManager, make_policy
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.policy.eviction import CapacityManager, make_policy
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.factory import build_tiers
 
@@ -151,7 +151,7 @@ def test_an_abandoned_plan_stops_pinning_at_its_deadline(make_store: Callable[..
     put(store, 2 * SLOTS, SLOTS)
     assert not in_memory(store, 0)  # past the bound: evictable, no one released it
     store.prepare_load([])  # the next plan sweeps the lost one
-    assert store._plans.open_plans == 0
+    assert store.plans.open_plans == 0
 
 
 def test_pins_are_counted_and_release_is_idempotent(make_store: Callable[..., KVStore]) -> None:

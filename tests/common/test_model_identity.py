@@ -1,4 +1,4 @@
-"""Model identity (`kvpack.model_identity`): a digest of what a checkpoint is, not where it lives.
+"""Model identity (`kvpack.identity.model_identity`): a digest of what a checkpoint is, not where it lives.
 
 Checkpoints are written by hand here (config.json + safetensors files: 8-byte
 little-endian header length, JSON header, raw bytes), so the tests need no
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpack import model_identity as mi
-from kvpack.config import KVPackConfig
+from kvpack.config.schema import KVPackConfig
 from kvpack.errors import ConfigError
-from kvpack.model_identity import IdentitySource, checkpoint_digest, checkpoint_kv_heads, model_identity
+from kvpack.identity import model_identity as mi
+from kvpack.identity.model_identity import IdentitySource, checkpoint_digest, checkpoint_kv_heads, model_identity
 
 CONFIG = {
     "_name_or_path": "/somewhere/tiny",
@@ -182,7 +182,7 @@ def test_model_id_config_field_is_validated() -> None:
 
 
 def test_hub_name_falls_back_to_the_name_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kvpack.model_identity")
+    caplog.set_level(logging.INFO, logger="kvpack.identity.model_identity")
     got = model_identity("meta-llama/Llama-3.1-8B", revision="abc123")
     assert got.source is IdentitySource.NAME and got.value == "name:meta-llama/Llama-3.1-8B@abc123"
     assert model_identity("meta-llama/Llama-3.1-8B", revision="abc123") == got

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fixtures import builders
-from kvpack.objects import (
+from kvpack.identity.objects import (
     MAX_HEADER_BYTES,
     Expectation,
     HeaderFastPath,

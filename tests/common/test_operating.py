@@ -1,4 +1,4 @@
-"""``kvpack usage`` and ``kvpack clear`` (`kvpack.operating`) on real stores.
+"""``kvpack usage`` and ``kvpack clear`` (`kvpack.operate.operating`) on real stores.
 
 - usage of a disk store of 100,000 objects (its real index, built by the disk tier's own
   `Catalog`): objects and bytes per tenant and model, named by the label an engine recorded,

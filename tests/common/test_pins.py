@@ -1,4 +1,4 @@
-"""Pinned prefixes (`kvpack.pins`): a tenant's pinned groups survive pressure that evicts everything
+"""Pinned prefixes (`kvpack.store.pins`): a tenant's pinned groups survive pressure that evicts everything
 else, in the memory tier and the disk folder; past the budget a pin is refused with one line; unpin
 makes them evictable; pins survive reopening the store (an engine restart); `kvpack pin` lists them."""
 
@@ -18,7 +18,7 @@ from fixtures.builders import GROUP_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, PinOutcome, TierStatus, pin_trusted
 from kvpack.cli import main
 from kvpack.errors import ConfigError
-from kvpack.keys import StoreKey
+from kvpack.identity.keys import StoreKey
 from kvpack.tiers.host import host_root
 
 OBJ = 1024
@@ -114,11 +114,11 @@ def test_pin_past_the_budget_is_refused_with_one_line(
 ) -> None:
     store = open_store(budget=2 * OBJ)
     put(store, "acme", PROMPT)
-    with caplog.at_level(logging.WARNING, logger="kvpack.pins"):
+    with caplog.at_level(logging.WARNING, logger="kvpack.store.pins"):
         done = store.pin_prefix("acme", GROUP_FP, PROMPT)
         store.pin_prefix("acme", GROUP_FP, PROMPT)  # the next request of that prompt: counted, not logged again
     assert done is not None and (done.pinned, done.refused, done.refused_bytes) == (2, 1, OBJ)
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvpack.pins"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvpack.store.pins"]
     assert len(lines) == 1 and "tenant acme" in lines[0] and "1024 more bytes" in lines[0] and "2048" in lines[0]
     assert store.metrics.value("pins_refused", tenant="acme") == 2
     pressure(store)

@@ -1,4 +1,4 @@
-"""Routers' facts on a shared tier (kvpack.router_facts): the writer's save path records them in the
+"""Routers' facts on a shared tier (kvpack.observe.router_facts): the writer's save path records them in the
 tier's index once the object is ready, they go with their group, and another instance tails them a
 bounded slice per call, skipping its own rows and rows of another hash identity. The host store and a
 disk folder, two stores each (as two processes)."""
@@ -15,7 +15,7 @@ import pytest
 
 from fixtures.builders import GROUP_FP, chunk_id, make_item, two_stores
 from kvpack import FactsTail, KVPackConfig, KVStore, RouterFacts, Session, StoreKey, TierStatus, shared_fact_tails
-from kvpack.metrics import Metrics
+from kvpack.observe.metrics import Metrics
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.host import drop
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvpack import ConfigError, KVPackConfig
-from kvpack.keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
-from kvpack.sizes import parse_size
+from kvpack.config.sizes import parse_size
+from kvpack.identity.keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
 
 HUGE = "1" + "0" * 400
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from helpers import GROUP_FP, chunk_id, expect, make_item
 
-from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
+from kvpack.config.schema import DiskTierConfig, KVPackConfig, MemoryTierConfig
 from kvpack.errors import ConfigError
-from kvpack.objects import RejectReason
+from kvpack.identity.objects import RejectReason
 from kvpack.store import KVStore
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.disk import DiskTier, data_offset
@@ -295,8 +295,8 @@ def test_a_fifo_at_an_object_path_never_blocks_load_or_peek(tmp_path: Path) -> N
 
 
 def test_fifo_tail_lookup_through_the_store_returns(tmp_path: Path) -> None:
-    from kvpack.groups import MemberRole, MemberSpec
-    from kvpack.tails import tail_chunk
+    from kvpack.policy.groups import MemberRole, MemberSpec
+    from kvpack.policy.tails import tail_chunk
 
     config = KVPackConfig(memory=MemoryTierConfig(enabled=False), disk=DiskTierConfig(path=str(tmp_path / "s")))
     store = KVStore.from_config(config)

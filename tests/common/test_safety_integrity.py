@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import chunk_id, expect, make_item
 
-from kvpack.config import KVPackConfig
-from kvpack.objects import ObjectHeader, RejectReason, payload_checksum
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.objects import ObjectHeader, RejectReason, payload_checksum
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier, data_offset

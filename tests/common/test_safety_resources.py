@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from helpers import GROUP_FP, MEMBER_FP, chunk_id, make_item
 
-from kvpack.config import EvictionPolicyName, KVPackConfig
+from kvpack.config.schema import EvictionPolicyName, KVPackConfig
 from kvpack.errors import ConfigError
-from kvpack.eviction import CapacityManager, make_policy
-from kvpack.keys import StoreKey
-from kvpack.metrics import Metrics
-from kvpack.objects import ObjectHeader
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.objects import ObjectHeader
+from kvpack.observe.metrics import Metrics
+from kvpack.policy.eviction import CapacityManager, make_policy
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.memory import MemoryTier

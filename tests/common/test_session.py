@@ -32,7 +32,7 @@ from kvpack import (
     StoreKey,
     TierStatus,
 )
-from kvpack.session import LocatedHints
+from kvpack.store.located import LocatedHints
 from kvpack.tiers.factory import build_tiers
 
 PAGE = 512
@@ -135,12 +135,12 @@ def test_a_lookup_leaves_where_it_found_each_page_for_the_load(make_session: Cal
     spec = MemberSpec("kv", MEMBER_FP, MemberRole.TARGET)
     found = session.lookup("t", chunks, [spec], TOKENS)
     assert found.hit_chunks == 3
-    assert all(session.was_located("t", c, "kv") for c in chunks)
-    assert not session.was_located("t", chunk_id(9), "kv")
+    assert all(session.key("t", c, "kv") in session.hints for c in chunks)
+    assert session.key("t", chunk_id(9), "kv") not in session.hints
     bufs = [np.zeros(PAGE, np.uint8) for _ in chunks]
     batch = session.prepare_load(session.page_reads("t", KV, chunks, [memoryview(b) for b in bufs]))
     assert batch.plan.located == {session.key("t", c, "kv"): "memory" for c in chunks}
-    assert not any(session.was_located("t", c, "kv") for c in chunks)  # the load took its hints
+    assert not any(session.key("t", c, "kv") in session.hints for c in chunks)  # the load took its hints
     assert all(r.ok for r in session.complete_load(batch))
     np.testing.assert_array_equal(np.stack(bufs), np.stack(data))
 
@@ -217,7 +217,7 @@ def test_waiting_for_objects_another_process_stores_ends_when_they_land(
     start = time.monotonic()
     later.start()
     try:
-        missing = reader.wait_until_stored(keys, start + 30.0)
+        missing = reader.store.wait_until_stored(keys, start + 30.0)
     finally:
         later.join()
     assert missing == [] and 0.3 <= time.monotonic() - start < 5.0
@@ -230,10 +230,10 @@ def test_waiting_for_objects_is_bounded_by_the_deadline_and_the_stop_flag(
     save(session, "t", [chunk_id(0)], pages(1))
     keys = session.keys("t", [chunk_id(i) for i in range(3)], "kv")
     start = time.monotonic()
-    assert session.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
+    assert session.store.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
     assert 0.3 <= time.monotonic() - start < 2.0
     start = time.monotonic()
-    assert session.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
+    assert session.store.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
     assert time.monotonic() - start < 1.0
 
 

@@ -1,4 +1,4 @@
-"""The sweep of announced groups on a shared tier (kvpack.shared_sweep): the host store and a disk
+"""The sweep of announced groups on a shared tier (kvpack.observe.shared_sweep): the host store and a disk
 folder; another process's evictions are withdrawn, a bounded slice per step, once each, counted;
 the followed set is bounded; nothing is withdrawn while the disk index is still being built."""
 
@@ -23,8 +23,8 @@ from kvpack import (
     shared_tier_sweep,
     shared_tier_sweeps,
 )
-from kvpack.keys import GroupKey
-from kvpack.tier_events import TierEvent, TierEventKind
+from kvpack.identity.keys import GroupKey
+from kvpack.observe.tier_events import TierEvent, TierEventKind
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.catalog import INDEX_NAME
 from kvpack.tiers.host import drop

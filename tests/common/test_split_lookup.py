@@ -1,4 +1,4 @@
-"""`KVStore.lookup` over several head splits (`kvpack.split_lookup`): each chunk from the
+"""`KVStore.lookup` over several head splits (`kvpack.policy.split_lookup`): each chunk from the
 first split that holds all of it, on a real store (memory + disk).
 
 The scenario is a fleet that changed its TP size within one conversation: the first

@@ -13,8 +13,8 @@ import pytest
 from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, expect, make_item
 from fixtures.tiers import BrokenTier, SlowTier
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberRole, MemberSpec, StoreKey, TierStatus
-from kvpack.objects import Expectation, RejectReason
-from kvpack.tails import tail_chunk
+from kvpack.identity.objects import Expectation, RejectReason
+from kvpack.policy.tails import tail_chunk
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.factory import build_tiers
 
@@ -192,9 +192,9 @@ def test_wait_budget_bounds_a_steps_remote_waits(tmp_path: Path, keep: Callable[
     engine step by the sum of its calls. Once the step's budget is spent, lookups skip it
     (fewer hits, counted, never a longer step); the next step asks it again. Local tiers
     are always asked."""
-    from kvpack.budget import WaitBudget
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
+    from kvpack.config.schema import EvictionPolicyName
+    from kvpack.policy.budget import WaitBudget
+    from kvpack.policy.eviction import make_policy
     from kvpack.tiers.disk import DiskTier
     from kvpack.tiers.memory import MemoryTier
 
@@ -237,8 +237,8 @@ def test_a_load_inside_an_engine_step_never_waits_on_a_remote_tier(
     """`complete_load(local_only=True)` (vLLM's loads inside a step): an object only a remote
     tier holds is a miss and the remote tier is not asked (its read would hold the step up to
     the tier's bound, once per load in that step); off the step the same load reads it."""
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
+    from kvpack.config.schema import EvictionPolicyName
+    from kvpack.policy.eviction import make_policy
     from kvpack.tiers.disk import DiskTier
     from kvpack.tiers.memory import MemoryTier
 
@@ -269,7 +269,7 @@ def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key()
     transaction per tier); of two stores of one key in that batch only the newer is written."""
     from dataclasses import replace
 
-    from kvpack.writeback import WriteBack
+    from kvpack.store.writeback import WriteBack
 
     started, held = threading.Event(), threading.Event()
     calls: list[list[tuple[str, int | None]]] = []
@@ -297,9 +297,9 @@ def test_a_write_back_thread_writes_what_is_queued_as_one_batch_newest_per_key()
 def test_a_write_back_batch_stays_within_its_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch is cut at `MAX_BATCH_BYTES` (a remote put has one deadline per call): five queued
     objects of 1 KiB under a 2 KiB bound arrive as 2 + 2 + 1, in order."""
-    from kvpack.writeback import WriteBack
+    from kvpack.store.writeback import WriteBack
 
-    monkeypatch.setattr("kvpack.writeback.MAX_BATCH_BYTES", 2048)
+    monkeypatch.setattr("kvpack.store.writeback.MAX_BATCH_BYTES", 2048)
     started, held = threading.Event(), threading.Event()
     calls: list[list[str]] = []
 
@@ -344,8 +344,8 @@ def test_find_tail_reads_every_slot_in_one_call_per_tier(tmp_path: Path, keep: C
 
 
 def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
+    from kvpack.config.schema import EvictionPolicyName
+    from kvpack.policy.eviction import make_policy
     from kvpack.tiers.disk import DiskTier
     from kvpack.tiers.memory import MemoryTier
 
@@ -370,8 +370,8 @@ def test_backpressure_drops_and_counts_instead_of_blocking(tmp_path: Path, keep:
 
 
 def test_a_tier_that_raises_degrades_to_a_miss(tmp_path: Path, keep: Callable[[KVStore], KVStore]) -> None:
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
+    from kvpack.config.schema import EvictionPolicyName
+    from kvpack.policy.eviction import make_policy
     from kvpack.tiers.memory import MemoryTier
 
     cfg = KVPackConfig.from_dict({})

@@ -125,7 +125,7 @@ def test_test_modules_have_unique_basenames() -> None:
 
 TOPS = {"common": "kvpack", "vllm_plugin": "kvpack.vllm_plugin", "sglang_plugin": "kvpack.sglang_plugin"}
 TOPS["tools"] = "kvpack.tools"
-PUBLIC = ("kvpack", "kvpack.ops")
+PUBLIC = ("kvpack", "kvpack.ops", "kvpack.transfers")
 """What an adapter may import from the core: the package's public names and the kernels' entry."""
 
 BUILT_BY_THE_CORE = frozenset({"StoreKey", "GroupKey", "ObjectHeader", "Expectation", "PutItem", "LoadItem"})
@@ -239,7 +239,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
     # the check itself: base's lazy import of lru (the old eviction circle) closes a loop
-    pkg = tmp_path / "common" / "eviction"
+    pkg = tmp_path / "common" / "cycle"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "base.py").write_text("def make():\n    from .lru import LRU\n    return LRU()\n")
@@ -247,16 +247,109 @@ def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
     (pkg / "arc.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .base import make\n")
     modules = _modules(tmp_path, {"common": "kvpack"})
     graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
-    assert _circles(graph) == [["kvpack.eviction.base", "kvpack.eviction.lru"]]
+    assert _circles(graph) == [["kvpack.cycle.base", "kvpack.cycle.lru"]]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_product_imports_have_no_circles() -> None:
-    # a circle makes import order matter and hides which layer owns what (issue 28)
+    # a circle makes import order matter and hides which layer owns what (issue 28); in the core the
+    # names a module takes for its annotations count too (issue 53): a type is a dependency a reader follows
     modules = _modules()
-    graph = {name: _runtime_edges(name, path, modules) for name, path in modules.items()}
+    graph = {
+        name: _runtime_edges(name, path, modules, typing=_layer_of(name) is not None) for name, path in modules.items()
+    }
     circles = _circles(graph)
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "cpu_features", "background"),
+    ("ops",),
+    ("identity", "client_input"),
+    ("config",),
+    ("canonical", "observe"),
+    ("policy",),
+    ("tiers",),
+    ("store", "exit_flush"),
+    ("session",),
+    ("transfers",),
+    ("operate",),
+    ("cli",),
+)
+"""The core's folders and loose modules (``kvpack.<name>``), lowest first, as docs/ARCHITECTURE.md
+draws them: a module imports its own layer and those below, never one above (annotations count)."""
+
+
+def _layer_of(module: str) -> str | None:
+    """`kvpack.tiers.disk.catalog` -> ``tiers``; None outside the core (adapters, tools) or for the package itself."""
+    parts = module.split(".")
+    if parts[0] != "kvpack" or len(parts) < 2 or parts[1] in ("vllm_plugin", "sglang_plugin", "tools", "csrc"):
+        return None
+    return parts[1]
+
+
+def test_the_core_imports_only_down_its_layers() -> None:
+    rank = {name: i for i, names in enumerate(LAYERS) for name in names}
+    modules = _modules()
+    core = {_layer_of(name) for name in modules} - {None}
+    assert core <= rank.keys(), f"a folder or loose module of the core in no layer: {sorted(core - rank.keys())}"
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if (here := _layer_of(name)) is not None
+        for target in _runtime_edges(name, path, modules, typing=True)
+        if (there := _layer_of(target)) is not None and rank[there] > rank[here]
+    )
+    assert not upward, "imports up the layers: " + "; ".join(upward)
+
+
+OPTIONAL_DEPENDENCIES = ("mooncake", "torch.utils.cpp_extension")
+"""What the core may import inside a function: a dependency not every install has or needs
+(Mooncake's client; torch's C++ build tooling, used only when the kernels are built)."""
+
+
+def _imports_in_functions(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import inside a function of `path` (``TYPE_CHECKING`` blocks aside)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typed = _type_only_nodes(tree)
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                if id(node) in typed:
+                    continue
+                if isinstance(node, ast.ImportFrom):
+                    source = "." * node.level + (node.module or "")
+                    found.extend(
+                        (
+                            node.lineno,
+                            f"{source}.{alias.name}".replace("..", ".", 1) if node.module else source + alias.name,
+                        )
+                        for alias in node.names
+                    )
+                elif isinstance(node, ast.Import):
+                    found.extend((node.lineno, alias.name) for alias in node.names)
+    return found
+
+
+def test_an_import_inside_a_function_is_only_an_optional_dependency() -> None:
+    # a lazy import hides a circle or a layer crossed (issue 53); it stays only where the module may be missing
+    lazy = [
+        f"{path.relative_to(ROOT)}:{line} {module}"
+        for path in sorted(CORE.rglob("*.py"))
+        for line, module in _imports_in_functions(path)
+        if not module.startswith(OPTIONAL_DEPENDENCIES)
+    ]
+    assert not lazy, "imports inside functions: " + "; ".join(lazy)
+
+
+def test_the_lazy_import_finder_sees_one(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n"
+        "def f():\n    from .b import B\n    import mooncake.store\n    return B\n"
+    )
+    assert _imports_in_functions(source) == [(5, ".b.B"), (6, "mooncake.store")]
 
 
 def test_adapters_import_only_public_core_names() -> None:
@@ -308,9 +401,9 @@ def test_the_build_check_sees_a_hand_built_key() -> None:
 
 def test_public_names_do_not_shadow_a_submodule() -> None:
     # `from .model_identity import model_identity` in kvpack/__init__.py once rebound
-    # `kvpack.model_identity` to the function: `import kvpack.model_identity as mi` broke
+    # `kvpack.identity.model_identity` to the function: `import kvpack.identity.model_identity as mi` broke
     modules = _modules()
-    for package in ("kvpack", "kvpack.ops", "kvpack.canonical"):
+    for package in ("kvpack", "kvpack.ops", "kvpack.transfers", "kvpack.canonical"):
         shadowed = sorted(n for n in _package_names(package, modules) if f"{package}.{n}" in modules)
         assert not shadowed, f"{package} binds names of its own submodules: {shadowed}"
 
@@ -350,8 +443,8 @@ def test_the_store_check_sees_a_store_call() -> None:
 
 
 def _metric_names() -> set[str]:
-    """Every metric name in `kvpack.metrics.SPECS` (the first argument of each ``MetricSpec(...)``)."""
-    tree = ast.parse((CORE / "metrics.py").read_text())
+    """Every metric name in `kvpack.observe.metrics.SPECS` (the first argument of each ``MetricSpec(...)``)."""
+    tree = ast.parse((CORE / "observe" / "metrics.py").read_text())
     return {
         node.args[0].value
         for node in ast.walk(tree)
@@ -417,8 +510,8 @@ def test_the_class_size_check_counts_a_class() -> None:
 
 
 RULE_HOMES = {
-    "quota": ("common/eviction/shares.py",),
-    "checksum": ("common/objects.py", "common/integrity.py"),
+    "quota": ("common/policy/eviction/shares.py",),
+    "checksum": ("common/identity/objects.py", "common/store/integrity.py"),
 }
 """Rules written once, by the module that may state them: a tenant's guaranteed share read
 (`quotas[t]`, `quotas.get(t)`: the victim rule, used by the memory tier and the disk index),
@@ -464,7 +557,7 @@ def test_the_rule_check_sees_a_second_copy() -> None:
     assert _rule_uses(source) == [(1, "quota"), (3, "checksum"), (4, "quota")]
 
 
-KEYS_HOME = "common/keys.py"
+KEYS_HOME = "common/identity/keys.py"
 """Where the identity rules are written: the chunk-hash chain (`chunk_hashes`, `chain_hash`,
 `ChunkChain`), the key string (``kvpack/<tenant>/...``) and member naming (`member_name`:
 ``<base>[_g<group>][_pp<stage>][_h<start>_<stop>][@<shard>of<shards>]``)."""

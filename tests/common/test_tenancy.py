@@ -1,4 +1,4 @@
-"""The core's tenant policy (`kvpack.tenancy`), from engine facts alone: no engine.
+"""The core's tenant policy (`kvpack.policy.tenancy`), from engine facts alone: no engine.
 
 The vLLM adapter's `request_scope` hands it ``cache_salt`` and ``kv_transfer_params``
 (tests/vllm/test_safety_tenants.py); any other adapter hands it the same facts.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvpack import BadTenant, KVPackConfig, TenantSource, resolve_tenant, shares_facts
-from kvpack.keys import seed_hash, tenant_signature
+from kvpack.identity.keys import seed_hash, tenant_signature
 
 KEY = "a1" * 32
 
@@ -40,7 +40,7 @@ def test_salt_scopes_tenant_and_seeds_the_chain() -> None:
 
 
 def test_only_unsalted_requests_share_their_blocks_facts() -> None:
-    """A salted request's blocks get no facts row on a shared tier (kvpack.router_facts): only the
+    """A salted request's blocks get no facts row on a shared tier (kvpack.observe.router_facts): only the
     instance that computed them announces them to its routers; a named tenant does not change it."""
     trusted = KVPackConfig.from_dict({"trusted_tenants": ["*"]})
     for source, shares in (

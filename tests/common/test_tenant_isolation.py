@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, LoadItem, MemberSpec, StoreKey
-from kvpack.objects import Expectation
+from kvpack.identity.objects import Expectation
 
 TENANTS = ["alpha", "beta", "gamma"]
 KV = MemberSpec("kv", MEMBER_FP)

@@ -1,4 +1,4 @@
-"""The tier event feed (kvpack.tier_events): what each tier took and let go, bounded, drops counted."""
+"""The tier event feed (kvpack.observe.tier_events): what each tier took and let go, bounded, drops counted."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from fixtures.builders import GROUP_FP, chunk_id, make_item
 from kvpack import KVPackConfig, KVStore, StoreKey, TierStatus
-from kvpack.keys import GroupKey
-from kvpack.tier_events import TierEvent, TierEventFeed, TierEventKind
+from kvpack.identity.keys import GroupKey
+from kvpack.observe.tier_events import TierEvent, TierEventFeed, TierEventKind
 from kvpack.tiers.host import drop
 
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from fixtures.builders import chunk_id, expect, make_item
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
-from kvpack.keys import GroupKey
-from kvpack.objects import RejectReason
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.identity.keys import GroupKey
+from kvpack.identity.objects import RejectReason
+from kvpack.policy.eviction import make_policy
 from kvpack.tiers.base import Tier, TierStatus
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.fs import MARKER

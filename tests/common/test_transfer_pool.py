@@ -1,13 +1,13 @@
 """The pinned staging pool and the transfer byte bounds, on their own: reuse, the bound,
-what is turned away (`kvpack.staging_pool`, `kvpack.transfers.ByteBound`)."""
+what is turned away (`kvpack.transfers.staging_pool`, `kvpack.transfers.ByteBound`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpack.staging_pool import MIN_BUFFER_BYTES, PinnedPool, StagingFull, capacity_class
 from kvpack.transfers import ByteBound
+from kvpack.transfers.staging_pool import MIN_BUFFER_BYTES, PinnedPool, StagingFull, capacity_class
 
 
 def _pool(bound: int) -> tuple[PinnedPool, list[int]]:

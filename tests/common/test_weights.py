@@ -1,4 +1,4 @@
-"""`kvpack.weights`: an in-place weight change is noticed, whatever path made it, and named.
+"""`kvpack.observe.weights`: an in-place weight change is noticed, whatever path made it, and named.
 
 CPU-only, real torch modules and real checkpoint files (a config.json and a safetensors file
 written here), table-style over the ways engines change weights.
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvpack import KVLayoutSpec, Metrics, WeightsOrigin, WeightsWatch, with_weights
-from kvpack.model_identity import model_identity
-from kvpack.weights import RELIST_EVERY, private_identity
+from kvpack.identity.model_identity import model_identity
+from kvpack.observe.weights import RELIST_EVERY, private_identity
 
 
 class Model(torch.nn.Module):

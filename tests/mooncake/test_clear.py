@@ -8,7 +8,7 @@ import pytest
 
 from fixtures.builders import item, payload
 from kvpack import ClearScope, StoreKey, TierStatus
-from kvpack.clearing import ClearUnsupported, clear_tiers
+from kvpack.policy.clearing import ClearUnsupported, clear_tiers
 from kvpack.tiers.mooncake import MooncakeTier
 
 FP_A, FP_B = "a" * 32, "b" * 32

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {tests!r})
     import numpy as np
-    from kvpack.config import KVPackConfig
+    from kvpack.config.schema import KVPackConfig
     from kvpack.store import KVStore, LoadItem
     from kvpack.tiers.base import TierStatus
     from fixtures.builders import expect_key, item, key, payload

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fixtures.builders import MEMBER_FP, TOKENS, expect_key, header, item, key, payload
-from kvpack.objects import HeaderFastPath, ObjectHeader, decode_header
+from kvpack.identity.objects import HeaderFastPath, ObjectHeader, decode_header
 from kvpack.tiers import mooncake as mc
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.mooncake import MooncakeTier

@@ -59,7 +59,7 @@ def test_a_store_is_warm_once_its_tier_connected(mooncake_cluster) -> None:  # t
 
 def test_an_unreachable_master_is_down_not_warming_up() -> None:
     """Nothing listens: the first attempt fails at once, so nobody waits the whole bound."""
-    from kvpack.config import MooncakeTierConfig
+    from kvpack.config.schema import MooncakeTierConfig
 
     cfg = MooncakeTierConfig(
         enabled=True,
@@ -90,7 +90,7 @@ def test_connect_wait_zero_never_waits(mooncake_cluster) -> None:  # type: ignor
 
 @pytest.mark.parametrize("value", [-1, 600_001])
 def test_connect_wait_out_of_range_names_the_field(value: int) -> None:
-    from kvpack.config import KVPackConfig
+    from kvpack.config.schema import KVPackConfig
 
     with pytest.raises(ConfigError, match=r"mooncake\.connect_wait_ms"):
         KVPackConfig.from_dict(

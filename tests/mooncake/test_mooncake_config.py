@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpack.config import KVPackConfig, MooncakeProtocol, MooncakeTierConfig
+from kvpack.config.schema import KVPackConfig, MooncakeProtocol, MooncakeTierConfig
 from kvpack.errors import ConfigError
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MOONCAKE_CODES, code_info

@@ -14,8 +14,8 @@ import pytest
 
 from fixtures.builders import expect_key, item, key, payload
 from fixtures.mooncake import raw_client, raw_put
-from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
-from kvpack.objects import RejectReason, payload_checksum
+from kvpack.config.schema import DiskTierConfig, KVPackConfig, MemoryTierConfig
+from kvpack.identity.objects import RejectReason, payload_checksum
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
 

@@ -16,7 +16,7 @@ import pytest
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, expect_key, item, key, payload
 from kvpack import KVStore, LoadItem, MemberRole, MemberSpec
-from kvpack.tails import tail_chunk
+from kvpack.policy.tails import tail_chunk
 from kvpack.tiers.base import TierStatus
 
 pytestmark = pytest.mark.mooncake

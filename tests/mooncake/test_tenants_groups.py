@@ -58,7 +58,7 @@ def test_unregistered_tenant_is_a_clear_error(mooncake_cluster_mt, caplog: pytes
 def test_tenant_without_mooncake_support_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Mooncake build whose setup() has no tenant_id: a non-default tenant is a start-up error."""
     import kvpack.tiers.mooncake as mc
-    from kvpack.config import MooncakeTierConfig
+    from kvpack.config.schema import MooncakeTierConfig
     from kvpack.errors import ConfigError
 
     class OldStore:  # an old build: setup without tenant_id (cannot be installed here)

@@ -7,7 +7,7 @@ import pytest
 
 from fixtures.builders import GROUP_FP, expect_key, item, key, payload
 from fixtures.mooncake import raw_client, raw_put
-from kvpack.objects import RejectReason
+from kvpack.identity.objects import RejectReason
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
 

@@ -1,4 +1,4 @@
-"""GPU check of the staging path the adapters use (`kvpack.staging`), with figures.
+"""GPU check of the staging path the adapters use (`kvpack.transfers.staging`), with figures.
 
 Not a pytest module: run by scripts/gpu_check.sh on a lent CUDA machine (no vLLM
 needed: the vLLM adapter's `BlockLayout` and `CanonicalBlocks` import only kvpack),
@@ -50,10 +50,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvpack.canonical import paged_geometry  # noqa: E402
-from kvpack.heads import HeadRange  # noqa: E402
+from kvpack.identity.heads import HeadRange  # noqa: E402
 from kvpack.ops import ExtensionStatus, PagedKV, gather_blocks, load_extension, scatter_blocks, upload_ids  # noqa: E402
 from kvpack.ops._reference import gather_reference  # noqa: E402
-from kvpack.staging import Direction, Staging  # noqa: E402
+from kvpack.transfers.staging import Direction, Staging  # noqa: E402
 from kvpack.vllm_plugin.blocks import BlockLayout  # noqa: E402
 from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks  # noqa: E402
 

@@ -64,10 +64,10 @@ def test_bad_pairs_raise_before_any_byte_moves(copy_regions) -> None:  # type: i
 
 
 def test_memory_tier_stores_through_the_native_copy(copy_regions) -> None:  # type: ignore[no-untyped-def]
-    from kvpack.config import EvictionPolicyName
-    from kvpack.eviction import make_policy
-    from kvpack.keys import StoreKey
-    from kvpack.objects import Expectation, ObjectHeader
+    from kvpack.config.schema import EvictionPolicyName
+    from kvpack.identity.keys import StoreKey
+    from kvpack.identity.objects import Expectation, ObjectHeader
+    from kvpack.policy.eviction import make_policy
     from kvpack.tiers.base import PutItem, TierStatus
     from kvpack.tiers.memory import MemoryTier
 

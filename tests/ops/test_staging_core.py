@@ -1,4 +1,4 @@
-"""`kvpack.staging.Staging` with the recording device: a batch that fails after launching
+"""`kvpack.transfers.staging.Staging` with the recording device: a batch that fails after launching
 still waits for what it launched before its rows go; the CPU device is inline and zero-copy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fixtures.recording_device import RecordingDevice
-from kvpack.staging import CpuDevice, Direction, Lane, Staging, inline_lane
+from kvpack.transfers.staging import CpuDevice, Direction, Lane, Staging, inline_lane
 
 
 def test_a_failed_batch_frees_its_rows_only_after_what_it_launched() -> None:

@@ -1,4 +1,4 @@
-"""`kvpack.staging.CudaDevice` against a fake ``torch.cuda`` (streams and events that log
+"""`kvpack.transfers.staging.CudaDevice` against a fake ``torch.cuda`` (streams and events that log
 what is done to them): pinned host rows, one side stream per direction that waits on the
 compute stream captured at construction, launches under that stream, an event recorded
 on it and waited on. What a GPU adds (real asynchrony) is scripts/gpu_check.sh's job."""
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpack.staging import CudaDevice, Direction, Staging
+from kvpack.transfers.staging import CudaDevice, Direction, Staging
 
 LOG: list[tuple[str, ...]] = []
 

@@ -373,7 +373,7 @@ def test_start_up_line_names_the_path_sglang_uses(store_dir, caplog):
 
 
 def _disk_file(backend, key):
-    from kvpack.keys import StoreKey
+    from kvpack.identity.keys import StoreKey
 
     disk = next(t for t in backend.session.store.tiers if t.name == "disk")
     return disk.path_of(StoreKey(backend.tenant, backend.group_fingerprint, key, backend.binding("kv").member))

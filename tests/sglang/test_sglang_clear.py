@@ -1,5 +1,5 @@
 """SGLang's storage clear (``POST /hicache/storage-backend/clear`` -> `KVPackStorage.clear`) applies
-kvpack's reset rule (`kvpack.clearing`), through SGLang's real backend factory and host pools.
+kvpack's reset rule (`kvpack.policy.clearing`), through SGLang's real backend factory and host pools.
 
 Two instances of two models share one disk folder: the first's clear removes its own pages from
 its memory tier and the disk (every tenant), and leaves the other model's pages loadable; with

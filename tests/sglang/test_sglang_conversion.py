@@ -141,7 +141,7 @@ def test_the_memory_tier_restores_pages_saved_into_shuffled_slots(layout):
     gathers into them and scatters out of them in place (one kernel call per batch, each
     object at its own address). The pages must come back byte for byte."""
     from kvpack.canonical.addressed import address_runs
-    from kvpack.keys import StoreKey
+    from kvpack.identity.keys import StoreKey
 
     pool = make_pool("mha", layout, device_tokens=512)
     n = 16

@@ -1,7 +1,7 @@
 """SGLang (TP=1) loads pages a writer at another TP size stored as KV-head ranges.
 
 A vLLM engine at TP=2 stores each chunk as two canonical objects, ``kv_h0_1`` and
-``kv_h1_2`` (`kvpack.heads`). Here those objects are written the way such a writer
+``kv_h1_2`` (`kvpack.identity.heads`). Here those objects are written the way such a writer
 writes them (canonical gathers of one head range each, their member fingerprints,
 into the same disk store); then a TP=1 SGLang backend over real host pools must
 find the pages (`batch_exists`), restore them bit-exact into a poisoned pool, and
@@ -15,8 +15,8 @@ import pytest
 import torch
 from sglang_parts import alloc_pages, fill_random, kvpack_extra, make_backend, make_pool, page_bytes, page_keys, poison
 
-from kvpack.keys import StoreKey
-from kvpack.objects import ObjectHeader
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.objects import ObjectHeader
 from kvpack.tiers.base import PutItem, TierStatus
 
 pytestmark = pytest.mark.sglang
@@ -100,7 +100,7 @@ def test_a_page_lacking_one_head_range_ends_the_prefix(store_dir) -> None:  # ty
 def test_a_prefix_stored_by_two_tp_sizes_is_found_and_restored_whole(store_dir) -> None:  # type: ignore[no-untyped-def]
     """A fleet that moved from TP=2 to TP=1 between two turns of a conversation: the first
     pages are two head-range objects each, the later ones one object of all heads. Each
-    page is read from the split that holds it (`kvpack.split_lookup`); a lookup that took
+    page is read from the split that holds it (`kvpack.policy.split_lookup`); a lookup that took
     one split for the whole prefix found 2 of the 4 pages, on every later turn."""
     pool = make_pool("mha", "page_first")
     extra = kvpack_extra(store_dir, memory=False, disk=True)

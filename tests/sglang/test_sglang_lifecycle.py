@@ -1,4 +1,4 @@
-"""The SGLang backend over the core's lifecycle verbs (`kvpack.lifecycle`).
+"""The SGLang backend over the core's lifecycle verbs (`kvpack.store.lifecycle`).
 
 - `batch_exists_v2` answers from the core's `resolve_lookup` (pools as members,
   TRAILING_PAGES as `Coverage.TRAILING`): the answers below are the ones the

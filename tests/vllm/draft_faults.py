@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 import kvpack.vllm_plugin.worker as worker  # noqa: E402
 from kvpack import PlannedLoad  # noqa: E402
-from kvpack.ops import Lane, Staging  # noqa: E402
+from kvpack.transfers import Lane, Staging  # noqa: E402
 from kvpack.vllm_plugin.loads import BlockLoads  # noqa: E402
 from kvpack.vllm_plugin.metadata import NO_BLOCK, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.registration import MemberLayout  # noqa: E402

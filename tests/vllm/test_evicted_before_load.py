@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpack.config import KVPackConfig
-from kvpack.keys import GroupKey, chunk_hashes
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import GroupKey, chunk_hashes
 
 pytest.importorskip("vllm")
 

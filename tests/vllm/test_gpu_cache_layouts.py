@@ -272,7 +272,7 @@ def test_a_gpu_load_of_objects_where_they_lie_uploads_them_then_converts_on_the_
     apart), are copied into device rows and converted there. Nothing is written before the
     event; after it the blocks equal the source's and no other block changed."""
     from fixtures.recording_device import RecordingDevice
-    from kvpack.ops import Direction, Staging
+    from kvpack.transfers import Direction, Staging
 
     spec = _spec(False, torch.float32, 16)
     source = allocate(llama_config, order, spec, "cpu")

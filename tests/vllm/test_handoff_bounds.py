@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage
-from kvpack.layout_spec import KVLayoutSpec
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.policy.groups import Coverage
 
 pytest.importorskip("vllm")
 

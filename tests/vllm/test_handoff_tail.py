@@ -1,7 +1,7 @@
 """A handoff whose tail is invalid still loads its whole chunks: the vLLM scheduler side.
 
 A decode instance trusts a handoff's ``tail_chunk`` only as far as it can check it: it
-must be one of the tail slots after the prompt's last whole chunk (`kvpack.hits`).
+must be one of the tail slots after the prompt's last whole chunk (`kvpack.policy.hits`).
 Anything else (a path, a long string, a number, another prompt's tail) drops the tail
 alone, counted as ``handoff_tails_dropped``; the whole chunks the prefill instance
 stored still load, and every key the workers will build from the job is valid. The
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage
-from kvpack.keys import chunk_hashes
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.tails import tail_chunk
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import chunk_hashes
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.policy.groups import Coverage
+from kvpack.policy.tails import tail_chunk
 
 pytest.importorskip("vllm")
 

@@ -102,8 +102,8 @@ def test_planned_saves_count_as_held_until_they_must_have_landed_in_the_host_sto
     since is a miss, not a stale hit); with per-process tiers it stays until a worker reports
     it evicted."""
     from kvpack import KVPackConfig, StoreKey
-    from kvpack.groups import Coverage
-    from kvpack.layout_spec import KVLayoutSpec
+    from kvpack.identity.layout_spec import KVLayoutSpec
+    from kvpack.policy.groups import Coverage
     from kvpack.vllm_plugin.metadata import BlockRef, TransferJob
     from kvpack.vllm_plugin.scopes import CacheGroup, Scope
     from kvpack.vllm_plugin.workers_memory import WorkersMemory
@@ -152,8 +152,8 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     from vllm_helpers import metric
 
     from fixtures.recording_device import RecordingDevice
-    from kvpack.ops import Staging
     from kvpack.tiers.host import drop
+    from kvpack.transfers import Staging
 
     name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     extra = {
@@ -167,7 +167,7 @@ def test_a_gpu_rank_loads_from_the_host_stores_mapping_in_place_only_where_regis
     try:
         worker = get_kv_transfer_group().worker
         worker.staging = Staging(device)
-        mapping = worker.runner.session.store.lent_host_mapping()
+        mapping = worker.runner.session.store.reads.lent_host_mapping()
         assert mapping is not None and device.registered.covers(*mapping) is registered
         first = run(llm, P)
         assert first.cached == 0

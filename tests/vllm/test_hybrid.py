@@ -47,7 +47,7 @@ ALL = {"P": P, "Q": Q, "L": L, "M": M, "X": X, "Y": Y}
 
 def objects(store: Path, ids: list[int], chunk_index: int, members: tuple[str, ...]) -> list[Path]:
     """The files of block `chunk_index` of `ids` (default tenant), one per member."""
-    from kvpack.keys import chunk_hashes
+    from kvpack.identity.keys import chunk_hashes
 
     chunk = chunk_hashes(ids, BLOCK)[chunk_index]
     return [p for m in members for p in (store / "default").rglob(f"{chunk}.{m}.kvp")]
@@ -79,7 +79,7 @@ def baseline(swa_model: Path) -> dict[str, Run]:
 @pytest.fixture(scope="module")
 def stored(swa_model: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[str, Run]:
     """Engine 1 stores P, L, X, Y; then X's window members of block 1 are deleted."""
-    from kvpack.model_identity import model_identity
+    from kvpack.identity.model_identity import model_identity
 
     llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}), dtype="float32")
     try:

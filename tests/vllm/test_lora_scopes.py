@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.lora_adapter import write_adapter
-from kvpack.config import KVPackConfig
+from kvpack.config.schema import KVPackConfig
 
 pytest.importorskip("vllm")
 

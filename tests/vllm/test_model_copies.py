@@ -1,4 +1,4 @@
-"""The cache is keyed by what the checkpoint is, not by its path (`kvpack.model_identity`).
+"""The cache is keyed by what the checkpoint is, not by its path (`kvpack.identity.model_identity`).
 
 Real vLLM CPU engines, each in a process of its own (`engine_process`), fp32,
 block 32, one disk store, one 301-token prompt:

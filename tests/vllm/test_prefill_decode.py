@@ -74,8 +74,8 @@ def baseline(tiny_llama: Path) -> dict[str, str]:
 def _handoff_for(sample: dict, ids: list[int]) -> dict:
     """The handoff a prefill instance answers for `ids` (layout and tenant as in `sample`;
     its tail goes to the first tail slot after its last whole block)."""
-    from kvpack.keys import chunk_hashes
-    from kvpack.tails import tail_chunk
+    from kvpack.identity.keys import chunk_hashes
+    from kvpack.policy.tails import tail_chunk
 
     hashes = chunk_hashes(ids, BLOCK)
     tail = tail_chunk(hashes[-1] if hashes else None) if len(ids) % BLOCK else None

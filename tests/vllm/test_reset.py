@@ -1,4 +1,4 @@
-"""vLLM's own reset of external caches reaches kvpack (`KVPackConnector.reset_cache`, `kvpack.clearing`).
+"""vLLM's own reset of external caches reaches kvpack (`KVPackConnector.reset_cache`, `kvpack.policy.clearing`).
 
 - Offline, in vLLM's in-process and multi-process modes: a prompt is a kvpack hit; after
   ``LLM.reset_prefix_cache(reset_connector=True)`` the same prompt is recomputed (no cached token)
@@ -33,7 +33,7 @@ from vllm_helpers import (
 )
 
 from kvpack import KVLayoutSpec, PutItem, StoreKey, TierStatus
-from kvpack.objects import ObjectHeader
+from kvpack.identity.objects import ObjectHeader
 from kvpack.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.vllm

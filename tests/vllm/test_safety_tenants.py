@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvpack.config import KVPackConfig
-from kvpack.keys import tenant_signature
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import tenant_signature
 
 pytest.importorskip("vllm")
 
@@ -84,8 +84,8 @@ def test_signed_tenants_are_honoured_only_with_the_right_signature() -> None:
 
 
 def test_scheduler_counts_ignored_tenants_and_never_looks_up_the_named_one(tmp_path: Path) -> None:
-    from kvpack.groups import Coverage
-    from kvpack.layout_spec import KVLayoutSpec
+    from kvpack.identity.layout_spec import KVLayoutSpec
+    from kvpack.policy.groups import Coverage
     from kvpack.vllm_plugin.scheduler import SchedulerSide
     from kvpack.vllm_plugin.scopes import CacheGroup, Scope
 

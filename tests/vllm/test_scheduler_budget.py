@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvpack.config import EvictionPolicyName, KVPackConfig
-from kvpack.eviction import make_policy
-from kvpack.groups import Coverage
-from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.objects import ObjectHeader
+from kvpack.config.schema import EvictionPolicyName, KVPackConfig
+from kvpack.identity.keys import StoreKey, chunk_hashes
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.identity.objects import ObjectHeader
+from kvpack.policy.eviction import make_policy
+from kvpack.policy.groups import Coverage
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem, TierStatus
 from kvpack.tiers.disk import DiskTier

@@ -109,7 +109,7 @@ def members_on_disk(store: Path) -> dict[str, set[str]]:
 
 
 def chunks_of(ids: list[int]) -> list[str]:
-    from kvpack.keys import chunk_hashes
+    from kvpack.identity.keys import chunk_hashes
 
     return list(chunk_hashes(ids, BLOCK))
 

@@ -1,4 +1,4 @@
-"""Every adapter copy path through `kvpack.staging`, proven on the CPU with the recording
+"""Every adapter copy path through `kvpack.transfers.staging`, proven on the CPU with the recording
 device (`kvpack.staging_record.RecordingDevice`), which defers launches until their event
 is waited on and runs the compute stream's queued work only when a side stream waits on it.
 
@@ -17,9 +17,9 @@ import torch
 
 from fixtures.recording_device import POISON, RecordingDevice
 from kvpack.canonical import paged_geometry
-from kvpack.heads import HeadRange
+from kvpack.identity.heads import HeadRange
 from kvpack.ops import PagedKV
-from kvpack.staging import Direction, Staging
+from kvpack.transfers.staging import Direction, Staging
 from kvpack.vllm_plugin.blocks import BlockLayout
 from kvpack.vllm_plugin.canonical_blocks import CanonicalBlocks
 

@@ -1,8 +1,8 @@
-"""The vLLM worker's saves and loads through `kvpack.staging`, with the recording device
+"""The vLLM worker's saves and loads through `kvpack.transfers.staging`, with the recording device
 standing in for a GPU (`kvpack.staging_record`): its launches run only when their event is
 waited on, and the step's forward runs only when a side stream waits on the compute stream.
 
-On the code before `kvpack.staging` (plain ``torch.empty`` rows, copies inline on the
+On the code before `kvpack.transfers.staging` (plain ``torch.empty`` rows, copies inline on the
 current stream, rows read right after the gather, a load reported done right after its
 scatter) each of these fails: on a GPU the rows would be pageable (refused by the CUDA
 kernel), read before the copy landed, or released while it still ran.
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fixtures.recording_device import RecordingDevice
-from kvpack.config import KVPackConfig
-from kvpack.staging import CpuDevice, Direction, Staging
+from kvpack.config.schema import KVPackConfig
+from kvpack.transfers.staging import CpuDevice, Direction, Staging
 
 pytest.importorskip("vllm")
 

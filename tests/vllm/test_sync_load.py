@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpack.config import KVPackConfig
-from kvpack.groups import Coverage
-from kvpack.keys import StoreKey, chunk_hashes
-from kvpack.layout_spec import KVLayoutSpec
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import StoreKey, chunk_hashes
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.policy.groups import Coverage
 from kvpack.tiers.host import drop
 
 pytest.importorskip("vllm")

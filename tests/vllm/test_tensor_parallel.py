@@ -1,4 +1,4 @@
-"""A cache written at one TP size is read at another (canonical objects, `kvpack.heads`).
+"""A cache written at one TP size is read at another (canonical objects, `kvpack.identity.heads`).
 
 Real vLLM CPU engines, fp32, each in a new process that simply ends: TP=2 runs
 two ranks on two cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"``; measured: TP=2 and
@@ -121,7 +121,7 @@ def test_tp1_writes_tp2_reads(tiny_llama: Path, baseline: Run, tmp_path: Path) -
 def test_a_missing_head_range_stops_the_hit_before_its_chunk(
     tiny_llama: Path, tp2_store: Path, baseline: Run, tmp_path: Path
 ) -> None:
-    from kvpack.keys import chunk_hashes
+    from kvpack.identity.keys import chunk_hashes
 
     store = tmp_path / "kv"
     shutil.copytree(tp2_store, store)
@@ -146,7 +146,7 @@ def test_a_conversation_across_a_tp_change_reuses_every_chunk(
     """Turn 1 (P) was computed at TP=2; the fleet moved to TP=1, where turn 2 (P and 200
     more tokens) reused turn 1 and stored its new chunks as TP=1 objects. A new TP=1
     process then reuses n - 1 tokens of turn 2: chunks 0-1 from the TP=2 head ranges,
-    chunk 2 and the tail from the TP=1 objects (`kvpack.split_lookup`). A lookup that
+    chunk 2 and the tail from the TP=1 objects (`kvpack.policy.split_lookup`). A lookup that
     took one split for the whole prefix reused turn 1 only (301 tokens), turn after turn."""
     store = tmp_path / "kv"
     shutil.copytree(tp2_store, store)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from fixtures.recording_device import RecordingDevice
-from kvpack.config import KVPackConfig
-from kvpack.staging import CpuDevice, Direction, Staging
+from kvpack.config.schema import KVPackConfig
+from kvpack.transfers.staging import CpuDevice, Direction, Staging
 
 pytest.importorskip("vllm")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpack.config import KVPackConfig
+from kvpack.config.schema import KVPackConfig
 from kvpack.store import KVStore
 from kvpack.tiers.factory import build_tiers
 

@@ -196,8 +196,8 @@ def bare_worker(config: Any, block_size: int, store: Any = None):  # type: ignor
     from types import SimpleNamespace
 
     from kvpack import Session
-    from kvpack.groups import Coverage
-    from kvpack.layout_spec import KVLayoutSpec
+    from kvpack.identity.layout_spec import KVLayoutSpec
+    from kvpack.policy.groups import Coverage
     from kvpack.vllm_plugin.scopes import CacheGroup, Scope
     from kvpack.vllm_plugin.worker import WorkerSide
 
@@ -259,7 +259,7 @@ def file_for(store: Path, chunk_pred) -> list[Path]:  # type: ignore[no-untyped-
 
 def corrupt_payload(path: Path) -> None:
     """Flip one payload byte (the checksum no longer matches: kvpack must refuse it)."""
-    from kvpack.objects import decode_header
+    from kvpack.identity.objects import decode_header
 
     raw = bytearray(path.read_bytes())
     header = decode_header(bytes(raw))
@@ -273,7 +273,7 @@ def swap_payload(path: Path, donor: Path) -> None:
     checksum: every check passes, so kvpack loads wrong KV (the negative control)."""
     import dataclasses
 
-    from kvpack.objects import decode_header, payload_checksum
+    from kvpack.identity.objects import decode_header, payload_checksum
 
     raw, other = path.read_bytes(), donor.read_bytes()
     header, donor_header = decode_header(raw), decode_header(other)
@@ -290,8 +290,8 @@ def object_files(
     store: Path, ids: list[int], tenant: str = "default", seed: str | None = None
 ) -> tuple[list[Path], Path | None]:
     """The files of `ids`' full blocks (in order) and of its tail object, if stored."""
-    from kvpack.keys import chunk_hashes
-    from kvpack.tails import tail_chunk
+    from kvpack.identity.keys import chunk_hashes
+    from kvpack.policy.tails import tail_chunk
 
     hashes = chunk_hashes(ids, BLOCK, parent=seed)  # type: ignore[arg-type]
     files = {p.name.split(".")[0]: p for p in (store / tenant).rglob("*.kvp")}

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.keys import StoreKey
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.objects import ObjectHeader, payload_checksum
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.identity.objects import ObjectHeader, payload_checksum
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier, fs
 from kvpack.tiers.disk.removes import ObjectRemover

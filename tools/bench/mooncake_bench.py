@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-    from kvpack.config import MooncakeTierConfig
-    from kvpack.keys import StoreKey
-    from kvpack.objects import Expectation, ObjectHeader
+    from kvpack.config.schema import MooncakeTierConfig
+    from kvpack.identity.keys import StoreKey
+    from kvpack.identity.objects import Expectation, ObjectHeader
     from kvpack.tiers.base import PutItem, TierStatus
     from kvpack.tiers.mooncake import MooncakeTier
 

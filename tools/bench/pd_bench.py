@@ -62,7 +62,7 @@ from kvpack.tools.bench.timing import publish
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 METRICS_SPAN = 16
-"""Ports a kvpack engine tries from ``metrics_port`` on (kvpack.config.METRICS_PORT_SPAN)."""
+"""Ports a kvpack engine tries from ``metrics_port`` on (kvpack.config.schema.METRICS_PORT_SPAN)."""
 WAIT = "kvpack_handoff_wait_seconds"
 
 

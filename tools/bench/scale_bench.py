@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.config import DiskTierConfig, KVPackConfig, MemoryTierConfig
-from kvpack.keys import StoreKey
-from kvpack.objects import Expectation, ObjectHeader, payload_checksum
+from kvpack.config.schema import DiskTierConfig, KVPackConfig, MemoryTierConfig
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.objects import Expectation, ObjectHeader, payload_checksum
 from kvpack.store import KVStore
 from kvpack.tiers.base import PutItem
 from kvpack.tiers.disk import DiskTier

@@ -272,7 +272,7 @@ class Bench:
     def row(self, name: str, prefix_caching: bool, kvpack: dict[str, Any] | None, first_lifetime: bool = True) -> Row:
         objects = None
         if kvpack is not None and not first_lifetime:
-            from kvpack.inspect_store import summarize
+            from kvpack.operate.inspect_store import summarize
 
             objects = sum(t.objects for t in summarize(Path(kvpack["disk"]["path"])).tenants.values())
         log = self.root / f"server-{name.replace(' ', '_').replace('+', 'and')}.log"

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpack.keys import ChunkHash, chain_hash
+from kvpack.identity.keys import ChunkHash, chain_hash
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -14,7 +14,7 @@ payload checksum (checksum=boundary: its objects cross processes); the
 unverified column shows what that check costs.
 
 The keyed columns repeat the disk put/get with an integrity key
-(`kvpack.integrity`, as `KVStore` does with ``integrity_key`` set: a keyed
+(`kvpack.store.integrity`, as `KVStore` does with ``integrity_key`` set: a keyed
 HMAC-SHA256 sealed into each header on put, checked on get instead of xxh3)
 and give their ratio to the unkeyed disk path of the same run.
 """
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.config import EvictionPolicyName
-from kvpack.eviction import make_policy
-from kvpack.integrity import IntegrityKey, check_loaded, seal_items
-from kvpack.keys import StoreKey
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
+from kvpack.config.schema import EvictionPolicyName
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.identity.objects import Expectation, ObjectHeader, payload_checksum, payload_nbytes
+from kvpack.policy.eviction import make_policy
+from kvpack.store.integrity import IntegrityKey, check_loaded, seal_items
 from kvpack.tiers.base import PutItem, Tier
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk.writes import ObjectWriter
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         "--python-writes", action="store_true", help="disk and host files written from Python, not natively"
     )
     args = parser.parse_args(argv)
+    from kvpack.config.sizes import parse_size
     from kvpack.ops import load_extension, object_writer
-    from kvpack.sizes import parse_size
 
     native = not args.python_writes and load_extension().available
 

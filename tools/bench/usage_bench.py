@@ -2,7 +2,7 @@
 
 Builds the index with the disk tier's own `Catalog` (tenants x models, one object per group,
 every row ready, each model named as an engine names it; no object file: usage never opens
-one), then times `kvpack.operating.usage` `--repeat` times in this process, and prints the
+one), then times `kvpack.operate.operating.usage` `--repeat` times in this process, and prints the
 objects it counted and each time. The index goes to a temporary folder unless `--dir` names
 one (an existing index there is reused: build once, time often).
 """
@@ -14,10 +14,10 @@ import os
 import tempfile
 import time
 
-from kvpack.config import KVPackConfig
-from kvpack.keys import StoreKey
-from kvpack.layout_spec import KVLayoutSpec
-from kvpack.operating import usage
+from kvpack.config.schema import KVPackConfig
+from kvpack.identity.keys import StoreKey
+from kvpack.identity.layout_spec import KVLayoutSpec
+from kvpack.operate.operating import usage
 from kvpack.tiers.disk.catalog import INDEX_NAME, Catalog
 
 BATCH = 20_000

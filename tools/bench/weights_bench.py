@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kvpack import WeightsWatch
-from kvpack.weights import RELIST_EVERY, parameter_state
+from kvpack.observe.weights import RELIST_EVERY, parameter_state
 
 
 def _model(params: int) -> torch.nn.Module:

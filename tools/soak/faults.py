@@ -141,7 +141,7 @@ def disk_full(soak: Soak) -> str:
 
 
 def _flip_payload_byte(path: Path) -> bool:
-    from kvpack.objects import decode_header
+    from kvpack.identity.objects import decode_header
 
     try:
         raw = bytearray(path.read_bytes())
@@ -246,8 +246,8 @@ def corrupt_objects(soak: Soak) -> str:
     A store whose disk copies did not all land (seen once in a fresh-clone CI run on
     2026-12-03: none of 5, cause not found) is said in the event's line and tried once more under a new tenant:
     the refusal is what this event checks, and it needs the copies it corrupts."""
-    from kvpack.keys import StoreKey, chunk_hashes
-    from kvpack.tails import tail_chunk
+    from kvpack.identity.keys import StoreKey, chunk_hashes
+    from kvpack.policy.tails import tail_chunk
 
     n = soak.cycle_index
     prompt = soak.workload.extra["canary"]
@@ -373,7 +373,7 @@ def _bomb_mooncake(soak: Soak, fp: str) -> str:
     """Plant pickle bombs in Mooncake under the keys a request of a new tenant will look up,
     then send it; see `BOMB_ATTEMPTS`. Each attempt rotates the prompt by one token so that
     vLLM's own prefix cache (which the previous attempt filled) does not answer it."""
-    from kvpack.keys import StoreKey, chunk_hashes
+    from kvpack.identity.keys import StoreKey, chunk_hashes
 
     bomb = _bomb_bytes(soak.sentinel)
     base = soak.workload.extra["bomb-mooncake"]
@@ -402,7 +402,7 @@ def _planted_entries(soak: Soak, fp: str, prompt: tuple[int, ...], n: int) -> st
 
     The requests must complete (a FIFO never blocks a lookup or load) and nothing
     may be written where the symlink points (kvpack never follows it)."""
-    from kvpack.keys import chunk_hashes
+    from kvpack.identity.keys import chunk_hashes
 
     chunks = chunk_hashes(prompt, soak.cfg.block_size)
     t_fifo = f"fifo-{n}"

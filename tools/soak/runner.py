@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpack.config import METRICS_PORT_SPAN as METRICS_PORTS
+from kvpack.config.schema import METRICS_PORT_SPAN as METRICS_PORTS
 
 from . import faults as F
 from .procs import HOST, MooncakeProcs, Tmpfs, free_port_range, mooncake_binaries, tree_rss
@@ -562,7 +562,7 @@ class Soak:
         return SoakReport(rows, windows, cmp, counts, str(self.work))
 
     def _root_is_clean(self) -> bool | None:
-        from kvpack.keys import validate_tenant
+        from kvpack.identity.keys import validate_tenant
         from kvpack.tiers.disk.fs import MARKER
 
         if not self.disk_root.is_dir():

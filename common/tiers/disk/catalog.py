@@ -22,7 +22,7 @@ a writer; every write is one short ``BEGIN IMMEDIATE`` transaction bounded by
 - ``meta``: the schema version and ``complete`` once every file of an older
   store was indexed (`kvpack.tiers.disk.scan` builds it in the background);
 - ``facts(seq, g, origin, identity, blob)``: at most one row per group, what its writer told
-  routers about it (`kvpack.router_facts`): inserted only while the group has a ready object
+  routers about it (`kvpack.observe.router_facts`): inserted only while the group has a ready object
   (`record_facts`), deleted with the group; ``seq`` only grows (AUTOINCREMENT: never reused),
   so a reader tails it with a cursor (`facts_after`).
 
@@ -39,7 +39,7 @@ is never loaded because loads verify the file's own header.
 A group's ``tick`` is when its last store was accepted (`PutItem.accepted_ns`, or the
 admission's own time) or it was last read: a store that arrives after newer ones evicts only
 less recent groups, or is refused. Eviction is LRU over groups (this index selects the candidates in tick order)
-decided by the one victim rule of `kvpack.eviction.shares`, the memory tier's too
+decided by the one victim rule of `kvpack.policy.eviction.shares`, the memory tier's too
 (a tenant over its share evicts its own groups first; no other tenant is pushed below its share). The configured ARC
 policy is approximated by this shared LRU order: ARC's per-process ghost lists
 would not be shared, and the recency order is what all processes agree on.
@@ -62,9 +62,9 @@ from types import TracebackType
 from typing import Any, cast
 
 from ...errors import ConfigError
-from ...eviction.shares import Candidate, choose_victims
-from ...keys import GroupKey, StoreKey
-from ...router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from ...identity.keys import GroupKey, StoreKey
+from ...observe.router_facts import MAX_FACTS_BYTES, FactsRow, RouterFacts
+from ...policy.eviction.shares import Candidate, choose_victims
 from . import batch_sql, census, index_files, private
 from .batch_sql import GroupRows, ObjectRows
 from .reconcile import ScanReconcile
@@ -128,7 +128,7 @@ class Catalog(ScanReconcile):
     EVICTABLE = ""
     """A condition on ``groups`` rows that eviction may take ("": any; the host store's: none being written)."""
     kept: Callable[[], Collection[bytes]] | None = None
-    """The group ids pinned by their tenant (`kvpack.pins`): never victims while it answers them."""
+    """The group ids pinned by their tenant (`kvpack.store.pins`): never victims while it answers them."""
 
     def __init__(
         self, path: str, busy_timeout_s: float = INDEX_BUSY_TIMEOUT_S, *, private_fd: int | None = None

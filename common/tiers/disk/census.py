@@ -1,5 +1,5 @@
 """The index's answers for operators: what it holds per tenant and model, which groups a clear
-selects, and the names of the group fingerprints (`kvpack.clearing`, ``kvpack usage``).
+selects, and the names of the group fingerprints (`kvpack.policy.clearing`, ``kvpack usage``).
 
 Every function reads or writes the shared SQLite index only (never a file of the store), in the
 caller's transaction or lock (`kvpack.tiers.disk.catalog.Catalog`):

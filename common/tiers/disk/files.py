@@ -1,7 +1,7 @@
 """The bytes of one disk-tier object file: header, zero padding to `PAGE`, payload.
 
 Reading checks everything a file can lie about before its payload is used:
-the header (`kvpack.objects.decode_header`, `check_header`), the destination
+the header (`kvpack.identity.objects.decode_header`, `check_header`), the destination
 length, and the file's real size against ``data_offset + payload_len`` (a
 header claiming more payload than the file holds is TRUNCATED).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ...objects import (
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,

@@ -45,6 +45,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from ...config.store_path import check_store_path_text
 from ...errors import ConfigError
 from . import private as private_mod
 
@@ -52,8 +53,6 @@ MARKER = ".kvpack-store"
 STORE_FORMAT = 1
 """Version of the folder layout (``tenant/fingerprint/cc/chunk.member.kvp``)."""
 MARKER_TEXT = f"kvpack store\nformat {STORE_FORMAT}\n"
-MAX_PATH_BYTES = 4095
-MAX_NAME_BYTES = 255
 FORBIDDEN_UNDER = ("/proc", "/sys", "/dev")
 """Pseudo file systems: nothing there is a store folder (but a folder right in `SHM` when asked)."""
 SHM = "/dev/shm"
@@ -75,18 +74,6 @@ class UnsafeEntry(OSError):
 
 
 # -- the root ------------------------------------------------------------------
-
-
-def check_store_path_text(path: str) -> None:
-    """Static checks of a configured store path (no file-system access); ValueError."""
-    if "\x00" in path:
-        raise ValueError("must not contain a NUL byte")
-    raw = os.fsencode(path)
-    if len(raw) > MAX_PATH_BYTES:
-        raise ValueError(f"is {len(raw)} bytes long; the limit is {MAX_PATH_BYTES}")
-    long = next((p for p in raw.split(b"/") if len(p) > MAX_NAME_BYTES), None)
-    if long is not None:
-        raise ValueError(f"has a component of {len(long)} bytes; the limit is {MAX_NAME_BYTES}")
 
 
 def _check_resolved(real: str, shm: bool = False) -> None:

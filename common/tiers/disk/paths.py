@@ -6,7 +6,7 @@ comes from a validated `StoreKey` (no ``/``, no ``..``), so no key names a path 
 
 from __future__ import annotations
 
-from ...keys import GroupKey, StoreKey
+from ...identity.keys import GroupKey, StoreKey
 from .files import SUFFIX
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable, Sequence
 
-from ...keys import StoreKey
-from ...objects import (
+from ...identity.keys import StoreKey
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,
@@ -36,14 +36,11 @@ from ...objects import (
     header_length,
     payload_parts,
 )
+from ...ops.natives import ObjectReader
 from ..base import GetResult, TierStatus
 from . import fs
 from .files import PAGE
 from .paths import rel_file
-
-ObjectReader = Callable[[int, Sequence[tuple[bytes, Sequence[memoryview]]], int], list[tuple[int, int, int, int]]]
-"""Native ``read_objects(root_fd, [(path, parts)], digest_from)``: one (errno, size, bytes read or -1,
-xxh3_64 of ``parts[digest_from:]`` of a whole read, else 0) per object; ``digest_from`` -1 hashes nothing."""
 
 _PAYLOAD_FROM = 1
 """Index of an object's first payload part in its read: part 0 is the header page."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
-from ...keys import StoreKey
+from ...identity.keys import StoreKey
 from .rows import group_id, pack_name
 
 

@@ -19,18 +19,12 @@ anything in it. Every folder is opened beneath the root without following a syml
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from ...keys import GroupKey, StoreKey
+from ...identity.keys import GroupKey, StoreKey
+from ...ops.natives import ObjectRemover
 from . import fs
 from .paths import file_name, leaf_of
-
-NativeFile = tuple[bytes, bytes]
-"""(leaf, file name) of one object file, as the native remover takes it."""
-NativeFolder = tuple[bytes, bytes, bool]
-"""(parent folder, folder name, first of its chain); parent ``b""`` is the root itself."""
-ObjectRemover = Callable[[int, Sequence[NativeFile], Sequence[NativeFolder]], tuple[list[int], list[int]]]
-"""Native ``remove_objects(root_fd, files, folders)``: one errno per file (0: removed), one 0/1 per folder."""
 
 
 def folder_chain(group: GroupKey) -> list[tuple[str, str]]:

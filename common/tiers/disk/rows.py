@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from ...keys import GroupKey
+from ...identity.keys import GroupKey
 
 
 def pack_name(text: str) -> str | bytes:

@@ -50,8 +50,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from ...keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
-from ...objects import ObjectRejected, RejectReason
+from ...identity.keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
+from ...identity.objects import ObjectRejected, RejectReason
 from . import fs
 from .catalog import WRITE_GRACE_S, Catalog
 from .files import PAGE, SUFFIX, data_offset, read_header_fd

@@ -2,7 +2,7 @@
 
 Layout: ``<root>/<tenant>/<fingerprint>/<chunk[:2]>/<chunk>.<member>.kvp``;
 every path component comes from a validated `StoreKey`, so no key can escape
-the root. A file is the object's header (`kvpack.objects`), zero padding up
+the root. A file is the object's header (`kvpack.identity.objects`), zero padding up
 to the next 4 KiB boundary, then the payload: page-aligned payloads make the
 kernel's copy into the caller's buffer as fast as a plain file read, and a
 reader gets header and payload in one `preadv`. Files are written to a
@@ -59,9 +59,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...clearing import Cleared, ClearScope, ClearUnsupported
-from ...keys import GroupKey, StoreKey
-from ...objects import (
+from ...identity.keys import GroupKey, StoreKey
+from ...identity.objects import (
     Expectation,
     HeaderFastPath,
     ObjectHeader,
@@ -72,7 +71,8 @@ from ...objects import (
     payload_nbytes,
     payload_parts,
 )
-from ...router_facts import FactsRow, RouterFacts
+from ...observe.router_facts import FactsRow, RouterFacts
+from ...policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage, checksummed
 from ..parallel import IOThreads, RegionCopier
 from . import fs, scan
@@ -146,7 +146,7 @@ class DiskTier(Tier):
 
         Eviction is LRU over the folder's groups, shared by every process on it (`kvpack.tiers.disk.catalog`;
         the configured `eviction.policy` orders the memory tier only). `quotas`: the tenants' guaranteed
-        shares (`kvpack.eviction.shares`). `busy_timeout_s` bounds a wait for another process's
+        shares (`kvpack.policy.eviction.shares`). `busy_timeout_s` bounds a wait for another process's
         index transaction. `open_scan_s` is how long opening waits for the folder scan
         (`kvpack.tiers.disk.scan`) before leaving it to its background thread. `index_pace` is a
         test seam of that scan (`scan.build_index`). `object_writer`, if given, is asked at each put for
@@ -319,7 +319,7 @@ class DiskTier(Tier):
         return self._capacity_bytes
 
     def keep(self, kept: Callable[[], frozenset[bytes]]) -> None:
-        """Never evict the groups whose ids `kept()` holds (`kvpack.pins`), from any process's store."""
+        """Never evict the groups whose ids `kept()` holds (`kvpack.store.pins`), from any process's store."""
         self._catalog.kept = kept
 
     def groups_present(self, groups: Sequence[GroupKey]) -> list[int | None]:
@@ -328,7 +328,7 @@ class DiskTier(Tier):
         return self._catalog.ready_bytes(groups)
 
     def record_facts(self, rows: Sequence[tuple[GroupKey, RouterFacts]]) -> int:
-        """Routers' facts of groups the folder holds ready (`Catalog.record_facts`, `kvpack.router_facts`)."""
+        """Routers' facts of groups the folder holds ready (`Catalog.record_facts`, `kvpack.observe.router_facts`)."""
         return self._catalog.record_facts(rows)
 
     def facts_after(self, seq: int, limit: int) -> list[FactsRow]:

@@ -27,24 +27,15 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from ...objects import Payload, payload_parts
+from ...identity.objects import Payload, payload_parts
+from ...ops.natives import Buffer, NativeJob, ObjectWriter, WriteResult
 from ..base import TierStatus
 from . import fs
 from .files import data_offset, write_all
-
-Buffer = bytes | memoryview
-NativeJob = tuple[bytes, bytes, bytes, Sequence[Buffer]]
-"""(leaf, temporary name, final name, buffers): a `WriteJob` as the native writer takes it."""
-WriteResult = tuple[int, int]
-"""(errno, temporaries removed) of one object: errno 0 when written; a removed temporary is
-this write's own (``own_temp`` in `DiskCounters.removed`)."""
-ObjectWriter = Callable[[int, int, Sequence[NativeJob], bool, bool], list[WriteResult]]
-"""Native ``write_objects(root_fd, temp_dir_fd, jobs, fsync, make_leaves)``; `temp_dir_fd` < 0: temporaries
-in the leaf; `make_leaves`: a leaf folder that is not there is made first (`fs.make_dirs`' rule)."""
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ConfigError
-from ...keys import StoreKey
+from ...identity.keys import StoreKey
 from ..disk.batch_sql import chunks, flat, marks, values
 from ..disk.catalog import Catalog
 from ..disk.private import fd_problem

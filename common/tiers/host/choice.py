@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ...config import KVPackConfig, MemoryMode
+from ...config.schema import KVPackConfig, MemoryMode
 from ...errors import ConfigError
 from ..disk.fs import SHM
 from ..disk.private import REFUSED, path_problem

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from ...config import KVPackConfig
+from ...config.schema import KVPackConfig
 from ..disk.fs import SHM
 from .pages import ARENA, Geometry
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ConfigError
-from ...keys import GroupKey, StoreKey
-from ...objects import (
+from ...identity.keys import GroupKey, StoreKey
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,
@@ -513,7 +513,7 @@ class HostTier(DiskTier):
 
     def mapping(self) -> tuple[int, int]:
         """(address, bytes) of this process's mapping of the arena's pages: what `lend` hands out
-        views of (registered with CUDA on a GPU host: `kvpack.host_registration`)."""
+        views of (registered with CUDA on a GPU host: `kvpack.transfers.host_registration`)."""
         area = self._pages.area
         return int(area.ctypes.data), int(area.nbytes)
 

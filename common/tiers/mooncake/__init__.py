@@ -7,7 +7,7 @@ clients contribute (a ``mooncake_client`` holder, or the engines themselves).
 What this tier adds to ``MooncakeDistributedStore``, and where:
 
 - kvpack's object format (`gets`, `puts`). Each object is stored as header +
-  payload (`kvpack.objects`) under ``StoreKey.as_str()``; every load decodes
+  payload (`kvpack.identity.objects`) under ``StoreKey.as_str()``; every load decodes
   the header and checks it against the reader's `Expectation` (and the
   payload checksum when asked), and the byte count Mooncake reports must
   equal the header's. Mooncake's ``get`` (b'' for a miss and for any error

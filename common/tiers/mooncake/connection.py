@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import MooncakeProtocol, MooncakeTierConfig
+from ...config.schema import MooncakeProtocol, MooncakeTierConfig
 from ...errors import ConfigError
 from ..base import TierStatus
 from .codes import NOT_CALLED, OBJECT_NOT_FOUND, TENANT_NOT_REGISTERED, code_info, describe

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ...keys import StoreKey
-from ...objects import (
+from ...identity.keys import StoreKey
+from ...identity.objects import (
     HEADER_PREFIX_BYTES,
     Expectation,
     HeaderFastPath,
@@ -65,7 +65,7 @@ OVERWRITE_REASONS = frozenset(
     }
 )
 """Refusals after which the next put of that key overwrites (upserts) what Mooncake holds.
-Wider than `kvpack.reads.INTEGRITY_REASONS` (damaged bytes, whose group the store removes):
+Wider than `kvpack.store.reads.INTEGRITY_REASONS` (damaged bytes, whose group the store removes):
 under a content-addressed key, anything that disagrees with the key is garbage to replace."""
 
 

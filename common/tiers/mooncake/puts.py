@@ -34,8 +34,8 @@ from typing import Any
 import xxhash
 
 from ...canonical.addressed import address_of
-from ...keys import GroupKey, StoreKey
-from ...objects import HeaderFastPath, ObjectHeader, payload_checksum, payload_parts
+from ...identity.keys import GroupKey, StoreKey
+from ...identity.objects import HeaderFastPath, ObjectHeader, payload_checksum, payload_parts
 from ..base import PutItem, TierStatus
 from .codes import INVALID_PARAMS, NOT_CALLED, code_info, describe
 from .connection import Connection

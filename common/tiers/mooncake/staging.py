@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ...objects import Payload, copy_into_parts
+from ...identity.objects import Payload, copy_into_parts
 from .runner import Lane, Slot
 
 ALIGN = 64

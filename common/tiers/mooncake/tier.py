@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ...clearing import Cleared, ClearScope, ClearUnsupported
-from ...config import MooncakeProtocol, MooncakeTierConfig
-from ...keys import GroupKey, StoreKey
-from ...objects import Expectation, ObjectHeader, Payload
+from ...config.schema import MooncakeProtocol, MooncakeTierConfig
+from ...identity.keys import GroupKey, StoreKey
+from ...identity.objects import Expectation, ObjectHeader, Payload
+from ...policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..base import GetResult, Medium, PutItem, Tier, TierStatus, TierUsage
 from . import connection
 from .connection import CircuitBreaker, Connection, TierEvents, TierState

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpack.inspect_store import summarize
+from kvpack.operate.inspect_store import summarize
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 LOG_TAIL_CHARS = 6000
