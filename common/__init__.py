@@ -68,16 +68,18 @@ from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPa
 from .errors import ConfigError, KVPackError, LayoutError
 from .identity.heads import HeadRange, HeadSplit
 from .identity.keys import (
+    ChunkChain,
     ChunkHash,
     GroupKey,
     StoreKey,
     chain_hash,
     chunk_hashes,
+    member_name,
     validate_chunk_hashes,
     validate_member,
 )
 from .identity.layout_spec import KVLayoutSpec
-from .identity.model_identity import ModelIdentity, adapter_identity
+from .identity.model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
 from .identity.model_identity import (
     model_identity as identify_model,
 )  # not under its module's name: kvpack.identity.model_identity stays the module
@@ -128,6 +130,7 @@ __all__ = [
     "vllm_cpu_geometry",
     "ChecksumPolicy",
     "ChunkFacts",
+    "ChunkChain",
     "ChunkHash",
     "ClearReport",
     "ClearScope",
@@ -205,7 +208,9 @@ __all__ = [
     "address_of",
     "canonical_group_spec",
     "chain_hash",
+    "checkpoint_kv_heads",
     "chunk_hashes",
+    "member_name",
     "clip",
     "head_range_fingerprint",
     "identify_model",

@@ -5,9 +5,8 @@ CPU-bound host (a CPU engine, or the host side of a GPU engine) a save that
 competes for the same cores shows up as slower decode steps. So:
 
 - the C++ copy kernel is serial (see csrc/block_copy_cpu.cpp): an OpenMP team
-  started from a background thread stays behind and kept a 2-core vLLM CPU
-  engine ~1.8x slower per decode step after the first load (measured: 0.12 s
-  -> 0.22 s per 64-token request, until restart);
+  started from a background thread stays behind and slows every later decode
+  step until the engine restarts (benchmarks/RESULTS.md, "the kernel is now serial");
 - saves and write-back run at a lower scheduling priority than the engine.
 """
 

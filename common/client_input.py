@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 CLIP_CHARS = 48
@@ -53,39 +54,59 @@ class Counts(Protocol):
 
 
 class Refusals:
-    """Refused client input of one kind: counted by reason, logged once per reason.
+    """Refused input of one kind: counted by reason, logged once per reason. The one
+    log-once rule for what a client or an engine hands kvpack that it refuses.
 
-    `metric` is a counter of `kvpack.observe.metrics.SPECS` with a ``reason`` label; a reason is
-    a member of an enum whose values are the label values. Thread-safe."""
+    `metric` is a counter of `kvpack.observe.metrics.SPECS`; each refusal is counted with its
+    reason's value under the label `label` (``reason`` unless the metric names it otherwise),
+    beside the fixed `labels`. A reason is a member of an enum whose values are label values.
+    The first refusal of each reason is logged at `level`; the set of reasons logged is all
+    that is kept (bounded by the enum). Thread-safe."""
 
-    def __init__(self, metrics: Counts, metric: str, what: str, logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        metrics: Counts,
+        metric: str,
+        what: str,
+        logger: logging.Logger,
+        *,
+        label: str = "reason",
+        labels: Mapping[str, str] | None = None,
+        level: int = logging.ERROR,
+    ) -> None:
         self._metrics = metrics
         self._metric = metric
         self._what = what
         self._log = logger
+        self._label = label
+        self._labels = dict(labels or {})
+        self._level = level
         self._logged: set[enum.Enum] = set()
         self._lock = threading.Lock()
 
     def refuse(self, reason: enum.Enum, detail: str, request_id: object = None) -> bool:
         """Count one refusal of `reason`; log it when it is the first of its reason in this
         process. `detail` must quote client values through `clip` only; it is cut to
-        `MAX_DETAIL_CHARS` here as well. Returns whether it was logged."""
-        self._metrics.inc(self._metric, reason=str(reason.value))
+        `MAX_DETAIL_CHARS` here as well. `request_id`: the request it came with (None: not
+        a request's). Returns whether it was logged."""
+        value = str(reason.value)
+        self._metrics.inc(self._metric, 1.0, **self._labels, **{self._label: value})
         with self._lock:
             if reason in self._logged:
                 return False
             self._logged.add(reason)
         if len(detail) > MAX_DETAIL_CHARS:
             detail = detail[:MAX_DETAIL_CHARS] + "..."
-        self._log.error(
-            "kvpack: %s refused (request %s, reason %s): %s; later refusals of this reason are only counted "
-            "(kvpack_%s_total{reason=%r})",
+        where = f"request {clip(request_id)}, reason {value}" if request_id is not None else f"reason {value}"
+        series = ",".join(f"{k}={v!r}" for k, v in (*self._labels.items(), (self._label, value)))
+        self._log.log(
+            self._level,
+            "kvpack: %s refused (%s): %s; later refusals of this reason are only counted (kvpack_%s_total{%s})",
             self._what,
-            clip(request_id),
-            reason.value,
+            where,
             detail,
             self._metric,
-            reason.value,
+            series,
         )
         return True
 

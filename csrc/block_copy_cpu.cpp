@@ -2,8 +2,8 @@
 //
 // Serial unless the caller asks for more than one thread. The copies run on
 // kvpack's background threads inside an engine process: an OpenMP team started
-// there stays behind and competes with the engine's own threads (measured on a
-// 2-core vLLM CPU engine: every later decode step ~1.8x slower). One thread
+// there stays behind and competes with the engine's own threads, slowing every later
+// decode step (benchmarks/RESULTS.md, "the kernel is now serial"). One thread
 // already copies at memcpy speed.
 #include "block_copy_cpu.h"
 

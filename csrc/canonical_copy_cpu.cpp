@@ -12,8 +12,8 @@
 // prefetched in address order, a strip of transposed rows is built in an L1 bounce
 // buffer and written out with non-temporal stores of whole cache lines. Plain
 // stores of a transpose fill each destination line piecewise, so the CPU reads every
-// line before writing it (3 memory passes to memcpy's 2: measured 0.72x of the
-// engine-native copy at DRAM size, 1.0x streamed). In cache, plain stores are faster.
+// line before writing it (3 memory passes to memcpy's 2); whole lines streamed make it 2.
+// In cache, plain stores are faster (benchmarks/RESULTS.md, "Canonical objects").
 // Streamed calls use the SSE2 blocks: there memory is the limit, not the shuffles.
 // A streamed gather out of token-major pages (SGLang page_first) walks each page in its
 // address order instead of tile by tile (`gather_token_major`).
@@ -84,7 +84,7 @@ bool transpose_streamed(uint8_t* cache, int64_t panel_stride, uint8_t* obj, int6
 
 #ifdef KVP_HAVE_AVX512
 // The in-cache transpose in blocks of 64-byte rows, each tile's source first asked for
-// in address order (measured at 16 MiB, bf16 `vec`: 0.90x -> 0.94x of the native copy).
+// in address order (so the hardware prefetcher sees one forward stream per tile).
 template <int U>
 KVP_AVX512_FN bool transpose_wide(uint8_t* cache, int64_t panel_stride, uint8_t* obj, int64_t obj_row,
                                   int64_t panels, int64_t tokens, bool gather) {
@@ -139,13 +139,11 @@ bool transpose_simd(uint8_t* cache, int64_t panel_stride, int64_t token_stride, 
   if (stream && transpose_streamed<U, W>(cache, panel_stride, obj, obj_row, panels, tokens, gather)) return true;
   // The destination's rows are filled one after another (gather: object rows are
   // tokens; scatter: cache rows are panels), so few of its cache lines are open at a
-  // time (measured: scatter 0.60x -> 0.71x of the engine-native copy). 2-byte units
-  // ask for the tile's source in address order first (measured at 2-16 MiB, bf16
-  // `vec`: 0.82x -> 0.89-0.91x).
-  // 4-byte units gained nothing from it; their 4x4 blocks are small, so the copy walks
+  // time. 2-byte units ask for the tile's source in address order first.
+  // 4-byte units gained nothing from that; their 4x4 blocks are small, so the copy walks
   // strips of several blocks (gather: 16 tokens across every panel; scatter: 8 panels
-  // across every token), measured at 2-16 MiB, fp32 `vec`: 0.77x -> 0.85-0.90x. For
-  // 2-byte units a strip is one block: the order above.
+  // across every token). For 2-byte units a strip is one block: the order above.
+  // (Each step's gain: benchmarks/RESULTS.md, "Canonical objects".)
   if (U == 2) prefetch_tile<U>(cache, panel_stride, obj, obj_row, panels, tokens, gather);
   constexpr int64_t kTokenStrip = U == 4 ? 16 : W, kPanelStrip = U == 4 ? 8 : W;
   if (gather) {
@@ -224,9 +222,9 @@ void copy_tile(uint8_t* cache, uint8_t* obj, const KvpCanonGeometry& g, int s, b
     }
 #ifdef KVP_HAVE_SSE2
     // scatter, a run per token (SGLang's page_first: a token holds every layer): whole cache
-    // lines streamed, so memory sees 2 passes, not 3 (no line read before it is written);
-    // 96 MiB on the 2-core EPYC: 12.3 -> 6.7 ms (memcpy 7.5-8.2). A gather streamed was
-    // slower than plain stores there (13.6-14.0 ms against 11.9-12.3), so it stays plain.
+    // lines streamed, so memory sees 2 passes, not 3 (no line read before it is written).
+    // A gather streamed this way was slower than plain stores, so it stays plain
+    // (benchmarks/RESULTS.md, "Memory tier and page-cache gets after the streamed scatter").
     if (stream && !gather && ((row | ti | to) & 15) == 0 && ((uintptr_t)cache & 15) == 0) {
       for (int64_t t = 0; t < T; ++t) stream_copy(cache + (t / tg) * to + (t % tg) * ti, obj + t * row, row);
       return;
@@ -362,8 +360,8 @@ bool gather_token_major(const KvpCanonGeometry& g, const uint64_t* ptr_table, co
 #endif
 
 // Calls moving at least this many bytes stream (see the top of the file): 16x the
-// per-core L2, where plain stores stopped winning on the dev box (Xeon: 2 MiB L2,
-// crossover between 16 and 32 MiB; 2-16 MiB calls are 0.8x plain, 0.7x streamed).
+// per-core L2, about where a copy stops fitting the caches and plain stores stop winning
+// (the crossover: benchmarks/RESULTS.md, "Canonical objects").
 int64_t stream_min_bytes() {
   static const int64_t bytes = [] {
     long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);

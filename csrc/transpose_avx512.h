@@ -5,8 +5,8 @@
 // Each block moves whole 64-byte rows: a 32x32 transpose of 2-byte units or a 16x16
 // one of 4-byte units reads 32 (16) rows of 64 bytes and writes 32 (16) rows of 64
 // bytes, so a transposing copy fills whole destination lines, with 160 (64) shuffles
-// per 2 KiB (1 KiB) against SSE2's 384 (128). Measured on a Xeon with AMX, in-cache
-// calls (2-16 MiB): 0.82x -> 0.93x of the engine-native copy (bf16 `vec`).
+// per 2 KiB (1 KiB) against SSE2's 384 (128): fewer shuffles for in-cache calls, where the
+// shuffles, not memory, are the limit (benchmarks/RESULTS.md, "In-cache calls").
 #pragma once
 
 #include <stdint.h>

@@ -38,17 +38,17 @@ def copy_runs(
     moves at least `MIN_BYTES_PER_THREAD`, one native thread each, the caller's included.
     The GIL is given up once, inside the kernel, and no helper thread runs Python: beside
     an SGLang scheduler thread busy in Python (a GPU server's), a helper that had to take
-    the GIL back would wait for its switch interval, and Python worker threads made an
-    8B model's 12-page get 1.8x slower there than one thread. Every address must stay valid
-    until this returns."""
+    the GIL back would wait for its switch interval, so Python worker threads made a get
+    slower there than one thread (benchmarks/RESULTS.md, issue 34's sections). Every address
+    must stay valid until this returns."""
     pieces = max(1, min(threads, len(ids) * geo.object_bytes(geo.heads) // MIN_BYTES_PER_THREAD))
     geo.copy_at(ids, addrs, gather=gather, threads=pieces)
 
 
 def row_views(rows: np.ndarray) -> list[Payload]:
     """Each row of a C-contiguous 2-D uint8 array as a writable 1-D memoryview of its bytes,
-    equal to ``memoryview(rows[i])``: slices of one view of the whole buffer (0.1 us a row;
-    indexing the array first costs 0.6 us: a save's or a load's 256 objects)."""
+    equal to ``memoryview(rows[i])``: slices of one view of the whole buffer, not a view per
+    indexed row (a save or a load builds one per object, hundreds per call)."""
     if rows.ndim != 2 or not rows.flags.c_contiguous:
         raise ValueError(f"row_views: a C-contiguous 2-D array, not shape {rows.shape}")
     flat, width = rows.reshape(-1).data, rows.shape[1]

@@ -45,26 +45,17 @@ class PageCopies:
         self.session = session
         self.tenant = tenant
         self.pools = pools
-        self._logged: set[AdapterRefusal] = set()
-        """Refusal reasons already logged: each is logged once, then only counted (bounded by the enum)."""
+        self._refusals = session.report.engine_refusals(ENGINE, "SGLang page call", log)
+        """Refused calls: each counted, the first of each reason logged (`kvpack.Refusals`)."""
         self.batches = BatchLog()
         """Each get and set call's pages and bandwidth, for SGLang's `get_stats` (bounded)."""
-
-    def _first(self, why: AdapterRefusal) -> bool:
-        """Count a refusal; whether it is the first of its reason here (the one to log)."""
-        self.session.report.refused(ENGINE, why)
-        if why in self._logged:
-            return False
-        self._logged.add(why)
-        return True
 
     def valid(self, keys: Sequence[str]) -> bool:
         """Whether every page key is a valid chunk hash (a refusal is counted and logged)."""
         try:
             validate_chunk_hashes(keys)
-        except (ValueError, TypeError) as exc:
-            if self._first(AdapterRefusal.BAD_KEY):  # the key is quoted cut (`keys.validate_chunk_hash`)
-                log.warning("kvpack: SGLang page key refused: %s; later ones are only counted", exc)
+        except (ValueError, TypeError) as exc:  # the key is quoted cut (`keys.validate_chunk_hash`)
+            self._refusals.refuse(AdapterRefusal.BAD_KEY, f"page key: {exc}")
             return False
         return True
 
@@ -72,8 +63,7 @@ class PageCopies:
         """Whether the pool is bound and every page key valid (a refusal is counted and logged)."""
         if binding is None:
             why = self.pools.errors.get(name, "not registered")
-            if self._first(AdapterRefusal.UNKNOWN_POOL):
-                log.warning("kvpack: %s on pool %s refused: %s; later ones are only counted", op, clip(name), clip(why))
+            self._refusals.refuse(AdapterRefusal.UNKNOWN_POOL, f"{op} on pool {clip(name)}: {clip(why)}")
             return False
         return self.valid(keys)
 

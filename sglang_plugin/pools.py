@@ -21,8 +21,6 @@ Python loop anywhere.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -45,11 +43,12 @@ from .. import (
     StoredRange,
     address_of,
     canonical_group_spec,
+    checkpoint_kv_heads,
     head_range_fingerprint,
     identify_model,
+    member_name,
     paged_geometry,
     split_sources,
-    validate_member,
 )
 from ..ops import PagedKV
 from .conversion import StagingRows, copy_runs, row_views
@@ -91,18 +90,6 @@ def is_replicated(host_pool: Any, name: str, is_mla_model: bool) -> bool:
     return name == "kv" and is_mla_model and not hasattr(host_pool, "v_buffer")
 
 
-def _member_name(pool: str, pp_rank: int, pp_size: int, shard: int, shards: int) -> str:
-    base = pool if pp_size == 1 else f"{pool}_pp{pp_rank}"
-    suffix = f"@{shard}of{shards}" if shards > 1 else ""
-    try:
-        return validate_member(base + suffix)
-    except ValueError:
-        digest = hashlib.sha256(base.encode()).hexdigest()[:8]
-        return validate_member(
-            f"{''.join(c for c in base if c.isalnum() or c == '_')[:20].lower() or 'p'}_{digest}{suffix}"
-        )
-
-
 def computes_on_host_cpu(host_pool: Any) -> bool:
     """Whether SGLang's forward pass runs on the host's CPU: the device the host pool moves
     pages to and from (``_transfer_device`` of SGLang 0.5.23's MHA pools, from the device
@@ -126,35 +113,22 @@ def _model_dir(model_name: str | None) -> tuple[str, str]:
     return name, ""
 
 
-def checkpoint_kv_heads(model_name: str | None) -> int:
-    """The model's KV heads over all TP ranks, from the local checkpoint's ``config.json``
-    (``num_key_value_heads``, else ``num_attention_heads``; a ``text_config`` first);
-    0 when SGLang's model name is not a local checkpoint or says nothing."""
+def sglang_kv_heads(model_name: str | None) -> int:
+    """The model's KV heads over all TP ranks (`kvpack.checkpoint_kv_heads` of the checkpoint
+    SGLang's ``model_name`` names); 0 when it is no local checkpoint or says nothing."""
     base, _tag = _model_dir(model_name)
-    try:
-        config = json.loads((Path(base) / "config.json").read_text()) if base else {}
-    except (OSError, ValueError):
-        return 0
-    for section in (config.get("text_config"), config):
-        if isinstance(section, dict):
-            for key in ("num_key_value_heads", "num_attention_heads"):
-                value = section.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
-    return 0
+    return checkpoint_kv_heads(base) if base else 0
 
 
 def sglang_model_identity(model_name: str | None, model_id: str = "") -> str:
-    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.identity.model_identity`).
+    """The cache identity of SGLang's ``storage_config.model_name`` (`kvpack.identify_model`).
 
     SGLang gives the served model name (by default the model path), tagged
-    ``<name>-<storage_format_tag>`` when the host pool has a page format of its own.
-    A local checkpoint directory is digested; a tagged one is the directory's digest
-    plus ``|format=<tag>`` (the tag still splits the cache); `model_id` replaces the
-    digest, never the tag; anything else is the name as given."""
+    ``<name>-<storage_format_tag>`` when the host pool has a page format of its own: the
+    core is handed the checkpoint and the tag (``|format=<tag>``, which `model_id` never
+    replaces)."""
     base, tag = _model_dir(model_name)
-    ident = identify_model(base, model_id=model_id).value
-    return f"{ident}|format={tag}" if tag else ident
+    return identify_model(base, model_id=model_id, page_format=tag).value
 
 
 def _nothing_after_load(_ok: Sequence[bool], _views: Sequence[memoryview | None]) -> None:
@@ -225,7 +199,7 @@ class ParallelInfo:
     is_mla_model: bool
     is_storage_writer: bool
     kv_heads: int = 0
-    """The model's KV heads over all TP ranks (`checkpoint_kv_heads`; 0: unknown)."""
+    """The model's KV heads over all TP ranks (`sglang_kv_heads`; 0: unknown)."""
     model_name: str = ""
     """SGLang's name for the model (its path or hub name): names the fingerprint for operators."""
 
@@ -261,7 +235,7 @@ class PoolBinding:
         else:
             shard, shards = par.tp_rank, par.tp_size
             self.writes = True
-        self.member = _member_name(name, par.pp_rank, par.pp_size, shard, shards)
+        self.member = member_name(name, shard, shards, stage=par.pp_rank, stages=par.pp_size)
         dtype = str(getattr(host_pool, "dtype", "unknown")).removeprefix("torch.")
         extra = {
             "pool": name,

@@ -69,7 +69,7 @@ from kvpack import AdapterRefusal, Coverage, Direction, MemberSpec, Session, wit
 from .config import split_extra_config
 from .legacy import FlatMember, LegacyPageInterface
 from .pages import ENGINE, PageCopies
-from .pools import ParallelInfo, PoolBinding, checkpoint_kv_heads, pool_name, sglang_model_identity
+from .pools import ParallelInfo, PoolBinding, pool_name, sglang_kv_heads, sglang_model_identity
 from .registry import PoolRegistry
 from .weights import WeightUpdates
 
@@ -101,7 +101,7 @@ def parallel_info(storage_config: HiCacheStorageConfig, model_id: str) -> Parall
         dcp_size=int(getattr(storage_config, "dcp_size", 1) or 1),
         is_mla_model=bool(storage_config.is_mla_model),
         is_storage_writer=bool(getattr(storage_config, "is_storage_writer", True)),
-        kv_heads=checkpoint_kv_heads(storage_config.model_name),
+        kv_heads=sglang_kv_heads(storage_config.model_name),
         model_name=str(storage_config.model_name or ""),
     )
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpack.vllm_plugin.offline import shutdown
+from kvpack.tools.offline import shutdown
 
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 """Allowed logprob difference on a repeated prompt, by model dtype (bf16 rounds

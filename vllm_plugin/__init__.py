@@ -38,7 +38,7 @@ def register() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in (CONNECTOR_NAME, "KVPackConnectorStats", "live_connectors"):
+    if name in (CONNECTOR_NAME, "KVPackConnectorStats"):
         from . import connector
 
         return getattr(connector, name)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpack import ChunkHash, RequestScope, chunk_hashes
+from kvpack import ChunkChain, ChunkHash, RequestScope
 
 from .metadata import NO_BLOCK, BlockRef, TransferJob, block_at
 
@@ -53,9 +53,10 @@ class _Running:
 
     request: Request
     scope: RequestScope
+    chain: ChunkChain
+    """The request's chunk hashes so far (from its scope's seed), extended as it is captured."""
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV cache group, the request's blocks as vLLM reported them (scheduler output)."""
-    hashes: list[ChunkHash] = field(default_factory=list)
     next_chunk: int = 0
     """Chunks before this one are stored (loaded from kvpack) or captured."""
     tail_end: int = 0
@@ -79,7 +80,9 @@ class CaptureTracker:
     def track(self, request: Request, scope: RequestScope, stored_chunks: int) -> None:
         """Start tracking `request` (idempotent); its first `stored_chunks` are in kvpack already."""
         if request.request_id not in self._running:
-            self._running[request.request_id] = _Running(request, scope, next_chunk=stored_chunks)
+            self._running[request.request_id] = _Running(
+                request, scope, ChunkChain(scope.seed, self.block_size), next_chunk=stored_chunks
+            )
 
     def restart(self, req_id: str) -> None:
         """vLLM recomputes the request (its load failed): capture (overwrite) every chunk again."""
@@ -133,7 +136,7 @@ class CaptureTracker:
         for i in range(start, end):
             ids = tuple(block_at(group_blocks, i) for group_blocks in run.block_ids)
             if any(b != NO_BLOCK for b in ids):
-                refs.append(BlockRef(run.hashes[i], ids, bs))
+                refs.append(BlockRef(run.chain.hashes[i], ids, bs))
         run.next_chunk = max(run.next_chunk, end)
         if tail_at:
             tail = self._tail_ref(run, tail_at)
@@ -164,12 +167,8 @@ class CaptureTracker:
         return self._tail_ref(run, n)
 
     def _hash_to(self, run: _Running, chunks: int) -> None:
-        """Extend `run.hashes` to the first `chunks` chunks of the request."""
-        bs = self.block_size
-        if len(run.hashes) < chunks:
-            parent = run.hashes[-1] if run.hashes else run.scope.seed
-            tokens = list(run.request.all_token_ids[len(run.hashes) * bs : chunks * bs])
-            run.hashes.extend(chunk_hashes(tokens, bs, parent=parent))
+        """Extend `run.chain` to the first `chunks` chunks of the request."""
+        run.chain.extend(run.request.all_token_ids, chunks)
 
     def _tail_end(self, request: Request, done: int, drafts: int) -> int:
         """Tokens covered by a tail this step should store (0: none): the prompt's, in the
@@ -195,7 +194,7 @@ class CaptureTracker:
         if all(b == NO_BLOCK for b in ids):
             return None
         tail_ids = tuple(int(t) for t in run.request.all_token_ids[c * self.block_size : end])
-        chunk, stored = self.place_tail(run.scope, run.hashes[c - 1] if c else run.scope.seed, tail_ids)
+        chunk, stored = self.place_tail(run.scope, run.chain.parent(c), tail_ids)
         run.tail_end = end
         if end == int(run.request.num_prompt_tokens):
             run.prompt_tail = chunk

@@ -14,7 +14,6 @@ or with ``"kv_connector_module_path":"kvpack.vllm_plugin"``.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,13 +53,6 @@ if TYPE_CHECKING:
     from kvpack import HitSources, Session
 
 log = logging.getLogger("kvpack.vllm")
-
-_LIVE: weakref.WeakSet[KVPackConnector] = weakref.WeakSet()
-
-
-def live_connectors() -> list[KVPackConnector]:
-    """Connectors alive in this process (tests read their stores' metrics)."""
-    return list(_LIVE)
 
 
 @dataclass
@@ -125,7 +117,6 @@ class KVPackConnector(KVConnectorBase_V1, SupportsHMA):
         self._tier_feed = tier_feed(vllm_config, self.worker.session) if self.worker is not None else None
         self._hit_sources: dict[str, HitSources] = {}
         """Per running request whose hit the workers load: the hit by tier (dropped when it finishes)."""
-        _LIVE.add(self)
 
     @property
     def session(self) -> Session:

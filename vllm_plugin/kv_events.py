@@ -66,7 +66,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
 
 from kvpack import (
     BadTenant,
-    ChunkHash,
+    ChunkChain,
     FactsTail,
     GroupKey,
     KVPackConfig,
@@ -76,7 +76,6 @@ from kvpack import (
     TierEvent,
     TierEventFeed,
     TierEventKind,
-    chunk_hashes,
     new_origin,
     shared_fact_tails,
     shared_tier_sweeps,
@@ -154,10 +153,10 @@ def worker_events(feed: TierEventFeed | None) -> KVPackKVEvents | None:
 @dataclass
 class _Followed:
     request: Request
-    seed: ChunkHash | None
+    chain: ChunkChain
+    """Its chunk hashes (kvpack's chain from its scope's seed), extended as its blocks are hashed."""
     shares: bool
     """Its blocks' facts may go to a shared tier (`kvpack.policy.tenancy.shares_facts`: unsalted)."""
-    chunks: list[ChunkHash] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
 
 
@@ -215,7 +214,7 @@ class RouterEvents:
             scope = request_scope(request, self._config, None, self._warned)
         except BadTenant:
             return
-        self._requests[rid] = _Followed(request, scope.seed, shares_facts(scope))
+        self._requests[rid] = _Followed(request, ChunkChain(scope.seed, self._bs), shares_facts(scope))
         while len(self._requests) > MAX_REQUESTS:
             self._requests.popitem(last=False)
 
@@ -287,13 +286,9 @@ class RouterEvents:
 
     def _extend(self, f: _Followed, chunk: str) -> int | None:
         """Hash the request's whole chunks not hashed yet (kvpack's chain); `chunk`'s index or None."""
-        full = len(f.request.block_hashes) // self._per_chunk
-        if full > len(f.chunks):
-            parent = f.chunks[-1] if f.chunks else f.seed
-            tokens = list(f.request.all_token_ids[len(f.chunks) * self._bs : full * self._bs])
-            for h in chunk_hashes(tokens, self._bs, parent=parent):
-                f.index[str(h)] = len(f.chunks)
-                f.chunks.append(h)
+        have = len(f.chain.hashes)
+        for i, h in enumerate(f.chain.extend(f.request.all_token_ids, len(f.request.block_hashes) // self._per_chunk)):
+            f.index[str(h)] = have + i
         return f.index.get(chunk)
 
     # -- tier events -----------------------------------------------------------------

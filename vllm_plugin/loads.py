@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from kvpack import ChunkFacts, DraftPlacement, HeadRange, LayoutError, MemberObject, ObjectIO, PlannedLoad, address_of
+from kvpack import ChunkFacts, HeadRange, LayoutError, MemberObject, ObjectIO, PlannedLoad, address_of
 from kvpack.transfers import Lane, Staging
 
 from .canonical_blocks import CanonicalBlocks
@@ -31,7 +31,7 @@ class BlockLoads:
     layout: WorkerLayout
     scope: Scope
 
-    def plan(self, job: TransferJob, restore_draft: bool, staging: Staging) -> PlannedLoad:
+    def plan(self, job: TransferJob, staging: Staging) -> PlannedLoad:
         """On the load thread: staging rows for every object `job` reads, and its scatter."""
         layout = self.layout
         plans: list[_MemberLoad] = []
@@ -43,7 +43,7 @@ class BlockLoads:
                 wanted = [
                     i
                     for i, ref in enumerate(job.blocks)
-                    if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or (restore_draft and ref.with_draft))
+                    if ref.block_ids[slot.group] != NO_BLOCK and (not slot.draft or ref.with_draft)
                 ]
                 for source in sorted({job.blocks[i].source for i in wanted}):  # a request may mix head splits
                     of_split = [i for i in wanted if job.blocks[i].source == source]
@@ -55,7 +55,7 @@ class BlockLoads:
         except BaseException:
             staging.give_back([p.staging for p in plans])
             raise
-        scatter = partial(self._scatter, staging, job, plans, restore_draft)
+        scatter = partial(self._scatter, staging, job, plans)
         lends = staging.device.reads_host_in_place and all(
             isinstance(m.layout, CanonicalBlocks) and m.layout.reads_addresses for m in layout.members
         )
@@ -85,7 +85,6 @@ class BlockLoads:
         staging: Staging,
         job: TransferJob,
         plans: list[_MemberLoad],
-        restore_draft: bool,
         good: Sequence[bool],
         lent: Sequence[memoryview | None],
         lane: Lane,
@@ -98,9 +97,6 @@ class BlockLoads:
         lent bytes read in place."""
         in_place = 0
         layout = self.layout
-        packed_target_only = (
-            self.scope.draft_placement is DraftPlacement.PACKED and not restore_draft and not self.scope.hybrid
-        )
         for plan in plans:
             slot, wanted, rows = plan.slot, plan.wanted, plan.staging
             sel = [j for j, i in enumerate(wanted) if good[i]]
@@ -110,7 +106,7 @@ class BlockLoads:
             views = lent[plan.first : plan.first + len(wanted)]
             if any(views[j] is not None for j in sel):  # only where every layout reads addresses (`lends`)
                 assert isinstance(slot.layout, CanonicalBlocks)
-                whole = plan.heads is None and not (packed_target_only and slot.group == 0 and not slot.draft)
+                whole = plan.heads is None
                 # a view the device cannot read where it lies (on a GPU: not registered) goes to its row first
                 addrs = [_readable_address(staging, views[j], rows[j], whole) for j in sel]
                 read_there = sum(view.nbytes for j, a in zip(sel, addrs) if (view := views[j]) is not None and a)
@@ -122,8 +118,6 @@ class BlockLoads:
             if plan.heads is not None:
                 assert isinstance(slot.layout, CanonicalBlocks)
                 slot.layout.scatter_from(ids, rows, *plan.heads, lane=lane)
-            elif packed_target_only and slot.group == 0 and not slot.draft:
-                layout.target.scatter(ids, staging.copy_rows(rows[:, : layout.target.slot_bytes], lane), lane)
             else:
                 slot.layout.scatter(ids, rows, lane)
         if layout.draft_member is None or layout.draft is None:

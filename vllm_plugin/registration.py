@@ -28,13 +28,14 @@ from kvpack import (
     MemberObject,
     StoredRange,
     head_range_fingerprint,
+    member_name,
     split_sources,
 )
 
 from .blocks import BlockLayout
 from .byte_facts import block_byte_facts
 from .canonical_blocks import CacheKind, CanonicalBlocks, cache_kind, uses_mla, view_content
-from .scopes import DRAFT_MEMBER, Scope, member_name, split_draft_layers
+from .scopes import DRAFT_MEMBER, Scope, split_draft_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,9 +94,6 @@ class WorkerLayout:
     """Everything one worker copies, fixed at registration (group 0's ``kv`` member first)."""
 
     members: tuple[MemberLayout, ...]
-    target: BlockLayout | CanonicalBlocks
-    """Group 0's target layers only; its rows are the leading `target.slot_bytes` of a ``kv`` row
-    (PACKED: the draft layers' bytes follow)."""
     draft: BlockLayout | None = None
     """Draft layers only (PACKED: the trailing bytes of a ``kv`` row; SIDECAR: the ``draft`` object)."""
     draft_member: str | None = None
@@ -132,7 +130,7 @@ def register_layout(
     kv_names = target + draft if placement is DraftPlacement.PACKED else target
     kv_layout = layout(kv_names)
     kv = MemberLayout(
-        member_name(position.rank, position.world),
+        member_name("kv", position.rank, position.world),
         native_member_fingerprint(vllm_config, scope, position, kv_caches, kv_names, kv_layout, "kv"),
         kv_layout,
         0,
@@ -141,7 +139,7 @@ def register_layout(
     draft_layout = layout(draft) if draft else None
     draft_member = None
     if draft_layout is not None and placement is DraftPlacement.SIDECAR:
-        draft_member = member_name(position.rank, position.world, DRAFT_MEMBER)
+        draft_member = member_name(DRAFT_MEMBER, position.rank, position.world)
         fingerprint = native_member_fingerprint(
             vllm_config, scope, position, kv_caches, draft, draft_layout, DRAFT_MEMBER
         )
@@ -156,8 +154,7 @@ def register_layout(
         kv.member,
         f" + {draft_member} ({draft_layout.slot_bytes} bytes)" if draft_member and draft_layout else "",
     )
-    target_layout = layout(target) if kv_names != target else kv_layout
-    return WorkerLayout(tuple(members), target_layout, draft_layout, draft_member)
+    return WorkerLayout(tuple(members), draft_layout, draft_member)
 
 
 def _register_canonical(
@@ -192,7 +189,7 @@ def _register_canonical(
         member,
         "" if kv.writes else " (read only: another rank stores these heads)",
     )
-    return WorkerLayout((kv,), blocks)
+    return WorkerLayout((kv,))
 
 
 def _register_groups(
@@ -207,7 +204,7 @@ def _register_groups(
             continue  # this rank holds no layer of the group (pipeline parallel)
         tensors = [t for n in names for t in _layer_tensors(kv_caches[n])]
         layout = BlockLayout.from_tensors(tensors, num_blocks)
-        member = member_name(position.rank, position.world, group.member_base)
+        member = member_name(group.member_base, position.rank, position.world)
         fingerprint = native_member_fingerprint(
             vllm_config, scope, position, kv_caches, names, layout, group.member_base
         )
@@ -226,7 +223,7 @@ def _register_groups(
         raise LayoutError(f"kvpack: KV layers {sorted(unknown)} belong to no KV cache group")
     if not members:
         raise LayoutError("kvpack: no registered KV layer belongs to a KV cache group")
-    return WorkerLayout(tuple(members), members[0].layout)
+    return WorkerLayout(tuple(members))
 
 
 def native_member_fingerprint(

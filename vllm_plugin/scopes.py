@@ -46,6 +46,7 @@ from kvpack import (
     RequestScope,
     canonical_group_spec,
     identify_model,
+    member_name,
     resolve_memory,
     with_weights,
 )
@@ -100,7 +101,8 @@ class CacheGroup:
 
     @property
     def member_base(self) -> str:
-        return "kv" if self.index == 0 else f"kv_g{self.index}"
+        """This group's KV member before any rank suffix (`kvpack.member_name`: ``kv``, ``kv_g<i>``)."""
+        return member_name("kv", group=self.index)
 
     @property
     def frees_blocks_early(self) -> bool:
@@ -209,7 +211,7 @@ class Scope:
         if self.heads is not None:
             return self.members
         base = self.groups[group].member_base if self.groups else "kv"
-        return tuple(member_name(r, self.world, base) for r in range(self.world))
+        return tuple(member_name(base, r, self.world) for r in range(self.world))
 
     @cached_property
     def lookup_members(self) -> list[MemberSpec]:
@@ -280,10 +282,6 @@ def target_identity(vllm_config: VllmConfig, config: KVPackConfig) -> str:
     return identify_model(
         str(model_cfg.model), model_id=config.model_id, revision=getattr(model_cfg, "revision", None)
     ).value
-
-
-def member_name(rank: int, world: int, base: str = "kv") -> str:
-    return base if world == 1 else f"{base}@{rank}of{world}"
 
 
 DRAFT_MEMBER = "draft"
@@ -434,9 +432,9 @@ def make_scope(
         tp_size=tp,
         pp_size=pp,
     )
-    members = tuple(member_name(r, world, g.member_base) for g in groups for r in range(world))
+    members = tuple(member_name(g.member_base, r, world) for g in groups for r in range(world))
     draft_members = (
-        tuple(member_name(r, world, DRAFT_MEMBER) for r in range(world)) if placement is DraftPlacement.SIDECAR else ()
+        tuple(member_name(DRAFT_MEMBER, r, world) for r in range(world)) if placement is DraftPlacement.SIDECAR else ()
     )
     return Scope(
         spec=spec,

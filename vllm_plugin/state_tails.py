@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpack import ChunkHash, Coverage, RequestScope, chunk_hashes
+from kvpack import ChunkChain, ChunkHash, Coverage, RequestScope
 
 from .metadata import NO_BLOCK, NULL_BLOCK, BlockRef, block_at
 from .scopes import Scope
@@ -58,7 +58,8 @@ def state_tail_ref(
     bs = scope.block_size
     if not tokens:
         return None
-    hashes = chunk_hashes(list(tokens), bs, parent=rs.seed)
+    chain = ChunkChain(rs.seed, bs)
+    hashes = chain.extend(tokens, len(tokens) // bs)
     state_groups = {g.index for g in scope.groups if g.coverage is Coverage.BOUNDARY}
     c, t = divmod(tails[0].boundary, bs)
     states = {pt.group: pt.block_id for pt in tails}
@@ -68,5 +69,5 @@ def state_tail_ref(
         return BlockRef(hashes[c - 1], tuple(states.get(g, NO_BLOCK) for g in range(len(groups))), bs)
     ids = tuple(states.get(g, NO_BLOCK if g in state_groups else block_at(b, c)) for g, b in enumerate(groups))
     tail_ids = tuple(int(x) for x in tokens[c * bs : c * bs + t])
-    chunk, _ = place_tail(rs, hashes[c - 1] if c else rs.seed, tail_ids)
+    chunk, _ = place_tail(rs, chain.parent(c), tail_ids)
     return BlockRef(chunk, ids, t, tail_ids)

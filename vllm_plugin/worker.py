@@ -57,27 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpack.vllm")
 
 
-def keep_draft_on_save() -> bool:
-    """Whether saves write the sidecar ``draft`` member. Always True.
-
-    A test seam, not a setting (there is no config field or environment variable
-    for it): the speculative-decoding tests patch it to return False in an
-    in-process engine to reproduce the failure of the field (target KV stored,
-    draft state lost) and check that kvpack reports a partial hit."""
-    return True
-
-
-def keep_draft_on_load() -> bool:
-    """Whether loads restore the draft KV (PACKED: the draft layers' bytes of each
-    object; SIDECAR: the ``draft`` member). Always True.
-
-    A test seam like `keep_draft_on_save`: patched to return False, a hit
-    restores the target only and leaves the draft layers as they were, which is
-    exactly the silent failure kvpack exists to prevent (tests show that the
-    accept rate falls, so the suite can see it)."""
-    return True
-
-
 class WorkerSide:
     """One vLLM worker's connector side (see the module docstring)."""
 
@@ -176,7 +155,7 @@ class WorkerSide:
         gathered here, before vLLM can free their blocks."""
         if self.layout is None:
             return
-        slots = [s for s in self.layout.members if s.writes and (not s.draft or keep_draft_on_save())]
+        slots = [s for s in self.layout.members if s.writes]
         slots.sort(key=lambda s: not s.draft)  # sidecar draft members first: a chunk's kv never lands without them
         for job in meta.saves:
             blocks = len(job.blocks)
@@ -260,10 +239,9 @@ class WorkerSide:
         worker's memory stays pinned while the load waits for earlier saves; an object gone
         from its tier since is counted as ``evicted_before_load``)."""
         layout = self.layout
-        restore_draft = keep_draft_on_load()
         has_draft = layout is not None and layout.draft is not None
         chunks = tuple(
-            LoadChunk(frozenset(ref.blocks), tokens_used(ref), restore_draft and ref.with_draft if has_draft else None)
+            LoadChunk(frozenset(ref.blocks), tokens_used(ref), ref.with_draft if has_draft else None)
             for ref in job.blocks
         )
         if layout is None:  # registration refused the cache: the disabled runner fails it
@@ -271,5 +249,5 @@ class WorkerSide:
         # bytes of this rank's own objects (NO_BLOCK < 0; a head range of another TP size reads about as much)
         nbytes = sum(m.layout.slot_bytes for m in layout.members for r in job.blocks if r.block_ids[m.group] >= 0)
         hints = tuple((ref.chunk, member, tier) for ref in job.blocks for member, tier in ref.tiers)
-        plan = partial(BlockLoads(layout, self.scope).plan, job, restore_draft)
+        plan = partial(BlockLoads(layout, self.scope).plan, job)
         return LoadJob(job.req_id, job.tenant, chunks, nbytes, plan, hints, job.handoff_wait_s)

@@ -36,8 +36,8 @@ def bytes_at(addr: int, nbytes: int) -> torch.Tensor:
 
 def address_of(buf: Any) -> int:
     """The host address of a C-contiguous buffer (numpy array, memoryview, read-only or not).
-    Through ctypes where it can (0.4 us; numpy's ``.ctypes.data`` 1.1 us, a view through
-    ``np.frombuffer`` 2.7 us: a save's or a load's 256 objects): a writable buffer, or a
+    Through ctypes where it can (cheaper than numpy's ``.ctypes.data`` or a view through
+    ``np.frombuffer``, per object of a save or a load): a writable buffer, or a
     read-only view of all of a writable array (a tier's lent slot); else through numpy."""
     target = buf
     if isinstance(buf, memoryview) and buf.readonly:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .keys import member_name
+
 
 @dataclass(frozen=True, order=True)
 class HeadRange:
@@ -34,9 +36,10 @@ class HeadRange:
         return self.stop - self.start
 
     def member(self, num_heads: int, base: str = "kv") -> str:
-        """The member name of an object of these heads: `base` when it holds all
-        `num_heads`, else ``<base>_h<start>_<stop>``."""
-        return base if (self.start, self.stop) == (0, num_heads) else f"{base}_h{self.start}_{self.stop}"
+        """The member name of an object of these heads (`kvpack.identity.keys.member_name`): `base` when
+        it holds all `num_heads`, else ``<base>_h<start>_<stop>``."""
+        whole = (self.start, self.stop) == (0, num_heads)
+        return member_name(base, heads=None if whole else (self.start, self.stop))
 
     def overlap(self, other: HeadRange) -> HeadRange | None:
         lo, hi = max(self.start, other.start), min(self.stop, other.stop)

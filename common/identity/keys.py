@@ -59,6 +59,49 @@ def validate_member(member: str) -> str:
     return member
 
 
+def member_name(
+    base: str,
+    shard: int = 0,
+    shards: int = 1,
+    *,
+    group: int = 0,
+    stage: int = 0,
+    stages: int = 1,
+    heads: tuple[int, int] | None = None,
+) -> str:
+    """The member name of one object of a chunk's group: the one naming rule for every engine.
+
+    ``<base>[_g<group>][_pp<stage>][_h<start>_<stop>][@<shard>of<shards>]``, each part only
+    where it applies:
+
+    - `base`: what the object holds: ``kv`` (the target model's KV), ``draft`` (a sidecar
+      drafter's KV), an engine pool's own name (SGLang's ``mamba``, ``indexer``...);
+    - `group`: the engine's KV cache group (vLLM's hybrid allocator; group 0 has no suffix);
+    - `stage` of `stages`: the pipeline stage, for an engine that keys its objects per stage;
+    - `heads`: the KV-head range ``[start, stop)`` of a canonical object (`kvpack.identity.heads`;
+      None: every head);
+    - `shard` of `shards`: the engine rank whose bytes these are (no suffix with one).
+
+    Always a valid member (`validate_member`): a name that would not be one (a pool named with
+    other characters, or too long) keeps its suffix and replaces the rest by its first 20
+    lowercase letters, digits and ``_`` and an 8-hex digest of it, so two such pools still
+    differ."""
+    stem = base
+    if group:
+        stem += f"_g{group}"
+    if stages > 1:
+        stem += f"_pp{stage}"
+    if heads is not None:
+        stem += f"_h{heads[0]}_{heads[1]}"
+    suffix = f"@{shard}of{shards}" if shards > 1 else ""
+    try:
+        return validate_member(stem + suffix)
+    except ValueError:
+        digest = hashlib.sha256(stem.encode()).hexdigest()[:8]
+        kept = "".join(c for c in stem if c.isalnum() or c == "_")[:20].lower() or "p"
+        return validate_member(f"{kept}_{digest}{suffix}")
+
+
 def validate_chunk_hash(chunk: str) -> str:
     if not isinstance(chunk, str) or not _CHUNK_RE.fullmatch(chunk):
         raise ValueError(f"invalid chunk hash {clip(chunk)}: expected 1-128 characters of [A-Za-z0-9_-]")
@@ -67,7 +110,7 @@ def validate_chunk_hash(chunk: str) -> str:
 
 def validate_chunk_hashes(chunks: Sequence[str]) -> None:
     """`validate_chunk_hash` for each of `chunks` (the same ValueError for the first bad one),
-    in one match over all of them joined (a page batch's 256 keys: 0.1 ms one by one)."""
+    in one match over all of them joined (one regex call per page batch, not per key)."""
     try:
         joined = "\n".join(chunks) + "\n" if chunks else ""
     except TypeError:  # not every chunk is a str: name the first that fails
@@ -118,6 +161,52 @@ def chunk_hashes(
     return out
 
 
+@dataclass(slots=True)
+class ChunkChain:
+    """One growing token sequence's chunk hashes (a running request's), each chunk hashed once.
+
+    Invariant: ``hashes[i] == chain_hash(parent(i), tokens of chunk i)`` with ``parent(0)`` the
+    `seed` (a request's tenant/salt seed, `RequestScope.seed`; None: unseeded), so `hashes` is
+    always a prefix of ``chunk_hashes(tokens, chunk_tokens, parent=seed)``. An adapter that
+    follows a request holds one and extends it as the request's tokens grow; it never restates
+    the chain."""
+
+    seed: ChunkHash | None
+    chunk_tokens: int
+    hashes: list[ChunkHash] = field(default_factory=list)
+
+    def extend(self, tokens: Sequence[int], chunks: int) -> list[ChunkHash]:
+        """Hash chunks ``len(hashes) .. chunks - 1`` of `tokens` (the whole sequence from its first
+        token; only its full chunks are hashed) and return the new hashes (none: already there)."""
+        have, size = len(self.hashes), self.chunk_tokens
+        if chunks <= have:
+            return []
+        new = chunk_hashes(list(tokens[have * size : chunks * size]), size, parent=self.parent(have))
+        self.hashes.extend(new)
+        return new
+
+    def parent(self, chunk: int) -> ChunkHash | None:
+        """The hash chunk `chunk` (or a tail starting there) chains from: chunk - 1's, or the seed."""
+        return self.hashes[chunk - 1] if chunk else self.seed
+
+
+_KEY_ROOT = "kvpack"
+"""The first field of every key string (`StoreKey.as_str`, `GroupKey.as_str`)."""
+
+
+def _key_string(*fields: str) -> str:
+    """The one flat form of a key: ``kvpack/<field>/<field>...`` (a field never holds ``/``)."""
+    return "/".join((_KEY_ROOT, *fields))
+
+
+def _key_fields(text: str, count: int, what: str) -> list[str]:
+    """The `count` fields of `_key_string`'s form, or ValueError naming `what` (text quoted cut)."""
+    parts = text.split("/")
+    if len(parts) != count + 1 or parts[0] != _KEY_ROOT:
+        raise ValueError(f"not a kvpack {what}: {text[:200]!r}")
+    return parts[1:]
+
+
 @dataclass(frozen=True, slots=True)
 class StoreKey:
     """The key of one stored object: tenant + layout fingerprint + chunk + member.
@@ -157,8 +246,8 @@ class StoreKey:
         Same invariant as the constructor: every returned key is validated. The
         shared fields are validated once and each chunk once (raising the same
         ValueError as the constructor), then the keys are built without running
-        `__post_init__` again (slot stores: ~5x cheaper per key, which matters
-        at hundreds of pages per engine call)."""
+        `__post_init__` again (slot stores, no validation per key twice: it
+        matters at hundreds of pages per engine call)."""
         validate_tenant(tenant)
         validate_chunk_hash(fingerprint)
         validate_member(member)
@@ -187,14 +276,12 @@ class StoreKey:
 
     def as_str(self) -> str:
         """Flat string form used by flat key-value tiers (Mooncake)."""
-        return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}/{self.member}"
+        return _key_string(self.tenant, self.fingerprint, self.chunk, self.member)
 
     @classmethod
     def parse(cls, text: str) -> StoreKey:
-        parts = text.split("/")
-        if len(parts) != 5 or parts[0] != "kvpack":
-            raise ValueError(f"not a kvpack store key: {text!r}")
-        return cls(parts[1], parts[2], parts[3], parts[4])
+        """Inverse of `as_str`; raises ValueError for anything else (each field validated)."""
+        return cls(*_key_fields(text, 4, "store key"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +298,8 @@ class GroupKey:
     @classmethod
     def batch(cls, fields: Iterable[Sequence[str]]) -> list[GroupKey]:
         """``[GroupKey(tenant, fingerprint, chunk) for tenant, fingerprint, chunk in fields]``
-        with slot stores (a frozen init sets each field through ``object.__setattr__``:
-        ~3x slower; a full memory tier evicts a group per stored page). No field is
+        with slot stores (a frozen init sets each field through ``object.__setattr__``,
+        several times slower; a full memory tier evicts a group per stored page). No field is
         validated, as the constructor validates none; equal and hashed as its keys are."""
         if cls.__slots__ != ("tenant", "fingerprint", "chunk"):  # the stores below set each once
             raise TypeError(f"GroupKey.batch sets tenant, fingerprint, chunk, not {cls.__slots__}")
@@ -229,15 +316,13 @@ class GroupKey:
         return out
 
     def as_str(self) -> str:
-        return f"kvpack/{self.tenant}/{self.fingerprint}/{self.chunk}"
+        return _key_string(self.tenant, self.fingerprint, self.chunk)
 
     @classmethod
     def parse(cls, text: str) -> GroupKey:
         """Inverse of `as_str`; raises ValueError for anything else (each field validated)."""
-        parts = text.split("/")
-        if len(parts) != 4 or parts[0] != "kvpack":
-            raise ValueError(f"not a kvpack group key: {text[:200]!r}")
-        return StoreKey(parts[1], parts[2], parts[3], "kv").group
+        tenant, fingerprint, chunk = _key_fields(text, 3, "group key")
+        return StoreKey(tenant, fingerprint, chunk, "kv").group
 
 
 TENANT_SIGNATURE_CONTEXT = b"kvpack-tenant\x00"

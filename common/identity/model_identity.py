@@ -114,13 +114,26 @@ _cache_lock = threading.Lock()
 _named: set[str] = set()
 
 
-def model_identity(model: str | os.PathLike[str], *, model_id: str = "", revision: str | None = None) -> ModelIdentity:
+def model_identity(
+    model: str | os.PathLike[str], *, model_id: str = "", revision: str | None = None, page_format: str = ""
+) -> ModelIdentity:
     """The identity of the model the engine names `model` (a path or a hub name).
 
     `model_id` (non-empty) wins and nothing is read. A local directory or file is
     digested (see the module docstring); anything else is the name as given, with
-    `revision` appended when there is one. Raises ValueError for a checkpoint whose
-    safetensors header is damaged (the engine could not load it either)."""
+    `revision` appended when there is one. `page_format`: the engine's own format of this
+    model's KV pages when it has one (SGLang's storage format tag), appended as
+    ``|format=<tag>`` to any of the three: it splits the cache, `model_id` never replaces
+    it. Raises ValueError for a checkpoint whose safetensors header is damaged (the engine
+    could not load it either)."""
+    found = _identity(model, model_id, revision)
+    if not page_format:
+        return found
+    return ModelIdentity(f"{found.value}|format={page_format}", found.source, found.detail)
+
+
+def _identity(model: str | os.PathLike[str], model_id: str, revision: str | None) -> ModelIdentity:
+    """`model_identity` without a page format."""
     if model_id:
         return ModelIdentity(f"id:{validate_model_id(model_id)}", IdentitySource.MODEL_ID, model_id)
     name = os.fspath(model)
@@ -138,6 +151,27 @@ def model_identity(model: str | os.PathLike[str], *, model_id: str = "", revisio
             shown,
         )
     return ModelIdentity(f"name:{shown}", IdentitySource.NAME, shown)
+
+
+def checkpoint_kv_heads(model: str | os.PathLike[str]) -> int:
+    """The model's KV heads over all tensor-parallel ranks, from its local checkpoint's
+    ``config.json`` (``num_key_value_heads``, else ``num_attention_heads``; a multimodal
+    model's ``text_config`` first). 0 when `model` is no local checkpoint directory, or its
+    config is unreadable or says nothing: the caller then does not know, never guesses."""
+    name = os.fspath(model)
+    try:
+        config = json.loads((Path(name) / "config.json").read_text()) if name else {}
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    for section in (config.get("text_config"), config):
+        if isinstance(section, dict):
+            for key in ("num_key_value_heads", "num_attention_heads"):
+                value = section.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return 0
 
 
 def checkpoint_digest(path: str | os.PathLike[str]) -> str:

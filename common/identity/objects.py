@@ -117,7 +117,7 @@ def payload_checksums(payloads: Sequence[Payload | np.ndarray]) -> list[int]:
     """`payload_checksum` of each payload; with the extension loaded, the whole batch in one
     native call that gives the GIL up once. Python's xxhash gives it up for every payload, and
     in a process where another thread runs Python (an engine's scheduler) each re-take can
-    wait a switch interval (5 ms): a dozen pages' checksums cost 60 ms there."""
+    wait a switch interval (``sys.getswitchinterval()``), once per payload."""
     native = checksummer() if len(payloads) > 1 else None
     if native is None:
         return [payload_checksum(p) for p in payloads]
@@ -191,7 +191,7 @@ class ObjectHeader:
         cls, fingerprint: str, tenant: str, chunks: Sequence[str], member: str, token_count: int, payload_len: int
     ) -> list[ObjectHeader]:
         """``[ObjectHeader(fingerprint, tenant, c, member, token_count, payload_len, None) for c in chunks]``,
-        built with slot stores (~2x cheaper per header): headers of a batch of
+        built with slot stores (no frozen-init ``__setattr__`` per field): headers of a batch of
         pages that differ only by chunk, before their checksum is known. The
         result is equal, field for field, to the constructor's."""
         fixed = {

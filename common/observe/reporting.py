@@ -16,6 +16,10 @@ from .adapter_events import AdapterEvent, AdapterRefusal
 from .metrics import Metrics
 from .tier_events import TierEventFeed
 
+ADAPTER_REFUSALS = "tier_errors"
+"""The counter of engine calls an adapter answered as a miss itself: the engine as the tier,
+the reason as the status."""
+
 
 class Reporting:
     """One session's reporting surface over the store's `Metrics`."""
@@ -36,7 +40,20 @@ class Reporting:
     def refused(self, engine: str, why: AdapterRefusal) -> None:
         """Count an engine call the adapter answered as a miss itself (`AdapterRefusal`): a
         ``tier_errors`` count with `engine` as the tier and the reason as the status."""
-        self.metrics.inc("tier_errors", tier=engine, status=why.value)
+        self.metrics.inc(ADAPTER_REFUSALS, tier=engine, status=why.value)
+
+    def engine_refusals(self, engine: str, what: str, logger: logging.Logger) -> Refusals:
+        """A `Refusals` of engine calls the adapter answers as a miss itself (`AdapterRefusal`):
+        each counted as `refused` counts it, the first of each reason logged as a warning."""
+        return Refusals(
+            self.metrics,
+            ADAPTER_REFUSALS,
+            what,
+            logger,
+            label="status",
+            labels={"tier": engine},
+            level=logging.WARNING,
+        )
 
     def refusals(self, event: AdapterEvent, what: str, logger: logging.Logger) -> Refusals:
         """A `Refusals` of client input of one kind (`what`), counted under `event`'s metric by

@@ -172,8 +172,8 @@ class BuildKey:
     torch_path: str = ""
     """The torch installation compiled against (its folder): two venvs with the same torch
     version write different include and library paths into the build file, so sharing a
-    folder made ninja rebuild (18-34 s inside an engine's start-up) whenever the other
-    venv had built last."""
+    folder made ninja rebuild (a full compile inside an engine's start-up) whenever the
+    other venv had built last."""
 
     def name(self) -> str:
         digest = hashlib.sha256(self.sources.encode())

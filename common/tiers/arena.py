@@ -1,9 +1,8 @@
 """Host memory for the memory tier: fixed-size slots carved from large slabs,
 within a stated bound of the tier's capacity.
 
-Copying into fresh memory costs a page fault per 4 KiB page, which on a VM
-caps a store at a fraction of memcpy speed (measured here: ~1.6 GB/s into
-fresh buffers vs ~12 GB/s into reused ones). The arena therefore takes memory
+Copying into fresh memory costs a page fault per 4 KiB page, which caps a
+store at a fraction of memcpy speed into reused memory. The arena therefore takes memory
 from the system in slabs, faults them in once, then hands out slots of one
 exact size per free list (KV chunks of one engine are uniform). A slab for
 slots of `n` bytes is a whole number of slots, so no slab wastes a tail; a
@@ -14,12 +13,10 @@ whole slabs after a few stores, while a one-off size costs exactly its bytes.
 
 Slabs are 4 KiB pages (``MADV_NOHUGEPAGE``), never transparent huge pages:
 where the kernel has no free huge page, a huge-page fault makes the faulting
-thread compact memory first. In a vLLM CPU engine that took the save thread
-450-560 ms of CPU for the ~230 MiB of a first fill, on the cores the forward
-pass runs on (90-150 ms with 4 KiB pages; in a fresh process, per 256 MiB:
-33 ms with free huge pages, 660 ms when compacting, 67-82 ms in 4 KiB pages).
-Copies into the tier run at the same speed either way
-(`kvpack bench tiers`: put and get 0.94-1.11x memcpy with either page size).
+thread compact memory first: in an engine, CPU taken from the cores the forward
+pass runs on, for a first fill several times what 4 KiB pages cost. Copies into
+the tier run at the same speed either way (both: benchmarks/RESULTS.md, "what
+saving costs, after slabs left huge pages").
 
 Bound (the invariant the tests check): ``reserved_bytes <= limit_bytes``
 always. `slab_for_capacity` sizes both from the tier's capacity: slabs of
@@ -40,8 +37,8 @@ it only when told to (a GPU copy stages through its own pool, not the tier).
 
 Making a slab takes milliseconds (the kernel zeroes and maps every page; on
 Linux ``MADV_POPULATE_WRITE`` does it in 4 MiB steps, so the process's mmap
-lock is never held long, else each page is touched): 17-20 ms per 64 MiB on
-the 2-core VM measured. So it is split in three: `order` reserves the slabs a
+lock is never held long, else each page is touched), far longer than a lock may
+be held on the data path. So it is split in three: `order` reserves the slabs a
 batch needs against the bound, `make` creates them touching no arena state
 (the caller holds no lock, so a reader never waits for page faults), `adopt`
 adds them to the free lists.
@@ -244,8 +241,8 @@ class SlabArena:
         """`release` each slot (a batch of evicted objects), last first: a free list hands out
         its last slot first, so slots released in ascending address order (the order a batch
         was given them and is evicted in) come back ascending, as a fresh slab's do. A
-        conversion then walks both sides forward: in reverse, SGLang page gathers and scatters
-        (`kvpack bench sglang`, 256 pages) ran 0.2-1.3 ms slower."""
+        conversion then walks both sides forward (the hardware prefetcher's direction; in
+        reverse, SGLang page gathers and scatters ran slower in `kvpack bench sglang`)."""
         self._deferred.extend([slot for slot in reversed(slots) if slot.nbytes])
 
     def _sweep(self) -> None:

@@ -414,7 +414,7 @@ class MemoryTier(Tier):
             nbytes = sum(objects[k].header.payload_len for k in keys if k in objects)
             if not dry_run:
                 self._drop_groups_locked(gids)
-        return Cleared(len(keys), nbytes, tuple(f"kvpack/{gid}" for gid in gids))
+        return Cleared(len(keys), nbytes, tuple(GroupKey(*gid.split("/", 2)).as_str() for gid in gids))
 
     def pin(self, keys: Sequence[StoreKey], until: float) -> list[bool]:
         """Per key: stored here, and its group now pinned until `unpin` or the monotonic

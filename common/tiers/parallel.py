@@ -4,8 +4,8 @@ A tier's bookkeeping for a batch (capacity, eviction, slots) runs once, in the
 calling thread; the byte moving that follows (``np.copyto`` of whole regions,
 ``preadv``/``writev`` of whole files) releases the GIL, so `threads` threads
 move bytes at once: the caller takes the first share and `threads - 1` worker
-threads (started on first use) the others. On a machine with two memory
-channels' worth of bandwidth two threads copy ~1.2-1.4x faster than one.
+threads (started on first use) the others: where one thread does not saturate
+the memory channels, a second one copies faster.
 
 The split is by bytes (copies) or by item count (I/O, with their bytes as a
 floor), in order; results keep the items' order. Batches too small to be worth a
@@ -40,11 +40,12 @@ CHUNKS_PER_THREAD = 4
 def conversion_threads(io_threads: int, engine_on_host_cpu: bool) -> int:
     """Threads (the caller's included) that convert one call's pages between an engine's host
     pool and canonical objects: `io_threads` when the engine computes on an accelerator, whose
-    forward pass leaves the host's cores to kvpack (an SGLang host-pool call of an 8B model's
-    12 pages, 96 MiB, converts ~1.7-2x faster on two threads than on one); 1 when it computes
-    on the host's CPU, where a second thread takes a core its forward pass runs on (a CPU
-    SGLang server on 2 cores: rounds >= 2 TTFT 21.2 s with two conversion threads, 3.1 s
-    with one). Calls under the per-thread floor stay on one thread either way."""
+    forward pass leaves the host's cores to kvpack (a large call converts faster on two
+    threads); 1 when it computes on the host's CPU, where a second thread takes a core its
+    forward pass runs on, and costs the engine far more than it saves (both:
+    benchmarks/RESULTS.md, "why the conversion stays on one thread" and the
+    eighth session of 2026-12-05). Calls under the
+    per-thread floor stay on one thread either way."""
     return 1 if engine_on_host_cpu else max(1, io_threads)
 
 
@@ -112,7 +113,8 @@ class IOThreads:
 
         `streaming`: the destinations are written now and read much later (a tier's
         stored objects): with a native copier, long regions skip the cache
-        (non-temporal stores, ~1.4x a cached memcpy of 192 KiB regions here).
+        (non-temporal stores: they neither read the lines first nor evict what the
+        engine has in cache).
 
         The batch is cut into `CHUNKS_PER_THREAD` runs per thread of about equal
         bytes, which the caller and the workers take in turn from one shared
@@ -144,8 +146,7 @@ class IOThreads:
         """``part(lo, hi)`` over consecutive ranges covering [0, n); results in order. With
         `nbytes` (the bytes the n items move), each thread also gets `min_bytes_per_thread`
         of them at least: a batch of a few small files reads faster on one thread than
-        handed off (12 files of 384 KiB from the page cache: 1.05 ms on one, 1.2-1.5 ms on
-        two of a 2-core box; 64 such files: the same either way)."""
+        handed off (the hand-off costs more than a second thread saves)."""
         k = min(self.threads, n // self._min_items)
         if nbytes is not None:
             k = min(k, nbytes // self._min_bytes)

@@ -40,3 +40,25 @@ def test_refusals_count_every_one_and_log_each_reason_once(caplog: pytest.LogCap
     assert metrics.value("handoff_refused", reason="two") == 4
     assert len(caplog.records) == 2 and all(len(r.getMessage()) < 1000 for r in caplog.records)
     assert refusals.logged() == {Why.ONE, Why.TWO}
+
+
+def test_refusals_under_other_labels_count_each_and_log_each_reason_once(caplog: pytest.LogCaptureFixture) -> None:
+    # an engine call an adapter answers as a miss: tier_errors{tier=<engine>, status=<reason>}, one warning per reason
+    metrics = Metrics()
+    refusals = Refusals(
+        metrics,
+        "tier_errors",
+        "page call",
+        logging.getLogger("kvpack.test"),
+        label="status",
+        labels={"tier": "engine"},
+        level=logging.WARNING,
+    )
+    with caplog.at_level(logging.WARNING, logger="kvpack.test"):
+        for i in range(5):
+            refusals.refuse(Why.ONE if i % 2 else Why.TWO, "bad key")
+    assert metrics.value("tier_errors", tier="engine", status="one") == 2
+    assert metrics.value("tier_errors", tier="engine", status="two") == 3
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 2
+    assert "request" not in caplog.records[0].getMessage()
+    assert "kvpack_tier_errors_total{tier='engine',status='two'}" in caplog.records[0].getMessage()

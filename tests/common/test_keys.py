@@ -13,9 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpack.identity.keys import (
+    ChunkChain,
+    GroupKey,
     StoreKey,
     chain_hash,
     chunk_hashes,
+    member_name,
     seed_hash,
     validate_chunk_hash,
     validate_chunk_hashes,
@@ -175,3 +178,50 @@ def test_a_keys_hash_is_its_fields_and_survives_a_trip_to_another_process() -> N
             [sys.executable, "-c", code], input=pickle.dumps(one), capture_output=True, env=env, check=True
         )
         assert out.stdout.strip() == b"1", f"PYTHONHASHSEED={seed}: a pickled key is not found among equal keys"
+
+
+def test_a_chain_extended_piecewise_is_the_whole_sequence_s_chain() -> None:
+    tokens = list(range(1000, 1100))  # 6 full chunks of 16 and a partial one
+    seed = seed_hash("salt")
+    chain = ChunkChain(seed, 16)
+    assert chain.extend(tokens, 2) == chunk_hashes(tokens[:32], 16, parent=seed)
+    assert chain.extend(tokens, 2) == [] and chain.extend(tokens, 1) == []  # each chunk hashed once
+    assert chain.extend(tokens[:70], 9) == chunk_hashes(tokens[:64], 16, parent=seed)[2:]  # only full chunks
+    assert chain.hashes == chunk_hashes(tokens, 16, parent=seed)[:4]
+    assert chain.parent(0) == seed and chain.parent(3) == chain.hashes[2]
+    assert ChunkChain(None, 16).extend(tokens, 6) == chunk_hashes(tokens, 16)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "name"),
+    [
+        (("kv",), {}, "kv"),
+        (("kv", 1, 2), {}, "kv@1of2"),
+        (("kv", 0, 1), {"group": 3}, "kv_g3"),
+        (("kv", 3, 4), {"group": 1}, "kv_g1@3of4"),  # vLLM: a KV cache group per rank
+        (("draft", 0, 2), {}, "draft@0of2"),
+        (("mamba", 1, 2), {"stage": 1, "stages": 2}, "mamba_pp1@1of2"),  # SGLang: a pool per stage and shard
+        (("mamba",), {"stage": 0, "stages": 1}, "mamba"),
+        (("kv",), {"heads": (0, 2)}, "kv_h0_2"),  # a canonical object's head range
+        (("kv",), {"group": 1, "heads": (2, 4)}, "kv_g1_h2_4"),
+    ],
+)
+def test_member_names_follow_one_rule(args: tuple, kwargs: dict, name: str) -> None:  # type: ignore[type-arg]
+    assert member_name(*args, **kwargs) == name
+
+
+def test_a_pool_named_outside_the_member_alphabet_gets_a_valid_distinct_name() -> None:
+    a, b = member_name("Draft-Pool.X", 1, 2), member_name("Draft-Pool.Y", 1, 2)
+    digest = hashlib.sha256(b"Draft-Pool.X").hexdigest()[:8]
+    assert a == f"draftpoolx_{digest}@1of2" and a != b
+    assert member_name("x" * 40).startswith("x" * 20 + "_") and member_name("-").startswith("p_")
+
+
+def test_key_strings_have_one_form() -> None:
+    key = StoreKey("acme", FP, "c" * 8, "kv@0of2")
+    assert key.as_str() == f"{key.group.as_str()}/kv@0of2" == f"kvpack/acme/{FP}/{'c' * 8}/kv@0of2"
+    assert StoreKey.parse(key.as_str()) == key and GroupKey.parse(key.group.as_str()) == key.group
+    with pytest.raises(ValueError, match="not a kvpack store key"):
+        StoreKey.parse(key.group.as_str())
+    with pytest.raises(ValueError, match="not a kvpack group key"):
+        GroupKey.parse(key.as_str())

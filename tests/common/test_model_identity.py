@@ -19,7 +19,7 @@ import pytest
 from kvpack.config.schema import KVPackConfig
 from kvpack.errors import ConfigError
 from kvpack.identity import model_identity as mi
-from kvpack.identity.model_identity import IdentitySource, checkpoint_digest, model_identity
+from kvpack.identity.model_identity import IdentitySource, checkpoint_digest, checkpoint_kv_heads, model_identity
 
 CONFIG = {
     "_name_or_path": "/somewhere/tiny",
@@ -207,3 +207,34 @@ def test_checkpoint_without_safetensors_samples_its_files(tmp_path: Path) -> Non
     first = ident(a)
     (a / "pytorch_model.bin").write_bytes(bytes(range(255, -1, -1)) * 64)
     assert ident(a) != first and ident(a).startswith("ckpt:v1:")
+
+
+def test_an_engine_page_format_splits_the_identity_whatever_names_the_model(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path / "a")
+    plain = model_identity(path)
+    tagged = model_identity(path, page_format="unified")
+    assert tagged.value == f"{plain.value}|format=unified" and tagged.source is IdentitySource.DIGEST
+    assert model_identity(path, model_id="m@1", page_format="unified").value == "id:m@1|format=unified"
+    assert model_identity("served", page_format="unified").value == "name:served|format=unified"
+
+
+@pytest.mark.parametrize(
+    ("config", "heads"),
+    [
+        ({"num_key_value_heads": 8, "num_attention_heads": 32}, 8),
+        ({"num_attention_heads": 32}, 32),
+        ({"text_config": {"num_key_value_heads": 4}, "num_key_value_heads": 8}, 4),  # multimodal: the text model's
+        ({"num_key_value_heads": True}, 0),
+        ({"num_key_value_heads": 0}, 0),
+        ([1, 2], 0),
+    ],
+)
+def test_kv_heads_from_the_checkpoint_config(tmp_path: Path, config: object, heads: int) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert checkpoint_kv_heads(tmp_path) == heads
+
+
+def test_kv_heads_unknown_without_a_readable_config(tmp_path: Path) -> None:
+    assert checkpoint_kv_heads(tmp_path) == 0 and checkpoint_kv_heads("") == 0
+    (tmp_path / "config.json").write_text("{not json")
+    assert checkpoint_kv_heads(tmp_path) == 0

@@ -555,3 +555,54 @@ def test_each_rule_is_written_once() -> None:
 def test_the_rule_check_sees_a_second_copy() -> None:
     source = "if used[t] > self._quotas.get(t, 0):\n    pass\nok = h.checksum != xxh3(p)\nq = quotas[t]\nn = h.checksum is None\n"
     assert _rule_uses(source) == [(1, "quota"), (3, "checksum"), (4, "quota")]
+
+
+KEYS_HOME = "common/identity/keys.py"
+"""Where the identity rules are written: the chunk-hash chain (`chunk_hashes`, `chain_hash`,
+`ChunkChain`), the key string (``kvpack/<tenant>/...``) and member naming (`member_name`:
+``<base>[_g<group>][_pp<stage>][_h<start>_<stop>][@<shard>of<shards>]``)."""
+
+
+def _identity_restated(source: str, adapter: bool) -> list[tuple[int, str]]:
+    """(line, rule) of each place `source` restates a `KEYS_HOME` rule: a key string or a member's
+    shard suffix built by hand (an f-string starting ``kvpack/``, or holding ``@{..}of{..}``);
+    in an adapter, a chain hashed by hand (`chunk_hashes` / `chain_hash`: it holds a `ChunkChain`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            if text.startswith("kvpack/"):
+                found.append((node.lineno, "key string"))
+            elif "@{}of{}" in text:
+                found.append((node.lineno, "member name"))
+        elif adapter and isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in ("chunk_hashes", "chain_hash"):
+                found.append((node.lineno, "chunk chain"))
+    return sorted(set(found))
+
+
+def test_key_string_chain_and_member_names_are_written_once() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {rule}"
+        for folder in PACKAGE_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if str(path.relative_to(ROOT)) != KEYS_HOME
+        for line, rule in _identity_restated(path.read_text(), folder in ("vllm_plugin", "sglang_plugin"))
+    ]
+    assert not found, f"an identity rule restated outside {KEYS_HOME} (call its function): {found}"
+
+
+def test_the_identity_check_sees_a_second_copy() -> None:
+    source = (
+        'k = f"kvpack/{t}/{fp}/{c}/kv"\nm = f"{base}@{rank}of{world}"\nh = kvpack.chunk_hashes(ids, bs, parent=p)\n'
+        'g = chain_hash(p, ids)\nok = f"kvpack: {x}"\n'
+    )
+    assert _identity_restated(source, adapter=True) == [
+        (1, "key string"),
+        (2, "member name"),
+        (3, "chunk chain"),
+        (4, "chunk chain"),
+    ]
+    assert _identity_restated(source, adapter=False) == [(1, "key string"), (2, "member name")]

@@ -20,7 +20,7 @@ P = prompt(31, 301)
 
 
 def test_cache_salt_is_the_tenant(tiny_llama: Path, tmp_path: Path) -> None:
-    from kvpack.vllm_plugin.offline import drain
+    from kvpack.tools.offline import drain
 
     store = tmp_path / "kv"
     llm = make_llm(tiny_llama, kv_config({"disk": {"path": str(store)}}))

@@ -146,7 +146,7 @@ def test_negative_control_wrong_kv_changes_output(engine2, baseline: dict[str, R
 
 
 def test_broken_disk_tier_degrades_to_memory_and_recompute(engine2, baseline: dict[str, Run], store_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    from kvpack.vllm_plugin.offline import drain
+    from kvpack.tools.offline import drain
 
     drain(engine2)  # earlier tests' write-backs still landing would race the rmtree below
     shutil.rmtree(store_dir)

@@ -33,6 +33,7 @@ from vllm_helpers import (
     close_llm,
     finished_load,
     kv_config,
+    live_connectors,
     make_llm,
     metric,
     no_cache_run,
@@ -87,8 +88,6 @@ def baseline(tiny_llama: Path) -> Run:
 
 
 def _worker_store():  # type: ignore[no-untyped-def]
-    from kvpack.vllm_plugin import live_connectors
-
     (conn,) = [c for c in live_connectors() if c.role.name == "WORKER"]
     return conn.worker
 

@@ -16,7 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, Run, close_llm, corrupt_payload, kv_config, make_llm, metric, prompt, run, same_output
+from vllm_helpers import (
+    BLOCK,
+    Run,
+    close_llm,
+    corrupt_payload,
+    kv_config,
+    live_connectors,
+    make_llm,
+    metric,
+    prompt,
+    run,
+    same_output,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -68,7 +80,6 @@ def baseline(swa_model: Path) -> dict[str, Run]:
 def stored(swa_model: Path, store_dir: Path, baseline: dict[str, Run]) -> dict[str, Run]:
     """Engine 1 stores P, L, X, Y; then X's window members of block 1 are deleted."""
     from kvpack.identity.model_identity import model_identity
-    from kvpack.vllm_plugin import live_connectors
 
     llm = make_llm(swa_model, kv_config({"disk": {"path": str(store_dir)}}), dtype="float32")
     try:

@@ -36,6 +36,7 @@ from vllm_helpers import (  # noqa: E402
     close_llm,
     free_port,
     kv_config,
+    live_connectors,
     make_llm,
     metric,
     prompt,
@@ -125,8 +126,6 @@ def held(events: list[Any], owner: str) -> set[Any]:
 
 
 def _connector(role: str) -> Any:
-    from kvpack.vllm_plugin import live_connectors
-
     (conn,) = [c for c in live_connectors() if c.role.name == role]
     return conn
 

@@ -10,10 +10,10 @@ Engine lifetimes (in-process, one at a time, module scoped):
 1. baseline: speculative decoding, no kvpack -> tokens, logprobs, R0.
 2. packed store (draft layers inside each ``kv`` object), then a packed hit
    engine: full hit == baseline, R == R0; the same engine with the draft layers
-   skipped on load (test seam `keep_draft_on_load`) -> R falls (the failure,
+   skipped on load (`draft_faults.without_draft_loads`) -> R falls (the failure,
    reproduced: this suite can see it).
 3. sidecar store (``draft`` member beside ``kv``): prompt A whole, prompt C
-   with the draft member not stored (test seam `keep_draft_on_save`); then a
+   with the draft member not stored (`draft_faults.without_draft_saves`); then a
    ``recompute`` hit engine (A: full hit == baseline; C: partial, no hit,
    == baseline, R == R0) and a ``target_only`` hit engine (C: partial hit
    counted by member, target KV used, R falls). Hit engines are
@@ -42,6 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from draft_faults import without_draft_loads, without_draft_saves
 from vllm_helpers import BLOCK, Run, close_llm, kv_config, make_llm, metric, prompt, run, same_output
 
 pytestmark = pytest.mark.vllm
@@ -149,18 +150,16 @@ def prefix_cache_hits(tiny_llama: Path, tiny_llama_draft: Path) -> dict[str, Spe
 
 def _store_engine(target: Path, draft: Path, extra: dict[str, Any], runs: list[tuple[str, bool]]) -> dict[str, SpecRun]:
     """One storing engine: each (prompt, keep_draft) once, saved in the steps that computed it,
-    so while the seam's patch is on; but a request's last partial block is saved at its finish,
-    in the next run's first step (`CaptureTracker.finish_tail`), under that run's seam: a prompt
-    stored without its draft goes first, so no later run's seam drops a kept draft's tail."""
-    import kvpack.vllm_plugin.worker as worker
-
+    so while the fault is on; but a request's last partial block is saved at its finish,
+    in the next run's first step (`CaptureTracker.finish_tail`), under that run's fault: a prompt
+    stored without its draft goes first, so no later run's fault drops a kept draft's tail."""
     llm = spec_llm(target, draft, kv_config(extra, "kv_producer"))
     out: dict[str, SpecRun] = {}
     try:
         for name, keep_draft in runs:
             with pytest.MonkeyPatch.context() as mp:
                 if not keep_draft:
-                    mp.setattr(worker, "keep_draft_on_save", lambda: False)
+                    without_draft_saves(mp)
                 out[name] = spec_run(llm, PROMPTS[name])
         return out
     finally:
@@ -177,14 +176,12 @@ def packed_stored(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Pa
 @pytest.fixture(scope="module")
 def packed_hits(tiny_llama: Path, tiny_llama_draft: Path, stores: dict[str, Path], packed_stored) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """A new engine on the packed store: A hit whole, B hit with the draft layers skipped on load."""
-    import kvpack.vllm_plugin.worker as worker
-
     extra = {"disk": {"path": str(stores["packed"])}}
     llm = spec_llm(tiny_llama, tiny_llama_draft, kv_config(extra, "kv_consumer"))
     try:
         out: dict[str, Any] = {"QA": spec_run(llm, QA), "loaded_QA": metric("loaded_tokens"), "A": spec_run(llm, A)}
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(worker, "keep_draft_on_load", lambda: False)
+            without_draft_loads(mp)
             out["QB"] = spec_run(llm, QB)
         return out
     finally:
@@ -293,7 +290,7 @@ def test_sidecar_store_writes_a_draft_member(sidecar_stored, baseline, stores) -
     for chunk in chunks_of(A):
         assert on_disk[chunk] == {"kv", "draft"}
     for chunk in chunks_of(C):
-        assert on_disk[chunk] == {"kv"}  # the test seam left the draft member out
+        assert on_disk[chunk] == {"kv"}  # `without_draft_saves` left the draft member out
 
 
 def test_sidecar_hit_keeps_accept_rate(sidecar_recompute, baseline) -> None:  # type: ignore[no-untyped-def]

@@ -7,9 +7,11 @@ ids, so lengths (and block boundaries) are exact.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvpack.vllm_plugin.offline import shutdown
+from kvpack.tools.offline import shutdown
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -25,6 +27,35 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest.importorskip("vllm")
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _track_connectors() -> None:
+    """Record every `KVPackConnector` this process builds from now on (wraps its ``__init__``
+    once): an in-process engine's connectors, whose sessions the tests read."""
+    from kvpack.vllm_plugin.connector import KVPackConnector
+
+    init = KVPackConnector.__init__
+    if getattr(init, "tracked", False):
+        return
+
+    @functools.wraps(init)
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _LIVE.add(self)
+
+    tracked.tracked = True  # type: ignore[attr-defined]
+    KVPackConnector.__init__ = tracked  # type: ignore[method-assign]
+
+
+_track_connectors()
+
+
+def live_connectors() -> list[Any]:
+    """The kvpack connectors alive in this process (in-process engines: both roles)."""
+    return list(_LIVE)
+
 
 BLOCK = 128
 """vLLM's default block size on CPU."""
@@ -196,8 +227,6 @@ def same_output(a: Run, b: Run, tol: float = LOGPROB_TOL) -> bool:
 
 def metrics(role: str = "WORKER") -> dict[str, float]:
     """Flat ``{"name{labels}": value}`` of this process's live connectors of `role`."""
-    from kvpack.vllm_plugin import live_connectors
-
     out: dict[str, float] = {}
     for conn in live_connectors():
         if conn.role.name != role:

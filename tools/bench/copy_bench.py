@@ -74,7 +74,7 @@ def _cpu_rows(args: argparse.Namespace) -> list[Row]:
     # (csrc/block_copy_cpu.cpp: an OpenMP team inside an engine slows the engine).
     # The two groups are timed apart: a threaded copy leaves cache lines in the other
     # cores' caches, and whichever serial copy ran next would pay to fetch them back
-    # (measured: 0.5 MiB calls at 10 GB/s after torch's scatter, 18 GB/s otherwise).
+    # (a small call's reading then says more about the previous copy than about its own).
     threaded: dict[str, Callable[[], object]] = {"memcpy": lambda: dst.copy_(src)}
     serial: dict[str, Callable[[], object]] = {
         "memcpy 1 thread": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the seams patch this process's workers
-    from kvpack.vllm_plugin.offline import drain, shutdown
+    from kvpack.tools.offline import drain, shutdown
 
     target, draft = _models(args)
     n, shared, k = args.prompt_tokens, args.shared, args.prompts

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Fastest of `repeats` runs after `warmup` runs (seconds). Fastest, because
-    noise on a shared 2-core machine only ever adds time."""
+    noise from other work on the machine only ever adds time."""
     for _ in range(warmup):
         fn()
     times = []

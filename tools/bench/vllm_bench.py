@@ -22,7 +22,7 @@ prompt, `DECODE_STEPS` more tokens' wall time over a 1-token run of the same
 prompt, median over the timed prompts. CPU: the store pass's CPU seconds until its
 stores are drained, and the part kvpack's own threads used (by thread), next to the
 no-connector pass's: what saving costs the engine's cores, which this bench's TTFT
-noise (+-10% on a shared 2-core box) can hide. Prints ratios; asserts nothing about speed.
+noise (other work on a shared machine) can hide. Prints ratios; asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 from kvpack.tiers.host import drop
 from kvpack.tools.bench.timing import CpuSample, cpu_sample, write_report
-from kvpack.vllm_plugin.offline import drain, shutdown
+from kvpack.tools.offline import drain, shutdown
 
 DECODE_STEPS = 32
 """Tokens decoded per prompt for the decode-speed rows (after the first one)."""

@@ -246,7 +246,7 @@ def corrupt_objects(soak: Soak) -> str:
     A store whose disk copies did not all land (seen once in a fresh-clone CI run on
     2026-12-03: none of 5, cause not found) is said in the event's line and tried once more under a new tenant:
     the refusal is what this event checks, and it needs the copies it corrupts."""
-    from kvpack.identity.keys import chunk_hashes
+    from kvpack.identity.keys import StoreKey, chunk_hashes
     from kvpack.policy.tails import tail_chunk
 
     n = soak.cycle_index
@@ -262,7 +262,7 @@ def corrupt_objects(soak: Soak) -> str:
             if len(files) >= len(chunks):
                 break
         fp = soak.fingerprint()
-        keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunks] if fp else []
+        keys = [StoreKey(tenant, fp, c, "kv").as_str() for c in chunks] if fp else []
         mc = mooncake_edit(soak, corrupt=keys, wait_s=CANARY_WAIT_S) if keys else {}
     flipped = sum(_flip_payload_byte(p) for p in files)
     # Host memory evicts a tenant's own entries first: push the canary out with its own tenant's.
@@ -373,7 +373,7 @@ def _bomb_mooncake(soak: Soak, fp: str) -> str:
     """Plant pickle bombs in Mooncake under the keys a request of a new tenant will look up,
     then send it; see `BOMB_ATTEMPTS`. Each attempt rotates the prompt by one token so that
     vLLM's own prefix cache (which the previous attempt filled) does not answer it."""
-    from kvpack.identity.keys import chunk_hashes
+    from kvpack.identity.keys import StoreKey, chunk_hashes
 
     bomb = _bomb_bytes(soak.sentinel)
     base = soak.workload.extra["bomb-mooncake"]
@@ -381,7 +381,7 @@ def _bomb_mooncake(soak: Soak, fp: str) -> str:
     for attempt in range(BOMB_ATTEMPTS):
         prompt = base[attempt:] + base[:attempt]
         tenant = f"bomb-mc-{soak.cycle_index}-{attempt + 1}"
-        keys = [f"kvpack/{tenant}/{fp}/{c}/kv" for c in chunk_hashes(prompt, soak.cfg.block_size)]
+        keys = [StoreKey(tenant, fp, c, "kv").as_str() for c in chunk_hashes(prompt, soak.cfg.block_size)]
         before = MooncakeCounts.scrape(soak)
         mc = mooncake_edit(soak, plant=[(k, bomb) for k in keys])
         res = soak.send("bomb-mooncake", tenant, prompt)

@@ -7,8 +7,8 @@ soak's server (eager, prefix caching off, same max_model_len), in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and without a KV connector: a run with
 no cache at all, which is what a cached run must reproduce token by token.
 
-Why offline and not a second server: it needs one engine start-up (~15 s)
-instead of a server's (30-55 s here), runs while the soak's server boots,
+Why offline and not a second server: it needs one engine start-up, shorter
+than a server's, runs while the soak's server boots,
 and every prompt is known in advance. The same engine code and dtype compute
 both, but not the same batches (all prompts in one call here, whatever
 arrives together on the server), so for every position the reference also

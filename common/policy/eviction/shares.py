@@ -31,8 +31,8 @@ class Candidate:
     """A resident group that may be evicted: its id in the accounting, its owner, its bytes.
 
     Never mutated; not frozen only because a frozen init (one ``object.__setattr__`` per
-    field) costs 0.86 us against 0.22 us, and an eviction builds one per victim considered
-    (a 256-page store into a full memory tier: ~256)."""
+    field) costs several times a plain one, and an eviction builds one per victim considered
+    (a store of a page batch into a full memory tier: one per page)."""
 
     group: Hashable
     tenant: str

@@ -375,7 +375,7 @@ class Connection:
         while not self._stop.is_set():
             if not self._master_reachable():
                 # Mooncake's setup holds the GIL while it retries a dead master
-                # (~4 s per attempt), which would freeze every engine thread.
+                # (seconds per attempt), which would freeze every engine thread.
                 self._first_attempt_failed()
                 if not warned:
                     log.warning(

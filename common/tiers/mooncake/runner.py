@@ -1,7 +1,7 @@
 """Bounded execution of blocking Mooncake calls: worker lanes, a staging ring, abandonment.
 
 Mooncake's client calls block for seconds when the master or a segment holder
-is gone (about 4.3 s each with the master dead), and a call cannot be
+is gone (its own retry timeouts), and a call cannot be
 cancelled once it runs. kvpack must answer every engine-facing call within
 `timeout_ms`, so the calls run here, on a fixed set of worker threads, and the
 caller waits with a deadline:

@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks that drive offline `vllm.LLM` engines.
+"""Helpers for the benchmarks, the demo and the tests that drive offline `vllm.LLM` engines.
 
 Users need none of this: kvpack saves every block in the step that computes
 it and flushes its stores before the process exits (`kvpack.exit_flush`), so
@@ -24,7 +24,7 @@ def drain(llm: Any, timeout_s: float = 30.0, settle_s: float = 1.0) -> bool:
     only waits `settle_s` (best effort); the workers flush their stores on
     shutdown.
     """
-    from .connector import live_connectors
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     deadline = time.monotonic() + timeout_s
     client = llm.llm_engine.engine_core
@@ -33,10 +33,9 @@ def drain(llm: Any, timeout_s: float = 30.0, settle_s: float = 1.0) -> bool:
         while core.scheduler.has_requests() and time.monotonic() < deadline:
             _, executed = core.step_fn()
             core.post_step(model_executed=executed)
-        ok = True
-        for conn in live_connectors():
-            if conn.worker is not None:
-                ok &= conn.worker.flush_before_exit(max(0.0, deadline - time.monotonic()), "drain")
+        # the in-process worker's connector is vLLM's process-wide one
+        worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
+        ok = worker is None or worker.flush_before_exit(max(0.0, deadline - time.monotonic()), "drain")
         return ok and time.monotonic() < deadline
     time.sleep(min(settle_s, timeout_s))
     return True
