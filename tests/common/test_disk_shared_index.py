@@ -307,3 +307,34 @@ def test_a_store_that_arrives_late_never_evicts_a_newer_one(tmp_path: Path) -> N
     assert tier.contains([stamped[2].key, stamped[3].key, late.key]) == [False, True, True]
     assert tier.counters.removed == {"evicted": 1}
     tier.close()
+
+
+def test_close_ends_the_background_index_build_and_nothing_writes_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a process that opens a store and closes it (a script, `kvpack config`) while the folder scan still
+    # runs must leave no thread writing the index behind it: the next start scans again instead
+    writer = _disk(tmp_path)
+    items = [make_item("t", chunk_id(i << 248), seed=i)[0] for i in range(40)]  # 40 leaf folders
+    writer.put_from(items)
+    writer.close()
+    _drop_index(tmp_path)
+    scanning = threading.Event()
+
+    def pace() -> None:
+        scanning.set()
+        threading.Event().wait(0.5)  # a slow folder: the whole build would outlast close's bound many times
+
+    pace_scan(monkeypatch, pace)
+    tier = _disk(tmp_path, open_scan_s=0.0)
+    assert scanning.wait(30)
+    tier.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvpack-disk-index" and t.is_alive()]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith(INDEX_NAME)}
+    monkeypatch.undo()  # the folder is fast again
+    reopened = _disk(tmp_path, open_scan_s=30.0)  # the build starts over and completes
+    try:
+        assert reopened.wait_indexed(300) and reopened.usage().objects == 40
+    finally:
+        reopened.close()
+    assert before, "the closed build kept what it had indexed"

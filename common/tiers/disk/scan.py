@@ -46,6 +46,7 @@ import ctypes
 import fcntl
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -90,11 +91,14 @@ def build_index(
     stale_temp_s: float,
     refuse: Callable[[StoreKey, os.stat_result | None], None],
     write_grace_s: float = WRITE_GRACE_S,
-) -> int:
+    stop: threading.Event | None = None,
+) -> int | None:
     """Index every valid object file of the folder into `catalog`, unindex the rows whose
     file it did not see, then mark it complete; returns the objects found. `refuse` is told of
     each file left alone. A row not ready is a write in progress for `write_grace_s` after its
-    admission. Never deletes an object."""
+    admission. Never deletes an object. `stop` set (the tier closes): it ends after the leaf
+    folder at hand, keeps what it indexed, marks nothing complete (the next start scans again)
+    and returns None."""
     now = time.time()
     began_ns = time.time_ns()
     stale_ns = began_ns - int(write_grace_s * 1e9)
@@ -110,7 +114,15 @@ def build_index(
         refuse(key, st)
 
     total = 0
-    for tenant, fp, cc, dfd in _leaf_folders(root_fd, counters, unlisted):
+    leaves = _leaf_folders(root_fd, counters, unlisted)
+    for tenant, fp, cc, dfd in leaves:
+        if stop is not None and stop.is_set():
+            os.close(dfd)
+            leaves.close()  # closes the folders it holds open
+            reconcile.add_found(found, stale_ns)
+            catalog.forget(rejected, stale_ns)
+            reconcile.note_seen(seen)
+            return None
         try:
             names = os.listdir(dfd)
         except FileNotFoundError:

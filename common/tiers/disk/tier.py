@@ -52,6 +52,7 @@ disk NO_SPACE, a bad object REJECTED with its reason.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -91,6 +92,11 @@ STALE_TEMP_S = 900.0
 """A temporary file untouched this long is a crashed writer's, swept at start-up."""
 WRITE_ATTEMPTS = 8
 """Tries of one object write whose folder keeps being removed under it (`DiskTier._write_items`)."""
+CLOSE_BUILD_WAIT_S = 5.0
+"""How long `DiskTier.close` waits for the background index build to end (seconds): it stops after
+the leaf folder at hand, a bounded amount of work."""
+
+log = logging.getLogger("kvpack")
 
 
 @dataclass
@@ -180,6 +186,8 @@ class DiskTier(Tier):
         self._complete = self._catalog.complete()
         self._checked = time.monotonic()
         self._builder: threading.Thread | None = None
+        self._stop_build = threading.Event()
+        """Set by `close`: the background build ends after its leaf folder at hand."""
         self.scan_seconds: float | None = None
         """How long this process's folder scan took, once it ended (None: not scanned here, or still running)."""
         self._start_build(open_scan_s)
@@ -204,16 +212,18 @@ class DiskTier(Tier):
 
         def run() -> None:
             try:
-                scan.build_index(
+                found = scan.build_index(
                     self._root_fd,
                     self._catalog,
                     self.counters,
                     self._stale_temp_s,
                     self._refuse_stat,
                     WRITE_GRACE_S,
+                    self._stop_build,
                 )
-                self._complete = True
-                self.scan_seconds = time.monotonic() - started
+                if found is not None:
+                    self._complete = True
+                    self.scan_seconds = time.monotonic() - started
             finally:
                 os.close(lock_fd)
 
@@ -572,8 +582,17 @@ class DiskTier(Tier):
             except OSError:
                 pass
         self._old_root_fds.clear()
+        self._stop_build.set()  # a closed tier writes nothing more: its build ends after one leaf folder
+        if self._builder is not None:
+            self._builder.join(CLOSE_BUILD_WAIT_S)
         if self._builder is None or not self._builder.is_alive():
             self._catalog.close()
+        else:
+            log.warning(
+                "kvpack: the disk index build of %s did not end within %.0f s of close",
+                self._root_str,
+                CLOSE_BUILD_WAIT_S,
+            )
 
 
 _MISS = GetResult(TierStatus.MISS)
