@@ -73,7 +73,8 @@ def _scheduler_over(
     scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
     side = SchedulerSide(cfg, scope, can_load=True, can_save=can_save)
     side.session.close()
-    side.session.store = KVStore(cfg, [side.memory.index, remote], read_only=True)
+    # the session's own metrics (`Session.report` counts there) over a store of the late tier
+    side.session.store = KVStore(cfg, [side.memory.index, remote], side.session.report.metrics, read_only=True)
     for chunk in chunk_hashes(ids, BS)[:chunks]:
         payload = np.zeros(64, dtype=np.uint8)
         header = ObjectHeader(scope.fingerprint, "default", chunk, "kv", BS, payload.nbytes, None)

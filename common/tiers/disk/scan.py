@@ -48,7 +48,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Protocol
 
 from ...identity.keys import StoreKey, validate_chunk_hash, validate_member, validate_tenant
@@ -287,7 +287,9 @@ def _cc(name: str) -> str:
     return validate_chunk_hash(name)
 
 
-def _leaf_folders(root_fd: int, counters: Counters, unlisted: list[str]) -> Iterator[tuple[str, str, str, int]]:
+def _leaf_folders(
+    root_fd: int, counters: Counters, unlisted: list[str]
+) -> Generator[tuple[str, str, str, int], None, None]:
     """(tenant, fingerprint, cc, fd) of every leaf folder; the caller closes each fd; folders
     that could not be listed or opened are appended to `unlisted`."""
     for tenant, tfd in _subdirs(root_fd, counters, validate_tenant, unlisted):
