@@ -323,7 +323,7 @@ def _imports_in_functions(path: Path) -> list[tuple[int, str]]:
                     found.extend(
                         (
                             node.lineno,
-                            f"{source}.{alias.name}".replace("..", ".", 1) if node.module else source + alias.name,
+                            f"{source}.{alias.name}" if node.module else source + alias.name,
                         )
                         for alias in node.names
                     )

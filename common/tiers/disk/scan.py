@@ -115,14 +115,12 @@ def build_index(
 
     total = 0
     leaves = _leaf_folders(root_fd, counters, unlisted)
+    stopped = False
     for tenant, fp, cc, dfd in leaves:
         if stop is not None and stop.is_set():
             os.close(dfd)
-            leaves.close()  # closes the folders it holds open
-            reconcile.add_found(found, stale_ns)
-            catalog.forget(rejected, stale_ns)
-            reconcile.note_seen(seen)
-            return None
+            stopped = True
+            break
         try:
             names = os.listdir(dfd)
         except FileNotFoundError:
@@ -153,9 +151,12 @@ def build_index(
             reconcile.note_seen(seen)
             total += len(found)
             found, rejected, seen = [], [], []
+    leaves.close()  # closes the folders a stopped walk still holds open
     reconcile.add_found(found, stale_ns)
     catalog.forget(rejected, stale_ns)
     reconcile.note_seen(seen)
+    if stopped:
+        return None
     if not unlisted:
         reconcile.sweep_unseen(began_ns, stale_ns)
     catalog.mark_complete()
