@@ -19,8 +19,8 @@ The verbs, grouped:
 
 - lifecycle: `start`, `reader` (constructors), `bind_group`, `reset`, `wait_ready`,
   `flush`, `close`;
-- lookup and hits: `key`, `lookup`, `contains_members`, `plan_hit` (a handoff and a
-  pin included), `accept_hit`, `lookups_held`, `place_tail` (the rules live in
+- lookup and hits: `key`, `lookup` (SGLang's page lookups, one page included), `plan_hit` (a
+  handoff and a pin included), `accept_hit`, `lookups_held`, `place_tail` (the rules live in
   `kvpack.policy.hits`);
 - load: `reads` (objects with their own token facts: vLLM's blocks and tails),
   `page_reads` (whole pages of one member: SGLang), `prepare_load` -> `complete_load`
@@ -230,11 +230,6 @@ class Session:
         return list(keys)
 
     # -- lookup ---------------------------------------------------------------------
-
-    def contains_members(self, tenant: str, chunks: Sequence[str], members: Sequence[str]) -> list[dict[str, bool]]:
-        """Per chunk, per member: stored on any tier (`KVStore.contains_members`; not verified:
-        a load may still miss). A tier that fails answers not stored."""
-        return self.store.contains_members(tenant, self.group_fingerprint, chunks, members)
 
     def lookup(
         self,

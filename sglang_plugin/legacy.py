@@ -110,7 +110,8 @@ class LegacyPageInterface:
             flat = self._flat_binding()
             if flat is None or not self._valid_chunks([key]):
                 return False
-            return bool(self.session.contains_members(self.tenant, [key], [flat.member])[0][flat.member])
+            # one page's lookup: remembered for the get that follows, counted as a lookup
+            return self.session.lookup(self.tenant, [key], [flat.spec], flat.page_size).hit_chunks == 1
         except Exception as exc:
             return self._data_path_error("exists", exc, False)
 

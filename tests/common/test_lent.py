@@ -96,7 +96,7 @@ def test_a_fill_that_raises_stores_nothing(make_session):
 
     with pytest.raises(RuntimeError, match="conversion failed"):
         session.save_pages("default", KV, chunks, fill=broken)
-    assert session.contains_members("default", chunks, ["kv"]) == [{"kv": False}] * 3
+    assert session.store.contains_members("default", session.group_fingerprint, chunks, ["kv"]) == [{"kv": False}] * 3
     # and the pages may be stored later (their preparation ended)
     pages = _pages(3, seed=2)
     assert session.save_pages("default", KV, chunks, fill=_filler(pages, [])) == [True] * 3
