@@ -8,6 +8,7 @@ ids, so lengths (and block boundaries) are exact.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import random
 import time
@@ -139,6 +140,13 @@ def make_llm(model: Path, kv: dict[str, Any] | None = None, **kw: Any):  # type:
     args.update(kw)
     if kv is not None:
         args["kv_transfer_config"] = kv
+    # vLLM collects the whole heap three times while an engine starts (twice in load_model,
+    # once in freeze_gc_heap); in a test process, which holds vLLM, torch, transformers and
+    # pytest (some 600k objects), each is a walk of all of them. Frozen first, as vLLM itself
+    # freezes the heap once an engine has started, those collections walk only what the start
+    # allocates; the engine's shutdown unfreezes it again (vLLM's own). What is frozen here
+    # lives until then; no test depends on when garbage is collected.
+    gc.freeze()
     return LLM(**args)
 
 
