@@ -16,6 +16,8 @@ engine holds at that moment:
   parameters' version counters.
 - the store is not poisoned: a fresh engine on the unchanged checkpoint A answers A's output for
   a prompt first computed after the updates, and still hits what A computed.
+
+The no-cache references are the oracle, not a user's run: they run in the test's own process.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import Run, engine_process, prompt, same_output
+from vllm_helpers import Run, close_llm, engine_process, make_llm, prompt, run, same_output
 
 from fixtures.tiny_model import build_tiny_llama, copy_model
 
@@ -60,18 +62,21 @@ def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """No-cache runs: ``A:P``... on an engine started on A, ``B:P``... on one started on B."""
+def references(checkpoints: tuple[Path, Path]) -> dict[str, Run]:
+    """No-cache runs (the oracle, in this process): ``A:P``... on an engine started on A,
+    ``B:P``... on one started on B, and ``MIX:Q`` on B's engine once A's token embedding
+    was written into it in place."""
     a, b = checkpoints
-    logs = tmp_path_factory.mktemp("refs")
     out: dict[str, Run] = {}
     for name, path in (("A", a), ("B", b)):
-        runs = engine_process(path, None, {"P": P, "Q": Q, "R": R}, logs / f"{name}.log", block_size=BS)
-        out.update({f"{name}:{k}": v for k, v in runs.items()})
-    # B's weights with A's token embedding, written in place after start-up
-    write = {"exec": WRITE_EMBEDDING.format(path=str(a / "model.safetensors"))}
-    mixed = engine_process(b, None, {"Q": Q}, logs / "mixed.log", block_size=BS, steps=[write, "Q"])
-    out["MIX:Q"] = mixed["Q"]
+        llm = make_llm(path, block_size=BS)
+        try:
+            out.update({f"{name}:{k}": run(llm, ids) for k, ids in (("P", P), ("Q", Q), ("R", R))})
+            if name == "B":  # B's weights with A's token embedding, written in place after start-up
+                exec(WRITE_EMBEDDING.format(path=str(a / "model.safetensors")), {"llm": llm})  # noqa: S102
+                out["MIX:Q"] = run(llm, Q)
+        finally:
+            close_llm(llm)
     assert not same_output(out["A:P"], out["B:P"])  # the two checkpoints compute different outputs
     assert not same_output(out["MIX:Q"], out["B:Q"]) and not same_output(out["MIX:Q"], out["A:Q"])
     return out

@@ -1,6 +1,6 @@
 """Helpers for the real-vLLM tests: engine construction, greedy runs, stored-object surgery.
 
-Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~15 s each)
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 unless a test asks for vLLM's default multi-process mode. Prompts are token
 ids, so lengths (and block boundaries) are exact.
 """
@@ -33,11 +33,13 @@ _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _track_connectors() -> None:
-    """Record every `KVPackConnector` this process builds from now on (wraps its ``__init__``
-    once): an in-process engine's connectors, whose sessions the tests read."""
+    """Record every `KVPackConnector` this process builds from now on, until its engine shuts
+    it down (wraps its ``__init__`` and ``shutdown`` once): an in-process engine's connectors,
+    whose sessions the tests read. A closed engine's connectors leave at its shutdown, not when
+    the garbage collector finds them."""
     from kvpack.vllm_plugin.connector import KVPackConnector
 
-    init = KVPackConnector.__init__
+    init, shutdown = KVPackConnector.__init__, KVPackConnector.shutdown
     if getattr(init, "tracked", False):
         return
 
@@ -46,15 +48,21 @@ def _track_connectors() -> None:
         init(self, *args, **kwargs)
         _LIVE.add(self)
 
+    @functools.wraps(shutdown)
+    def untracked(self: Any) -> None:
+        _LIVE.discard(self)
+        shutdown(self)
+
     tracked.tracked = True  # type: ignore[attr-defined]
     KVPackConnector.__init__ = tracked  # type: ignore[method-assign]
+    KVPackConnector.shutdown = untracked  # type: ignore[method-assign]
 
 
 _track_connectors()
 
 
 def live_connectors() -> list[Any]:
-    """The kvpack connectors alive in this process (in-process engines: both roles)."""
+    """The kvpack connectors of the engines alive in this process (in-process engines: both roles)."""
     return list(_LIVE)
 
 
@@ -142,10 +150,12 @@ def make_llm(model: Path, kv: dict[str, Any] | None = None, **kw: Any):  # type:
         args["kv_transfer_config"] = kv
     # vLLM collects the whole heap three times while an engine starts (twice in load_model,
     # once in freeze_gc_heap); in a test process, which holds vLLM, torch, transformers and
-    # pytest (some 600k objects), each is a walk of all of them. Frozen first, as vLLM itself
-    # freezes the heap once an engine has started, those collections walk only what the start
-    # allocates; the engine's shutdown unfreezes it again (vLLM's own). What is frozen here
-    # lives until then; no test depends on when garbage is collected.
+    # pytest (some 600k objects), each is a walk of all of them. Collected once here (what a
+    # closed engine left goes now, before the new one starts, as vLLM's first collection
+    # took it before), then frozen, as vLLM itself freezes the heap once an engine has
+    # started: the start's own collections walk only what it allocates. The engine's
+    # shutdown unfreezes the heap again (vLLM's own).
+    gc.collect()
     gc.freeze()
     return LLM(**args)
 
