@@ -50,64 +50,78 @@ the life of a stored block):
   and counts. Wait budget: the most one engine step waits on remote tiers.
 """
 
-from .canonical import (
-    CanonicalGeometry,
-    StoredRange,
-    TilePacking,
-    address_of,
-    head_range_fingerprint,
-    paged_geometry,
-    split_sources,
-    upload_runs,
-    vllm_cpu_geometry,
-)
-from .canonical import group_spec as canonical_group_spec
-from .client_input import MAX_DETAIL_CHARS, Refusals, clip
-from .config.reset import ClearTier, ResetScope
-from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
-from .errors import ConfigError, KVPackError, LayoutError
-from .identity.heads import HeadRange, HeadSplit
-from .identity.keys import (
-    ChunkChain,
-    ChunkHash,
-    GroupKey,
-    StoreKey,
-    chain_hash,
-    chunk_hashes,
-    member_name,
-    validate_chunk_hashes,
-    validate_member,
-)
-from .identity.layout_spec import KVLayoutSpec
-from .identity.model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
-from .identity.model_identity import (
-    model_identity as identify_model,
-)  # not under its module's name: kvpack.identity.model_identity stays the module
-from .identity.objects import Expectation, ObjectHeader, Payload, RejectReason
-from .observe.adapter_events import AdapterEvent, AdapterRefusal
-from .observe.batch_log import BatchFigures, BatchLog, Direction
-from .observe.engine_counters import EngineCounters
-from .observe.metrics import ExportedCounter, Metrics, MetricsInterval, exported_counters, parse_series_key, series_key
-from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails
-from .observe.shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
-from .observe.tier_events import TierEvent, TierEventFeed, TierEventKind
-from .observe.weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
-from .policy.budget import WaitBudget
-from .policy.clearing import ClearReport, ClearScope
-from .policy.groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
-from .policy.hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
-from .policy.tails import TailMatch, tail_chunk
-from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant, shares_facts
-from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
-from .store import KVStore, LoadItem
-from .store.hit_sources import UNKNOWN_TIER, HitSources
-from .store.page_loads import PagePart
-from .store.pins import PinOutcome, pin_trusted
-from .tiers.base import GetResult, Medium, PutItem, TierStatus
-from .tiers.host import resolve_memory
-from .tiers.parallel import conversion_threads
-from .tiers.reported import ReportedMemoryIndex, ReportedObject
-from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`): `import kvpack.cli` imports no tier and no torch
+    from .canonical import (
+        CanonicalGeometry,
+        StoredRange,
+        TilePacking,
+        address_of,
+        head_range_fingerprint,
+        paged_geometry,
+        split_sources,
+        upload_runs,
+        vllm_cpu_geometry,
+    )
+    from .canonical import group_spec as canonical_group_spec
+    from .client_input import MAX_DETAIL_CHARS, Refusals, clip
+    from .config.reset import ClearTier, ResetScope
+    from .config.schema import ChecksumPolicy, DraftPlacementMode, DraftPolicy, KVPackConfig, MemoryMode
+    from .errors import ConfigError, KVPackError, LayoutError
+    from .identity.heads import HeadRange, HeadSplit
+    from .identity.keys import (
+        ChunkChain,
+        ChunkHash,
+        GroupKey,
+        StoreKey,
+        chain_hash,
+        chunk_hashes,
+        member_name,
+        validate_chunk_hashes,
+        validate_member,
+    )
+    from .identity.layout_spec import KVLayoutSpec
+    from .identity.model_identity import ModelIdentity, adapter_identity, checkpoint_kv_heads
+    from .identity.model_identity import (
+        model_identity as identify_model,
+    )  # not under its module's name: kvpack.identity.model_identity stays the module
+    from .identity.objects import Expectation, ObjectHeader, Payload, RejectReason
+    from .observe.adapter_events import AdapterEvent, AdapterRefusal
+    from .observe.batch_log import BatchFigures, BatchLog, Direction
+    from .observe.engine_counters import EngineCounters
+    from .observe.metrics import (
+        ExportedCounter,
+        Metrics,
+        MetricsInterval,
+        exported_counters,
+        parse_series_key,
+        series_key,
+    )
+    from .observe.router_facts import FactsRow, FactsTail, RouterFacts, new_origin, shared_fact_tails
+    from .observe.shared_sweep import SharedSweep, shared_tier_sweep, shared_tier_sweeps
+    from .observe.tier_events import TierEvent, TierEventFeed, TierEventKind
+    from .observe.weights import WeightsOrigin, WeightsState, WeightsWatch, with_weights
+    from .policy.budget import WaitBudget
+    from .policy.clearing import ClearReport, ClearScope
+    from .policy.groups import Coverage, DraftPlacement, GroupLookup, MemberRole, MemberSpec, tail_usable
+    from .policy.hits import HandoffClaim, HitPlan, HitQuery, PlannedTail
+    from .policy.tails import TailMatch, tail_chunk
+    from .policy.tenancy import BadTenant, RequestScope, TenantSource, resolve_tenant, shares_facts
+    from .session import ChunkFacts, LoadBatch, MemberObject, ObjectIO, SaveResult, Session, start_engine_process
+    from .store import KVStore, LoadItem
+    from .store.hit_sources import UNKNOWN_TIER, HitSources
+    from .store.page_loads import PagePart
+    from .store.pins import PinOutcome, pin_trusted
+    from .tiers.base import GetResult, Medium, PutItem, TierStatus
+    from .tiers.host import resolve_memory
+    from .tiers.parallel import conversion_threads
+    from .tiers.reported import ReportedMemoryIndex, ReportedObject
+    from .transfers import Finished, Gathered, LoadChunk, LoadJob, PlannedLoad, SaveJob, TransferRunner
 
 __version__ = "0.1.0"
 
@@ -232,3 +246,5 @@ __all__ = [
     "WeightsWatch",
     "with_weights",
 ]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve

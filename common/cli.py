@@ -37,7 +37,7 @@ from .operate import pin_command
 from .operate.inspect_store import format_summary, summarize
 from .operate.operating import clear, format_usage, resolve_model, size, usage
 from .policy.clearing import ClearScope
-from .tiers.factory import check_tiers
+from .tiers.checks import check_tiers
 from .tiers.host.stores import drop, host_stores, not_stores
 
 if TYPE_CHECKING:

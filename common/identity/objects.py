@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from ..ops._build import checksummer
+from ..ops.natives import checksummer
 from .slots import build_many
 
 MAGIC = b"KVPK"

@@ -36,12 +36,14 @@ from ..config.schema import KVPackConfig
 from ..errors import ConfigError
 from ..policy.clearing import Cleared, ClearScope, ClearUnsupported
 from ..store.pins import drop_pins, pinned_per_tenant
-from ..tiers.disk import DiskTier
-from ..tiers.host import HostTier
+
+# the tiers through their packages (`kvpack.exports`): a tier's module, and torch, load when a command opens it
+from ..tiers import disk as disk_tiers
+from ..tiers import host as host_tiers
+from ..tiers import mooncake as mooncake_tiers
 from ..tiers.host.stores import HostStore, host_stores
 from ..tiers.index import census
 from ..tiers.index.catalog import INDEX_NAME
-from ..tiers.mooncake import MooncakeTier  # Mooncake is optional: imported only when configured
 
 MOONCAKE_NOT_LISTABLE = "its client API lists no keys: pass --mooncake-http HOST:PORT (the master's --metrics_port)"
 MAX_LISTED_KEYS = 10_000_000
@@ -238,7 +240,7 @@ def _run(result: StoreCleared, scope: ClearScope, dry_run: bool, tier: Any) -> S
 def _clear_host(host: HostStore, scope: ClearScope, dry_run: bool) -> StoreCleared:
     result = StoreCleared("host", host.name)
     try:
-        tier = HostTier(host.name, 1 << 20, asked_for=False)  # an existing store keeps its own size
+        tier = host_tiers.HostTier(host.name, 1 << 20, asked_for=False)  # an existing store keeps its own size
     except (ConfigError, OSError, sqlite3.Error) as exc:
         result.failed = str(exc).splitlines()[0][:200]
         return result
@@ -254,7 +256,7 @@ def _clear_disk(path: str, scope: ClearScope, dry_run: bool) -> StoreCleared:
         result.cleared = Cleared(0, 0)  # no store here: nothing of anyone's
         return result
     try:
-        tier = DiskTier(path, 1 << 60)
+        tier = disk_tiers.DiskTier(path, 1 << 60)
     except (ConfigError, OSError, sqlite3.Error) as exc:
         result.failed = str(exc).splitlines()[0][:200]
         return result
@@ -278,7 +280,9 @@ def _clear_mooncake(config: KVPackConfig, scope: ClearScope, dry_run: bool, wait
         result.failed = "Mooncake cannot count objects without removing them"
         return result
     try:
-        tier = MooncakeTier(replace(config.mooncake, global_segment_size=0))  # a client: contributes no memory
+        tier = mooncake_tiers.MooncakeTier(
+            replace(config.mooncake, global_segment_size=0)
+        )  # a client: contributes no memory
     except Exception as exc:  # noqa: BLE001 - an unusable Mooncake is one line, never a traceback
         result.failed = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return result

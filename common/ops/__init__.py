@@ -16,18 +16,26 @@ kernels are JIT-built on first use (``kvpack.ops._build``). Importing this modul
 builds nothing and needs no CUDA.
 """
 
-from ._build import ExtensionStatus, load_extension, object_reader, object_remover, object_writer, region_copier
-from .copy import (
-    Backend,
-    UploadedIds,
-    gather_blocks,
-    scatter_blocks,
-    select_backend,
-    staging_bytes_per_block,
-    upload_ids,
-)
-from .layout import KVLayout, KVLayoutKind, LayoutError, LoopDim
-from .paged import PagedKV
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`): importing the package imports no torch
+    from ._build import ExtensionStatus, load_extension
+    from .copy import (
+        Backend,
+        UploadedIds,
+        gather_blocks,
+        scatter_blocks,
+        select_backend,
+        staging_bytes_per_block,
+        upload_ids,
+    )
+    from .layout import KVLayout, KVLayoutKind, LayoutError, LoopDim
+    from .natives import object_reader, object_remover, object_writer, region_copier
+    from .paged import PagedKV
 
 __all__ = [
     "Backend",
@@ -49,3 +57,5 @@ __all__ = [
     "UploadedIds",
     "upload_ids",
 ]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from . import natives
 from ._reference import gather_reference
-from .natives import Checksummer, ObjectReader, ObjectRemover, ObjectWriter, RegionCopier
 from .paged import PagedKV
 from .simd import CpuSimd
 
@@ -86,7 +86,6 @@ class ExtensionStatus:
 
 _lock = threading.Lock()
 _status: ExtensionStatus | None = None
-_module: Any = None
 
 
 def csrc_dir() -> Path | None:
@@ -347,11 +346,13 @@ def _build() -> tuple[ExtensionStatus, Any]:
 
 def load_extension() -> ExtensionStatus:
     """Builds/loads the extension once per process; never raises. Thread safe."""
-    global _status, _module
+    global _status
     with _lock:
         if _status is None:
             try:
-                _status, _module = _build()
+                _status, module = _build()
+                if module is not None:
+                    natives.loaded(module)
             except Exception as e:  # a failed build must never break the engine
                 _status = ExtensionStatus(False, False, f"build failed: {type(e).__name__}: {e}")
             if _status.available:
@@ -359,40 +360,3 @@ def load_extension() -> ExtensionStatus:
             else:
                 logger.warning("kvpack.ops: using the pure-torch block copy fallback (%s)", _status.reason)
         return _status
-
-
-def region_copier() -> RegionCopier | None:
-    """The native region copy if the extension is loaded now, else None. Never waits."""
-    module = _module
-    return None if module is None else module.copy_regions
-
-
-def object_writer() -> ObjectWriter | None:
-    """The native batch object write (`kvpack.tiers.disk.writes`) if the extension is loaded now, else None.
-
-    Never waits."""
-    module = _module
-    return None if module is None else module.write_objects
-
-
-def checksummer() -> Checksummer | None:
-    """The native batch checksum (`kvpack.identity.objects.payload_checksums`: xxh3_64 of each payload's parts,
-    the GIL released once for the batch) if the extension is loaded now, else None. Never waits."""
-    module = _module
-    return None if module is None else module.checksums
-
-
-def object_reader() -> ObjectReader | None:
-    """The native batch object read (`kvpack.tiers.disk.reads`) if the extension is loaded now, else None.
-
-    Never waits."""
-    module = _module
-    return None if module is None else module.read_objects
-
-
-def object_remover() -> ObjectRemover | None:
-    """The native batch object removal (`kvpack.tiers.disk.removes`) if the extension is loaded now, else None.
-
-    Never waits."""
-    module = _module
-    return None if module is None else module.remove_objects

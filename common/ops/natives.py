@@ -43,3 +43,50 @@ CopyPair = tuple[np.ndarray, np.ndarray]
 RegionCopier = Callable[[Sequence[CopyPair], bool], None]
 """Native ``copy_regions(pairs, streaming)`` (`kvpack.ops.region_copier`): copies every
 pair with the GIL released; `streaming` writes long regions with non-temporal stores."""
+
+
+_extension: Any = None
+"""The loaded extension module (`kvpack.ops._build.load_extension`: once per process), else None."""
+
+
+def loaded(module: Any) -> None:
+    """Hand out `module`'s batch functions from now on (called once, by the extension's loader)."""
+    global _extension
+    _extension = module
+
+
+def region_copier() -> RegionCopier | None:
+    """The native region copy if the extension is loaded now, else None. Never waits."""
+    module = _extension
+    return None if module is None else module.copy_regions
+
+
+def object_writer() -> ObjectWriter | None:
+    """The native batch object write (`kvpack.tiers.disk.writes`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _extension
+    return None if module is None else module.write_objects
+
+
+def checksummer() -> Checksummer | None:
+    """The native batch checksum (`kvpack.identity.objects.payload_checksums`: xxh3_64 of each payload's parts,
+    the GIL released once for the batch) if the extension is loaded now, else None. Never waits."""
+    module = _extension
+    return None if module is None else module.checksums
+
+
+def object_reader() -> ObjectReader | None:
+    """The native batch object read (`kvpack.tiers.disk.reads`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _extension
+    return None if module is None else module.read_objects
+
+
+def object_remover() -> ObjectRemover | None:
+    """The native batch object removal (`kvpack.tiers.disk.removes`) if the extension is loaded now, else None.
+
+    Never waits."""
+    module = _extension
+    return None if module is None else module.remove_objects

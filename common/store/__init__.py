@@ -13,10 +13,19 @@
 - `located` (`LocatedHints`): where a lookup found each object, for the load that follows.
 """
 
-from .lifecycle import LoadPlan, PlanBook
-from .reader import LentLoad, Reader
-from .reads import LoadItem, PageReads, TierReads
-from .store import KVStore
-from .writer import Writer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`)
+    from .lifecycle import LoadPlan, PlanBook
+    from .reader import LentLoad, Reader
+    from .reads import LoadItem, PageReads, TierReads
+    from .store import KVStore
+    from .writer import Writer
 
 __all__ = ["KVStore", "LentLoad", "LoadItem", "LoadPlan", "PageReads", "PlanBook", "Reader", "TierReads", "Writer"]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve

@@ -61,7 +61,8 @@ from ..tiers.memory import MemoryTier
 from ..tiers.parallel import RegionCopier
 from .integrity import IntegrityKey
 from .lifecycle import LoadPlan, PlanBook, count_lookup
-from .pins import PinOutcome, open_pins, pin_prefix
+from .pinning import open_pins, pin_prefix
+from .pins import PinOutcome
 from .reader import Reader
 from .reads import LoadItem, TierReads
 from .writer import Writer
@@ -219,7 +220,7 @@ class KVStore:
         return self._memory.contains(keys)
 
     def pin_prefix(self, tenant: str, fingerprint: str, chunks: Sequence[str]) -> PinOutcome | None:
-        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.store.pins.pin_prefix`);
+        """Pin `tenant`'s prefix `chunks` as far as the disk folder holds it (`kvpack.store.pinning.pin_prefix`);
         None when pins are off. Groups refused past the budget are counted (``pins_refused``)."""
         if self.pins is None:
             return None

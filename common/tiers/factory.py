@@ -3,53 +3,29 @@
 One place knows every tier implementation; a new tier is one more branch
 here (and its module), nothing else in the core changes.
 
-`check_tiers` is the start-up check: every rule a tier's construction applies to
-the config, through the same functions, changing nothing (no folder created, no
-marker written, nothing connected). `build_tiers` runs it first, and
-``kvpack config`` runs it, so a file that command accepts is one start-up accepts.
+`build_tiers` runs the start-up check (`kvpack.tiers.checks.check_tiers`) first, as
+``kvpack config`` does, so a file that command accepts is one start-up accepts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 from ..config.schema import KVPackConfig, MemoryMode
 from ..policy.eviction import make_policy
 from .base import Tier
+from .checks import check_tiers
 from .disk import DiskTier
-from .disk.fs import check_store_root
 from .disk.reads import ObjectReader
 from .disk.removes import ObjectRemover
 from .disk.writes import ObjectWriter
 from .host import HostTier, chosen_by_auto, memory_mode, store_name
-from .index.check import check_index_files
 from .memory import MemoryTier
 from .mooncake import MooncakeTier
-from .mooncake.connection import check_support
 from .parallel import RegionCopier
 
 log = logging.getLogger("kvpack")
-
-
-def check_tiers(config: KVPackConfig, *, index_files: bool = True) -> None:
-    """Raise the ConfigError that building `config`'s tiers would raise for their config, changing nothing.
-
-    Disk: the store folder rules (`disk.fs.check_store_root`: where it may be, what
-    an existing one may hold, that a missing one can be created). Mooncake: the
-    installed package and its tenant support (`connection.check_support`). The
-    memory tier has no rule beyond the config's own fields (checked when it was built).
-    For an existing folder, the disk index's files too (`index.check.check_index_files`), unless
-    `index_files` is False: `build_tiers`, whose `DiskTier` opens them by the same rules a moment later."""
-    if config.disk.enabled:
-        root = check_store_root(config.disk.path)
-        if index_files and os.path.isdir(root):
-            check_index_files(root)
-    if config.memory.enabled and config.memory.mode is not MemoryMode.PROCESS:
-        memory_mode(config)  # HOST: the host's shared memory must hold memory.capacity
-    if config.mooncake.enabled:
-        check_support(config.mooncake.resolved())
 
 
 _WARNED: set[str] = set()

@@ -4,7 +4,7 @@ Each bad file goes through the command (`kvpack.cli.main`), and the issue's
 dozen through the installed ``kvpack`` script in a subprocess as well: exit
 status 2, nothing on stdout, exactly one line on stderr naming the file, the
 field where there is one, and the problem. The store folder rules are the same
-function at start-up and in the command (`kvpack.tiers.factory.check_tiers`),
+function at start-up and in the command (`kvpack.tiers.checks.check_tiers`),
 and the command creates nothing.
 """
 
@@ -25,8 +25,8 @@ from kvpack import ConfigError, KVPackConfig
 from kvpack.cli import main
 from kvpack.config.schema import DiskTierConfig, MemoryTierConfig
 from kvpack.store import KVStore
+from kvpack.tiers.checks import check_tiers
 from kvpack.tiers.disk import fs as disk_fs
-from kvpack.tiers.factory import check_tiers
 
 HUGE_INT = "9" * 5000
 DEEP = 100_000

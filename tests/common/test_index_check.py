@@ -21,9 +21,9 @@ import pytest
 from kvpack import ConfigError, KVPackConfig
 from kvpack.cli import main
 from kvpack.config.schema import DiskTierConfig, MemoryTierConfig
+from kvpack.tiers.checks import check_tiers
 from kvpack.tiers.disk import DiskTier
 from kvpack.tiers.disk import fs as disk_fs
-from kvpack.tiers.factory import check_tiers
 from kvpack.tiers.index.catalog import INDEX_NAME
 from kvpack.tiers.index.check import check_index_files
 

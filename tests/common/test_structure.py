@@ -142,24 +142,51 @@ def _modules(root: Path = ROOT, tops: dict[str, str] = TOPS) -> dict[str, Path]:
     }
 
 
-def _type_only_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes under an ``if TYPE_CHECKING:`` block: imports that never run."""
+def _lazy_package(tree: ast.Module) -> bool:
+    """Whether a package ``__init__`` exports lazily (`kvpack.exports`: ``__getattr__ = LazyExports...``):
+    its ``TYPE_CHECKING`` block then holds imports that do run, on a name's first use."""
+    return any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets)
+        and "LazyExports" in ast.unparse(node.value)
+        for node in tree.body
+    )
+
+
+def _type_only_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes under an ``if TYPE_CHECKING:`` block: imports that never run (a lazy
+    package's exports aside: they run when a name is first used)."""
     nodes: set[int] = set()
+    if _lazy_package(tree):
+        return nodes
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             nodes.update(id(inner) for inner in node.body for inner in ast.walk(inner))
     return nodes
 
 
+def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The statements at a module's top level, a lazy package's exports block unfolded."""
+    lazy = _lazy_package(tree)
+    return [
+        inner
+        for node in tree.body
+        for inner in (
+            node.body if lazy and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) else [node]
+        )
+    ]
+
+
 def _package_names(package: str, modules: dict[str, Path]) -> set[str]:
-    """Names a package's ``__init__`` binds with ``from .module import name`` (at its top level)."""
+    """Names a package's ``__init__`` binds with ``from .module import name`` (at its top level, or
+    as a lazy export)."""
     path = modules.get(package)
     if path is None or path.name != "__init__.py":
         return set()
     tree = ast.parse(path.read_text(), filename=str(path))
     return {
         alias.asname or alias.name
-        for node in tree.body
+        for node in _top_level_imports(tree)
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
         for alias in node.names
     }
@@ -237,6 +264,23 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def test_the_edge_finder_counts_a_lazy_packages_exports(tmp_path: Path) -> None:
+    # the check itself: a package that exports lazily (`kvpack.exports`) imports its exports' modules
+    # when they are used, so they are its edges; a plain TYPE_CHECKING block's imports never run
+    pkg = tmp_path / "common" / "p"
+    pkg.mkdir(parents=True)
+    for name in ("a", "b"):
+        (pkg / f"{name}.py").write_text("X = 1\n")
+    init = pkg / "__init__.py"
+    block = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n"
+    modules = {"kvpack.p": init, "kvpack.p.a": pkg / "a.py", "kvpack.p.b": pkg / "b.py"}
+    init.write_text(block)
+    assert _runtime_edges("kvpack.p", init, modules) == set()
+    init.write_text(block + "__getattr__ = LazyExports.read(__name__, __file__).resolve\n")
+    assert _runtime_edges("kvpack.p", init, modules) == {"kvpack.p.a"}
+    assert _package_names("kvpack.p", modules) == {"X"}
+
+
 def test_circle_finder_sees_a_lazy_circle(tmp_path: Path) -> None:
     # the check itself: base's lazy import of lru (the old eviction circle) closes a loop
     pkg = tmp_path / "common" / "cycle"
@@ -263,7 +307,7 @@ def test_product_imports_have_no_circles() -> None:
 
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "cpu_features", "background"),
+    ("errors", "cpu_features", "background", "exports"),
     ("ops",),
     ("identity", "client_input"),
     ("config",),

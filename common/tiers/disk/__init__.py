@@ -11,7 +11,16 @@ Modules, each with one job:
   one the host store holds too), and `reconcile` its rows (`FolderReconcile`).
 """
 
-from .files import SUFFIX, data_offset
-from .tier import STALE_TEMP_S, DiskCounters, DiskTier
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`)
+    from .files import SUFFIX, data_offset
+    from .tier import STALE_TEMP_S, DiskCounters, DiskTier
 
 __all__ = ["DiskCounters", "DiskTier", "STALE_TEMP_S", "SUFFIX", "data_offset"]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve

@@ -7,10 +7,17 @@ records which pages hold which object and who is writing what, `choice` decides
 ``memory.mode: auto``, `stores` lists this user's stores and drops one (``kvpack host``).
 """
 
-from .choice import chosen_by_auto, memory_mode, resolve_memory
-from .place import disk_store_name, host_root, shm_problem, store_name
-from .stores import HostStore, drop, give_back, host_stores
-from .tier import HostTier
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`)
+    from .choice import chosen_by_auto, memory_mode, resolve_memory
+    from .place import disk_store_name, host_root, shm_problem, store_name
+    from .stores import HostStore, drop, give_back, host_stores
+    from .tier import HostTier
 
 __all__ = [
     "HostStore",
@@ -26,3 +33,5 @@ __all__ = [
     "shm_problem",
     "store_name",
 ]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve

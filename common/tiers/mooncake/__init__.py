@@ -45,18 +45,23 @@ What this tier adds to ``MooncakeDistributedStore``, and where:
 
 from __future__ import annotations
 
-from .codes import MOONCAKE_CODES, Code, CodeInfo, code_info, describe
-from .connection import (
-    BreakerState,
-    CircuitBreaker,
-    TierEvents,
-    TierState,
-    load_mooncake,
-    supports_groups,
-    supports_tenants,
-)
-from .staging import plan_steps
-from .tier import MooncakeTier
+from typing import TYPE_CHECKING
+
+from ...exports import LazyExports
+
+if TYPE_CHECKING:  # imported on first use (`kvpack.exports`)
+    from .codes import MOONCAKE_CODES, Code, CodeInfo, code_info, describe
+    from .connection import (
+        BreakerState,
+        CircuitBreaker,
+        TierEvents,
+        TierState,
+        load_mooncake,
+        supports_groups,
+        supports_tenants,
+    )
+    from .staging import plan_steps
+    from .tier import MooncakeTier
 
 __all__ = [
     "MOONCAKE_CODES",
@@ -74,3 +79,5 @@ __all__ = [
     "supports_groups",
     "supports_tenants",
 ]
+
+__getattr__ = LazyExports.read(__name__, __file__).resolve
