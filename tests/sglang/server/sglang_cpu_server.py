@@ -107,14 +107,20 @@ def server_argv(
 ) -> list[str]:
     """``sglang.launch_server`` on the CPU engine with HiCache L3 through the ``dynamic`` backend
     (`dtype`: SGLang's ``--dtype``; default its own choice, bf16 on the CPU). `more`: further
-    server arguments, after these (a repeated option takes the last value: ``--max-total-tokens``)."""
+    server arguments, after these (a repeated option takes the last value: ``--max-total-tokens``).
+
+    ``--sleep-on-idle`` (SGLang's own option): without it an idle CPU server's scheduler loop runs
+    its self-checks back to back and keeps the machine's cores busy (benchmarks/RESULTS.md), taken
+    from whatever runs beside the server: the vLLM engine of a cross-engine test, the other lane of
+    `make test`. A request wakes the scheduler at once (it polls its sockets); SGLang's storage
+    threads back up and prefetch on their own."""
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model),
         "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--attention-backend", "torch_native",
         "--max-total-tokens", "4096", "--page-size", str(page_size),
-        "--skip-server-warmup",
+        "--skip-server-warmup", "--sleep-on-idle",
         "--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend", "direct",
         "--hicache-storage-backend", "dynamic",
         "--hicache-storage-backend-extra-config", json.dumps(extra_config),
