@@ -211,10 +211,13 @@ class SchedulerSide:
 
     def _loads_in_step(self, plan: HitPlan) -> bool:
         """Whether `plan` loads synchronously: one KV cache group (vLLM takes block-level
-        failures), not a handoff, at most `sync_load_max_blocks` blocks, and every object
-        in the workers' memory (`WorkersMemory.holds`)."""
+        failures), one worker, not a handoff, at most `sync_load_max_blocks` blocks, and every
+        object in the workers' memory (`WorkersMemory.holds`). One worker: the step's forward runs
+        whether or not the load succeeded, and a block that failed on one rank feeds every rank's
+        next layers, so the other ranks' saves of that step would hold KV no prompt has (a rank
+        drops its own: `TransferRunner.submit_save`); an async load fails before any forward."""
         blocks = plan.hit_chunks + (plan.tail is not None)
-        if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid:
+        if not (0 < blocks <= self.sync_load_max_blocks) or plan.handoff or self.scope.hybrid or self.scope.world > 1:
             return False
         tail_members = self.scope.split_members(plan.tail.source if plan.tail else 0)
         return self.memory.holds(plan, tail_members, self.session)

@@ -152,6 +152,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("load_requests", "Requests handed to the workers to load", ()),
     MetricSpec("sync_load_requests", "Requests whose hit is loaded inside the engine step", ()),
     MetricSpec("sync_load_failures", "Loads inside the step that failed (recomputed)", ()),
+    MetricSpec(
+        "captures_dropped_failed_load",
+        "Saves not taken: computed in a step whose load of the same request failed (that KV is recomputed)",
+        ("tenant",),
+    ),
     MetricSpec("save_blocks_planned", "Blocks the scheduler asked the workers to save", ()),
     MetricSpec("saved_blocks", "Blocks the workers saved", ()),
     MetricSpec("save_errors", "Saves that failed (a future miss, never an engine error)", ()),

@@ -12,6 +12,10 @@ Guarantees:
   after the compute stream, and the compute stream waits on the gather's event, so no
   later forward rewrites a block the save still reads; a load is reported, done or
   failed, only after its scatter's event completed.
+- A load inside the step (`load_now`) that failed leaves blocks the step's forward reads
+  anyway (the engine recomputes them next step): that step's captures of the same job are
+  not stored (``captures_dropped_failed_load``), or every later hit would load what the
+  failed load left.
 - Every wait is bounded by ``io_timeout_ms`` (plus a handoff's ``handoff_wait_ms``): a
   load still reading after it is cancelled and reported failed (the engine recomputes),
   and its blocks are never written by the late thread. A load whose scatter is already
@@ -87,6 +91,8 @@ class TransferRunner:
         self._idle_step = False
         self._disabled = False
         self._step_loads: list[LoadTask] = []
+        self._step_failed_sync: set[str] = set()
+        """Jobs whose load inside this step failed, in part or whole (`load_now`, `refuse_load`)."""
         self._saves_cv = threading.Condition()
         self._saves_queued = 0
         self._saves_done = 0
@@ -144,6 +150,7 @@ class TransferRunner:
         """A new engine step: `finished` waits (bounded) for this step's loads when it has no forward."""
         self._idle_step = not has_forward
         self._step_loads = []
+        self._step_failed_sync = set()
 
     def submit_load(self, job: LoadJob) -> None:
         """Run `job` on the load thread; `finished` reports it (failed if turned away)."""
@@ -165,6 +172,7 @@ class TransferRunner:
         if sync:
             with self._lock:
                 self._failed_blocks |= job.blocks
+            self._step_failed_sync.add(job.job_id)
             return
         task = LoadTask(job, time.monotonic(), after_saves=self._saves_queued)
         task.failed_blocks = job.blocks
@@ -190,6 +198,7 @@ class TransferRunner:
         self._metrics.inc("sync_loads", tenant=job.tenant)
         if task.failed_blocks:
             self._metrics.inc("sync_load_failures")
+            self._step_failed_sync.add(job.job_id)
             with self._lock:
                 self._failed_blocks |= task.failed_blocks
 
@@ -396,6 +405,12 @@ class TransferRunner:
         its gather failed (counted: a future miss), or the runner is disabled. Never waits
         for storage."""
         if self._disabled:
+            return False
+        if job.capture and job.job_id in self._step_failed_sync:
+            # this step's forward ran over blocks whose load failed: what it computed is not the
+            # prompt's KV (the engine recomputes it next step); stored, it would be every later hit's
+            self._metrics.inc("captures_dropped_failed_load", tenant=job.tenant)
+            self._save_ended(job)
             return False
         if not self._admit(self._save_bytes, "save", "max_queued_save_bytes", job.nbytes):
             self._save_ended(job)

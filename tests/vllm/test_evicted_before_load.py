@@ -118,3 +118,41 @@ def test_engine_output_is_unchanged_when_memory_lost_a_hit_before_the_load(
             assert metric("load_failures", status="miss") >= len(chunks)  # recomputed
     finally:
         close_llm(llm)
+
+
+P2 = P + prompt(12, 100)
+"""P and 100 more tokens: a third whole block (P's tail and 83 tokens) and a 17-token tail."""
+
+
+@pytest.fixture(scope="module")
+def baseline2(tiny_llama: Path) -> Run:
+    return no_cache_run(tiny_llama, P2)
+
+
+def test_a_step_whose_load_failed_stores_nothing_it_computed(tiny_llama: Path, baseline2: Run) -> None:
+    """A hit loaded inside the step (vLLM's synchronous load) that the worker's memory lost in
+    part since the lookup: vLLM runs that step's forward anyway, over the block the load never
+    wrote, then recomputes the request from that block. What the forward computed is not the
+    prompt's KV, and stored it was the next request's hit: the soak found wrong answers under
+    load this way. Here P's tail is gone from the worker's memory when P2 (P and more) loads
+    P's two blocks and that tail inside its step, computes its third block and its own tail
+    over the block the tail never reached, and would store both."""
+    from kvpack.policy.tails import tail_chunk
+
+    extra = {"memory": {"capacity": "256MiB"}, "disk": {"enabled": False}}
+    llm = make_llm(tiny_llama, kv_config(extra))
+    try:
+        assert run(llm, P).cached == 0
+        worker = _worker_store()
+        assert worker.flush_before_exit(10, "test")
+        tail = GroupKey("default", worker.scope.fingerprint, tail_chunk(chunk_hashes(P, BLOCK)[-1]))
+        assert worker.session.store.tiers[0].remove_groups([tail]) == 1
+        second = run(llm, P2)
+        assert metric("sync_load_failures") == 1  # loaded in the step, and failed there
+        assert same_output(second, baseline2)  # vLLM recomputed the request from the tail's block
+        third = run(llm, P2)
+        assert third.cached == len(P2) - 1
+        assert same_output(third, baseline2)  # nothing the failed step computed was stored
+        assert metric("captures_dropped_failed_load", tenant="default") >= 1  # counted
+    finally:
+        close_llm(llm)
