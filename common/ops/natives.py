@@ -55,38 +55,39 @@ def loaded(module: Any) -> None:
     _extension = module
 
 
+def _function(name: str) -> Any:
+    """The loaded extension's function `name`, or None before it is loaded. Never waits."""
+    module = _extension
+    return None if module is None else getattr(module, name)
+
+
 def region_copier() -> RegionCopier | None:
     """The native region copy if the extension is loaded now, else None. Never waits."""
-    module = _extension
-    return None if module is None else module.copy_regions
+    return _function("copy_regions")
 
 
 def object_writer() -> ObjectWriter | None:
     """The native batch object write (`kvpack.tiers.disk.writes`) if the extension is loaded now, else None.
 
     Never waits."""
-    module = _extension
-    return None if module is None else module.write_objects
+    return _function("write_objects")
 
 
 def checksummer() -> Checksummer | None:
     """The native batch checksum (`kvpack.identity.objects.payload_checksums`: xxh3_64 of each payload's parts,
     the GIL released once for the batch) if the extension is loaded now, else None. Never waits."""
-    module = _extension
-    return None if module is None else module.checksums
+    return _function("checksums")
 
 
 def object_reader() -> ObjectReader | None:
     """The native batch object read (`kvpack.tiers.disk.reads`) if the extension is loaded now, else None.
 
     Never waits."""
-    module = _extension
-    return None if module is None else module.read_objects
+    return _function("read_objects")
 
 
 def object_remover() -> ObjectRemover | None:
     """The native batch object removal (`kvpack.tiers.disk.removes`) if the extension is loaded now, else None.
 
     Never waits."""
-    module = _extension
-    return None if module is None else module.remove_objects
+    return _function("remove_objects")
