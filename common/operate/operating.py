@@ -280,9 +280,8 @@ def _clear_mooncake(config: KVPackConfig, scope: ClearScope, dry_run: bool, wait
         result.failed = "Mooncake cannot count objects without removing them"
         return result
     try:
-        tier = mooncake_tiers.MooncakeTier(
-            replace(config.mooncake, global_segment_size=0)
-        )  # a client: contributes no memory
+        client = replace(config.mooncake, global_segment_size=0)  # a client: contributes no memory
+        tier = mooncake_tiers.MooncakeTier(client)
     except Exception as exc:  # noqa: BLE001 - an unusable Mooncake is one line, never a traceback
         result.failed = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return result
