@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from vllm_helpers import LOGPROB_TOL, prompt
+
+from fixtures.warm_start import warm_starts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -40,18 +41,24 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _engine(model: Path, extra: dict, prompts: dict[str, list[int]], log: Path) -> dict:
+    """`CHILD` as a script in a process of its own (`warm_start`): its RESULT line."""
     spec = json.dumps({"model": str(model), "extra": extra, "prompts": prompts})
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
     )
-    proc = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=300)
-    log.write_text(proc.stdout + proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, (
-        f"engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
-    )
+    script, out = log.with_suffix(".py"), log.with_suffix(".stdout")
+    script.write_text(CHILD)
+    out.write_bytes(b"")
+    log.write_bytes(b"")
+    proc = warm_starts().start_script(sys.executable, [str(script), spec], env, out, log)
+    returncode = proc.wait(timeout=300)
+    stdout, stderr = out.read_text(errors="replace"), log.read_text(errors="replace")
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert returncode == 0 and line is not None, f"engine failed (rc={returncode}); see {log}:\n{stderr[-3000:]}"
     return json.loads(line[len("RESULT ") :])
 
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from vllm_helpers import (
     stop_server,
     wait_healthy,
 )
+
+from fixtures.warm_start import ScriptProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -86,7 +87,7 @@ def counters(llm: Any, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
+def _serve(model: Path, store: Path, log: Path) -> tuple[ScriptProcess, int]:
     return serve_openai(model, kv_config({"disk": {"path": str(store)}}), log)
 
 
@@ -94,7 +95,7 @@ def _serve(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen, int]:
 class Lifetime:
     """An OpenAI server with kvpack on the disk store `store` (started; `wait` until it answers)."""
 
-    proc: subprocess.Popen
+    proc: ScriptProcess
     port: int
     store: Path
     log: Path

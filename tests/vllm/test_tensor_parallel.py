@@ -41,7 +41,7 @@ pytestmark = pytest.mark.vllm
 P = prompt(71, 301)
 TURN2 = P + prompt(72, 200)
 """Turn 2 of the conversation across a TP change."""
-TWO_RANKS = "import os; os.environ['VLLM_CPU_OMP_THREADS_BIND'] = '0|1'"
+TWO_RANKS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """One core per rank: without it a TP=2 CPU engine fails start-up on NUMA binding."""
 
 
@@ -79,7 +79,7 @@ def tp2_store(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         {"P": P},
         log,
         multiprocess=True,
-        preamble=TWO_RANKS,
+        env=TWO_RANKS,
         tensor_parallel_size=2,
     )
     assert written["P"].cached == 0
@@ -111,7 +111,7 @@ def test_tp1_writes_tp2_reads(tiny_llama: Path, baseline: Run, tmp_path: Path) -
         {"P": P},
         tmp_path / "reader.log",
         multiprocess=True,
-        preamble=TWO_RANKS,
+        env=TWO_RANKS,
         tensor_parallel_size=2,
     )
     assert read["P"].cached == len(P) - 1

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.warm_start import warm_starts
 from kvpack.tools.offline import shutdown
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -359,14 +360,17 @@ def start_engine_process(
     max_tokens: int = 8,
     steps: list[Any] | None = None,
     salts: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
     **engine: Any,
 ) -> EngineProcess:
     """Start `prompts` through a new engine in a new process that then simply ends, as a
     user's script does (kvpack config `extra`; None: no connector), without waiting for it:
-    the test may do other work meanwhile. `preamble` runs first in that process (e.g. to
-    force an attention ISA); `salts` gives some prompts (by name) a ``cache_salt``."""
+    the test may do other work meanwhile. `preamble` runs first in that process, before vLLM
+    is imported (e.g. to force an attention ISA), `env` adds to its environment; `salts`
+    gives some prompts (by name) a ``cache_salt``. The process forks from one that has
+    imported vLLM already (`warm_start`), or starts a fresh interpreter when there is a
+    preamble."""
     import json
-    import subprocess
     import sys
 
     spec = json.dumps(
@@ -382,15 +386,18 @@ def start_engine_process(
         }
     )
     here = str(Path(__file__).parent)
-    env = dict(
+    environment = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
     )
     script = str(Path(here) / "engine_run.py")
     out = log.with_name(log.name + ".stdout")
-    with out.open("wb") as stdout, log.open("wb") as stderr:  # files, not pipes: nothing blocks the child
-        proc = subprocess.Popen([sys.executable, script, spec], env=env, stdout=stdout, stderr=stderr)
+    out.write_bytes(b"")
+    log.write_bytes(b"")
+    # a preamble runs before vLLM is imported (it patches what an import reads): a fresh interpreter
+    proc = warm_starts().start_script(sys.executable, [script, spec], environment, out, log, cold=bool(preamble))
     return EngineProcess(proc, log, out)
 
 
@@ -405,6 +412,7 @@ def engine_process(
     max_tokens: int = 8,
     timeout_s: float = 300,
     steps: list[Any] | None = None,
+    env: dict[str, str] | None = None,
     **engine: Any,
 ) -> dict[str, Run]:
     """`start_engine_process`, then its result: each prompt's `Run` (each generation's, with `steps`)."""
@@ -417,6 +425,7 @@ def engine_process(
         preamble=preamble,
         max_tokens=max_tokens,
         steps=steps,
+        env=env,
         **engine,
     )
     return started.result(timeout_s)
@@ -443,22 +452,23 @@ def start_openai(
     """Start vLLM's OpenAI server on 127.0.0.1 (fp32, eager, vLLM prefix caching off) with
     kv-transfer-config `kv` (None: no connector) and the extra environment `env`, without
     waiting for it (`wait_healthy`): a test that needs two servers starts both, then waits.
-    Returns (process, port); the process leads a session of its own (`stop_server`)."""
+    Returns (process, port); the process leads a session of its own (`stop_server`). It is
+    ``python -m vllm.entrypoints.openai.api_server`` forked from a process that has imported
+    vLLM (`warm_start`); its engine core and workers start as vLLM starts them (spawned)."""
     import json
-    import subprocess
     import sys
 
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
         "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--dtype", COMPARE_DTYPE,
         *args,
     ]  # fmt: skip
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = warm_starts().start_script(sys.executable, cmd, env, log, log, new_session=True)
     return proc, port
 
 

@@ -6,7 +6,8 @@ size = 32, one disk store per direction:
 
 1. An SGLang CPU server answers `PROMPT` from an empty store (its own no-cache
    answer); its pages reach kvpack.
-2. A vLLM engine (the vLLM venv's python, a process that simply ends) reads that
+2. A vLLM engine (the vLLM venv's python, a process that simply ends, forked from one that
+   imported vLLM: `fixtures.warm_start`) reads that
    store: it reuses every full page SGLang stored (vLLM's ``num_cached_tokens``)
    and its greedy tokens equal vLLM's own no-cache run (logprobs within 1e-4).
 3. A vLLM engine writes `PROMPT` into a second, empty store; a new SGLang server
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 from sglang_cpu_server import ServerError, running_cpu_server, wait_for_stored_pages
 from test_sglang_server import GREEDY, PROMPT, PROMPT_TOKENS, TENANT, kvpack_extra_config
+
+from fixtures.warm_start import warm_starts
 
 PAGE_SIZE = 32
 """SGLang's page = vLLM's block (vLLM's CPU attention takes multiples of 32)."""
@@ -64,14 +66,14 @@ def vllm_run(model: Path, store: Path | None, log: Path, config: dict[str, objec
         "engine": {"block_size": PAGE_SIZE},
     }
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
-    proc = subprocess.run(
-        [VLLM_PYTHON, str(ENGINE_RUN), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=600
-    )
-    log.write_text(proc.stdout + proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, (
-        f"vLLM engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
-    )
+    out = log.with_suffix(".stdout")
+    out.write_bytes(b"")
+    log.write_bytes(b"")
+    proc = warm_starts().start_script(VLLM_PYTHON, [str(ENGINE_RUN), json.dumps(spec)], env, out, log)
+    returncode = proc.wait(timeout=600)
+    stdout, stderr = out.read_text(errors="replace"), log.read_text(errors="replace")
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert returncode == 0 and line is not None, f"vLLM engine failed (rc={returncode}); see {log}:\n{stderr[-3000:]}"
     return json.loads(line[len("RESULT ") :])["P"]
 
 

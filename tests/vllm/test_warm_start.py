@@ -1,0 +1,100 @@
+"""The fork server engine scripts start from (`fixtures.warm_start`) ends them as Python ends a script.
+
+A script forked from the server must behave as the same script in a fresh interpreter: its
+own argv, environment, working folder and output files; atexit handlers and interpreter
+finalization at its end; status 1 and a traceback for an uncaught exception, -N for a
+signal; kvpack imported by the script, never by the server. Each is compared here with the
+same script started cold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.warm_start import WarmStarts
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = r"""
+import atexit, json, os, sys
+preloaded = "kvpack" in sys.modules
+import kvpack.identity.keys  # the script's own import, as vLLM's plugin loader would make it
+atexit.register(lambda: print("atexit ran", flush=True))
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_START_PROBE"),
+    "main": sys.modules["__main__"].__file__, "kvpack_preloaded": preloaded,
+    "path0": sys.path[0], "ppid_is_test": os.getppid() == int(os.environ["TEST_PID"]),
+}), flush=True)
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("the script failed")
+if how == "exit":
+    sys.exit(3)
+if how == "wait":
+    sys.stdin.read()  # /dev/null: returns at once
+    import time
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStarts]:
+    starts = WarmStarts(tmp_path_factory.mktemp("warm-start-test"))
+    yield starts
+    starts.close()
+
+
+def _run(starts: WarmStarts, tmp_path: Path, how: str, cold: bool) -> tuple[int, dict, str, str]:
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    folder = tmp_path / ("cold" if cold else "warm")
+    folder.mkdir(exist_ok=True)
+    out, err = folder / "out", folder / "err"
+    env = dict(os.environ, WARM_START_PROBE="probe", TEST_PID=str(os.getpid()))
+    proc = starts.start_script(sys.executable, [str(script), how], env, out, err, cold=cold, cwd=str(folder))
+    rc = proc.wait(timeout=120)
+    stdout = out.read_text()
+    return rc, json.loads(stdout.splitlines()[0]), stdout, err.read_text()
+
+
+@pytest.mark.parametrize(("how", "status"), [("end", 0), ("exit", 3), ("raise", 1)])
+def test_a_forked_script_ends_as_the_same_script_started_cold(
+    starts: WarmStarts, tmp_path: Path, how: str, status: int
+) -> None:
+    cold = _run(starts, tmp_path, how, cold=True)
+    warm = _run(starts, tmp_path, how, cold=False)
+    for rc, seen, stdout, stderr in (cold, warm):
+        assert rc == status, stderr
+        assert seen["argv"][1:] == [how] and seen["env"] == "probe" and seen["cwd"].endswith(("cold", "warm"))
+        assert seen["main"] == seen["argv"][0] and seen["path0"] == str(tmp_path)
+        assert seen["kvpack_preloaded"] is False
+        assert stdout.splitlines()[-1] == "atexit ran"
+        assert ("ValueError: the script failed" in stderr) == (how == "raise")
+    assert cold[1]["ppid_is_test"] and not warm[1]["ppid_is_test"]  # the warm one is the server's child
+
+
+def test_a_signal_ends_a_forked_script_with_minus_its_number(starts: WarmStarts, tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.write_text("")
+    env = dict(os.environ, TEST_PID=str(os.getpid()))
+    proc = starts.start_script(sys.executable, [str(script), "wait"], env, out, tmp_path / "err")
+    deadline = time.monotonic() + 120
+    while not out.read_text():  # the script has started (it prints first)
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+        time.sleep(0.05)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert proc.returncode == -signal.SIGTERM
