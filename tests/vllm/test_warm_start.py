@@ -98,3 +98,20 @@ def test_a_signal_ends_a_forked_script_with_minus_its_number(starts: WarmStarts,
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
     assert proc.returncode == -signal.SIGTERM
+
+
+PROBE_MODULE = "import json, os, sys; print(json.dumps([__name__, sys.argv, sys.path[0], os.getcwd()]))"
+
+
+@pytest.mark.parametrize("form", ["-m", "-c"])
+def test_python_dash_m_and_dash_c_run_as_python_runs_them(starts: WarmStarts, tmp_path: Path, form: str) -> None:
+    (tmp_path / "probe_module.py").write_text(PROBE_MODULE)
+    argv = ["-m", "probe_module", "x"] if form == "-m" else ["-c", PROBE_MODULE, "x"]
+    seen = []
+    for cold in (True, False):
+        out = tmp_path / f"out-{cold}"
+        proc = starts.start_script(sys.executable, argv, dict(os.environ), out, out, cold=cold, cwd=str(tmp_path))
+        assert proc.wait(timeout=120) == 0, out.read_text()
+        seen.append(json.loads(out.read_text().splitlines()[-1]))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == "__main__" and seen[0][1][1:] == ["x"]

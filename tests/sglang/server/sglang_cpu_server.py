@@ -2,9 +2,11 @@
 
 The server runs the SGLang venv's own Python with this folder's ``cpu_site/`` on
 PYTHONPATH (a test-only ``sitecustomize``: a stub ``sgl_kernel``, stand-ins for
-missing imports, two patches to SGLang internals; see that folder). It listens on
-127.0.0.1 on a free port, in its own process group, and is stopped by its PID
-(SIGTERM, then SIGKILL to that group) whatever happens in the test.
+missing imports, two patches to SGLang internals; see that folder), forked from a
+process that has imported ``sglang.launch_server`` with the same environment
+(`fixtures.warm_start`). It listens on 127.0.0.1 on a free port, in its own process
+group, and is stopped by its PID (SIGTERM, then SIGKILL to that group) whatever
+happens in the test.
 
 Every wait is bounded, and each bound follows the machine (`Limits`): start-up
 gets `START_TIMEOUT_S` (a cold start compiles SGLang's imports and JIT-builds
@@ -40,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fixtures.warm_start import SGLANG_MODULES, ScriptProcess, warm_starts
 from kvpack.operate.inspect_store import summarize
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
@@ -131,7 +134,7 @@ def server_argv(
 class CpuServer:
     """A running server process and where it logs."""
 
-    process: subprocess.Popen[bytes]
+    process: ScriptProcess
     port: int
     log_path: Path
     started: float = field(default_factory=time.monotonic)
@@ -262,16 +265,18 @@ def _launch(
     more: Sequence[str] = (),
 ) -> CpuServer:
     port = free_port()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            server_argv(model, port, extra_config, page_size, dtype, more),
-            cwd=log_path.parent,
-            env=server_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    log_path.write_bytes(b"")
+    python, *argv = server_argv(model, port, extra_config, page_size, dtype, more)
+    process = warm_starts().start_script(
+        python,
+        argv,
+        server_env(),
+        log_path,
+        log_path,
+        modules=SGLANG_MODULES,
+        cwd=str(log_path.parent),
+        new_session=True,
+    )
     return CpuServer(process, port, log_path)
 
 
