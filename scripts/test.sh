@@ -49,7 +49,7 @@ PYTEST_ARGS=("$@")
 # Engine test files that run in the second lane (after the core suites, before SGLang's) to
 # balance the two: each starts its own engines, so it moves whole. The rest of tests/vllm
 # stays in the first lane (the commit that moved one gives the per-file times).
-moved=(tests/vllm/test_model_copies.py tests/vllm/test_kv_events.py)
+moved=(tests/vllm/test_kv_events.py)
 lane_engines() {
   local keep=() f
   for f in tests/vllm/test_*.py; do [[ " ${moved[*]} " == *" $f "* ]] || keep+=("$f"); done

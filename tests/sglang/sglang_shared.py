@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from sglang_parts import alloc_pages, fill_random, make_backend, make_pool, page_bytes, page_keys
 
+from fixtures.warm_start import warm_starts
+
 PEER = Path(__file__).resolve().parent / "sglang_peer.py"
+PEER_MODULES = (
+    "kvpack_sglang_shim",  # before any sglang import
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mla",
+    "sglang.srt.mem_cache.storage",
+)
+"""What a process on SGLang's host pools (`sglang_peer`, a test's writer) imports first: its fork
+server imports them before it forks (`fixtures.warm_start`; kvpack is imported by the process)."""
+
+
+def peer_env(**more: str) -> dict[str, str]:
+    """The environment of such a process (this folder on PYTHONPATH: the shim, `sglang_parts`)."""
+    here = str(Path(__file__).resolve().parent)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])), **more)
 
 
 def write_then_read_elsewhere(
@@ -39,8 +55,13 @@ def write_then_read_elsewhere(
         "want": str(tmp_path / "pages.bin"),
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
-    proc = subprocess.run(
-        [sys.executable, str(PEER), str(tmp_path / "args.json")], capture_output=True, text=True, timeout=120
+    proc = warm_starts().run_script(
+        sys.executable,
+        [str(PEER), str(tmp_path / "args.json")],
+        peer_env(),
+        tmp_path / "peer.log",
+        timeout_s=120,
+        modules=PEER_MODULES,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     seen = json.loads(lines[-1]) if lines else {}

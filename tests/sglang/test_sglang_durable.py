@@ -12,9 +12,7 @@ bit-exact. Before, the disk writes were still queued: 3 of 4 were found.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +20,9 @@ from pathlib import Path
 import pytest
 import sglang_peer
 from sglang_parts import kvpack_extra, page_keys
+from sglang_shared import PEER_MODULES, peer_env
+
+from fixtures.warm_start import warm_starts
 
 pytestmark = pytest.mark.sglang
 
@@ -58,9 +59,9 @@ def test_pages_acknowledged_before_the_process_ends_are_found_by_the_next(
     keys = page_keys(4, seed=192)
     args = {"extra": extra, "layout": layout, "keys": keys, "want": str(tmp_path / "pages.bin"), "how": how}
     (tmp_path / "writer.json").write_text(json.dumps(args))
-    writer = subprocess.run(
-        [sys.executable, "-c", WRITER, str(tmp_path / "writer.json")], capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    writer = warm_starts().run_script(
+        sys.executable, ["-c", WRITER, str(tmp_path / "writer.json")], peer_env(PYTHONUNBUFFERED="1"),
+        tmp_path / "writer.log", timeout_s=180, modules=PEER_MODULES,
     )  # fmt: skip
     assert "SET [true, true, true, true]" in writer.stdout, writer.stderr[-3000:]
     assert writer.returncode == (-signal.SIGKILL if how == "sigkill" else 0), writer.stderr[-3000:]

@@ -50,15 +50,13 @@ def _engine(model: Path, extra: dict, prompts: dict[str, list[int]], log: Path) 
             [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
         ),
     )
-    script, out = log.with_suffix(".py"), log.with_suffix(".stdout")
+    script = log.with_suffix(".py")
     script.write_text(CHILD)
-    out.write_bytes(b"")
-    log.write_bytes(b"")
-    proc = warm_starts().start_script(sys.executable, [str(script), spec], env, out, log)
-    returncode = proc.wait(timeout=300)
-    stdout, stderr = out.read_text(errors="replace"), log.read_text(errors="replace")
-    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert returncode == 0 and line is not None, f"engine failed (rc={returncode}); see {log}:\n{stderr[-3000:]}"
+    proc = warm_starts().run_script(sys.executable, [str(script), spec], env, log, timeout_s=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, (
+        f"engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    )
     return json.loads(line[len("RESULT ") :])
 
 

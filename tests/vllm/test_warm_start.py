@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from fixtures.warm_start import WarmStarts
+from fixtures.warm_start import WarmStarts, warm_starts
 
 pytestmark = pytest.mark.vllm
 
@@ -30,9 +29,9 @@ preloaded = "kvpack" in sys.modules
 import kvpack.identity.keys  # the script's own import, as vLLM's plugin loader would make it
 atexit.register(lambda: print("atexit ran", flush=True))
 print(json.dumps({
-    "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_START_PROBE"),
+    "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("KVPACK_WARM_START_PROBE"),
     "main": sys.modules["__main__"].__file__, "kvpack_preloaded": preloaded,
-    "path0": sys.path[0], "ppid_is_test": os.getppid() == int(os.environ["TEST_PID"]),
+    "path0": sys.path[0], "ppid_is_test": os.getppid() == int(os.environ["KVPACK_TEST_PID"]),
 }), flush=True)
 how = sys.argv[1]
 if how == "raise":
@@ -46,11 +45,10 @@ if how == "wait":
 """
 
 
-@pytest.fixture(scope="module")
-def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStarts]:
-    starts = WarmStarts(tmp_path_factory.mktemp("warm-start-test"))
-    yield starts
-    starts.close()
+@pytest.fixture
+def starts() -> WarmStarts:
+    """The run's fork servers (the probes' variables are kvpack's: they share the engine tests' server)."""
+    return warm_starts()
 
 
 def _run(starts: WarmStarts, tmp_path: Path, how: str, cold: bool) -> tuple[int, dict, str, str]:
@@ -59,7 +57,7 @@ def _run(starts: WarmStarts, tmp_path: Path, how: str, cold: bool) -> tuple[int,
     folder = tmp_path / ("cold" if cold else "warm")
     folder.mkdir(exist_ok=True)
     out, err = folder / "out", folder / "err"
-    env = dict(os.environ, WARM_START_PROBE="probe", TEST_PID=str(os.getpid()))
+    env = dict(os.environ, KVPACK_WARM_START_PROBE="probe", KVPACK_TEST_PID=str(os.getpid()))
     proc = starts.start_script(sys.executable, [str(script), how], env, out, err, cold=cold, cwd=str(folder))
     rc = proc.wait(timeout=120)
     stdout = out.read_text()
@@ -87,7 +85,7 @@ def test_a_signal_ends_a_forked_script_with_minus_its_number(starts: WarmStarts,
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.write_text("")
-    env = dict(os.environ, TEST_PID=str(os.getpid()))
+    env = dict(os.environ, KVPACK_TEST_PID=str(os.getpid()))
     proc = starts.start_script(sys.executable, [str(script), "wait"], env, out, tmp_path / "err")
     deadline = time.monotonic() + 120
     while not out.read_text():  # the script has started (it prints first)

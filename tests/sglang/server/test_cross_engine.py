@@ -66,14 +66,11 @@ def vllm_run(model: Path, store: Path | None, log: Path, config: dict[str, objec
         "engine": {"block_size": PAGE_SIZE},
     }
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
-    out = log.with_suffix(".stdout")
-    out.write_bytes(b"")
-    log.write_bytes(b"")
-    proc = warm_starts().start_script(VLLM_PYTHON, [str(ENGINE_RUN), json.dumps(spec)], env, out, log)
-    returncode = proc.wait(timeout=600)
-    stdout, stderr = out.read_text(errors="replace"), log.read_text(errors="replace")
-    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert returncode == 0 and line is not None, f"vLLM engine failed (rc={returncode}); see {log}:\n{stderr[-3000:]}"
+    proc = warm_starts().run_script(VLLM_PYTHON, [str(ENGINE_RUN), json.dumps(spec)], env, log, timeout_s=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, (
+        f"vLLM engine failed (rc={proc.returncode}); see {log}:\n{proc.stderr[-3000:]}"
+    )
     return json.loads(line[len("RESULT ") :])["P"]
 
 
