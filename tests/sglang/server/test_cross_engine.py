@@ -15,7 +15,8 @@ size = 32, one disk store per direction:
    greedy tokens as step 1.
 
 vLLM's no-cache run and its write of step 3 need nothing of SGLang's: they run (one after
-the other, in a thread) while the first SGLang server starts and answers.
+the other, in a thread) while the first SGLang server starts and answers; vLLM's read of step
+2 runs while the second SGLang server starts and answers.
 
 Before canonical objects each engine's group fingerprint named the engine and its
 layout (``vllm:cpu``, ``sglang:page_first``), so neither ever found the other's
@@ -107,20 +108,23 @@ def test_vllm_and_sglang_read_each_others_entries(tiny_llama: Path, tmp_path: Pa
             pytest.fail(str(exc), pytrace=False)
         baseline, written = vllm_side.result()
 
-    read = vllm_run(tiny_llama, by_sglang, tmp_path / "vllm_reads_sglang.log")
+    # vLLM reads SGLang's store while the second SGLang server starts on vLLM's (neither needs the other)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(vllm_run, tiny_llama, by_sglang, tmp_path / "vllm_reads_sglang.log")
+        assert written["cached"] == 0
+        try:
+            with running_cpu_server(
+                tiny_llama, kvpack_extra_config(by_vllm), tmp_path / "sglang2.log", page_size=PAGE_SIZE, dtype="float32"
+            ) as server:
+                served = server.generate("/generate over vLLM's pages", PROMPT, GREEDY, return_logprob=True)
+                tail = server.log_tail()
+        except ServerError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        read = reading.result()
     assert read["cached"] == full_pages * PAGE_SIZE, read["cached"]  # every page SGLang stored
     assert read["tokens"] == baseline["tokens"]
     assert max(abs(a - b) for a, b in zip(read["logprobs"], baseline["logprobs"], strict=True)) <= LOGPROB_TOL
 
-    assert written["cached"] == 0
-    try:
-        with running_cpu_server(
-            tiny_llama, kvpack_extra_config(by_vllm), tmp_path / "sglang2.log", page_size=PAGE_SIZE, dtype="float32"
-        ) as server:
-            served = server.generate("/generate over vLLM's pages", PROMPT, GREEDY, return_logprob=True)
-            tail = server.log_tail()
-    except ServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
     details = served["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) > 0, f"SGLang served nothing from vLLM's pages: {served['meta_info']}\n{tail}"
     assert served["output_ids"] == own["output_ids"]
