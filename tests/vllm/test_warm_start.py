@@ -32,6 +32,7 @@ print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("KVPACK_WARM_START_PROBE"),
     "main": sys.modules["__main__"].__file__, "kvpack_preloaded": preloaded,
     "path0": sys.path[0], "ppid_is_test": os.getppid() == int(os.environ["KVPACK_TEST_PID"]),
+    "first_free_fd": os.open(os.devnull, os.O_RDONLY),
 }), flush=True)
 how = sys.argv[1]
 if how == "raise":
@@ -75,6 +76,7 @@ def test_a_forked_script_ends_as_the_same_script_started_cold(
         assert seen["argv"][1:] == [how] and seen["env"] == "probe" and seen["cwd"].endswith(("cold", "warm"))
         assert seen["main"] == seen["argv"][0] and seen["path0"] == str(tmp_path)
         assert seen["kvpack_preloaded"] is False
+        assert seen["first_free_fd"] > 2  # stdin, stdout and stderr open (libuv aborts on a socket at fd 0)
         assert stdout.splitlines()[-1] == "atexit ran"
         assert ("ValueError: the script failed" in stderr) == (how == "raise")
     assert cold[1]["ppid_is_test"] and not warm[1]["ppid_is_test"]  # the warm one is the server's child
