@@ -43,7 +43,7 @@ from vllm_helpers import (
 
 from kvpack.vllm_plugin.metadata import BlockRef, KVPackConnectorMetadata, StoredObject, TransferJob  # noqa: E402
 from kvpack.vllm_plugin.scheduler import SchedulerSide  # noqa: E402
-from kvpack.vllm_plugin.scopes import CacheGroup, Scope  # noqa: E402
+from kvpack.vllm_plugin.scopes import CacheGroup, Scope, member_name  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -96,23 +96,29 @@ def test_a_sync_load_that_fails_reports_its_blocks_for_recompute(tmp_path: Path)
         worker.close()
 
 
-def _scheduler(sync_max: int) -> SchedulerSide:
+def _scheduler(sync_max: int, world: int = 1) -> SchedulerSide:
     groups = (CacheGroup(0, Coverage.ALL, 0, ("model.layers.0.attn",), "FullAttentionSpec"),)
     spec = KVLayoutSpec(engine="vllm:cpu", model="dense", dtype="float32", chunk_tokens=BS)
-    scope = Scope(spec=spec, members=("kv",), block_size=BS, draft="", groups=groups, world=1)
+    members = tuple(member_name("kv", rank, world) for rank in range(world))
+    scope = Scope(spec=spec, members=members, block_size=BS, draft="", groups=groups, world=world)
     cfg = KVPackConfig.from_dict({"disk": {"enabled": False}, "tail_reuse": False})
     return SchedulerSide(cfg, scope, can_load=True, can_save=False, sync_load_max_blocks=sync_max)
 
 
-@pytest.mark.parametrize("sync_max,want_async", [(4, False), (2, True), (0, True)], ids=["fits", "too-large", "off"])
-def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: int, want_async: bool) -> None:
-    side = _scheduler(sync_max)
+@pytest.mark.parametrize(
+    "sync_max,world,want_async",
+    [(4, 1, False), (2, 1, True), (0, 1, True), (4, 2, True)],
+    ids=["fits", "too-large", "off", "two-workers"],
+)
+def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: int, world: int, want_async: bool) -> None:
+    """In step: a hit of at most `sync_max` blocks, all in the workers' memory, with one worker (a
+    block one rank failed to load in step would feed every rank's next layers: two load async)."""
+    side = _scheduler(sync_max, world)
     try:
         ids = list(range(500, 549))  # 3 whole chunks and one token
         chunks = chunk_hashes(ids, BS)
-        side.memory.index.apply(
-            [StoredObject(StoreKey("default", side.scope.fingerprint, c, "kv").as_str(), BS, 64) for c in chunks], []
-        )
+        keys = [StoreKey("default", side.scope.fingerprint, c, m) for c in chunks for m in side.scope.members]
+        side.memory.index.apply([StoredObject(key.as_str(), BS, 64) for key in keys], [])  # every rank's member
         assert side.get_num_new_matched_tokens(fake_request(ids, "r"), 0) == (3 * BS, want_async)
     finally:
         side.close()

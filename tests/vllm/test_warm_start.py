@@ -86,7 +86,6 @@ def test_a_signal_ends_a_forked_script_with_minus_its_number(starts: WarmStarts,
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out"
-    out.write_text("")
     env = dict(os.environ, KVPACK_TEST_PID=str(os.getpid()))
     proc = starts.start_script(sys.executable, [str(script), "wait"], env, out, tmp_path / "err")
     deadline = time.monotonic() + 120
@@ -115,3 +114,18 @@ def test_python_dash_m_and_dash_c_run_as_python_runs_them(starts: WarmStarts, tm
         seen.append(json.loads(out.read_text().splitlines()[-1]))
     assert seen[0] == seen[1]
     assert seen[0][0] == "__main__" and seen[0][1][1:] == ["x"]
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold", "warm"])
+def test_output_files_are_emptied_first_unless_appended_to(starts: WarmStarts, tmp_path: Path, cold: bool) -> None:
+    """A script's output files start empty (a test reads what this script wrote); a server's
+    second lifetime appends to the first's log (``append``)."""
+    fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+    fresh.write_text("an earlier script's\n")
+    kept.write_text("the first lifetime's\n")
+    for out, append in ((fresh, False), (kept, True)):
+        argv = ["-c", "print('this one')"]
+        proc = starts.start_script(sys.executable, argv, dict(os.environ), out, out, cold=cold, append=append)
+        assert proc.wait(timeout=120) == 0, out.read_text()
+    assert fresh.read_text() == "this one\n"
+    assert kept.read_text() == "the first lifetime's\nthis one\n"

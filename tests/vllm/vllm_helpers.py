@@ -386,16 +386,14 @@ def start_engine_process(
         }
     )
     here = str(Path(__file__).parent)
-    environment = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-        PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
+    environment = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        "PYTHONPATH": os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
-    )
+    }
     script = str(Path(here) / "engine_run.py")
     out = log.with_name(log.name + ".stdout")
-    out.write_bytes(b"")
-    log.write_bytes(b"")
     # a preamble runs before vLLM is imported (it patches what an import reads): a fresh interpreter
     proc = warm_starts().start_script(sys.executable, [script, spec], environment, out, log, cold=bool(preamble))
     return EngineProcess(proc, log, out)
@@ -459,7 +457,7 @@ def start_openai(
     import sys
 
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     cmd = [
         "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
@@ -468,7 +466,8 @@ def start_openai(
     ]  # fmt: skip
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    proc = warm_starts().start_script(sys.executable, cmd, env, log, log, new_session=True)
+    # appended: a test's second lifetime of a server writes on after the first's
+    proc = warm_starts().start_script(sys.executable, cmd, env, log, log, new_session=True, append=True)
     return proc, port
 
 

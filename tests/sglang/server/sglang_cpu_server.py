@@ -265,7 +265,6 @@ def _launch(
     more: Sequence[str] = (),
 ) -> CpuServer:
     port = free_port()
-    log_path.write_bytes(b"")
     python, *argv = server_argv(model, port, extra_config, page_size, dtype, more)
     process = warm_starts().start_script(
         python,
