@@ -110,7 +110,9 @@ def _scheduler(sync_max: int, world: int = 1) -> SchedulerSide:
     [(4, 1, False), (2, 1, True), (0, 1, True), (4, 2, True)],
     ids=["fits", "too-large", "off", "two-workers"],
 )
-def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(sync_max: int, world: int, want_async: bool) -> None:
+def test_the_scheduler_loads_a_memory_hit_in_step_only_when_it_fits(
+    sync_max: int, world: int, want_async: bool
+) -> None:
     """In step: a hit of at most `sync_max` blocks, all in the workers' memory, with one worker (a
     block one rank failed to load in step would feed every rank's next layers: two load async)."""
     side = _scheduler(sync_max, world)
