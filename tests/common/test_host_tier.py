@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from fixtures.builders import GROUP_FP, MEMBER_FP, TOKENS, chunk_id
+from fixtures.warm_start import KVPACK_MODULES, ScriptProcess, warm_starts
 from kvpack import (
     ChunkFacts,
     ConfigError,
@@ -79,12 +80,16 @@ def name() -> Iterator[str]:
     shutil.rmtree(host_root(n), ignore_errors=True)
 
 
-def child(mode: str, name: str, capacity: int, first: int, count: int) -> subprocess.Popen[str]:
-    args = [sys.executable, CHILD, mode, name, str(capacity), str(first), str(count), str(PAGE)]
-    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def child(mode: str, name: str, capacity: int, first: int, count: int) -> ScriptProcess:
+    """host_child.py with pipes for stdin and stdout, forked from a process that imported torch."""
+    args = [CHILD, mode, name, str(capacity), str(first), str(count), str(PAGE)]
+    env = dict(os.environ)
+    return warm_starts().start_script(
+        sys.executable, args, env, subprocess.PIPE, None, stdin=subprocess.PIPE, modules=KVPACK_MODULES
+    )
 
 
-def line(proc: subprocess.Popen[str], word: str) -> list[int]:
+def line(proc: ScriptProcess, word: str) -> list[int]:
     assert proc.stdout is not None
     for text in proc.stdout:
         if text.startswith(word):

@@ -129,3 +129,25 @@ def test_output_files_are_emptied_first_unless_appended_to(starts: WarmStarts, t
         assert proc.wait(timeout=120) == 0, out.read_text()
     assert fresh.read_text() == "this one\n"
     assert kept.read_text() == "the first lifetime's\nthis one\n"
+
+
+ECHO = "import sys\nfor line in sys.stdin:\n    print('got', line.strip(), flush=True)\nprint('stdin closed')"
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold", "warm"])
+def test_pipes_to_a_script_work_as_popens(starts: WarmStarts, tmp_path: Path, cold: bool) -> None:
+    """stdin and stdout as pipes (text): a line written is read, a line printed arrives while the
+    script runs, closing stdin is its end of input."""
+    err = tmp_path / "err"
+    argv = ["-c", ECHO]
+    proc = starts.start_script(
+        sys.executable, argv, dict(os.environ), subprocess.PIPE, err, stdin=subprocess.PIPE, cold=cold
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("one\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "got one\n"  # answered before stdin closed
+    proc.stdin.close()
+    assert proc.stdout.read() == "stdin closed\n"
+    assert proc.wait(timeout=120) == 0, err.read_text()
+    proc.stdout.close()
