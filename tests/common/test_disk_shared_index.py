@@ -4,7 +4,6 @@ processes, no start-up wait on a store that is not indexed yet, older stores ope
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 from dataclasses import replace
@@ -15,6 +14,7 @@ import pytest
 from helpers import chunk_id, expect, make_item
 
 from fixtures.scan_pace import pace_scan
+from fixtures.warm_start import KVPACK_MODULES, warm_starts
 from kvpack.errors import ConfigError
 from kvpack.operate.inspect_store import summarize
 from kvpack.tiers.base import PutItem, TierStatus
@@ -56,10 +56,13 @@ def test_three_processes_share_one_capacity_and_every_load_is_exact_or_a_miss(tm
     root, capacity, per_proc = tmp_path / "store", 64 * KIB, 192  # each process writes 3C
     _disk(root, capacity).close()
     code = _WRITER.format(tests=str(TESTS))
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(root), str(capacity), str(p), str(per_proc)])
+    procs = [  # forked from a process that imported torch (kvpack's native I/O)
+        warm_starts().start_script(
+            sys.executable, ["-c", code, str(root), str(capacity), str(p), str(per_proc)], dict(os.environ),
+            None, None, modules=KVPACK_MODULES,
+        )
         for p in range(3)
-    ]
+    ]  # fmt: skip
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
     held = sum(t.payload_bytes for t in summarize(root).tenants.values())
     assert held <= 1.1 * capacity

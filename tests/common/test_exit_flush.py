@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.warm_start import KVPACK_MODULES, warm_starts
 from kvpack.config.schema import KVPackConfig
 from kvpack.identity.keys import StoreKey
 from kvpack.identity.objects import Expectation
@@ -71,14 +72,12 @@ CHILD = (
 
 
 def _child(path: Path, how: str, bound_s: float, host: str = "") -> subprocess.CompletedProcess[str]:
-    """The child stores through the per-process memory tier, or through host store `host`."""
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), how, str(bound_s), host],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    """The child stores through the per-process memory tier, or through host store `host` (forked
+    from a process that imported torch; its output unbuffered, as a signal ends it)."""
+    argv = ["-c", CHILD, str(path), how, str(bound_s), host]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = path.parent / f"child-{how}-{uuid.uuid4().hex[:8]}.log"
+    return warm_starts().run_script(sys.executable, argv, env, log, 120, modules=KVPACK_MODULES)
 
 
 def _on_disk(path: Path) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.mooncake import client_env
+from fixtures.warm_start import KVPACK_MODULES, warm_starts
 
 pytestmark = pytest.mark.mooncake
 
@@ -54,13 +54,9 @@ SCRIPT = textwrap.dedent(
 def _run(phase: str, cfg: dict, tmp_path: Path) -> str:  # type: ignore[type-arg]
     script = tmp_path / "xp.py"
     script.write_text(SCRIPT.format(tests=str(TESTS)))
-    proc = subprocess.run(
-        [sys.executable, str(script), phase, json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=client_env(),
-    )
+    argv = [str(script), phase, json.dumps(cfg)]  # forked from a process that imported torch
+    log = tmp_path / f"{phase}.log"
+    proc = warm_starts().run_script(sys.executable, argv, client_env(), log, 120, modules=KVPACK_MODULES)
     assert proc.returncode == 0, f"{phase} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
