@@ -20,9 +20,12 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from fixtures.warm_start import KVPACK_MODULES, ScriptProcess, warm_starts
 from kvpack.cli import main
 from kvpack.tiers.host import HostTier, give_back, host_root, host_stores
 
@@ -45,23 +48,37 @@ def name() -> Iterator[str]:
     shutil.rmtree(host_root(n), ignore_errors=True)
 
 
-def _start(mode: str, name: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, mode, name],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@dataclass
+class _User:
+    """A child process using the store; its stderr goes to `log`."""
+
+    proc: ScriptProcess
+    log: Path
+
+
+def _start(mode: str, name: str, folder: Path) -> _User:
+    """A child that opens store `name` in `mode`, forked from a process that imported torch
+    (its stderr in `folder`)."""
+    log = folder / f"{mode}-{uuid.uuid4().hex[:8]}.stderr"
+    proc = warm_starts().start_script(
+        sys.executable, ["-c", CHILD, mode, name], dict(os.environ), subprocess.PIPE, log,
+        stdin=subprocess.PIPE, modules=KVPACK_MODULES,
+    )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
-    assert line == "HostTier", (line, proc.stderr.read() if proc.stderr else "")
-    return proc
+    assert line == "HostTier", (line, log.read_text())
+    return _User(proc, log)
 
 
-def _end(proc: subprocess.Popen[str]) -> str:
-    _, err = proc.communicate("\n", timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+def _end(user: _User) -> str:
+    """Let the child end (a line on its stdin); its stderr."""
+    assert user.proc.stdin is not None and user.proc.stdout is not None
+    user.proc.stdin.write("\n")
+    user.proc.stdin.close()
+    rc = user.proc.wait(timeout=60)
+    user.proc.stdout.close()
+    err = user.log.read_text()
+    assert rc == 0, err[-2000:]
     return err
 
 
@@ -69,8 +86,8 @@ def _users(name: str) -> int | None:
     return next((s.users for s in host_stores() if s.name == name), None)
 
 
-def test_an_auto_store_is_given_back_by_its_last_user(name: str) -> None:
-    first, second = _start("auto", name), _start("auto", name)
+def test_an_auto_store_is_given_back_by_its_last_user(name: str, tmp_path: Path) -> None:
+    first, second = _start("auto", name, tmp_path), _start("auto", name, tmp_path)
     assert _users(name) == 2
     _end(second)
     assert _users(name) == 1, "given back while a user lived"
@@ -79,8 +96,8 @@ def test_an_auto_store_is_given_back_by_its_last_user(name: str) -> None:
     assert not os.path.exists(host_root(name))
 
 
-def test_a_host_store_stays_and_is_warned_about(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    err = _end(_start("host", name))
+def test_a_host_store_stays_and_is_warned_about(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _end(_start("host", name, tmp_path))
     assert err.count(f"host store {name} holds 16 MiB of shared memory until dropped") == 1, err[-2000:]
     assert _users(name) == 0
     assert main(["usage", "--disk", "/nonexistent-kvpack-usage"]) == 0
@@ -112,17 +129,17 @@ def test_no_give_back_while_a_process_is_opening_it(name: str) -> None:
         again.close()
 
 
-def test_an_auto_user_never_gives_back_a_store_someone_asked_for(name: str) -> None:
-    asked = _start("host", name)
-    joined = _start("auto", name)  # auto beside a live user: the host store
+def test_an_auto_user_never_gives_back_a_store_someone_asked_for(name: str, tmp_path: Path) -> None:
+    asked = _start("host", name, tmp_path)
+    joined = _start("auto", name, tmp_path)  # auto beside a live user: the host store
     _end(asked)
     _end(joined)  # the last user, an auto one
     assert _users(name) == 0, "a store memory.mode host asked for was given back"
 
 
-def test_kvpack_clear_visiting_an_auto_store_leaves_it_auto(name: str) -> None:
+def test_kvpack_clear_visiting_an_auto_store_leaves_it_auto(name: str, tmp_path: Path) -> None:
     HostTier(name, 16 << 20, give_back_unused=True, asked_for=False).close()  # made and given back
-    user = _start("auto", name)
+    user = _start("auto", name, tmp_path)
     try:
         assert main(["clear", "--tenant", "nobody", "--tier", "host", "--host", name]) == 0  # opens the store
     finally:
