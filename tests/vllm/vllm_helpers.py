@@ -440,6 +440,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SERVER_KV_CACHE_BYTES = 64 << 20
+"""KV cache of each worker of a test's OpenAI server (bytes): some 30k tokens of the tiny model,
+far more than a test's requests hold at once. vLLM's CPU default would take GiBs per worker, and
+a suite that runs several servers beside an SGLang server (which starts only with 11 GiB of the
+machine's memory available: its HiCache keeps 10 GiB in reserve) must leave that much."""
+
+
 def start_openai(
     model: Path,
     kv: dict[str, Any] | None,
@@ -457,10 +464,11 @@ def start_openai(
     import sys
 
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     cmd = [
         "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(SERVER_KV_CACHE_BYTES),
         "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0", "--dtype", COMPARE_DTYPE,
         *args,
     ]  # fmt: skip
