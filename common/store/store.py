@@ -69,11 +69,6 @@ from .writer import Writer
 
 log = logging.getLogger("kvpack")
 
-POLL_FIRST_S = 0.005
-"""`KVStore.wait_until_stored`'s first pause between two looks at the tiers (seconds)."""
-POLL_MAX_S = 0.1
-"""Its longest pause: each pause doubles the last, up to this (seconds)."""
-
 
 class KVStore:
     """See the module docstring. Composed of parts with one job each, held, never inherited:
@@ -297,28 +292,6 @@ class KVStore:
         """Per key: stored on any tier (not yet verified)? One batched call per tier.
         With a `budget`, remote tiers are skipped once it is spent (see `kvpack.policy.budget`)."""
         return [t is not None for t in self.locate(keys, budget)]
-
-    def wait_until_stored(
-        self, keys: Sequence[StoreKey], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[StoreKey]:
-        """Look for `keys` on every tier until all are there, `stop()` is true, or
-        `time.monotonic()` reaches `deadline` (seconds); return those still missing, in order.
-
-        For objects another process is still storing (a prefill instance's handoff). The
-        pause between looks doubles from `POLL_FIRST_S` to `POLL_MAX_S`: a quick landing is
-        seen within milliseconds, and a long wait spends little CPU on a machine the storing
-        process shares (each look is a batched lookup on every tier, a remote one included)."""
-        missing = list(keys)
-        pause = POLL_FIRST_S
-        while missing and not stop():
-            found = self.contains(missing)
-            missing = [k for k, ok in zip(missing, found) if not ok]
-            left = deadline - time.monotonic()
-            if not missing or left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_MAX_S)
-        return missing
 
     def locate(self, keys: Sequence[StoreKey], budget: WaitBudget | None = None) -> list[str | None]:
         """Per key: the name of the fastest tier holding it (None: none does). As `contains`."""

@@ -125,6 +125,8 @@ class LoadTask:
     cancelled: bool = False
     staged: Staged | None = None
     failed_blocks: set[int] = field(default_factory=set)
+    plan: PlannedLoad | None = None
+    """Set once planned (a handoff's, while it waits for its objects: `kvpack.transfers.handoffs`)."""
 
 
 class ByteBound:

@@ -20,6 +20,8 @@ Guarantees:
   load still reading after it is cancelled and reported failed (the engine recomputes),
   and its blocks are never written by the late thread. A load whose scatter is already
   launched is not cancelled: it is reported once its event completed.
+- A handoff waits for its objects on a thread of its own (`kvpack.transfers.handoffs`),
+  with every other handoff: one whose objects never land holds up no other load.
 - Host memory is bounded (`kvpack.config.schema.TransferConfig`): saves queued and loads in
   flight are admitted up to their byte bounds, pinned staging comes from the process's
   pool (`kvpack.transfers.staging_pool`); what a bound turns away is counted
@@ -40,13 +42,14 @@ import torch
 
 from ..config.schema import KVPackConfig
 from ..exit_flush import flush_on_exit, forget
-from ..identity.keys import GroupKey, StoreKey
+from ..identity.keys import GroupKey
 from ..observe.metrics import MetricsInterval
 from ..session import ObjectIO, Session
 from ..store import LentLoad
 from ..tiers.base import TierStatus
 from ..tiers.reported import ReportedObject
 from .cache_gate import CacheGate
+from .handoffs import HandoffWaits
 from .jobs import ByteBound, Finished, Gathered, LoadJob, LoadTask, PlannedLoad, SaveJob
 from .staging import CpuDevice, Lane, Staged, Staging
 from .staging_pool import PinnedPool, StagingFull
@@ -104,6 +107,9 @@ class TransferRunner:
         ]
         for t in self._threads:
             t.start()
+        self._handoffs = HandoffWaits(
+            session, self._metrics, plan=self._plan, ready=self._load_q.put, ended=self._handoff_ended
+        ).start()
 
         def on_evict(tier: str, group: GroupKey, nbytes: int) -> None:
             if tier == "memory":
@@ -162,7 +168,10 @@ class TransferRunner:
             task.done.set()
             return
         self._step_loads.append(task)
-        self._load_q.put(task)
+        if job.handoff_wait_s > 0:  # its objects may still be landing: it waits with the other handoffs
+            self._handoffs.add(task)
+        else:
+            self._load_q.put(task)
 
     def refuse_load(self, job: LoadJob, sync: bool) -> None:
         """Fail `job` without reading anything: the engine recomputes its blocks. For a load the
@@ -262,11 +271,36 @@ class TransferRunner:
             try:
                 self._run_load(task)
             except Exception as exc:  # never let a load kill the thread: report the blocks
-                log.warning("kvpack: load for %s failed: %s", task.job.job_id, exc)
-                task.failed_blocks = task.job.blocks
+                self._load_failed(task, exc)
             finally:
-                self._load_bytes.release(task.job.nbytes)
-                task.done.set()
+                self._load_ended(task)
+
+    def _load_failed(self, task: LoadTask, exc: Exception) -> None:
+        log.warning("kvpack: load for %s failed: %s", task.job.job_id, exc)
+        task.failed_blocks = task.job.blocks
+
+    def _load_ended(self, task: LoadTask) -> None:
+        self._load_bytes.release(task.job.nbytes)
+        task.done.set()
+
+    def _handoff_ended(self, task: LoadTask, error: Exception | None) -> None:
+        """A handoff's load that ends before the load thread: failed with `error`, or, with
+        None, cancelled (already reported) or shut down."""
+        if task.plan is not None:
+            self.staging.give_back(task.plan.rows)
+        if error is not None:
+            self._load_failed(task, error)
+        self._load_ended(task)
+
+    def _plan(self, task: LoadTask) -> PlannedLoad:
+        """The load's staging rows and scatter (`LoadJob.plan`); a plan made while it waited is kept."""
+        if task.plan is not None:
+            return task.plan
+        try:
+            return task.job.plan(self.staging)
+        except StagingFull as exc:
+            self._turned_away("load", "staging_bytes", exc.nbytes)
+            raise
 
     def _run_load(self, task: LoadTask, save_wait_s: float | None = None, local_only: bool = False) -> None:
         """Read the job's objects (`Session.prepare_load` with the lookup's tiers, then the
@@ -274,11 +308,7 @@ class TransferRunner:
         and scatter the chunks whose every object loaded. Its staging rows go back after the
         scatter's event, or at once when nothing is scattered."""
         job = task.job
-        try:
-            plan = job.plan(self.staging)
-        except StagingFull as exc:
-            self._turned_away("load", "staging_bytes", exc.nbytes)
-            raise
+        plan = self._plan(task)
         staged: Staged | None = None
         launched = False  # from the scatter on, its rows go back through its Staged only
         try:
@@ -341,8 +371,6 @@ class TransferRunner:
         batch = self.session.prepare_load(items, hints)
         try:
             self._wait_for_earlier_saves(task, save_wait_s)
-            if job.handoff_wait_s > 0:
-                self._wait_for_handoff(task, [it.key for it in items])
         except BaseException:
             self.session.release(batch)
             raise
@@ -381,22 +409,6 @@ class TransferRunner:
                     self._metrics.inc("load_waits_for_saves_timed_out")
                     return
                 self._saves_cv.wait(left)
-
-    def _wait_for_handoff(self, task: LoadTask, keys: list[StoreKey]) -> None:
-        """Another instance's objects may still be landing: wait (`KVStore.wait_until_stored`)
-        until every one is there, the load was cancelled, or `handoff_wait_s` has passed."""
-        job = task.job
-        missing = self.session.store.wait_until_stored(keys, task.started + job.handoff_wait_s, lambda: task.cancelled)
-        self._metrics.observe("handoff_wait_seconds", time.monotonic() - task.started, tenant=job.tenant)
-        self._metrics.inc("handoff_loads", tenant=job.tenant)
-        if missing:
-            self._metrics.inc("handoff_missing", len(missing), tenant=job.tenant)
-            log.warning(
-                "kvpack: %d of %d objects of %s had not landed after handoff_wait_ms; recomputing from the first",
-                len(missing),
-                len(keys),
-                job.job_id,
-            )
 
     # -- saves --------------------------------------------------------------------
 
@@ -581,6 +593,7 @@ class TransferRunner:
     def close(self) -> None:
         """Finish the queued saves and flush the store, within ``shutdown_flush_s`` in all."""
         deadline = time.monotonic() + self.config.shutdown_flush_s
+        self._handoffs.close(self.config.io_timeout_ms / 1000.0)
         self._load_q.put(None)
         self._save_q.put(None)  # after every queued save: the save thread stores them first
         for t in self._threads:

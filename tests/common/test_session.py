@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,8 @@ from kvpack import (
 )
 from kvpack.store.located import LocatedHints
 from kvpack.tiers.factory import build_tiers
+from kvpack.transfers.handoffs import HandoffWaits
+from kvpack.transfers.jobs import LoadJob, LoadTask, PlannedLoad
 
 PAGE = 512
 KV = MemberObject("kv", MEMBER_FP, TOKENS, PAGE)
@@ -214,36 +217,95 @@ def test_a_reader_session_looks_up_reports_and_refuses_stores(tmp_path: Path) ->
         reader.store.close()
 
 
-def test_waiting_for_objects_another_process_stores_ends_when_they_land(
-    make_session: Callable[..., Session],
+@dataclass
+class Handoffs:
+    """`HandoffWaits` over a session, recording what it hands on and ends (and when)."""
+
+    waits: HandoffWaits
+    ready: dict[str, float]
+    ended: dict[str, Exception | None]
+    changed: threading.Condition
+
+    def task(self, name: str, chunks: Sequence[str], wait_s: float) -> LoadTask:
+        """A load of `chunks` (one ``kv`` object each) that waits at most `wait_s` for them."""
+        reads = [ObjectIO(ChunkFacts(c, TOKENS), KV, memoryview(bytearray(PAGE))) for c in chunks]
+        planned = PlannedLoad(reads, list(range(len(chunks))), [], lambda good, lent, lane: 0)
+        load = LoadJob(name, "t", (), PAGE * len(chunks), lambda _staging: planned, handoff_wait_s=wait_s)
+        return LoadTask(load, time.monotonic(), after_saves=0)
+
+    def until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(done, timeout_s), (self.ready, self.ended)
+
+
+@pytest.fixture
+def handoffs(make_session: Callable[..., Session]) -> Iterator[Handoffs]:
+    session = make_session(memory=False)
+    ready: dict[str, float] = {}
+    ended: dict[str, Exception | None] = {}
+    changed = threading.Condition()
+
+    def note(into: dict, key: str, value: object) -> None:  # type: ignore[type-arg]
+        with changed:
+            into[key] = value
+            changed.notify_all()
+
+    waits = HandoffWaits(
+        session,
+        session.store.metrics,
+        plan=lambda task: task.job.plan(None),  # type: ignore[arg-type]
+        ready=lambda task: note(ready, task.job.job_id, time.monotonic()),
+        ended=lambda task, error: note(ended, task.job.job_id, error),
+    ).start()
+    yield Handoffs(waits, ready, ended, changed)
+    waits.close(5.0)
+
+
+def test_a_handoff_goes_on_as_soon_as_its_objects_land(
+    make_session: Callable[..., Session], handoffs: Handoffs
 ) -> None:
     """A decode instance's handoff: it waits for objects a prefill instance (here another
     store on the same folder) is still writing, and goes on as soon as they are there."""
-    reader, writer = make_session(memory=False), make_session(memory=False)
+    writer = make_session(memory=False)
     chunks = [chunk_id(i) for i in range(3)]
-    keys = reader._keys("t", chunks, "kv")
-    later = threading.Timer(0.3, lambda: save(writer, "t", chunks, pages(3)))
-    start = time.monotonic()
-    later.start()
-    try:
-        missing = reader.store.wait_until_stored(keys, start + 30.0)
-    finally:
-        later.join()
-    assert missing == [] and 0.3 <= time.monotonic() - start < 5.0
+    task = handoffs.task("late", chunks, wait_s=30.0)
+    handoffs.waits.add(task)
+    time.sleep(0.3)  # not to pass: the objects land while the load waits
+    landed = time.monotonic()
+    save(writer, "t", chunks, pages(3))
+    handoffs.until(lambda: "late" in handoffs.ready)
+    assert handoffs.ready["late"] - landed < 5.0  # long before its 30 s
+    assert task.plan is not None and handoffs.ended == {}
 
 
-def test_waiting_for_objects_is_bounded_by_the_deadline_and_the_stop_flag(
-    make_session: Callable[..., Session],
+def test_a_handoff_whose_objects_never_land_holds_up_no_other(
+    make_session: Callable[..., Session], handoffs: Handoffs
 ) -> None:
-    session = make_session()
-    save(session, "t", [chunk_id(0)], pages(1))
-    keys = session._keys("t", [chunk_id(i) for i in range(3)], "kv")
-    start = time.monotonic()
-    assert session.store.wait_until_stored(keys, start + 0.3) == keys[1:]  # what never lands, in order
-    assert 0.3 <= time.monotonic() - start < 2.0
-    start = time.monotonic()
-    assert session.store.wait_until_stored(keys, start + 30.0, stop=lambda: True) == keys  # cancelled: not looked at
-    assert time.monotonic() - start < 1.0
+    """One handoff whose prefill instance never stores waits its whole bound; a second, whose
+    objects land meanwhile, goes on at once (before, both waited on the load thread in
+    turn, and every load queued behind the first outlived its own bound); a cancelled one
+    ends without a look. Then: what never landed is counted, and the first goes on too."""
+    writer = make_session(memory=False)
+    never, landing, cancelled = ([chunk_id(100 * k + i) for i in range(2)] for k in range(1, 4))
+    handoffs.waits.add(handoffs.task("never", never, wait_s=5.0))
+    handoffs.waits.add(handoffs.task("landing", landing, wait_s=30.0))
+    dropped = handoffs.task("cancelled", cancelled, wait_s=30.0)
+    handoffs.waits.add(dropped)
+    save(writer, "t", landing, pages(2))
+    dropped.cancelled = True  # as `TransferRunner.finished` marks a load past its bound
+    handoffs.until(lambda: "landing" in handoffs.ready and "cancelled" in handoffs.ended)
+    assert "never" not in handoffs.ready  # still waiting: 5 s from its start
+    assert handoffs.ended == {"cancelled": None}
+    handoffs.until(lambda: "never" in handoffs.ready)
+    metrics = handoffs.waits.metrics
+    assert metrics.value("handoff_missing", tenant="t") == 2 and metrics.value("handoff_loads", tenant="t") == 2
+
+
+def test_handoffs_still_waiting_at_close_end(handoffs: Handoffs) -> None:
+    handoffs.waits.add(handoffs.task("waiting", [chunk_id(7)], wait_s=30.0))
+    handoffs.until(lambda: bool(handoffs.waits._waiting))
+    handoffs.waits.close(5.0)
+    assert handoffs.ended == {"waiting": None} and handoffs.ready == {}
 
 
 def test_located_hints_are_bounded_oldest_first() -> None:

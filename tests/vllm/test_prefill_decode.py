@@ -10,7 +10,8 @@ a request sent right after the producer answered missed (the producer's save
 had not landed, and nothing told the consumer to wait).
 
 A decode request whose prefill instance never stored anything waits at most
-``handoff_wait_ms`` and recomputes (same text); a handoff from another layout is
+``handoff_wait_ms`` and recomputes (same text), and a handoff whose objects are there,
+sent meanwhile, loads at once; a handoff from another layout is
 refused at once with an error naming it. Over disk the prefill instance runs at
 TP=2 and the decode instance at TP=1: the handoff says how many KV-head ranges it
 stored each chunk as, and the decode instance reads those objects.
@@ -192,15 +193,24 @@ def test_every_prompt_through_the_proxy_is_decoded_from_the_prefill_instances_kv
         )
         assert out["choices"][0]["text"] == baseline["LATE"]
 
-        # the prefill instance never stored this prompt: the decode instance waits (bounded), recomputes
-
+        # the prefill instance never stored this prompt: the decode instance waits (bounded), recomputes;
+        # a handoff whose objects are there, sent while it waits, loads at once (its wait holds up no other)
         unstored = prompt(74, 300)
         before = loaded()
         start = time.monotonic()
-        out = post_completion(d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS,
-                                       "temperature": 0, "kv_transfer_params": handoff})  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post_completion, d_port, {"model": str(tiny_llama), "prompt": unstored,
+                                                            "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                            "kv_transfer_params": handoff})  # fmt: skip
+            time.sleep(0.5)  # not to pass: to make sure the unstored handoff waits first
+            beside = post_completion(d_port, {"model": str(tiny_llama), "prompt": PROMPTS["A"], "max_tokens": MAX_TOKENS,
+                                              "temperature": 0, "kv_transfer_params": _handoff_for(handoff, PROMPTS["A"])})  # fmt: skip
+            # answered inside the unstored one's wait: a load queued behind that wait starts after it
+            assert time.monotonic() - start < PD_WAIT_MS / 1000, "the handoff beside waited for the unstored one"
+            out = waiting.result(timeout=120)
         assert time.monotonic() - start < PD_WAIT_MS / 1000 + 30
-        assert loaded() == before  # nothing of it was there to load
+        assert beside["choices"][0]["text"] == baseline["A"]
+        assert loaded() - before == len(PROMPTS["A"]) - 1  # all of A; nothing of the unstored prompt
         alone = post_completion(
             d_port, {"model": str(tiny_llama), "prompt": unstored, "max_tokens": MAX_TOKENS, "temperature": 0}
         )
