@@ -22,6 +22,12 @@ and inherits PYTHONPATH).
    page_offset, head, dim]`` per K and V. Its ``get_dummy_flat_data_page`` (the
    buffer SGLang's generic L3 read path, the ``file`` backend's, reads a page into)
    asks for ``pin_memory=True``, which a CPU torch refuses; it is made unpinned.
+3. ``sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES``: before it makes a
+   HiCache host pool SGLang checks that the machine's available memory less this reserve
+   (10 GiB) holds the pool, so a server with a 1 GB pool starts only with 11 GiB available.
+   On the 24 GiB test machine, with the other lane's engines running beside it, two servers
+   were refused at start-up (and killed, -9) with 10.7 GiB available. Set to `TEST_RESERVE_BYTES`:
+   the check still runs; kvpack's part of the pool is the same either way.
 """
 
 from __future__ import annotations
@@ -115,9 +121,19 @@ def _direct_copies(module: ModuleType) -> None:
     pool.get_dummy_flat_data_page = get_dummy_flat_data_page
 
 
+TEST_RESERVE_BYTES = 2 << 30
+"""Memory a test server's HiCache check keeps for everything else (bytes)."""
+
+
+def _small_reserve(module: ModuleType) -> None:
+    assert module.HICACHE_HOST_MEMORY_RESERVE_BYTES >= TEST_RESERVE_BYTES  # fails loudly if SGLang renamed it
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_RESERVE_BYTES
+
+
 PATCHES: dict[str, Patch] = {
     "sglang.srt.mem_cache.pool_host.common": _no_host_register,
     "sglang.srt.mem_cache.pool_host.mha": _direct_copies,
+    "sglang.srt.mem_cache.pool_host.base": _small_reserve,
 }
 
 

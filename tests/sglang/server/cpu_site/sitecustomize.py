@@ -11,7 +11,7 @@ detokenizer processes inherit it). It:
 3. moves this folder to the end of ``sys.path``, so the stub ``sgl_kernel`` package
    here is used only where no real one is installed;
 4. installs the SGLang patches of ``cpu_server_patches.py`` (no CUDA host-register,
-   torch copies for the ``direct`` HiCache IO kernels);
+   torch copies for the ``direct`` HiCache IO kernels, a smaller host-memory reserve);
 5. with ``KVPACK_SGLANG_PREFETCH_PROBE=1`` (the multi-turn bench), the L3 prefetch timing
    probe of ``cpu_server_probe.py``.
 """
