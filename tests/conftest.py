@@ -45,6 +45,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _engine_sockets_in_the_run_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM names its processes' ZMQ sockets ``ipc://$VLLM_RPC_BASE_PATH/<uuid>`` (/tmp unless
+    told), and a process that is stopped leaves its socket files behind: a full run left some 160
+    in /tmp. The run's go in its own temporary folder (pytest keeps the last three runs')."""
+    folder = tmp_path_factory.getbasetemp() / "rpc"
+    folder.mkdir(exist_ok=True)
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(folder))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _drop_the_host_stores_of_this_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A host store outlives its processes (`kvpack.tiers.host.stores`). Every store this run
     made is named after a disk folder under its own temporary root (`disk_store_name`; tests
