@@ -110,23 +110,27 @@ class HandoffWaits:
         job = task.job
         try:
             task.plan = self.plan(task)
+            keys = [it.key for it in self.session.reads(job.tenant, task.plan.reads)]
         except Exception as exc:  # a load that cannot be planned is a recompute, never an engine error
             self.ended(task, exc)
             return
-        keys = [it.key for it in self.session.reads(job.tenant, task.plan.reads)]
         self._waiting.append(_Waiting(task, keys, len(keys), task.started + job.handoff_wait_s))
 
     def _look(self) -> None:
         """One look at the tiers for every waiting load's missing objects; hand on those done."""
         asked = [k for w in self._waiting if not w.task.cancelled for k in w.missing]
-        found = dict(zip(asked, self.session.store.contains(asked))) if asked else {}
+        try:
+            found = dict(zip(asked, self.session.store.contains(asked))) if asked else {}
+        except Exception as exc:  # not found this time (a tier's error): never the end of this thread
+            log.warning("kvpack: looking for handoff objects failed: %s", exc)
+            found = {}
         now = time.monotonic()
         still: list[_Waiting] = []
         for w in self._waiting:
             if w.task.cancelled:  # past its bound (`TransferRunner.finished` reported it): read nothing
                 self.ended(w.task, None)
                 continue
-            w.missing = [k for k in w.missing if not found[k]]
+            w.missing = [k for k in w.missing if not found.get(k, False)]
             if w.missing and now < w.deadline:
                 still.append(w)
             else:
