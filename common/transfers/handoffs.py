@@ -14,7 +14,8 @@ within milliseconds; a long wait costs little CPU on a machine the storing proce
 shares) and starts again at `POLL_FIRST_S` when a load joins. A load is handed on (to the
 load thread, `ready`) once all its objects are there, or its wait ran out (what is missing
 then is a miss: the engine recomputes it); a load cancelled meanwhile is ended at once
-(`ended`), having read nothing.
+(`ended`), having read nothing, and one still waiting when the runner closes is ended failed
+(its blocks are never reported loaded).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class HandoffWaits:
     """See the module docstring. The runner's parts, all called on this thread: `plan(task)`
     plans a load as the load thread would (staging rows; raises when it cannot, counted);
     `ready(task)` hands one on to be read and scattered (``task.plan`` set); `ended(task,
-    error)` ends one that never reaches the load thread: failed with `error`, or, with None,
-    cancelled or shut down (nothing to report)."""
+    error)` ends one that never reaches the load thread: failed with `error` (its blocks
+    recomputed), or, with None, cancelled (already reported failed)."""
 
     session: Session
     metrics: Metrics
@@ -79,7 +80,7 @@ class HandoffWaits:
             self._changed.notify()
 
     def close(self, timeout_s: float) -> None:
-        """Stop waiting (at most `timeout_s` for the thread): loads still here are ended."""
+        """Stop waiting (at most `timeout_s` for the thread): loads still here are ended failed."""
         with self._changed:
             self._closed = True
             self._changed.notify()
@@ -96,7 +97,7 @@ class HandoffWaits:
                 closed = self._closed
             if closed:
                 for task in [w.task for w in self._waiting] + arrived:
-                    self.ended(task, None)
+                    self.ended(task, None if task.cancelled else RuntimeError("kvpack is shutting down"))
                 return
             if arrived:
                 pause = POLL_FIRST_S
@@ -118,7 +119,8 @@ class HandoffWaits:
 
     def _look(self) -> None:
         """One look at the tiers for every waiting load's missing objects; hand on those done."""
-        asked = [k for w in self._waiting if not w.task.cancelled for k in w.missing]
+        # once each: loads of one prefix wait for the same objects
+        asked = list(dict.fromkeys(k for w in self._waiting if not w.task.cancelled for k in w.missing))
         try:
             found = dict(zip(asked, self.session.store.contains(asked))) if asked else {}
         except Exception as exc:  # not found this time (a tier's error): never the end of this thread

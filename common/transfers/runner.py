@@ -285,7 +285,7 @@ class TransferRunner:
 
     def _handoff_ended(self, task: LoadTask, error: Exception | None) -> None:
         """A handoff's load that ends before the load thread: failed with `error`, or, with
-        None, cancelled (already reported) or shut down."""
+        None, cancelled (already reported)."""
         if task.plan is not None:
             self.staging.give_back(task.plan.rows)
         if error is not None:

@@ -301,11 +301,12 @@ def test_a_handoff_whose_objects_never_land_holds_up_no_other(
     assert metrics.value("handoff_missing", tenant="t") == 2 and metrics.value("handoff_loads", tenant="t") == 2
 
 
-def test_handoffs_still_waiting_at_close_end(handoffs: Handoffs) -> None:
+def test_handoffs_still_waiting_at_close_end_failed(handoffs: Handoffs) -> None:
+    """Never reported loaded: their blocks were not written."""
     handoffs.waits.add(handoffs.task("waiting", [chunk_id(7)], wait_s=30.0))
     handoffs.until(lambda: bool(handoffs.waits._waiting))
     handoffs.waits.close(5.0)
-    assert handoffs.ended == {"waiting": None} and handoffs.ready == {}
+    assert isinstance(handoffs.ended["waiting"], RuntimeError) and handoffs.ready == {}
 
 
 def test_located_hints_are_bounded_oldest_first() -> None:
