@@ -234,8 +234,13 @@ class Handoffs:
         return LoadTask(load, time.monotonic(), after_saves=0)
 
     def until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        """Wait for `done` (AssertionError after `timeout_s`): woken by what is handed on or
+        ended, and every 10 ms for what else the waiter changes (what it holds)."""
+        deadline = time.monotonic() + timeout_s
         with self.changed:
-            assert self.changed.wait_for(done, timeout_s), (self.ready, self.ended)
+            while not done():
+                assert time.monotonic() < deadline, (self.ready, self.ended)
+                self.changed.wait(0.01)
 
 
 @pytest.fixture

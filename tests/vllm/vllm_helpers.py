@@ -349,6 +349,21 @@ class EngineProcess:
         return {name: Run(tuple(r["tokens"]), tuple(r["logprobs"]), int(r["cached"])) for name, r in data.items()}
 
 
+def engine_script_env(**extra: str) -> dict[str, str]:
+    """This process's environment for an engine script (`engine_run.py`, an OpenAI server) with
+    `extra`, and ``LD_PRELOAD`` naming the OpenMP runtime torch loads (libgomp), as vLLM's CPU
+    platform sets it for the processes an engine spawns and its CPU guide has users set it: so
+    what a script spawns loads what the script loaded (`fixtures.warm_spawn`)."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "libgomp" not in preload:  # (an in-process engine of this process has set it already)
+        import torch  # noqa: F401 - loads libgomp
+
+        with open("/proc/self/maps") as maps:
+            libgomp = next(line.split()[-1] for line in maps if "/libgomp" in line)
+        preload = f"{preload}:{libgomp}" if preload else libgomp
+    return {**os.environ, "LD_PRELOAD": preload, **extra}
+
+
 def start_engine_process(
     model: Path,
     extra: dict[str, Any] | None,
@@ -386,12 +401,11 @@ def start_engine_process(
         }
     )
     here = str(Path(__file__).parent)
-    environment = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-        "PYTHONPATH": os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
+    environment = engine_script_env(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        PYTHONPATH=os.pathsep.join([here, str(Path(here).parent), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
-    }
+    )
     script = str(Path(here) / "engine_run.py")
     out = log.with_name(log.name + ".stdout")
     # a preamble runs before vLLM is imported (it patches what an import reads): a fresh interpreter
@@ -464,7 +478,7 @@ def start_openai(
     import sys
 
     port = free_port()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    env = engine_script_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
     cmd = [
         "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager",

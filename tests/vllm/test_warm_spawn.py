@@ -1,0 +1,142 @@
+"""What a warm-started script spawns (`fixtures.warm_spawn`) behaves as a spawned process does.
+
+vLLM on CPU starts its engine core with multiprocessing's spawn; a test's engine script forked
+from the fork server has those spawns forked from a copy of itself instead (vLLM already
+imported). Each behaviour a spawning process sees is compared here with the same script started
+cold, whose spawns are real ones: the child's arguments and environment, its queue to the
+parent, exit statuses (a code, SIGTERM from `Process.terminate`, SIGKILL from `Process.kill`,
+after which the child is gone), a Ctrl-C of the script's process group, and a spawn whose
+imports would read another environment (``OMP_NUM_THREADS``, as vLLM sets for its workers),
+which starts cold.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_helpers import engine_script_env
+
+from fixtures.warm_start import warm_starts
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = r"""
+import json, multiprocessing as mp, os, sys, time
+
+def child(q, how):
+    q.put({"preloaded": "vllm" in sys.modules, "argv": sys.argv, "probe": os.environ.get("KVPACK_SPAWN_PROBE"),
+           "omp": os.environ.get("OMP_NUM_THREADS"), "name": mp.current_process().name, "pid": os.getpid(),
+           "parent": mp.parent_process().pid == int(os.environ["KVPACK_SCRIPT_PID"])})
+    if how == "exit":
+        sys.exit(3)
+    if how == "wait":
+        try:
+            time.sleep(120)
+        except KeyboardInterrupt:  # a Ctrl-C of the group
+            q.put("interrupted")
+            sys.exit(4)
+
+def gone(pid):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ")[1][0] == "Z":
+                    return True  # ended; its parent has not reaped it yet
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
+    return False
+
+if __name__ == "__main__":
+    os.environ["KVPACK_SCRIPT_PID"] = str(os.getpid())
+    ctx = mp.get_context("spawn")
+    if sys.argv[1] == "statuses":
+        results = {}
+        for case in ("end", "exit", "term", "kill", "omp"):
+            q = ctx.Queue()  # one each: a child killed while its queue's feeder holds the lock leaves it held
+            if case == "omp":
+                os.environ["OMP_NUM_THREADS"] = "1"
+            p = ctx.Process(target=child, args=(q, "wait" if case in ("term", "kill") else case), name=f"probe-{case}")
+            p.start()
+            said = q.get(timeout=60)
+            if case == "term":
+                p.terminate()
+            if case == "kill":
+                p.kill()
+            p.join(60)
+            results[case] = {"exitcode": p.exitcode, "said": said, "gone": gone(said["pid"])}
+        print(json.dumps(results), flush=True)
+    else:
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q, "wait"))
+        p.start()
+        q.get(timeout=60)
+        try:
+            print("ready", flush=True)
+            p.join(60)
+        except KeyboardInterrupt:
+            pass
+        p.join(60)
+        print(json.dumps({"exitcode": p.exitcode, "said": q.get(timeout=10)}), flush=True)
+"""
+
+
+def _start(tmp_path: Path, how: str, cold: bool):  # type: ignore[no-untyped-def]
+    script = tmp_path / "spawner.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{how}-{'cold' if cold else 'warm'}.out"
+    env = engine_script_env(KVPACK_SPAWN_PROBE="probe")
+    proc = warm_starts().start_script(
+        sys.executable, [str(script), how], env, out, tmp_path / "err", cold=cold, new_session=True, warm_spawns=True
+    )
+    return proc, out
+
+
+def _spawns_log() -> list[dict]:
+    log = warm_starts().spawns_log
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) -> None:
+    results = {}
+    before = len(_spawns_log())
+    for cold in (True, False):
+        proc, out = _start(tmp_path, "statuses", cold)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "err").read_text()
+        results[cold] = json.loads(out.read_text().splitlines()[-1])
+    real, forked = results[True], results[False]
+    assert {case: r["exitcode"] for case, r in real.items()} == {
+        "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "omp": 0
+    }  # fmt: skip
+    for case, r in real.items():
+        f = forked[case]
+        assert f["exitcode"] == r["exitcode"] and f["gone"] and r["gone"], case
+        same = {k: v for k, v in r["said"].items() if k not in ("pid", "preloaded")}
+        assert {k: v for k, v in f["said"].items() if k not in ("pid", "preloaded")} == same, case
+        assert r["said"]["preloaded"] is False
+        # forked with vLLM imported, except where its imports would read another environment
+        assert f["said"]["preloaded"] is (case != "omp"), case
+    assert real["omp"]["said"]["omp"] == "1" and real["end"]["said"]["probe"] == "probe"
+    spawned = [s for s in _spawns_log()[before:] if "spawn_main" in s["argv"][1]]
+    assert [s["cold"] is None for s in spawned] == [True, True, True, True, False], spawned
+    assert "OMP_NUM_THREADS" in spawned[-1]["cold"]
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["spawned", "forked"])
+def test_a_ctrl_c_of_the_group_reaches_the_spawned_process(tmp_path: Path, cold: bool) -> None:
+    import os
+    import time
+
+    proc, out = _start(tmp_path, "interrupt", cold)
+    deadline = time.monotonic() + 120
+    while "ready" not in out.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+    assert proc.wait(timeout=60) == 0, (tmp_path / "err").read_text()
+    assert json.loads(out.read_text().splitlines()[-1]) == {"exitcode": 4, "said": "interrupted"}
