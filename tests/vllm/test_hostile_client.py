@@ -6,10 +6,10 @@ fields (bogus handoffs, forged tenants and signatures, salts, deep values) are d
 1 MiB strings, the engine-core process's RSS read by PID from the server's process tree.
 
 Asserted: every request is answered and the server stays up; the default tenant's hit
-survives with the same answer; after the first hostile phase (the allocator's high-water
-mark for requests this size, as the padded benign phase shows) each hostile phase grows
-the engine core by far less than one field per request (kvpack before d33a67b kept every
-distinct refused handoff's message whole: at least 3 in 10 of these requests' fields);
+survives with the same answer; the least-grown hostile phase grows the engine core by far
+less than one field per request (kvpack before d33a67b kept every distinct refused handoff's
+message whole: at least 3 in 10 of these requests' fields, in every phase; the engine's own
+high-water marks for requests this size, as the padded benign phase shows, rise in steps);
 kvpack logs at most one line per refusal reason, each short, and the log grows by
 about what the same number of benign requests adds; every refusal is counted.
 """
@@ -48,9 +48,13 @@ def test_every_request_is_answered_and_the_default_tenant_keeps_its_hit(result: 
 
 
 def test_refused_requests_do_not_grow_the_engine(result: Result) -> None:
-    for phase in result.hostile()[1:]:
-        per_request = phase.growth_kib * 1024 / phase.requests
-        assert per_request < FIELD / 8, report(result)
+    """What kvpack kept of each request would grow every hostile phase by about as much (each
+    phase holds every kind); the engine's own high-water marks rise in steps instead, by as much
+    for requests whose field kvpack never reads (the padded phase) and not in every phase (on a
+    loaded machine: +6 / +28 / +6 MiB). So the least-grown hostile phase stays far below one
+    field per request."""
+    least = min(result.hostile(), key=lambda phase: phase.growth_kib)
+    assert least.growth_kib * 1024 / least.requests < FIELD / 8, report(result)
 
 
 def test_the_log_gets_a_line_per_reason_at_most(result: Result) -> None:
