@@ -5,9 +5,9 @@ from the fork server has those spawns forked from a copy of itself instead (vLLM
 imported). Each behaviour a spawning process sees is compared here with the same script started
 cold, whose spawns are real ones: the child's arguments and environment, its queue to the
 parent, exit statuses (a code, SIGTERM from `Process.terminate`, SIGKILL from `Process.kill`,
-after which the child is gone), a Ctrl-C of the script's process group, and a spawn whose
-imports would read another environment (``OMP_NUM_THREADS``, as vLLM sets for its workers),
-which starts cold.
+after which the child is gone, SIGKILL from elsewhere), a Ctrl-C of the script's process
+group, and a spawn whose imports would read another environment (``OMP_NUM_THREADS``, as vLLM
+sets for its workers), which starts cold.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def child(q, how):
            "parent": mp.parent_process().pid == int(os.environ["KVPACK_SCRIPT_PID"])})
     if how == "exit":
         sys.exit(3)
+    if how == "killed":  # as the OOM killer would
+        time.sleep(0.2)  # (its message out first)
+        os.kill(os.getpid(), 9)
     if how == "wait":
         try:
             time.sleep(120)
@@ -57,7 +60,7 @@ if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     if sys.argv[1] == "statuses":
         results = {}
-        for case in ("end", "exit", "term", "kill", "omp"):
+        for case in ("end", "exit", "term", "kill", "killed", "omp"):
             q = ctx.Queue()  # one each: a child killed while its queue's feeder holds the lock leaves it held
             if case == "omp":
                 os.environ["OMP_NUM_THREADS"] = "1"
@@ -111,7 +114,7 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
         results[cold] = json.loads(out.read_text().splitlines()[-1])
     real, forked = results[True], results[False]
     assert {case: r["exitcode"] for case, r in real.items()} == {
-        "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "omp": 0
+        "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "killed": -signal.SIGKILL, "omp": 0
     }  # fmt: skip
     for case, r in real.items():
         f = forked[case]
@@ -123,7 +126,7 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
         assert f["said"]["preloaded"] is (case != "omp"), case
     assert real["omp"]["said"]["omp"] == "1" and real["end"]["said"]["probe"] == "probe"
     spawned = [s for s in _spawns_log()[before:] if "spawn_main" in s["argv"][1]]
-    assert [s["cold"] is None for s in spawned] == [True, True, True, True, False], spawned
+    assert [s["cold"] is None for s in spawned] == [True] * 5 + [False], spawned
     assert "OMP_NUM_THREADS" in spawned[-1]["cold"]
 
 
