@@ -5,9 +5,10 @@ from the fork server has those spawns forked from a copy of itself instead (vLLM
 imported). Each behaviour a spawning process sees is compared here with the same script started
 cold, whose spawns are real ones: the child's arguments and environment, its queue to the
 parent, exit statuses (a code, SIGTERM from `Process.terminate`, SIGKILL from `Process.kill`,
-after which the child is gone, SIGKILL from elsewhere), a Ctrl-C of the script's process
-group, and a spawn whose imports would read another environment (``OMP_NUM_THREADS``, as vLLM
-sets for its workers), which starts cold.
+after which the child is gone, SIGKILL from elsewhere), what the child spawns, a Ctrl-C of the script's process
+group; a spawn with the OpenMP variables vLLM sets for a CPU worker of one thread (forked: its
+threads' team size and CPU binding are the spawned one's), and one whose imports would read
+another environment (a team of two), which starts cold.
 """
 
 from __future__ import annotations
@@ -25,12 +26,38 @@ from fixtures.warm_start import warm_starts
 pytestmark = pytest.mark.vllm
 
 SCRIPT = r"""
-import json, multiprocessing as mp, os, sys, time
+import json, multiprocessing as mp, os, sys, threading, time
+
+def openmp():
+    import torch
+    seen = {}
+    def probe(name):
+        torch.ones(256, 256).sum()  # this thread's first op: its OpenMP team is sized
+        seen[name] = {"threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
+    probe("main")
+    started = threading.Thread(target=probe, args=("started",))
+    started.start()
+    started.join()
+    return seen
+
+def grandchild(q, parent):
+    q.put({"preloaded": "vllm" in sys.modules, "parent": mp.parent_process().pid == parent})
+
+def spawn_grandchild():  # as vLLM's engine core spawns its workers
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=grandchild, args=(q, os.getpid()))
+    p.start()
+    said = q.get(timeout=60)
+    p.join(60)
+    return {**said, "exitcode": p.exitcode}
 
 def child(q, how):
     q.put({"preloaded": "vllm" in sys.modules, "argv": sys.argv, "probe": os.environ.get("KVPACK_SPAWN_PROBE"),
            "omp": os.environ.get("OMP_NUM_THREADS"), "name": mp.current_process().name, "pid": os.getpid(),
-           "parent": mp.parent_process().pid == int(os.environ["KVPACK_SCRIPT_PID"])})
+           "parent": mp.parent_process().pid == int(os.environ["KVPACK_SCRIPT_PID"]),
+           "openmp": openmp() if how.startswith("omp") else None,
+           "nested": spawn_grandchild() if how == "nested" else None})
     if how == "exit":
         sys.exit(3)
     if how == "killed":  # as the OOM killer would
@@ -60,10 +87,14 @@ if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     if sys.argv[1] == "statuses":
         results = {}
-        for case in ("end", "exit", "term", "kill", "killed", "omp"):
+        for case in ("end", "exit", "term", "kill", "killed", "nested", "omp", "omp-team"):
             q = ctx.Queue()  # one each: a child killed while its queue's feeder holds the lock leaves it held
-            if case == "omp":
+            if case == "omp":  # as vLLM's CPU executor sets them for a worker of one thread on the last CPU
                 os.environ["OMP_NUM_THREADS"] = "1"
+                os.environ["GOMP_CPU_AFFINITY"] = str(max(os.sched_getaffinity(0)))
+            if case == "omp-team":
+                os.environ["OMP_NUM_THREADS"] = "2"
+                del os.environ["GOMP_CPU_AFFINITY"]
             p = ctx.Process(target=child, args=(q, "wait" if case in ("term", "kill") else case), name=f"probe-{case}")
             p.start()
             said = q.get(timeout=60)
@@ -114,20 +145,30 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
         results[cold] = json.loads(out.read_text().splitlines()[-1])
     real, forked = results[True], results[False]
     assert {case: r["exitcode"] for case, r in real.items()} == {
-        "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "killed": -signal.SIGKILL, "omp": 0
+        "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "killed": -signal.SIGKILL, "nested": 0,
+        "omp": 0, "omp-team": 0,
     }  # fmt: skip
     for case, r in real.items():
         f = forked[case]
         assert f["exitcode"] == r["exitcode"] and f["gone"] and r["gone"], case
-        same = {k: v for k, v in r["said"].items() if k not in ("pid", "preloaded")}
-        assert {k: v for k, v in f["said"].items() if k not in ("pid", "preloaded")} == same, case
+        same = {k: v for k, v in r["said"].items() if k not in ("pid", "preloaded", "nested")}
+        assert {k: v for k, v in f["said"].items() if k not in ("pid", "preloaded", "nested")} == same, case
         assert r["said"]["preloaded"] is False
         # forked with vLLM imported, except where its imports would read another environment
-        assert f["said"]["preloaded"] is (case != "omp"), case
-    assert real["omp"]["said"]["omp"] == "1" and real["end"]["said"]["probe"] == "probe"
+        assert f["said"]["preloaded"] is (case != "omp-team"), case
+    assert real["end"]["said"]["probe"] == "probe"
+    # what a forked child spawns (vLLM's engine core its workers) is forked too
+    assert real["nested"]["said"]["nested"] == {"preloaded": False, "parent": True, "exitcode": 0}
+    assert forked["nested"]["said"]["nested"] == {"preloaded": True, "parent": True, "exitcode": 0}
+    # the spawned worker's libgomp bound it and sized its teams at load (so the forked one had to)
+    cpu = real["omp"]["said"]["openmp"]["main"]["cpus"]
+    assert len(cpu) == 1 and real["omp"]["said"]["openmp"] == {
+        t: {"threads": 1, "cpus": cpu} for t in ("main", "started")
+    }
+    assert real["omp-team"]["said"]["openmp"]["started"]["threads"] == 2
     spawned = [s for s in _spawns_log()[before:] if "spawn_main" in s["argv"][1]]
-    assert [s["cold"] is None for s in spawned] == [True] * 5 + [False], spawned
-    assert "OMP_NUM_THREADS" in spawned[-1]["cold"]
+    assert [s["cold"] is None for s in spawned] == [True] * 8 + [False], spawned
+    assert "OMP_NUM_THREADS='2'" in spawned[-1]["cold"]
 
 
 @pytest.mark.parametrize("cold", [True, False], ids=["spawned", "forked"])
