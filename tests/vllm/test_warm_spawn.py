@@ -38,7 +38,17 @@ def openmp():
     started = threading.Thread(target=probe, args=("started",))
     started.start()
     started.join()
+    seen["team"] = sorted(cpus(task) for task in os.listdir("/proc/self/task"))  # libgomp's threads' binding
     return seen
+
+def cpus(task):
+    with open(f"/proc/self/task/{task}/status") as status:
+        return [line.split()[1] for line in status if line.startswith("Cpus_allowed_list")][0]
+
+def team(env):  # as vLLM's CPU executor sets them for a worker of a thread per CPU
+    every = sorted(os.sched_getaffinity(0))
+    env["OMP_NUM_THREADS"] = str(len(every))
+    env["GOMP_CPU_AFFINITY"] = " ".join(map(str, every))
 
 def grandchild(q, parent):
     q.put({"preloaded": "vllm" in sys.modules, "parent": mp.parent_process().pid == parent})
@@ -87,14 +97,13 @@ if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     if sys.argv[1] == "statuses":
         results = {}
-        for case in ("end", "exit", "term", "kill", "killed", "nested", "omp", "omp-team"):
+        for case in ("end", "exit", "term", "kill", "killed", "nested", "omp", "omp-team", "omp-team-again"):
             q = ctx.Queue()  # one each: a child killed while its queue's feeder holds the lock leaves it held
             if case == "omp":  # as vLLM's CPU executor sets them for a worker of one thread on the last CPU
                 os.environ["OMP_NUM_THREADS"] = "1"
                 os.environ["GOMP_CPU_AFFINITY"] = str(max(os.sched_getaffinity(0)))
             if case == "omp-team":
-                os.environ["OMP_NUM_THREADS"] = "2"
-                del os.environ["GOMP_CPU_AFFINITY"]
+                team(os.environ)
             p = ctx.Process(target=child, args=(q, "wait" if case in ("term", "kill") else case), name=f"probe-{case}")
             p.start()
             said = q.get(timeout=60)
@@ -106,6 +115,11 @@ if __name__ == "__main__":
             results[case] = {"exitcode": p.exitcode, "said": said, "gone": gone(said["pid"])}
         print(json.dumps(results), flush=True)
     else:
+        if sys.argv[1] == "interrupt-team":  # a child forked by its environment's spawn server
+            team(os.environ)
+            first = ctx.Process(target=child, args=(ctx.Queue(), "end"))  # (starts that server if none has)
+            first.start()
+            first.join(60)
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q, "wait"))
         p.start()
@@ -146,7 +160,7 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
     real, forked = results[True], results[False]
     assert {case: r["exitcode"] for case, r in real.items()} == {
         "end": 0, "exit": 3, "term": -signal.SIGTERM, "kill": -signal.SIGKILL, "killed": -signal.SIGKILL, "nested": 0,
-        "omp": 0, "omp-team": 0,
+        "omp": 0, "omp-team": 0, "omp-team-again": 0,
     }  # fmt: skip
     for case, r in real.items():
         f = forked[case]
@@ -154,7 +168,8 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
         same = {k: v for k, v in r["said"].items() if k not in ("pid", "preloaded", "nested")}
         assert {k: v for k, v in f["said"].items() if k not in ("pid", "preloaded", "nested")} == same, case
         assert r["said"]["preloaded"] is False
-        # forked with vLLM imported, except where its imports would read another environment
+        # forked with vLLM imported, except the first spawn of a team's environment (which starts
+        # that environment's spawn server, which forks the second)
         assert f["said"]["preloaded"] is (case != "omp-team"), case
     assert real["end"]["said"]["probe"] == "probe"
     # what a forked child spawns (vLLM's engine core its workers) is forked too
@@ -162,21 +177,28 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
     assert forked["nested"]["said"]["nested"] == {"preloaded": True, "parent": True, "exitcode": 0}
     # the spawned worker's libgomp bound it and sized its teams at load (so the forked one had to)
     cpu = real["omp"]["said"]["openmp"]["main"]["cpus"]
-    assert len(cpu) == 1 and real["omp"]["said"]["openmp"] == {
+    assert len(cpu) == 1
+    assert {t: real["omp"]["said"]["openmp"][t] for t in ("main", "started")} == {
         t: {"threads": 1, "cpus": cpu} for t in ("main", "started")
     }
-    assert real["omp-team"]["said"]["openmp"]["started"]["threads"] == 2
+    # a team: libgomp bound the main thread to the first CPU and each of its threads to the next
+    every = real["omp-team"]["said"]["openmp"]
+    assert every["main"]["threads"] == len(set(every["team"])) > 1 and len(every["main"]["cpus"]) == 1, every
     spawned = [s for s in _spawns_log()[before:] if "spawn_main" in s["argv"][1]]
-    assert [s["cold"] is None for s in spawned] == [True] * 8 + [False], spawned
-    assert "OMP_NUM_THREADS='2'" in spawned[-1]["cold"]
+    assert [s["cold"] is None for s in spawned] == [True] * 8 + [False, False, True], spawned
+    assert "a team of threads" in spawned[-2]["cold"]
 
 
-@pytest.mark.parametrize("cold", [True, False], ids=["spawned", "forked"])
-def test_a_ctrl_c_of_the_group_reaches_the_spawned_process(tmp_path: Path, cold: bool) -> None:
+@pytest.mark.parametrize(
+    ("cold", "how"),
+    [(True, "interrupt"), (False, "interrupt"), (False, "interrupt-team")],
+    ids=["spawned", "forked", "forked-by-its-environments-server"],
+)
+def test_a_ctrl_c_of_the_group_reaches_the_spawned_process(tmp_path: Path, cold: bool, how: str) -> None:
     import os
     import time
 
-    proc, out = _start(tmp_path, "interrupt", cold)
+    proc, out = _start(tmp_path, how, cold)
     deadline = time.monotonic() + 120
     while "ready" not in out.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()

@@ -4,7 +4,7 @@ The server runs the SGLang venv's own Python with this folder's ``cpu_site/`` on
 PYTHONPATH (a test-only ``sitecustomize``: a stub ``sgl_kernel``, stand-ins for
 missing imports, two patches to SGLang internals; see that folder), forked from a
 process that has imported ``sglang.launch_server`` with the same environment
-(`fixtures.warm_start`). It listens on 127.0.0.1 on a free port, in its own process
+(`fixtures.warm_start`); so are its scheduler and detokenizer (`SET_BY_SGLANG_LAUNCH`). It listens on 127.0.0.1 on a free port, in its own process
 group, and is stopped by its PID (SIGTERM, then SIGKILL to that group) whatever
 happens in the test.
 
@@ -86,10 +86,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SET_BY_SGLANG_LAUNCH = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "8",
+    "CUTE_DSL_LOG_LEVEL": "30",
+    "CUTE_DSL_LOG_TO_CONSOLE": "1",
+    "DG_JIT_CACHE_DIR": os.path.join(os.path.expanduser("~/.cache/sglang"), "deep_gemm"),
+    "DG_JIT_USE_NVRTC": "0",
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+    "SGLANG_DISABLE_OUTLINES_DISK_CACHE": "0",
+    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "0",
+    "SGLANG_ENABLE_TORCH_COMPILE": "0",
+    "SGLANG_USE_CUDA_IPC_TRANSPORT": "0",
+    "TLLM_LOG_LEVEL": "INFO",
+    "TRTLLM_ENABLE_PDL": "1",
+}
+"""What SGLang 0.5.23's launch sets in the server's process for these tests' arguments before it
+spawns its scheduler and detokenizer (``_set_envs_and_config``, ``handle_environment_variables``,
+the imports of deep_gemm's and mxfp4's wrappers), each to the value it sets. The servers start with
+them (SGLang sets each again, to the same value), so what a server spawns reads the environment
+the server's own imports read, and is forked (`fixtures.warm_spawn`; ``SGLANG_RUN_ID``, new each
+launch and read by no import, is let differ there). Where SGLang sets another value its spawns
+start cold (``spawns.log`` in the run's folder says which variable); `test_sglang_server` checks
+that they were forked."""
+
+
 def server_env() -> dict[str, str]:
-    """The server's environment: CPU engine, offline, ``cpu_site`` first on PYTHONPATH."""
+    """The server's environment: CPU engine, offline, ``cpu_site`` first on PYTHONPATH, and
+    `SET_BY_SGLANG_LAUNCH`."""
     env = dict(os.environ)
     env.update(
+        SET_BY_SGLANG_LAUNCH,
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])]),
         HF_HUB_OFFLINE="1",

@@ -36,6 +36,7 @@ failure names the step that ran out of time (see ``sglang_cpu_server``). About
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ from pathlib import Path
 import pytest
 import sglang_cpu_server
 from sglang_cpu_server import CpuServer, ServerError, running_cpu_server, wait_for_stored_pages
+
+from fixtures.warm_start import warm_starts
 
 # above the sum of every step's longest limit, so a slow step fails with its own name, not pytest's timeout
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
@@ -102,12 +105,18 @@ def test_repeated_prompt_is_served_from_kvpack_after_flush(tiny_llama: Path, tmp
     log = tmp_path / "server.log"
     zero_copy = interface == "v1"
     extra = kvpack_extra_config(store, zero_copy=zero_copy)
+    spawns = warm_starts().spawns_log
+    before = len(spawns.read_text().splitlines()) if spawns.exists() else 0
     try:
         with running_cpu_server(tiny_llama, extra, log, page_size=PAGE_SIZE) as server:
             first, second = first_and_repeated_answer(server, store, "kv" if zero_copy else "kvflat")
             tail = server.log_tail()
     except ServerError as exc:
         pytest.fail(str(exc), pytrace=False)
+    # the server's scheduler and detokenizer were forked (cold where SGLang set a variable to a value
+    # other than `SET_BY_SGLANG_LAUNCH`'s: the log line names it)
+    spawned = [json.loads(line) for line in spawns.read_text().splitlines()[before:]]
+    assert sum("spawn_main" in s["argv"][1] for s in spawned) >= 2 and all(s["cold"] is None for s in spawned), spawned
 
     details = second["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) > 0, f"no tokens served from the storage backend: {second['meta_info']}\n{tail}"
