@@ -35,10 +35,12 @@ def openmp():
         torch.ones(256, 256).sum()  # this thread's first op: its OpenMP team is sized
         seen[name] = {"threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
     probe("main")
+    # the main thread's team (libgomp's threads' binding), before a thread that ends: a joined
+    # thread may still be listed a moment after
+    seen["team"] = sorted(cpus(task) for task in os.listdir("/proc/self/task"))
     started = threading.Thread(target=probe, args=("started",))
     started.start()
     started.join()
-    seen["team"] = sorted(cpus(task) for task in os.listdir("/proc/self/task"))  # libgomp's threads' binding
     return seen
 
 def cpus(task):
