@@ -14,6 +14,7 @@ another environment (a team of two), which starts cold.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 from vllm_helpers import engine_script_env
 
-from fixtures.warm_start import warm_starts
+from fixtures.warm_start import KVPACK_MODULES, WarmStarts, warm_starts
 
 pytestmark = pytest.mark.vllm
 
@@ -35,17 +36,20 @@ def openmp():
         torch.ones(256, 256).sum()  # this thread's first op: its OpenMP team is sized
         seen[name] = {"threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
     probe("main")
-    # the main thread's team (libgomp's threads' binding), before a thread that ends: a joined
-    # thread may still be listed a moment after
-    seen["team"] = sorted(cpus(task) for task in os.listdir("/proc/self/task"))
+    # the bindings of the main thread's team (libgomp's threads), before a thread that ends (a
+    # joined one may still be listed a moment after)
+    seen["team"] = sorted({cpus(task) for task in os.listdir("/proc/self/task")} - {None})
     started = threading.Thread(target=probe, args=("started",))
     started.start()
     started.join()
     return seen
 
-def cpus(task):
-    with open(f"/proc/self/task/{task}/status") as status:
-        return [line.split()[1] for line in status if line.startswith("Cpus_allowed_list")][0]
+def cpus(task):  # a thread's CPUs; None if it ended meanwhile (a short-lived one of an import's)
+    try:
+        with open(f"/proc/self/task/{task}/status") as status:
+            return [line.split()[1] for line in status if line.startswith("Cpus_allowed_list")][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 def team(env):  # as vLLM's CPU executor sets them for a worker of a thread per CPU
     every = sorted(os.sched_getaffinity(0))
@@ -197,7 +201,6 @@ def test_a_spawn_from_a_warm_script_ends_as_a_real_spawn_does(tmp_path: Path) ->
     ids=["spawned", "forked", "forked-by-its-environments-server"],
 )
 def test_a_ctrl_c_of_the_group_reaches_the_spawned_process(tmp_path: Path, cold: bool, how: str) -> None:
-    import os
     import time
 
     proc, out = _start(tmp_path, how, cold)
@@ -208,3 +211,42 @@ def test_a_ctrl_c_of_the_group_reaches_the_spawned_process(tmp_path: Path, cold:
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
     assert proc.wait(timeout=60) == 0, (tmp_path / "err").read_text()
     assert json.loads(out.read_text().splitlines()[-1]) == {"exitcode": 4, "said": "interrupted"}
+
+
+TINY = """
+import multiprocessing as mp, sys
+
+def child(q):
+    q.put("spawned")
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(q.get(timeout=60), flush=True)
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_a_folder_too_long_for_a_socket_name_spawns_cold(tmp_path: Path) -> None:
+    # a Unix socket's name holds 108 bytes; a run whose folder is longer (pytest's --basetemp)
+    # spawns as without the zygote instead of failing the script at bind
+    starts = WarmStarts(tmp_path / ("d" * 110))
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    try:
+        done = starts.run_script(
+            sys.executable,
+            [str(script)],
+            dict(os.environ),
+            tmp_path / "log",
+            120,
+            modules=KVPACK_MODULES,
+            warm_spawns=True,
+        )
+    finally:
+        starts.close()
+    assert (done.returncode, done.stdout) == (0, "spawned\n"), done.stderr
+    assert "no zygote" in done.stderr and not starts.spawns_log.exists()
