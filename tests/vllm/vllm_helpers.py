@@ -560,17 +560,38 @@ def scrape_kvpack(base_port: int, name: str, span: int = 16) -> float:
     """Sum of Prometheus samples `name` (e.g. ``kvpack_loaded_tokens_total``) over every
     kvpack process serving metrics on ``base_port .. base_port + span - 1`` (config
     ``metrics_port``: each process of an engine takes the next free port)."""
-    import http.client
-    import urllib.request
-
     total = 0.0
     for port in range(base_port, base_port + span):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                text = resp.read().decode()
-        except (OSError, http.client.HTTPException):  # no server there (a closed loopback port can self-connect)
-            continue
-        for line in text.splitlines():
+        text = _metrics_text(port)
+        for line in (text or "").splitlines():
             if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+METRICS_ANSWER_S = 30.0
+"""How long a process serving metrics may take to answer (a busy worker's serving thread waits
+for the GIL and a core: one took over 2 s on a loaded 2-core machine, and was counted as absent)."""
+
+
+def _metrics_text(port: int) -> str | None:
+    """The /metrics text on 127.0.0.1:`port`; None where nothing serves it (refused, or a
+    closed loopback port that connected to itself). AssertionError if a server there has not
+    answered within `METRICS_ANSWER_S`: a slow process is never counted as an absent one."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + METRICS_ANSWER_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                return resp.read().decode()
+        except urllib.error.URLError as exc:
+            if not isinstance(exc.reason, TimeoutError):
+                return None  # refused: no server
+        except TimeoutError:
+            pass
+        except (OSError, http.client.HTTPException):  # reset by a process that ended; a self-connect
+            return None
+        assert time.monotonic() < deadline, f"metrics on port {port} did not answer in {METRICS_ANSWER_S:.0f} s"
