@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from fixtures.mooncake import free_port
+from kvpack.tools.ports import free_port
 
 
 def _reset(port: int, first_bytes: bytes) -> None:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from fixtures.builders import expect_key, item, key, payload
-from fixtures.mooncake import free_port
 from kvpack.errors import ConfigError
 from kvpack.store import KVStore
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import MooncakeTier, TierState
+from kvpack.tools.ports import free_port
 
 pytestmark = pytest.mark.mooncake
 

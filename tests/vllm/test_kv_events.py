@@ -34,7 +34,6 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  
 from vllm_helpers import (  # noqa: E402
     BLOCK,
     close_llm,
-    free_port,
     kv_config,
     live_connectors,
     make_llm,
@@ -47,6 +46,7 @@ from vllm_helpers import (  # noqa: E402
 
 from kvpack import StoreKey, TenantSource, chunk_hashes, resolve_tenant  # noqa: E402
 from kvpack.tiers.host import drop  # noqa: E402
+from kvpack.tools.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

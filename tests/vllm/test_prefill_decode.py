@@ -32,7 +32,6 @@ from vllm_helpers import (
     BLOCK,
     cached_tokens,
     close_llm,
-    free_port,
     kv_config,
     make_llm,
     post_completion,
@@ -42,6 +41,8 @@ from vllm_helpers import (
     stop_server,
     wait_healthy,
 )
+
+from kvpack.tools.ports import free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -22,6 +22,7 @@ import pytest
 
 from fixtures.warm_start import warm_starts
 from kvpack.tools.offline import shutdown
+from kvpack.tools.ports import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -444,14 +445,6 @@ def engine_process(
 
 
 # -- OpenAI servers (vLLM's default multi-process mode) ------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SERVER_KV_CACHE_BYTES = 64 << 20

@@ -70,8 +70,9 @@ from kvpack.tools.bench.chat_workload import (
 from kvpack.tools.bench.chat_workload import words as make_words
 from kvpack.tools.bench.prom import parse_counters, parse_total
 from kvpack.tools.bench.serve_bench import _kv_bytes_per_token
-from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Server, free_port, http_call, scrape
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Server, http_call, scrape
 from kvpack.tools.bench.timing import publish
+from kvpack.tools.ports import free_port
 
 PEERS = Path(os.path.expanduser("~/.cache/kvpack/peers"))
 LMCACHE_DIR = PEERS / "lmcache-0.5.6"

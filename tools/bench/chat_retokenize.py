@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from kvpack.tools.bench.serve_server import free_port
+from kvpack.tools.ports import free_port
 
 TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"

@@ -45,7 +45,8 @@ from typing import Any
 
 from kvpack.tools.bench.hostile_requests import KINDS, hostile_fields, padded_fields, prompt
 from kvpack.tools.bench.prom import parse_counters, parse_total
-from kvpack.tools.bench.serve_server import BLOCK_SIZE, Server, free_port, http_call
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, Server, http_call
+from kvpack.tools.ports import free_port
 from kvpack.tools.tinymodel import build_tiny_llama
 
 KV_CACHE_BYTES = 64 << 20

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpack.tools.bench.serve_server import free_port
+from kvpack.tools.ports import free_port
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 

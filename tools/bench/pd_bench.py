@@ -57,8 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.prom import EMPTY, Histogram, parse_histogram, parse_total, percentile
-from kvpack.tools.bench.serve_server import HOST, Counters, Server, free_port, http_call, scrape
+from kvpack.tools.bench.serve_server import HOST, Counters, Server, http_call, scrape
 from kvpack.tools.bench.timing import publish
+from kvpack.tools.ports import free_port
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 METRICS_SPAN = 16

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from kvpack.tools.bench.scale_bench import fill
-from kvpack.tools.bench.serve_server import Server, free_port, http_call
+from kvpack.tools.bench.serve_server import Server, http_call
+from kvpack.tools.ports import free_port
 from kvpack.tools.tinymodel import build_tiny_llama
 
 KV_CACHE_BYTES = 64 << 20

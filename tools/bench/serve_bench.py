@@ -61,8 +61,9 @@ from typing import Any, cast
 
 from kvpack.tools.bench.prom import percentile
 from kvpack.tools.bench.serve_report import Row, RowName, report
-from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, http_call
 from kvpack.tools.bench.timing import publish
+from kvpack.tools.ports import free_port
 
 DEFAULT_MODEL_DIR = Path(os.path.expanduser("~/.cache/kvpack/models/bench-llama"))
 

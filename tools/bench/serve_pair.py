@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.tools.bench.serve_bench import WORKLOADS, Workload, common_prefixes, kv_cache_blocks, run_client, traffic
-from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, free_port, http_call
+from kvpack.tools.bench.serve_server import BLOCK_SIZE, HOST, Counters, Server, http_call
 from kvpack.tools.bench.timing import publish
+from kvpack.tools.ports import free_port
 from kvpack.tools.proxy import RoundRobin, serve
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -145,12 +144,6 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def http_call(

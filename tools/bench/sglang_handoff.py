@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpack.tools.bench.serve_server import Server, free_port, http_call
+from kvpack.tools.bench.serve_server import Server, http_call
 from kvpack.tools.bench.sglang_multiturn import KVPACK_BACKEND, SGLangServer, add_server_options
 from kvpack.tools.bench.timing import proc_stat, publish
+from kvpack.tools.ports import free_port
 
 REQUEST_TIMEOUT_S = 300.0
 

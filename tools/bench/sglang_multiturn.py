@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpack.tools.bench.serve_server import free_port
 from kvpack.tools.bench.sglang_prefetch_stats import HEADER as PREFETCH_HEADER
 from kvpack.tools.bench.sglang_prefetch_stats import PrefetchStats
+from kvpack.tools.ports import free_port
 
 FAILURES = {
     "failed writes": "Write page to storage",

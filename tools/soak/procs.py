@@ -24,37 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpack.tools.local_mooncake import mooncake_binaries
+from kvpack.tools.ports import free_port
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_range(n: int, lo: int = 20000, hi: int = 60000, tries: int = 50) -> int:
-    """First port of `n` consecutive ports that are free right now (kvpack's
-    ``metrics_port`` takes the first free one of base..base+15 per process)."""
-    import random
-
-    rng = random.Random()
-    for _ in range(tries):
-        base = rng.randrange(lo, hi - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports in {lo}..{hi}")
 
 
 def port_open(port: int, timeout: float = 0.2) -> bool:

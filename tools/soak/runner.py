@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpack.config.schema import METRICS_PORT_SPAN as METRICS_PORTS
+from kvpack.tools.ports import free_ports
 
 from . import faults as F
-from .procs import HOST, MooncakeProcs, Tmpfs, free_port_range, mooncake_binaries, tree_rss
+from .procs import HOST, MooncakeProcs, Tmpfs, mooncake_binaries, tree_rss
 from .reference import key_of
 from .report import (
     Comparison,
@@ -159,7 +160,7 @@ class Soak:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._probe_seq = 0
-        self.metrics_port = cfg.metrics_port or (free_port_range(METRICS_PORTS) if cfg.kvpack else 0)
+        self.metrics_port = cfg.metrics_port or (free_ports(METRICS_PORTS) if cfg.kvpack else 0)
         self._done_pool: list[tuple[str, tuple[int, ...]]] = []
 
     # -- helpers used by the faults ------------------------------------------------

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .procs import HOST, Proc, free_port
+from kvpack.tools.ports import free_port
+
+from .procs import HOST, Proc
 
 
 def server_env() -> dict[str, str]:

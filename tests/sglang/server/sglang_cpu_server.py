@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from fixtures.warm_start import SGLANG_MODULES, ScriptProcess, warm_starts
 from kvpack.operate.inspect_store import summarize
+from kvpack.tools.ports import free_port
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 LOG_TAIL_CHARS = 6000
@@ -77,13 +77,6 @@ class Limits:
     def scaled(self, start_s: float) -> "Limits":
         slowdown = min(MAX_SLOWDOWN, max(1.0, start_s / REFERENCE_START_S))
         return Limits(self.generate_s * slowdown, self.backup_s * slowdown, self.flush_s * slowdown, slowdown)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SET_BY_SGLANG_LAUNCH = {
