@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from fixtures.builders import expect_key, item, key, payload
 from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
-from kvpack.tiers.mooncake import BreakerState, MooncakeTier, TierState
+from kvpack.tiers.mooncake import BreakerState, MooncakeTier, TierState, runner
 from kvpack.tiers.mooncake.runner import Job
 
 pytestmark = pytest.mark.mooncake
@@ -256,3 +259,53 @@ def test_lookups_while_the_tier_is_down_are_counted_misses(mooncake_cluster_fact
         assert store.metrics.value("tier_errors", tier="mooncake", status="unavailable") == counted
     finally:
         store.close()
+
+
+def _nice(native_id: int) -> int:
+    """The nice value of thread `native_id` of this process (field 19 of its stat)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[16])
+
+
+def test_calls_stuck_on_a_stopped_holder_run_at_the_lowest_priority_then_their_lanes_come_back(
+    mooncake_cluster_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """A put into a stopped segment holder stays inside Mooncake, whose TCP transport spins
+    the calling thread on a core for as long as the holder is stopped. The caller's bound
+    answers TIMEOUT, and the lane thread left in the call gets the lowest CPU priority, so the
+    spin takes no core from an engine computing on the same CPUs. The master answers the
+    tier's probes meanwhile, so later puts may get stuck too: each stuck one is demoted alike,
+    and every put answers within its bound. Once the holder runs again, a new thread at normal
+    priority takes over each demoted thread's lane and puts succeed."""
+    cluster = mooncake_cluster_factory()
+    tier = MooncakeTier(cluster.tier_config(timeout_ms=TIMEOUT_MS, backoff_s=0.2, workers=2))
+    assert tier.wait_ready(15)
+    normal = _nice(threading.get_native_id())
+    holder = cluster.holder_pid
+    assert holder is not None
+    demoted: set[int] = set()
+    try:
+        assert tier.put_from([item(key("before"), payload(1, 4096))]) == [TierStatus.OK]
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            assert tier.put_from([item(key("stuck"), payload(2, 4096))]) == [TierStatus.TIMEOUT]
+            lanes = tier.runner.lane_threads
+            assert sorted(_nice(t) for t in lanes) == [normal, runner.STUCK_NICE]
+            deadline = time.monotonic() + 10 * 0.2  # many probe periods
+            n = 0
+            while time.monotonic() < deadline:
+                n += 1
+                got, took = _timed(lambda: tier.put_from([item(key(f"during-{n}"), payload(3, 4096))]))
+                assert got[0] in (TierStatus.TIMEOUT, TierStatus.UNAVAILABLE) and took <= BOUND_S, (got, took)
+                demoted |= {t for t in tier.runner.lane_threads if _nice(t) == runner.STUCK_NICE}
+            assert tier.runner.replaced == 0  # every demoted call is still inside Mooncake
+        finally:
+            os.kill(holder, signal.SIGCONT)
+        # a put starts the new threads (on the caller's thread, at its priority)
+        after_put = [item(key("after"), payload(4, 4096))]
+        assert _wait(lambda: tier.put_from(after_put) == [TierStatus.OK] and tier.runner.replaced == len(demoted), 15)
+        after = tier.runner.lane_threads
+        assert len(after) == 2 and not demoted & set(after)
+        assert [_nice(t) for t in after] == [normal, normal]
+    finally:
+        tier.close()

@@ -35,6 +35,14 @@ caller waits with a deadline:
   caller waits on, so a late transfer can never write into memory the caller
   has taken back.
 
+- A call the caller gave up on keeps running, and Mooncake's TCP transport spins
+  the calling thread on a core while it waits for an unresponsive segment holder
+  (a put or a get, for as long as the holder does not answer). At abandonment the
+  leader still inside its transfer gets the lowest CPU priority (`STUCK_NICE`),
+  so the spin takes no core from the engine's threads; once its call returned and
+  its job ended, that thread exits and the next caller starts a new one, at the
+  caller's priority, for the same lane (a thread cannot raise its own priority back).
+
 What a stall means for later calls (the circuit breaker) is decided by the
 caller, `kvpack.tiers.mooncake.connection.Connection.run`.
 """
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +62,19 @@ from typing import Any, Generic, TypeVar
 log = logging.getLogger("kvpack")
 
 R = TypeVar("R")
+
+STUCK_NICE = 19
+"""Nice value of a lane thread left inside a Mooncake call its caller gave up on: the lowest
+CPU priority (see the module docstring)."""
+
+
+def demote_thread(native_id: int) -> bool:
+    """Give thread `native_id` of this process the lowest CPU priority; False where refused."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, native_id, STUCK_NICE)
+        return True
+    except OSError:
+        return False
 
 
 class JobState(enum.Enum):
@@ -132,6 +154,13 @@ class Job(Generic[R]):
     """Steps 0.._transferred-1 have left Mooncake."""
     _ring: list[Slot] = field(default_factory=list)
     """The leader's slots, set when it takes the job (helpers work in them)."""
+    _leader_thread: int = 0
+    """Native id of the leader's thread (0: no leader yet)."""
+    _transferring: bool = False
+    """The leader is inside a transfer step (a Mooncake call) now."""
+    demoted_thread: int = 0
+    """Native id of the leader's thread when the caller gave up while it was inside a
+    transfer and lowered its priority (`demote_thread`); 0 otherwise."""
 
     def __post_init__(self) -> None:
         self.results = [None] * self.n_items
@@ -227,6 +256,7 @@ class Job(Generic[R]):
             self._leader = True
             if leader:
                 self._ring = self._slots_of(lane)
+                self._leader_thread = threading.get_native_id()
             else:
                 if not self.wants_helpers:
                     return
@@ -268,8 +298,10 @@ class Job(Generic[R]):
                         self._publish_failed(action[1])
                         continue
                     self._claim(action)
+                    self._transferring = action[0] == "transfer"
                 ok = self._do(action, ring)
                 with self._cv:
+                    self._transferring = False
                     self._complete(action, ok)
                 if action[0] == "transfer" and self.state is JobState.ABANDONED:
                     self._undo(action[1])
@@ -374,6 +406,8 @@ class Job(Generic[R]):
                         self._cv.wait()
                     if self.state in (JobState.QUEUED, JobState.RUNNING):
                         self.state = JobState.ABANDONED
+                        if self._transferring and demote_thread(self._leader_thread):
+                            self.demoted_thread = self._leader_thread
                         self._cv.notify_all()  # workers waiting for a phase give up
                     break
                 self._cv.wait(left)
@@ -387,16 +421,27 @@ class LaneRunner:
         if len(lanes) != workers:
             raise ValueError("one lane per worker")
         self._workers = workers
+        self._name = name
         self._queue: queue.Queue[Job[Any] | None] = queue.Queue(maxsize=max_queued)
         self._closed = False
         self._busy = 0
         self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(lane,), name=f"{name}-{i}", daemon=True)
-            for i, lane in enumerate(lanes)
-        ]
+        self._retired: list[Lane] = []
+        """Lanes whose demoted thread exited; the next `submit` starts a thread for each."""
+        self.replaced = 0
+        """Lane threads started in place of demoted ones (since start)."""
+        self._threads = [self._thread(lane) for lane in lanes]
         for t in self._threads:
             t.start()
+
+    def _thread(self, lane: Lane) -> threading.Thread:
+        return threading.Thread(target=self._loop, args=(lane,), name=f"{self._name}-{lane.index}", daemon=True)
+
+    @property
+    def lane_threads(self) -> list[int]:
+        """Native ids of the lane threads running now (a demoted one until it exits)."""
+        with self._lock:
+            return [t.native_id for t in self._threads if t.native_id is not None]
 
     @property
     def busy(self) -> int:
@@ -412,6 +457,7 @@ class LaneRunner:
         if self._closed:
             job.state = JobState.REFUSED
             return False
+        self._replace_retired()
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -431,7 +477,20 @@ class LaneRunner:
             return JobState.REFUSED, 0, [None] * job.n_items
         return job.wait(time.monotonic() + timeout_s)
 
+    def _replace_retired(self) -> None:
+        """Start a thread (at the caller's priority) for each lane whose demoted thread exited."""
+        with self._lock:
+            if not self._retired or self._closed:
+                return
+            lanes, self._retired = self._retired, []
+            started = [self._thread(lane) for lane in lanes]
+            self._threads += started
+            self.replaced += len(started)
+        for t in started:
+            t.start()
+
     def _loop(self, lane: Lane) -> None:
+        me = threading.get_native_id()
         while True:
             job = self._queue.get()
             if job is None:
@@ -445,6 +504,11 @@ class LaneRunner:
             finally:
                 with self._lock:
                     self._busy -= 1
+                    if job.demoted_thread == me:  # this thread runs at the lowest priority now: retire it
+                        self._threads.remove(threading.current_thread())
+                        self._retired.append(lane)
+            if job.demoted_thread == me:
+                return
 
     def close(self, timeout_s: float) -> bool:
         """Stop the workers; True if every worker exited within `timeout_s`."""
