@@ -22,4 +22,3 @@ def test_picked_ports_are_free_and_below_the_ephemeral_range() -> None:
         finally:
             for s in socks:
                 s.close()
-
