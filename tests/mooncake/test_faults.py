@@ -267,6 +267,25 @@ def _nice(native_id: int) -> int:
     return int(fields[16])
 
 
+def _sigstop(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped: the signal is sent at once,
+    but each thread stops when the kernel next schedules it, and until then the process still
+    answers (a put right after the kill may complete)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that ended meanwhile
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout_s}s: {states}"
+        time.sleep(0.01)
+
+
 def test_calls_stuck_on_a_stopped_holder_run_at_the_lowest_priority_then_their_lanes_come_back(
     mooncake_cluster_factory,
 ) -> None:  # type: ignore[no-untyped-def]
@@ -286,7 +305,7 @@ def test_calls_stuck_on_a_stopped_holder_run_at_the_lowest_priority_then_their_l
     demoted: set[int] = set()
     try:
         assert tier.put_from([item(key("before"), payload(1, 4096))]) == [TierStatus.OK]
-        os.kill(holder, signal.SIGSTOP)
+        _sigstop(holder)
         try:
             assert tier.put_from([item(key("stuck"), payload(2, 4096))]) == [TierStatus.TIMEOUT]
             lanes = tier.runner.lane_threads
