@@ -6,7 +6,8 @@ already imported). Each behaviour a spawning process sees is compared here with 
 started cold, whose spawns are real ones: the child's arguments and environment, its queue to
 the parent, exit statuses (a code, SIGTERM from `Process.terminate`, SIGKILL from
 `Process.kill`, after which the child is gone, SIGKILL from elsewhere), what the child spawns,
-a Ctrl-C of the script's process group; a spawn with the OpenMP variables vLLM sets for a CPU
+a Ctrl-C of the script's process group, a child left running after the script ended (killed a
+grace later, where a real spawn would run on); a spawn with the OpenMP variables vLLM sets for a CPU
 worker of one thread (its threads' team size and CPU binding), and for a worker of a thread per
 CPU (forked by a process started with that environment: its team's binding, and a Ctrl-C). A
 run whose folder is too long for a socket's name spawns cold.
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from vllm_helpers import engine_script_env
 
+from fixtures.warm_spawn import ORPHAN_GRACE_ENV, ORPHANS_LOG
 from fixtures.warm_start import KVPACK_MODULES, WarmStarts, warm_starts
 
 pytestmark = pytest.mark.vllm
@@ -251,3 +253,54 @@ def test_a_folder_too_long_for_a_socket_name_spawns_cold(tmp_path: Path) -> None
         starts.close()
     assert (done.returncode, done.stdout) == (0, "spawned\n"), done.stderr
     assert "no zygote" in done.stderr and not starts.spawns_log.exists()
+
+
+ORPHAN = """
+import json, multiprocessing as mp, os, sys, time
+
+def child(q):
+    q.put(os.getpid())
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(json.dumps({"child": q.get(timeout=60), "wrapper": p.pid}), flush=True)
+    os._exit(0)  # ends without joining or stopping its child (a vLLM engine core that died)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_child_left_running_after_the_script_ended_is_killed_after_a_grace(tmp_path: Path) -> None:
+    # a forked child is the zygote's, outside the script's process tree: one stuck after its
+    # parent ended (a vLLM TP worker blocked in its shutdown) would keep its memory for the rest of
+    # the run; the zygote kills it the grace after the script ended (here 1 s)
+    import time
+
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    out = tmp_path / "orphan.out"
+    env = engine_script_env(**{ORPHAN_GRACE_ENV: "1"})
+    proc = warm_starts().start_script(
+        sys.executable, [str(script)], env, out, tmp_path / "err", cold=False, new_session=True, warm_spawns=True
+    )
+    assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    pids = json.loads(out.read_text().splitlines()[-1])
+    assert pids["child"] != pids["wrapper"]  # forked by the zygote, not spawned
+    deadline = time.monotonic() + 30
+    while _running(pids["child"]) or _running(pids["wrapper"]):
+        assert time.monotonic() < deadline, f"the script's child {pids} still runs 30 s after the script ended"
+        time.sleep(0.1)
+    orphans = warm_starts().spawns_log.with_name(ORPHANS_LOG)
+    killed = [json.loads(line) for line in orphans.read_text().splitlines()]
+    # (with the resource tracker multiprocessing started for the script, which the child kept open)
+    assert any(pids["child"] in k["killed"] and k["after_s"] == 1.0 for k in killed), killed
