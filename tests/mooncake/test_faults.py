@@ -16,6 +16,7 @@ from kvpack.store import KVStore, LoadItem
 from kvpack.tiers.base import TierStatus
 from kvpack.tiers.mooncake import BreakerState, MooncakeTier, TierState, runner
 from kvpack.tiers.mooncake.runner import Job
+from kvpack.tools.procfs import stat_fields
 
 pytestmark = pytest.mark.mooncake
 
@@ -263,7 +264,8 @@ def test_lookups_while_the_tier_is_down_are_counted_misses(mooncake_cluster_fact
 
 def _nice(native_id: int) -> int:
     """The nice value of thread `native_id` of this process (field 19 of its stat)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(f"/proc/self/task/{native_id}/stat")
+    assert fields is not None, f"thread {native_id} is gone"
     return int(fields[16])
 
 
@@ -274,12 +276,8 @@ def _sigstop(pid: int, timeout_s: float = 5.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s
     while True:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:  # a thread that ended meanwhile
-                continue
+        fields = (stat_fields(task / "stat") for task in Path(f"/proc/{pid}/task").iterdir())
+        states = [f[0] for f in fields if f is not None]  # (None: a thread that ended meanwhile)
         if states and all(s in ("T", "t") for s in states):
             return
         assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout_s}s: {states}"

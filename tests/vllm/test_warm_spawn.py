@@ -26,6 +26,7 @@ from vllm_helpers import engine_script_env
 
 from fixtures.warm_spawn import ORPHAN_GRACE_ENV, ORPHANS_LOG
 from fixtures.warm_start import KVPACK_MODULES, WarmStarts, warm_starts
+from kvpack.tools.procfs import stat_fields
 
 pytestmark = pytest.mark.vllm
 
@@ -273,11 +274,8 @@ if __name__ == "__main__":
 
 
 def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return fields is not None and fields[0] != "Z"
 
 
 def test_a_child_left_running_after_the_script_ended_is_killed_after_a_grace(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvpack.tools.procfs import stat_fields
+
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Fastest of `repeats` runs after `warmup` runs (seconds). Fastest, because
@@ -66,10 +68,8 @@ def cpu_sample(prefix: str) -> CpuSample:
 def proc_stat(path: str) -> tuple[int, float] | None:
     """(process group, CPU seconds used: user + system) from a Linux ``/proc/PID/stat`` or
     ``/proc/PID/task/TID/stat`` file; None when it cannot be read (gone, or not Linux)."""
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the ")" that ends the name: state ppid pgrp ...
-    except OSError:
+    fields = stat_fields(path)  # state ppid pgrp ...
+    if fields is None:
         return None
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     # pgrp, utime and stime: fields 5, 14 and 15 of stat, counted from the first

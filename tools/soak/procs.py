@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvpack.tools.local_mooncake import mooncake_binaries
 from kvpack.tools.ports import free_port
+from kvpack.tools.procfs import stat_fields
 
 HOST = "127.0.0.1"
 
@@ -111,13 +112,10 @@ def descendants(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        fields = stat_fields(f"/proc/{entry}/stat")
+        if not fields or not fields[1].isdigit():
             continue
-        children.setdefault(ppid, []).append(int(entry))
+        children.setdefault(int(fields[1]), []).append(int(entry))
     out: list[int] = []
     todo = [pid]
     while todo:
